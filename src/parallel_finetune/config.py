@@ -1,0 +1,286 @@
+"""The run configuration: one flat, typed dataclass, read from a recipe YAML plus `key=value` overrides.
+
+A recipe may nest its keys under the section names below (`model:`, `data:`, `training:`, `parallel:`,
+`output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
+`size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). Overrides on the
+command line win over everything and use the flat key (`lr=1e-4`) or the dotted one (`training.lr=1e-4`);
+dictionary keys take a dotted suffix (`model_config.n_layer=4`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import UserError
+
+TASKS = ("classification", "causal_lm")
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+
+@dataclass
+class Config:
+    # --- model ---
+    family: str = ""
+    model: str | None = None  # Hub name or local folder; None = the family's full-size default
+    size: Literal["full", "tiny"] = "full"
+    task: Literal["classification", "causal_lm"] = "classification"
+    model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
+    tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
+    bpe_vocab_size: int = 8192
+    # --- data ---
+    data_dir: str | None = None  # GLUE-format TSV folder; None = the Hub, else the shipped sample
+    cache_dir: str = "data/cache"
+    max_length: int = 128  # truncation length (classification) or block size (causal_lm)
+    group_by_length: bool = True
+    eval_batch_size: int = 64
+    # --- training ---
+    epochs: float = 1.0
+    max_steps: int | None = None  # when set, wins over epochs
+    batch_size: int = 32  # global: summed over data-parallel ranks and accumulation steps
+    gradient_accumulation_steps: int = 1
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    lr_scheduler: str = "linear"  # any name transformers.get_scheduler knows
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0
+    max_grad_norm: float | None = 1.0  # None or 0 = no clipping
+    precision: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
+    initial_loss_scale: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    seed: int = 42
+    eval_every: int | None = None  # steps between dev evaluations; the end of training always evaluates
+    log_every: int = 10
+    # --- parallel ---
+    tensor_parallel_degree: int | Literal["auto"] = "auto"  # auto = every process of one node
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # --- output ---
+    output_dir: str | None = None  # None = a new folder runs/<recipe>-<time>
+    overwrite: bool = False  # allow writing into an output_dir that already holds files
+    export: bool = True  # write the fine-tuned model as a Hugging Face folder (hf/) at the end
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # --- bookkeeping (set by the loader, not by users) ---
+    recipe: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("family", "model", "size", "task", "model_config", "tokenizer", "bpe_vocab_size"),
+    "data": ("data_dir", "cache_dir", "max_length", "group_by_length", "eval_batch_size"),
+    "training": (
+        "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",
+        "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
+        "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every",
+    ),
+    "parallel": ("tensor_parallel_degree", "device"),
+    "output": ("output_dir", "overwrite", "export", "export_dtype"),
+}
+USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+assert set(USER_KEYS) == set(_FIELDS) - {"recipe"}, "every Config field belongs to exactly one section"
+
+
+def _unknown_key(key: str, where: str) -> UserError:
+    close = difflib.get_close_matches(key, USER_KEYS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return UserError(f"{where}: unknown key '{key}'; {hint}valid keys: {', '.join(USER_KEYS)}")
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    """Check `value` against the field's type; accept the spellings YAML and shells produce (e.g. '1e-5')."""
+    hint = _HINTS[key]
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        ok, converted = _try(option, value)
+        if ok:
+            return converted
+    wanted = " or ".join(_describe(o) for o in options)
+    raise UserError(f"{where}: {key}={value!r} is not valid; expected {wanted}")
+
+
+def _try(option: Any, value: Any) -> tuple[bool, Any]:
+    if option is type(None):
+        return (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))), None
+    if typing.get_origin(option) is Literal:
+        return (value in typing.get_args(option)), value
+    if option is bool:
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return True, value.lower() == "true"
+        return False, None
+    if option is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        return False, None
+    if option is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, None
+        return False, None
+    if option is str:
+        return isinstance(value, str), value
+    if option in (dict, list):
+        return isinstance(value, option), value
+    raise TypeError(f"unsupported config type {option}")
+
+
+def _describe(option: Any) -> str:
+    if option is type(None):
+        return "null"
+    if typing.get_origin(option) is Literal:
+        return "one of " + "|".join(str(a) for a in typing.get_args(option))
+    return {int: "an integer", float: "a number", bool: "true|false", str: "a string",
+            dict: "a mapping", list: "a list"}[option]
+
+
+def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
+    """Split a recipe mapping into (flat keys, tiny-size overrides), accepting section nesting."""
+    flat: dict = {}
+    tiny: dict = {}
+    for key, value in data.items():
+        if key == "tiny":
+            if not isinstance(value, dict):
+                raise UserError(f"{where}: 'tiny' must be a mapping of overrides for size=tiny")
+            tiny.update(_flatten_recipe(value, f"{where} (tiny)")[0])
+        elif key in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                if sub_key not in SECTIONS[key]:
+                    raise _unknown_key(sub_key, f"{where} section '{key}'")
+                flat[sub_key] = sub_value
+        elif key in _FIELDS and key != "recipe":
+            flat[key] = value
+        else:
+            raise _unknown_key(key, where)
+    return flat, tiny
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` -> (flat key, YAML-parsed value). `model_config.n_layer=4` -> ('model_config', {'n_layer': 4})."""
+    if "=" not in text:
+        raise UserError(f"override '{text}' must look like key=value (e.g. lr=1e-4); valid keys: {', '.join(USER_KEYS)}")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    parts = key.split(".")
+    if parts[0] in SECTIONS and len(parts) > 1:
+        if parts[1] not in SECTIONS[parts[0]]:
+            raise _unknown_key(parts[1], f"override '{text}'")
+        parts = parts[1:]
+    if parts[0] not in USER_KEYS:
+        raise _unknown_key(parts[0], f"override '{text}'")
+    if len(parts) > 1:
+        if _HINTS[parts[0]] is not dict:
+            raise UserError(f"override '{text}': '{parts[0]}' is not a mapping, write {parts[0]}=VALUE")
+        nested: Any = value
+        for part in reversed(parts[1:]):
+            nested = {part: nested}
+        return parts[0], nested
+    return parts[0], value
+
+
+def _merge(base: dict, key: str, value: Any) -> None:
+    if isinstance(value, dict) and isinstance(base.get(key), dict):
+        merged = dict(base[key])
+        for k, v in value.items():
+            _merge(merged, k, v)
+        base[key] = merged
+    else:
+        base[key] = value
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a recipe (or none: defaults only) and apply overrides; every error names the file or key."""
+    values: dict = {}
+    tiny: dict = {}
+    name = ""
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise UserError(f"recipe {path}: no such file (recipes live in recipes/<family>/*.yaml)")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            first = str(exc).splitlines()[0]
+            raise UserError(f"recipe {path}: not valid YAML ({first})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"recipe {path}: must be a mapping of keys to values")
+        values, tiny = _flatten_recipe(data, f"recipe {path}")
+        name = path.stem
+    parsed = [parse_override(text) for text in overrides]
+    for key, value in parsed:
+        if key == "size":
+            values["size"] = value
+    if values.get("size") == "tiny":
+        for key, value in tiny.items():
+            _merge(values, key, value)
+    for key, value in parsed:
+        _merge(values, key, value)
+    where = f"recipe {recipe}" if recipe is not None else "config"
+    typed = {key: _coerce(key, value, where) for key, value in values.items()}
+    config = Config(**typed)
+    family = config.family or "unknown"
+    config.recipe = f"{family}-{name}" if name else family
+    validate(config, where)
+    return config
+
+
+def validate(config: Config, where: str = "config") -> None:
+    """Checks that need no model, data or processes: ranges and combinations of keys."""
+    def bad(key: str, why: str) -> UserError:
+        return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
+
+    from .families import FAMILIES  # local: families import transformers, which config users may not need
+
+    if config.family not in FAMILIES:
+        raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
+    for key in ("batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size", "log_every",
+                "bpe_vocab_size", "loss_scale_growth_interval"):
+        if getattr(config, key) < 1:
+            raise bad(key, "must be at least 1")
+    if config.max_steps is not None and config.max_steps < 1:
+        raise bad("max_steps", "must be at least 1 (or null to train for `epochs`)")
+    if config.eval_every is not None and config.eval_every < 1:
+        raise bad("eval_every", "must be at least 1 (or null: evaluate at the end only)")
+    if config.max_steps is None and config.epochs <= 0:
+        raise bad("epochs", "must be positive")
+    if config.lr <= 0:
+        raise bad("lr", "must be positive")
+    if not 0 <= config.warmup_ratio < 1:
+        raise bad("warmup_ratio", "must be in [0, 1)")
+    if config.warmup_steps < 0:
+        raise bad("warmup_steps", "must be >= 0")
+    if config.initial_loss_scale <= 0:
+        raise bad("initial_loss_scale", "must be positive")
+    if config.max_grad_norm is not None and config.max_grad_norm < 0:
+        raise bad("max_grad_norm", "must be >= 0 (0 or null disables clipping)")
+    if len(config.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in config.adam_betas):
+        raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    tp = config.tensor_parallel_degree
+    if tp != "auto" and tp < 1:
+        raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
+    if config.task not in FAMILIES[config.family].tasks:
+        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}")
+    if config.size == "full" and config.model is None and not FAMILIES[config.family].default_model:
+        raise bad("model", "must name a Hub model or a local folder")

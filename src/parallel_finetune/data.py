@@ -1,0 +1,327 @@
+"""SST-2 from its source to padded batches: read, validate, tokenize, cache, sample, collate.
+
+Sources, in order of preference: a local folder of GLUE TSVs (`data_dir`), the Hugging Face Hub
+(`nyu-mll/glue`, config `sst2`), or the small sample shipped in `data/sst2-sample` (loudly announced).
+Batches are padded per batch, never to a fixed length: SST-2 sentences average ~10 words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+HUB_DATASET = ("nyu-mll/glue", "sst2")
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample_data"
+SPLIT_FILES = {"train": "train.tsv", "validation": "dev.tsv", "test": "test.tsv"}
+REQUIRED_COLUMNS = {"train": ("sentence", "label"), "validation": ("sentence", "label"), "test": ("sentence",)}
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "tsv" | "hub" | "sample"
+    description: str  # for logs and summary.json
+    fingerprint: str  # changes whenever the rows could change
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
+    """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file (a GLUE SST-2 folder holds train.tsv and dev.tsv)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror})") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    text_lines = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            text_lines.append(line.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
+    if not text_lines:
+        raise UserError(f"{path}: empty file; expected a header line ({chr(9).join(REQUIRED_COLUMNS[split])}) and rows")
+    header = text_lines[0].split("\t")
+    missing = [c for c in REQUIRED_COLUMNS[split] if c not in header]
+    if missing:
+        raise UserError(f"{path}: header lacks column(s) {', '.join(missing)} "
+                        f"(found: {', '.join(header) or 'nothing'}; GLUE SST-2 has sentence<TAB>label)")
+    columns: dict[str, list] = {"sentence": []}
+    sentence_at = header.index("sentence")
+    label_at = header.index("label") if "label" in header else None
+    if label_at is not None:
+        columns["label"] = []
+    for number, line in enumerate(text_lines[1:], start=2):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != len(header):
+            raise UserError(f"{path}:{number}: {len(fields)} tab-separated fields, the header has {len(header)}")
+        columns["sentence"].append(fields[sentence_at].strip())
+        if label_at is not None:
+            label = fields[label_at].strip()
+            if label not in ("0", "1"):
+                raise UserError(f"{path}:{number}: label {label!r} is not 0 or 1")
+            columns["label"].append(int(label))
+    if not columns["sentence"]:
+        raise UserError(f"{path}: no data rows (the {split} split is empty)")
+    return columns
+
+
+def read_glue_dir(data_dir: str | Path) -> datasets.DatasetDict:
+    folder = Path(data_dir).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"data_dir={str(data_dir)!r}: no such folder (expected GLUE SST-2 train.tsv and dev.tsv)")
+    splits = {}
+    for split, name in SPLIT_FILES.items():
+        if split == "test" and not (folder / name).exists():
+            continue
+        splits[split] = datasets.Dataset.from_dict(read_glue_tsv(folder / name, split))
+    return datasets.DatasetDict(splits)
+
+
+def _file_fingerprint(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for name in SPLIT_FILES.values():
+        if (folder / name).exists():
+            digest.update(name.encode())
+            digest.update((folder / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
+    """The SST-2 splits (train, validation[, test]) with columns sentence[, label], and where they came from."""
+    if data_dir:
+        raw = read_glue_dir(data_dir)
+        folder = Path(data_dir).expanduser().resolve()
+        return raw, Source("tsv", str(folder), "tsv-" + _file_fingerprint(folder))
+    try:
+        hub = datasets.load_dataset(*HUB_DATASET)
+    except Exception as exc:  # offline, blocked, or rate-limited: all leave only the sample
+        log.warning("=" * 100)
+        log.warning("THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON SST-2.",
+                    type(exc).__name__, SAMPLE_DIR)
+        log.warning("Pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set.")
+        log.warning("=" * 100)
+        return read_glue_dir(SAMPLE_DIR), Source("sample", str(SAMPLE_DIR), "sample-" + _file_fingerprint(SAMPLE_DIR))
+    raw = datasets.DatasetDict({split: hub[split].select_columns(["sentence", "label"]) for split in hub})
+    return raw, Source("hub", "/".join(HUB_DATASET), f"hub-{hub['train']._fingerprint}")
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of everything that decides token ids, for cache keys."""
+    state = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    digest = hashlib.sha256(state.encode())
+    digest.update(f"{tokenizer.padding_side}|{tokenizer.pad_token}".encode())
+    return digest.hexdigest()[:16]
+
+
+def train_bpe_tokenizer(sentences: list[str], vocab_size: int, folder: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer learned from the training sentences (tiny models run without the Hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(sentences, trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, pad_token=EOS,
+                                        unk_token=EOS, padding_side="right")
+    _save_atomically(folder, tokenizer.save_pretrained)
+    return tokenizer
+
+
+def load_tokenizer(name: str | None, size: str, family_default: str, bpe_vocab_size: int,
+                   train_sentences: list[str], source: Source, cache_dir: Path) -> PreTrainedTokenizerFast:
+    if name is None and size == "tiny":
+        folder = cache_dir / "tokenizers" / f"bpe{bpe_vocab_size}-{source.fingerprint}"
+        if folder.is_dir():
+            return AutoTokenizer.from_pretrained(folder)
+        log.info("training a byte-level BPE tokenizer (vocab %d) on %d sentences -> %s",
+                 bpe_vocab_size, len(train_sentences), folder)
+        return train_bpe_tokenizer(train_sentences, bpe_vocab_size, folder)
+    from .families.base import resolve_model_path
+
+    where = name or family_default
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(where))
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"tokenizer {where!r}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    if tokenizer.pad_token is None:
+        # GPT tokenizers have no pad token; padding positions are masked out, so any id works, EOS is customary.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------- tokenizing
+
+def tokenize_classification(split: datasets.Dataset, tokenizer, max_length: int, desc: str) -> datasets.Dataset:
+    def encode(batch):
+        ids = tokenizer(batch["sentence"], truncation=True, max_length=max_length)["input_ids"]
+        return {"input_ids": ids, "length": [len(x) for x in ids]}
+
+    keep = ["label"] if "label" in split.column_names else []
+    return split.map(encode, batched=True, remove_columns=[c for c in split.column_names if c not in keep], desc=desc)
+
+
+def tokenize_causal_lm(split: datasets.Dataset, tokenizer, block_size: int, desc: str) -> datasets.Dataset:
+    """Sentences joined with EOS and cut into full blocks of `block_size` tokens (the remainder is dropped)."""
+    ids = tokenizer(split["sentence"])["input_ids"]
+    stream: list[int] = []
+    for sentence in tqdm(ids, desc=desc, disable=not _show_progress()):
+        stream.extend(sentence)
+        stream.append(tokenizer.eos_token_id)
+    blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    if not blocks:
+        raise UserError(f"causal_lm: the {desc} split has {len(stream)} tokens, fewer than one block of "
+                        f"max_length={block_size}; lower max_length")
+    return datasets.Dataset.from_dict({"input_ids": blocks, "length": [block_size] * len(blocks)})
+
+
+def _show_progress() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _save_atomically(folder: Path, save) -> None:
+    """Write into a temporary sibling and rename, so a crash never leaves a half-written cache."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished the same cache first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class PreparedData:
+    splits: datasets.DatasetDict  # tokenized: input_ids, length[, label]
+    tokenizer: PreTrainedTokenizerFast
+    source: Source
+    cache_path: Path
+
+
+def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: int, tokenizer_name: str | None,
+            size: str, family_default: str, bpe_vocab_size: int) -> PreparedData:
+    """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
+    cache_dir = Path(cache_dir)
+    raw, source = load_raw(data_dir)
+    tokenizer = load_tokenizer(tokenizer_name, size, family_default, bpe_vocab_size, raw["train"]["sentence"],
+                               source, cache_dir)
+    key = f"sst2-{source.fingerprint}-tok{tokenizer_identity(tokenizer)}-{task}-len{max_length}"
+    path = cache_dir / key
+    if path.is_dir():
+        return load_prepared(path, source)
+    log.info("tokenizing SST-2 (%s) for %s -> %s", source.description, task, path)
+    tokenize = tokenize_classification if task == "classification" else tokenize_causal_lm
+    splits = {}
+    for split in raw:
+        if task == "causal_lm" and split == "test":
+            continue  # GLUE test has no labels and a language model needs none, but nothing evaluates it
+        splits[split] = tokenize(raw[split], tokenizer, max_length, split)
+    tokenized = datasets.DatasetDict(splits)
+
+    def save(folder: Path) -> None:
+        tokenized.save_to_disk(str(folder))
+        tokenizer.save_pretrained(folder / "tokenizer")  # so other ranks and later runs need no Hub
+
+    _save_atomically(path, save)
+    return load_prepared(path, source)
+
+
+def load_prepared(path: Path, source: Source) -> PreparedData:
+    """A cache folder written by `prepare`."""
+    return PreparedData(datasets.load_from_disk(str(path)), AutoTokenizer.from_pretrained(path / "tokenizer"),
+                        source, path)
+
+
+# ----------------------------------------------------------------------------------------------- batching
+
+def column(split: datasets.Dataset, name: str) -> list:
+    """A whole column as a Python list: per-row access to a `datasets` Column costs ~10 us, a list ~50 ns."""
+    return split[name][:]
+
+
+class GlobalBatches:
+    """The index lists of an epoch's global batches, identical on every rank (same seed, same epoch).
+
+    Every rank draws the same global batches and takes its own slice, so the optimizer sees the same samples
+    whatever the data-parallel degree or accumulation. With `group_by_length`, each global batch holds samples
+    of similar length (sorted inside shuffled mega-batches), which removes most padding.
+    """
+
+    MEGA_BATCH = 50  # global batches per sorting window, as in transformers' LengthGroupedSampler
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool):
+        if len(lengths) < batch_size:
+            raise UserError(f"batch_size={batch_size} is larger than the training split ({len(lengths)} rows)")
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group_by_length = group_by_length
+
+    def __len__(self) -> int:
+        return len(self.lengths) // self.batch_size
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        rng.shuffle(order)
+        usable = len(self) * self.batch_size
+        if self.group_by_length:
+            window = self.batch_size * self.MEGA_BATCH
+            order = [i for start in range(0, len(order), window)
+                     for i in sorted(order[start:start + window], key=lambda i: -self.lengths[i])]
+            batches = [order[i:i + self.batch_size] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+            rng.shuffle(batches)
+            return batches[:len(self)]
+        return [order[i:i + self.batch_size] for i in range(0, usable, self.batch_size)]
+
+
+def local_micro_batches(global_batch: list[int], dp_rank: int, dp_size: int, accumulation: int) -> list[list[int]]:
+    """This rank's share of a global batch, cut into `accumulation` micro-batches."""
+    per_micro = len(global_batch) // (dp_size * accumulation)
+    return [global_batch[(step * dp_size + dp_rank) * per_micro:(step * dp_size + dp_rank + 1) * per_micro]
+            for step in range(accumulation)]
+
+
+def collate(input_ids: list[list[int]], pad_id: int, padding_side: str, labels: list[int] | None = None,
+            pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores)."""
+    longest = max(len(ids) for ids in input_ids)
+    longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    ids = torch.full((len(input_ids), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(input_ids), longest), dtype=torch.long)
+    for row, seq in enumerate(input_ids):
+        span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
+        ids[row, span] = torch.tensor(seq, dtype=torch.long)
+        mask[row, span] = 1
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels is not None:
+        batch["labels"] = torch.tensor(labels, dtype=torch.long)
+    return batch

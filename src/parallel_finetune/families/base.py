@@ -1,0 +1,109 @@
+"""What every model family provides. A family module is the only place that knows a model's module names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from ..errors import UserError
+
+
+class Family:
+    name: str = ""
+    default_model: str = ""  # full-size Hub name
+    tasks: tuple[str, ...] = ("classification", "causal_lm")
+    config_class: type[PretrainedConfig]
+    model_classes: dict[str, type[nn.Module]]  # task -> transformers class
+    tiny_tokenizer: str = "bpe"  # which tokenizer a tiny model trains on the train split
+
+    # --- what a family must define ---
+    def tiny_config(self, vocab_size: int, max_positions: int) -> PretrainedConfig:
+        raise NotImplementedError
+
+    def tp_dimensions(self, hf_config: PretrainedConfig) -> dict[str, int]:
+        """The sizes that tensor parallelism splits, by the config's own names (heads, hidden, inner...)."""
+        raise NotImplementedError
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        raise NotImplementedError
+
+    def localize_attention(self, model: nn.Module, tp: int) -> None:
+        """After sharding, attention modules must reshape with the per-rank head count."""
+        raise NotImplementedError
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        raise NotImplementedError
+
+    # --- shared behaviour ---
+    def hf_config(self, model: str | None, size: str, vocab_size: int, max_positions: int,
+                  overrides: dict) -> PretrainedConfig:
+        if size == "tiny":
+            config = self.tiny_config(vocab_size, max_positions)
+        else:
+            config = AutoConfig.from_pretrained(resolve_model_path(model or self.default_model))
+            if not isinstance(config, self.config_class):
+                raise UserError(f"model={model!r} is a {type(config).__name__}, not a {self.name} "
+                                f"({self.config_class.__name__}); pick the recipe of its family")
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise UserError(f"model_config.{key}: {type(config).__name__} has no such attribute")
+            setattr(config, key, value)
+        return config
+
+    def check_tp(self, hf_config: PretrainedConfig, tp: int) -> None:
+        for what, size in self.tp_dimensions(hf_config).items():
+            if size % tp:
+                raise UserError(f"tensor_parallel_degree={tp} does not divide {self.name} {what}={size}; "
+                                f"valid degrees: {', '.join(str(d) for d in self.valid_tp_degrees(hf_config))}")
+
+    def valid_tp_degrees(self, hf_config: PretrainedConfig) -> list[int]:
+        sizes = self.tp_dimensions(hf_config).values()
+        return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)]
+
+    def build(self, task: str, hf_config: PretrainedConfig, model: str | None, size: str,
+              tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+        """The unmodified transformers model in fp32 (master weights), pretrained or freshly initialised."""
+        cls = self.model_classes[task]
+        hf_config.pad_token_id = tokenizer.pad_token_id
+        if task == "classification":
+            hf_config.num_labels = 2
+            hf_config.id2label = {0: "negative", 1: "positive"}
+            hf_config.label2id = {"negative": 0, "positive": 1}
+        if size == "tiny":
+            return cls(hf_config)
+        return cls.from_pretrained(resolve_model_path(model or self.default_model), config=hf_config,
+                                   dtype=torch.float32)
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder, or a Hub name; a path-looking name that does not exist is an error, not a Hub lookup."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path)
+    if model.startswith(("/", "./", "../", "~")) or path.exists():
+        raise UserError(f"model={model!r}: no such folder (expected a Hugging Face model folder or a Hub name)")
+    return model
+
+
+def check_model_source(model: str) -> None:
+    """Fails early and in one line when the weights cannot be had, before any process group starts."""
+    local = resolve_model_path(model)
+    if Path(local).is_dir():
+        if not (Path(local) / "config.json").is_file():
+            raise UserError(f"model={model!r}: folder has no config.json (not a Hugging Face model folder)")
+        return
+    try:
+        AutoConfig.from_pretrained(local)
+    except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
+        raise UserError(f"model={model!r}: not a local folder and not loadable from the Hub "
+                        f"({type(exc).__name__}); pass a local path or check the network") from None
+
+
+def localize_heads(module: nn.Module, tp: int, head_attrs: tuple[str, ...], width_attrs: tuple[str, ...] = ()):
+    """Divide an attention module's head counts (and widths used in reshapes) by the TP degree."""
+    for attr in head_attrs + width_attrs:
+        setattr(module, attr, getattr(module, attr) // tp)

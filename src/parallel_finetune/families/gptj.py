@@ -1,0 +1,52 @@
+"""GPT-J (EleutherAI/gpt-j-6b): parallel attention + MLP blocks, rotary positions, untied LM head."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from transformers import GPTJConfig, GPTJForCausalLM, GPTJForSequenceClassification
+
+from .base import Family, localize_heads
+
+
+class GPTJ(Family):
+    name = "gptj"
+    default_model = "EleutherAI/gpt-j-6b"
+    config_class = GPTJConfig
+    model_classes = {"classification": GPTJForSequenceClassification, "causal_lm": GPTJForCausalLM}
+
+    def tiny_config(self, vocab_size: int, max_positions: int) -> GPTJConfig:
+        return GPTJConfig(vocab_size=vocab_size, n_positions=max_positions, n_embd=128, n_layer=2, n_head=4,
+                          rotary_dim=16, bos_token_id=0, eos_token_id=0)
+
+    def tp_dimensions(self, hf_config: GPTJConfig) -> dict[str, int]:
+        return {"n_head": hf_config.n_head, "n_embd": hf_config.n_embd,
+                "n_inner": hf_config.n_inner or 4 * hf_config.n_embd, "vocab_size": hf_config.vocab_size}
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        plan: dict[str, ParallelStyle] = {
+            # Vocabulary-sharded embedding: each rank holds vocab/tp rows; the lookup result is all-reduced.
+            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        }
+        for i in range(len(self.blocks(model))):
+            block = f"transformer.h.{i}"
+            plan.update({
+                f"{block}.attn.q_proj": ColwiseParallel(),
+                f"{block}.attn.k_proj": ColwiseParallel(),
+                f"{block}.attn.v_proj": ColwiseParallel(),
+                f"{block}.attn.out_proj": RowwiseParallel(),
+                f"{block}.mlp.fc_in": ColwiseParallel(),
+                f"{block}.mlp.fc_out": RowwiseParallel(),
+            })
+        if hasattr(model, "lm_head"):
+            plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        # The 2-way classification `score` head and the LayerNorms stay replicated: too small to shard.
+        return plan
+
+    def localize_attention(self, model: nn.Module, tp: int) -> None:
+        for block in self.blocks(model):
+            localize_heads(block.attn, tp, head_attrs=("num_attention_heads",), width_attrs=("embed_dim",))
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return model.transformer.h

@@ -1,0 +1,9 @@
+"""Evaluation metrics, loadable offline through `evaluate`."""
+
+from pathlib import Path
+
+import evaluate
+
+
+def load_metric(name: str) -> evaluate.EvaluationModule:
+    return evaluate.load(str(Path(__file__).resolve().parent / f"{name}.py"))

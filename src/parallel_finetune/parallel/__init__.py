@@ -1,0 +1,1 @@
+"""Parallelism applied to an unmodified transformers model: tensor parallel, gradient sync, norms."""

@@ -1,0 +1,18 @@
+"""Tensor parallelism with DTensor: the family's plan applied to its model on the `tp` mesh dimension."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..families.base import Family
+
+
+def apply_tp(model: nn.Module, family: Family, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard the model in place; parameter names stay those of the unsplit model."""
+    if tp_mesh.size() == 1:
+        return model
+    parallelize_module(model, tp_mesh, family.tp_plan(model))
+    family.localize_attention(model, tp_mesh.size())
+    return model

@@ -1,0 +1,135 @@
+"""What a run leaves behind and shows: run folder, progress bar, log lines, metrics.jsonl, TensorBoard, summary."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import resource
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from .errors import UserError
+
+RUNS_DIR = Path("runs")
+
+
+def choose_output_dir(requested: str | None, recipe: str, overwrite: bool) -> Path:
+    """The run folder: the requested one (refused if it already holds files, unless overwrite) or a new one."""
+    if requested is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = RUNS_DIR / f"{recipe}-{stamp}"
+        suffix = 1
+        while path.exists():
+            path = RUNS_DIR / f"{recipe}-{stamp}-{suffix}"
+            suffix += 1
+        return path
+    path = Path(requested).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output_dir={requested!r} is a file, not a folder")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
+                        "or pass overwrite=true to write into it")
+    return path
+
+
+class PhaseTimer:
+    """Wall seconds per phase (setup, data, model, train, eval, export) for summary.json."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: peak RSS
+
+
+def package_versions() -> dict[str, str]:
+    names = ("parallel-finetune", "torch", "transformers", "datasets", "tokenizers", "evaluate", "accelerate")
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+class Reporter:
+    """Rank 0's view of training. Other ranks get a Reporter that does nothing."""
+
+    def __init__(self, output_dir: Path, total_steps: int, log_every: int, enabled: bool):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
+                        file=sys.stderr)
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.metrics = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.evals = open(output_dir / "eval.jsonl", "a", encoding="utf-8")
+        self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for key in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s"):
+            if record.get(key) is not None and math.isfinite(record[key]):
+                self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        if record["step"] % self.log_every == 0 or record["step"] == self.total_steps or record["skipped"]:
+            self.bar.write(format_step(record, self.total_steps))
+
+    def evaluation(self, step: int, results: dict) -> None:
+        if not self.enabled:
+            return
+        self.evals.write(json.dumps({"step": step, **results}) + "\n")
+        self.evals.flush()
+        for key, value in results.items():
+            self.tensorboard.add_scalar(f"eval/{key}", value, step)
+        self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.enabled:
+            self.metrics.close()
+            self.evals.close()
+            self.tensorboard.close()
+
+
+def format_step(record: dict, total_steps: int) -> str:
+    line = (f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | loss_scale {record['loss_scale']:g} | "
+            f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s")
+    return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
+
+
+def write_yaml(path: Path, data: dict) -> None:
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

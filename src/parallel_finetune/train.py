@@ -1,0 +1,44 @@
+"""Entry point: `torchrun --nproc_per_node N -m parallel_finetune.train RECIPE.yaml [key=value ...]`.
+
+`--check --nproc N` validates a recipe, its data, model and layout without starting processes (the Makefile runs
+it before torchrun, so bad input ends in one line instead of a traceback from every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import USER_KEYS, load_config
+from .errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="parallel_finetune.train",
+        description="Fine-tune a recipe on SST-2. Overrides: key=value with keys " + ", ".join(USER_KEYS))
+    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gptj/tp.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value (flat or section.key)")
+    parser.add_argument("--check", action="store_true", help="validate only; start no processes")
+    parser.add_argument("--nproc", type=int, default=1, help="with --check: processes the run will have")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.recipe, args.overrides)
+        if args.check:
+            from .preflight import preflight
+
+            print(preflight(config, args.nproc))
+            return 0
+        from .trainer import run
+
+        run(config)
+        return 0
+    except UserError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""The one training loop: any family, any layout, any precision.
+
+The promise: for a given global batch, the loss, gradients and update are those of single-process training.
+Every rank draws the same global batches; each micro-batch loss is a *sum* divided by the global count of
+samples (classification) or target tokens (causal_lm); gradients are *summed* over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from . import data as data_module
+from .config import Config
+from .errors import UserError
+from .export import DTYPES as EXPORT_DTYPES
+from .export import gather_full_state_dict, save_hf
+from .families import get_family
+from .layout import Layout, init_distributed, shutdown
+from .metrics import load_metric
+from .parallel.gradients import all_reduce_gradients, any_rank, global_grad_norm, scale_gradients
+from .parallel.tensor import apply_tp
+from .precision import DynamicLossScaler, autocast, resolve_precision
+from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
+                        write_yaml)
+
+log = logging.getLogger("parallel_finetune")
+IGNORE = -100
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:
+    """Run `decide` on rank 0 only and hand its result, or its UserError, to every rank."""
+    box: list = [None]
+    if layout.is_main:
+        try:
+            box[0] = ("ok", decide())
+        except UserError as exc:
+            box[0] = ("error", str(exc))
+    if layout.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise UserError(value)
+    return value
+
+
+def tiny_vocab_size(tokenizer_size: int) -> int:
+    """Round the embedding up to a multiple of 64 (as GPT-J does: 50400 rows for 50257 tokens), so that
+    any tensor-parallel degree up to 64 that is a power of two divides it."""
+    return -(-tokenizer_size // 64) * 64
+
+
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No decay on biases and norm weights (every 1-D parameter). DTensor and plain parameters go into
+    separate groups, so the foreach kernels never see a mix (they reject one)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[bool, bool], list] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            groups.setdefault((param.ndim >= 2, isinstance(param, DTensor)), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in sorted(groups.items())]
+
+
+class Trainer:
+    def __init__(self, config: Config, after_backward: Callable[["Trainer", int], None] | None = None):
+        self.config = config
+        self.family = get_family(config.family)
+        self.after_backward = after_backward  # test hook: runs after each step's backward, before the sync
+        self.timer = PhaseTimer()
+        self.step = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        config = self.config
+        with self.timer("setup"):
+            self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree)
+            logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
+                                force=True)
+            transformers.logging.set_verbosity_error()
+            self.precision = resolve_precision(config.precision, layout.device)
+            self.output_dir = Path(rank0_decides(
+                layout, lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite))))
+            if layout.is_main:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                write_yaml(self.output_dir / "config.yaml", config.to_dict())
+            log.info("run folder %s | %s", self.output_dir, layout.describe())
+        with self.timer("data"):
+            self.data = self._prepare_data()
+        with self.timer("model"):
+            self.model = self._build_model()
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self._build_optimizer()
+
+    def _prepare_data(self) -> data_module.PreparedData:
+        config = self.config
+        mine: list[data_module.PreparedData] = []
+
+        def prepare_on_rank0():
+            mine.append(data_module.prepare(config.task, config.data_dir, config.cache_dir, config.max_length,
+                                            config.tokenizer, config.size, self.family.default_model,
+                                            config.bpe_vocab_size))
+            return str(mine[0].cache_path), mine[0].source
+
+        # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.
+        cache_path, source = rank0_decides(self.layout, prepare_on_rank0)
+        prepared = mine[0] if mine else data_module.load_prepared(Path(cache_path), source)
+        train = prepared.splits["train"]
+        self.train_ids = data_module.column(train, "input_ids")
+        self.train_lengths = data_module.column(train, "length")
+        self.train_labels = data_module.column(train, "label") if config.task == "classification" else None
+        self.batches = data_module.GlobalBatches(self.train_lengths, config.batch_size, config.seed,
+                                                 config.group_by_length)
+        per_rank = self.layout.dp * config.gradient_accumulation_steps
+        if config.batch_size % per_rank:
+            raise UserError(f"batch_size={config.batch_size} must be divisible by data-parallel degree "
+                            f"{self.layout.dp} x gradient_accumulation_steps={config.gradient_accumulation_steps}")
+        log.info("data: %s | %s", prepared.source.description,
+                 ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()))
+        return prepared
+
+    def _build_model(self) -> nn.Module:
+        config, layout, family = self.config, self.layout, self.family
+        tokenizer = self.data.tokenizer
+        hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)),
+                                     max(config.max_length, 128), config.model_config)
+        family.check_tp(hf_config, layout.tp)
+        seed_everything(config.seed)  # identical initialisation on every rank and in every layout
+        model = family.build(config.task, hf_config, config.model, config.size, tokenizer)
+        if config.size == "tiny":
+            log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
+                     ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
+                     sum(p.numel() for p in model.parameters()) / 1e6)
+        model.to(layout.device)
+        apply_tp(model, family, layout.tp_mesh)
+        return model
+
+    def _build_optimizer(self) -> None:
+        config = self.config
+        self.optimizer = torch.optim.AdamW(optimizer_groups(self.model, config.weight_decay), lr=config.lr,
+                                           betas=tuple(config.adam_betas), eps=config.adam_eps)
+        self.steps_per_epoch = len(self.batches)
+        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
+        warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
+        try:
+            self.scheduler = transformers.get_scheduler(config.lr_scheduler, self.optimizer, num_warmup_steps=warmup,
+                                                        num_training_steps=self.total_steps)
+        except ValueError as exc:
+            raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
+        self.scaler = DynamicLossScaler(self.precision == "fp16", config.initial_loss_scale,
+                                        config.loss_scale_growth_interval)
+
+    # ------------------------------------------------------------------------------------------- training
+    def loss_sum(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed (not averaged) loss of a micro-batch, in fp32."""
+        if self.config.task == "classification":
+            return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+        targets = batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+        return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+
+    def loss_count(self, indices: list[int]) -> int:
+        """What the loss of a global batch is averaged over: samples, or predicted tokens."""
+        if self.config.task == "classification":
+            return len(indices)
+        return sum(self.train_lengths[i] - 1 for i in indices)
+
+    def micro_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        tokenizer = self.data.tokenizer
+        labels = [self.train_labels[i] for i in indices] if self.train_labels is not None else None
+        batch = data_module.collate([self.train_ids[i] for i in indices], tokenizer.pad_token_id,
+                                    tokenizer.padding_side, labels)
+        return {k: v.to(self.layout.device, non_blocking=True) for k, v in batch.items()}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with autocast(self.precision, self.layout.device):
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              use_cache=False).logits
+
+    def train_step(self, global_batch: list[int]) -> dict:
+        config, layout = self.config, self.layout
+        started = time.perf_counter()
+        count = self.loss_count(global_batch)
+        scale = self.scaler.scale
+        local_loss = torch.zeros((), device=layout.device)
+        for indices in data_module.local_micro_batches(global_batch, layout.dp_rank, layout.dp,
+                                                       config.gradient_accumulation_steps):
+            batch = self.micro_batch(indices)
+            loss = self.loss_sum(self.forward(batch), batch) / count
+            (loss * scale).backward()
+            local_loss += loss.detach()
+        if self.after_backward is not None:
+            self.after_backward(self, self.step + 1)
+        loss = all_reduce_gradients(self.params, layout.dp_group, extra=local_loss)
+        grad_norm = global_grad_norm(self.params, layout.tp_group) / scale
+        nonfinite = not math.isfinite(grad_norm)
+        if self.scaler.enabled:
+            nonfinite = any_rank(nonfinite, layout.device)
+        skipped = self.scaler.update(nonfinite)
+        lr = self.scheduler.get_last_lr()[0]
+        if not skipped:
+            clip = config.max_grad_norm
+            coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
+            scale_gradients(self.params, coefficient / scale)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        elapsed = time.perf_counter() - started
+        tokens = sum(self.train_lengths[i] for i in global_batch)
+        return {"step": self.step, "epoch": self.step / self.steps_per_epoch, "loss": float(loss), "lr": lr,
+                "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
+                "samples_per_s": len(global_batch) / elapsed, "tokens_per_s": tokens / elapsed,
+                "step_time_s": elapsed}
+
+    def fit(self) -> list[dict]:
+        config = self.config
+        reporter = Reporter(self.output_dir, self.total_steps, config.log_every, self.layout.is_main)
+        self.reporter = reporter
+        log.info("training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
+                 self.total_steps, self.steps_per_epoch, config.batch_size, self.layout.dp,
+                 config.gradient_accumulation_steps,
+                 config.batch_size // (self.layout.dp * config.gradient_accumulation_steps), self.precision)
+        with self.timer("train"):
+            self.model.train()
+            while self.step < self.total_steps:
+                epoch, offset = divmod(self.step, self.steps_per_epoch)
+                for global_batch in self.batches.epoch(epoch)[offset:]:
+                    record = self.train_step(global_batch)
+                    self.history.append(record)
+                    reporter.step(record)
+                    if config.eval_every and self.step % config.eval_every == 0 and self.step < self.total_steps:
+                        with self.timer("eval"):
+                            reporter.evaluation(self.step, self.evaluate())
+                        self.model.train()
+                    if self.step >= self.total_steps:
+                        break
+        return self.history
+
+    # ------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, split: str = "validation") -> dict:
+        """Dev metrics over all data-parallel ranks: each row is scored exactly once."""
+        layout, config = self.layout, self.config
+        self.model.eval()
+        rows = self.data.splits[split]
+        ids, lengths = data_module.column(rows, "input_ids"), data_module.column(rows, "length")
+        labels = data_module.column(rows, "label") if config.task == "classification" else None
+        order = sorted(range(len(ids)), key=lambda i: lengths[i])
+        chunks = [order[i:i + config.eval_batch_size] for i in range(0, len(order), config.eval_batch_size)]
+        tokenizer = self.data.tokenizer
+        predictions: list[tuple[int, int]] = []
+        totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
+        for chunk in chunks[layout.dp_rank::layout.dp]:
+            batch = data_module.collate([ids[i] for i in chunk], tokenizer.pad_token_id, tokenizer.padding_side,
+                                        [labels[i] for i in chunk] if labels is not None else None)
+            batch = {k: v.to(layout.device) for k, v in batch.items()}
+            logits = self.forward(batch)
+            totals[0] += self.loss_sum(logits, batch).double()
+            if labels is not None:
+                totals[1] += len(chunk)
+                predictions.extend(zip(chunk, logits.argmax(-1).tolist()))
+            else:
+                totals[1] += batch["attention_mask"][:, 1:].sum()
+        if layout.dp > 1:
+            dist.all_reduce(totals, group=layout.dp_group)
+        mean_loss = (totals[0] / totals[1]).item()
+        if labels is None:
+            return {"eval_loss": mean_loss, "perplexity": math.exp(min(mean_loss, 700.0))}
+        gathered: list = [None] * layout.dp
+        if layout.dp > 1:
+            dist.all_gather_object(gathered, predictions, group=layout.dp_group)
+        else:
+            gathered = [predictions]
+        by_row = dict(pair for part in gathered for pair in part)
+        assert len(by_row) == len(ids), "every dev row is predicted exactly once"
+        ordered = sorted(by_row)
+        accuracy = load_metric("accuracy").compute(predictions=[by_row[i] for i in ordered],
+                                                   references=[labels[i] for i in ordered])["accuracy"]
+        return {"eval_loss": mean_loss, "accuracy": accuracy}
+
+    # ------------------------------------------------------------------------------------------- outputs
+    def export(self) -> Path | None:
+        if not self.config.export:
+            return None
+        out = self.output_dir / "hf"
+        with self.timer("export"):
+            state = gather_full_state_dict(self.model, EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main)
+            if self.layout.is_main:
+                save_hf(self.model, state, self.data.tokenizer, out)
+                log.info("exported a Hugging Face model to %s", out)
+        return out
+
+    def summary(self, results: dict) -> dict:
+        layout = self.layout
+        memory = [None] * layout.world_size
+        dist.all_gather_object(memory, round(peak_memory_mib(layout.device), 1))
+        trained = self.history
+        train_seconds = sum(r["step_time_s"] for r in trained) or float("nan")
+        samples = sum(1 for r in trained) * self.config.batch_size
+        return {
+            **results,
+            "task": self.config.task,
+            "family": self.family.name,
+            "model": (f"tiny {self.family.name} (from config)" if self.config.size == "tiny"
+                      else self.config.model or self.family.default_model),
+            "data": self.data.source.description,
+            "steps": self.step,
+            "skipped_steps": sum(r["skipped"] for r in trained),
+            "final_loss": trained[-1]["loss"] if trained else None,
+            "train_samples_per_s": samples / train_seconds,
+            "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
+            "layout": layout.describe(),
+            "precision": self.precision,
+            "seconds": {k: round(v, 3) for k, v in self.timer.seconds.items()},
+            "peak_memory_mib_per_rank": memory,
+            "versions": package_versions(),
+        }
+
+
+def run(config: Config, after_backward: Callable | None = None) -> dict:
+    """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content."""
+    trainer = Trainer(config, after_backward)
+    try:
+        trainer.setup()
+        trainer.fit()
+        with trainer.timer("eval"):
+            results = trainer.evaluate()
+        trainer.reporter.evaluation(trainer.step, results)
+        trainer.reporter.close()
+        trainer.export()
+        summary = trainer.summary(results)
+        if trainer.layout.is_main:
+            write_json(trainer.output_dir / "summary.json", summary)
+            log.info("done: %s | %s", ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
+                     ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()))
+            log.info("outputs in %s", trainer.output_dir)
+        shutdown()
+        return summary
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
