@@ -190,7 +190,7 @@ def tokenize_classification(split: datasets.Dataset, tokenizer, max_length: int,
 
 def tokenize_causal_lm(split: datasets.Dataset, tokenizer, block_size: int, desc: str) -> datasets.Dataset:
     """Sentences joined with EOS and cut into full blocks of `block_size` tokens (the remainder is dropped)."""
-    ids = tokenizer(split["sentence"])["input_ids"]
+    ids = tokenizer(column(split, "sentence"))["input_ids"]
     stream: list[int] = []
     for sentence in tqdm(ids, desc=desc, disable=not _show_progress()):
         stream.extend(sentence)
@@ -231,7 +231,7 @@ def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: 
     """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
     cache_dir = Path(cache_dir)
     raw, source = load_raw(data_dir)
-    tokenizer = load_tokenizer(tokenizer_name, size, family_default, bpe_vocab_size, raw["train"]["sentence"],
+    tokenizer = load_tokenizer(tokenizer_name, size, family_default, bpe_vocab_size, column(raw["train"], "sentence"),
                                source, cache_dir)
     key = f"sst2-{source.fingerprint}-tok{tokenizer_identity(tokenizer)}-{task}-len{max_length}"
     path = cache_dir / key
@@ -252,6 +252,14 @@ def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: 
 
     _save_atomically(path, save)
     return load_prepared(path, source)
+
+
+def prepare_for_config(config) -> PreparedData:
+    """`prepare` with a run's Config (the trainer and scripts/prepare_data.py share it)."""
+    from .families import get_family
+
+    return prepare(config.task, config.data_dir, config.cache_dir, config.max_length, config.tokenizer,
+                   config.size, get_family(config.family).default_model, config.bpe_vocab_size)
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:

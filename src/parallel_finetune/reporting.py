@@ -80,14 +80,15 @@ class Reporter:
         self.output_dir = output_dir
         self.log_every = log_every
         self.total_steps = total_steps
+        # In a log file (not a terminal) every redraw is a line of text: redraw every 30 s there.
         self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
-                        file=sys.stderr)
+                        file=sys.stderr, mininterval=0.2 if sys.stderr.isatty() else 30)
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.metrics = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self.evals = open(output_dir / "eval.jsonl", "a", encoding="utf-8")
+        self.metrics = open(output_dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.evals = open(output_dir / "eval.jsonl", "w", encoding="utf-8")
         self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
 
     def step(self, record: dict) -> None:

@@ -116,9 +116,7 @@ class Trainer:
         mine: list[data_module.PreparedData] = []
 
         def prepare_on_rank0():
-            mine.append(data_module.prepare(config.task, config.data_dir, config.cache_dir, config.max_length,
-                                            config.tokenizer, config.size, self.family.default_model,
-                                            config.bpe_vocab_size))
+            mine.append(data_module.prepare_for_config(config))
             return str(mine[0].cache_path), mine[0].source
 
         # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.

@@ -1,0 +1,57 @@
+# Two commands on a fresh machine: `make gptj-tp` (the main job) and `make test`. Both set up .venv first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+
+# GPUs decide the defaults: all of them for one tensor-parallel job at full size; on a CPU, 2 processes
+# at tiny size. Override any of them: make gptj-tp NPROC=4 SIZE=tiny DATA=../shared/data/sst2 ARGS="max_steps=50"
+NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+ifeq ($(NGPU),0)
+NPROC ?= 2
+SIZE ?= tiny
+else
+NPROC ?= $(NGPU)
+SIZE ?= full
+endif
+DATA ?=
+ARGS ?=
+RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
+export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
+
+.PHONY: setup data gptj-tp test bench clean-runs help
+help:
+	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
+	@echo "make test      run the test suite (CPU, gloo)"
+	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
+	@echo "make bench     our trainer vs the Hugging Face Trainer, single process"
+
+setup: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+# Runs a recipe: validate in one process first (bad input -> one line, before any rank starts), then torchrun.
+define run_recipe
+	@echo ">>> $(1): $(NPROC) processes, size=$(SIZE)$(if $(filter 0,$(NGPU)), (no GPU found: tiny model on CPU),)"
+	$(PY) -m parallel_finetune.train --check --nproc $(NPROC) $(1) $(RUN_ARGS)
+	$(TORCHRUN) --nproc_per_node $(NPROC) scripts/train.py $(1) $(RUN_ARGS)
+endef
+
+gptj-tp: setup
+	$(call run_recipe,recipes/gptj/tp.yaml)
+
+data: setup
+	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/trainer_vs_hf.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,83 @@
+"""Shared test fixtures: the real SST-2 files, a session-wide tokenized-data cache, and `launch`, which runs
+training under torchrun exactly as a user would and returns what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
+
+
+def find_sst2() -> Path | None:
+    candidates = [os.environ.get("SST2_DIR"), REPO.parent / "shared" / "data" / "sst2", "/work/shared/data/sst2"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "train.tsv").is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def sst2() -> Path:
+    path = find_sst2()
+    if path is None:
+        pytest.fail("the GLUE SST-2 files are missing: set SST2_DIR or put them in ../shared/data/sst2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    output_dir: Path
+
+    @property
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.output_dir / "summary.json").read_text())
+
+
+def test_env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | None = None,
+           recipe: Path = RECIPE, check: bool = True, timeout: int = 600) -> Run:
+    """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=..."""
+    target = script or str(REPO / "scripts" / "train.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", target,
+               str(recipe), *overrides, f"output_dir={output_dir}"]
+    proc = subprocess.run(command, cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=timeout)
+    run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
+    if check and proc.returncode != 0:
+        pytest.fail(f"training failed ({proc.returncode}):\n{run.output[-6000:]}")
+    return run
+
+
+def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", **extra) -> list[str]:
+    """A short fp32 run of the tiny model on real SST-2: what parity tests compare."""
+    base = {"size": "tiny", "task": task, "data_dir": sst2, "cache_dir": cache_dir, "precision": "fp32",
+            "max_steps": 6, "batch_size": 16, "max_length": 64 if task == "classification" else 32,
+            "eval_batch_size": 128, "log_every": 1}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

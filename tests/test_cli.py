@@ -1,0 +1,79 @@
+"""What a user types: `make gptj-tp`, the validating pre-check, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, RECIPE, launch, test_env, tiny_overrides
+
+
+def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc),
+                           str(RECIPE), *overrides], cwd=REPO, env=test_env(), capture_output=True, text=True)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_check_accepts_a_good_run(sst2):
+    proc = check("size=tiny", f"data_dir={sst2}")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 processes = 1 data-parallel x 2 tensor-parallel" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides,nproc,message", [
+    (["size=tiny", "tensor_parallel_degree=3"], 3, "tensor_parallel_degree=3 does not divide gptj n_head=4; valid degrees: 1, 2, 4"),
+    (["size=tiny", "model_config.n_head=6", "tensor_parallel_degree=4"], 4, "does not divide gptj n_head=6"),
+    (["size=tiny", "tensor_parallel_degree=2"], 3, "tensor_parallel_degree=2 does not divide the 3 processes"),
+    (["size=full", "model=./no/such/model"], 2, "model='./no/such/model': no such folder"),
+    (["size=tiny", "data_dir=/no/such/dir"], 2, "data_dir='/no/such/dir': no such folder"),
+    (["size=tiny", "max_stepz=3"], 2, "unknown key 'max_stepz'; did you mean 'max_steps'?"),
+    (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),
+])
+def test_bad_input_one_line(overrides, nproc, message):
+    assert_one_line_error(check(*overrides, nproc=nproc), message)
+
+
+def test_existing_output_dir_is_refused_and_untouched(sst2, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert_one_line_error(check("size=tiny", f"output_dir={out}"), "already holds files")
+    # The same refusal from a real torchrun launch: rank 0 says it once, every rank exits non-zero.
+    run = launch(2, tiny_overrides(sst2, cache_dir), out, check=False)
+    assert run.returncode != 0
+    assert run.output.count("error: output_dir=") == 1
+    assert "Traceback" not in run.output.split("torch.distributed.elastic")[0]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_make_gptj_tp_end_to_end(sst2, tmp_path):
+    out = tmp_path / "make-run"
+    proc = subprocess.run(["make", "gptj-tp", "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
+                           f"ARGS=max_steps=5 output_dir={out} log_every=1 cache_dir={tmp_path / 'cache'}"],
+                          cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s"):
+        assert all(isinstance(r[key], (int, float)) for r in records), key
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 <= summary["accuracy"] <= 1
+    assert summary["layout"] == {"world_size": 2, "data_parallel": 1, "tensor_parallel": 2, "device": "cpu",
+                                 "backend": "gloo"}
+    assert summary["precision"] == "bf16"  # the CPU default
+    assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}
+    assert len(summary["peak_memory_mib_per_rank"]) == 2
+    assert summary["versions"]["torch"].startswith("2.13")
+    assert (out / "config.yaml").is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "hf" / "tokenizer.json").is_file()
+    assert "step 5/5" in proc.stderr + proc.stdout

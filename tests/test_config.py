@@ -1,0 +1,83 @@
+"""Recipe + override parsing: typed values, nesting, tiny-size overrides, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import RECIPE
+from parallel_finetune.config import USER_KEYS, load_config
+from parallel_finetune.errors import UserError
+
+
+def test_recipe_sections_and_tiny_overrides():
+    full = load_config(RECIPE)
+    assert (full.family, full.size, full.task, full.batch_size, full.lr) == ("gptj", "full", "classification", 32, 1e-5)
+    assert full.recipe == "gptj-tp"
+    tiny = load_config(RECIPE, ["size=tiny"])
+    assert tiny.lr == 1e-3  # from the recipe's tiny: section
+    assert load_config(RECIPE, ["size=tiny", "lr=2e-4"]).lr == 2e-4  # the command line wins
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("max_steps=5", "max_steps", 5),
+    ("lr=1e-4", "lr", 1e-4),  # YAML reads 1e-4 as a string; the float field takes it
+    ("training.lr=3e-5", "lr", 3e-5),
+    ("precision=fp16", "precision", "fp16"),
+    ("tensor_parallel_degree=2", "tensor_parallel_degree", 2),
+    ("tensor_parallel_degree=auto", "tensor_parallel_degree", "auto"),
+    ("data_dir=../shared/data/sst2", "data_dir", "../shared/data/sst2"),
+    ("epochs=2", "epochs", 2.0),
+    ("seed=7", "seed", 7),
+    ("group_by_length=false", "group_by_length", False),
+    ("max_grad_norm=null", "max_grad_norm", None),
+    ("model_config.n_layer=4", "model_config", {"n_layer": 4}),
+    ("model_config={n_layer: 4, n_embd: 256}", "model_config", {"n_layer": 4, "n_embd": 256}),
+])
+def test_overrides(override, key, value):
+    assert getattr(load_config(RECIPE, [override]), key) == value
+
+
+def test_every_issue_spelling_is_a_key():
+    for key in ("size", "data_dir", "output_dir", "task", "max_steps", "epochs", "precision", "seed",
+                "tensor_parallel_degree", "batch_size", "lr"):
+        assert key in USER_KEYS
+
+
+@pytest.mark.parametrize("override,message", [
+    ("learning_rate=1e-4", "unknown key 'learning_rate'"),
+    ("batchsize=8", "did you mean 'batch_size'?"),
+    ("precision=fp8", "precision='fp8' is not valid; expected one of auto|fp16|bf16|fp32"),
+    ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
+    ("batch_size=0", "batch_size=0 must be at least 1"),
+    ("task=translation", "task='translation' is not valid"),
+    ("family=llama", "family='llama' is not known; valid: gptj"),
+    ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
+    ("lr", "must look like key=value"),
+    ("training.nope=1", "unknown key 'nope'"),
+])
+def test_bad_overrides_are_one_line_errors(override, message):
+    with pytest.raises(UserError) as error:
+        load_config(RECIPE, [override])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(UserError) as error:
+        load_config(RECIPE, ["nonsense=1"])
+    assert "valid keys: family, model, size" in str(error.value)
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  family: gptj\n  nonsense: 1\n")
+    with pytest.raises(UserError, match=r"bad.yaml section 'model': unknown key 'nonsense'"):
+        load_config(bad)
+    bad.write_text("family: gptj\nlr: [1\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(bad)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("family: gptj\nbatch_size: 8\n")
+    assert load_config(flat).batch_size == 8

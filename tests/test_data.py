@@ -1,0 +1,141 @@
+"""SST-2 reading, validation, tokenizing, caching, batching and padding."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+
+from parallel_finetune import data
+from parallel_finetune.errors import UserError
+
+
+def test_real_sst2_rows(sst2):
+    raw = data.read_glue_dir(sst2)
+    assert {k: len(v) for k, v in raw.items()} == {"train": 67_349, "validation": 872, "test": 1_821}
+    assert Counter(raw["train"]["label"]) == {1: 37_569, 0: 29_780}
+    assert Counter(raw["validation"]["label"]) == {1: 444, 0: 428}
+    assert "label" not in raw["test"].column_names
+    assert not any(s != s.strip() for s in raw["train"]["sentence"][:1000])  # GLUE's trailing spaces removed
+
+
+def write(folder, name, text: str | bytes):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+GOOD = "sentence\tlabel\na good film \t1\na bad film \t0\n"
+
+
+@pytest.mark.parametrize("train,dev,message", [
+    (None, GOOD, "train.tsv: no such file"),
+    (GOOD, None, "dev.tsv: no such file"),
+    ("sentence\tscore\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) label (found: sentence, score"),
+    ("text\tlabel\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) sentence"),
+    (GOOD, "sentence\tlabel\nfine\t1\nawful\t2\n", "dev.tsv:3: label '2' is not 0 or 1"),
+    (GOOD, "sentence\tlabel\nfine\tpositive\n", "dev.tsv:2: label 'positive' is not 0 or 1"),
+    ("sentence\tlabel\nfine\t1\n".encode() + b"caf\xe9\t1\n", GOOD, "train.tsv:3: not UTF-8 text (byte 0xe9"),
+    ("sentence\tlabel\n", GOOD, "train.tsv: no data rows (the train split is empty)"),
+    ("", GOOD, "train.tsv: empty file"),
+    (GOOD, "sentence\tlabel\nfine\t1\textra\n", "dev.tsv:2: 3 tab-separated fields, the header has 2"),
+])
+def test_bad_input_is_one_line_naming_file_and_line(tmp_path, train, dev, message):
+    if train is not None:
+        write(tmp_path, "train.tsv", train)
+    if dev is not None:
+        write(tmp_path, "dev.tsv", dev)
+    with pytest.raises(UserError) as error:
+        data.read_glue_dir(tmp_path)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_data_dir(tmp_path):
+    with pytest.raises(UserError, match="data_dir=.*nope.*: no such folder"):
+        data.read_glue_dir(tmp_path / "nope")
+
+
+def test_unreadable_file(tmp_path):
+    write(tmp_path, "dev.tsv", GOOD)
+    (tmp_path / "train.tsv").mkdir()  # a folder where a file should be: reading fails
+    with pytest.raises(UserError, match="train.tsv: cannot be read"):
+        data.read_glue_dir(tmp_path)
+
+
+def test_offline_hub_falls_back_to_the_sample_loudly(monkeypatch, caplog):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with caplog.at_level(logging.WARNING):
+        raw, source = data.load_raw(None)
+    assert source.kind == "sample"
+    assert "UNREACHABLE" in caplog.text and "SAMPLE" in caplog.text
+    assert len(raw["train"]) >= 300 and len(raw["validation"]) >= 50
+    assert set(raw["train"]["label"]) == {0, 1}
+
+
+def prepare(sst2, cache_dir, task="classification", max_length=64):
+    return data.prepare(task, str(sst2), cache_dir, max_length, None, "tiny", "", 8192)
+
+
+def test_tokenized_cache_is_keyed_and_reused(sst2, cache_dir):
+    first = prepare(sst2, cache_dir)
+    again = prepare(sst2, cache_dir)
+    assert again.cache_path == first.cache_path
+    assert prepare(sst2, cache_dir, max_length=32).cache_path != first.cache_path
+    assert prepare(sst2, cache_dir, task="causal_lm", max_length=32).cache_path != first.cache_path
+    train = first.splits["train"]
+    assert len(train) == 67_349 and len(first.splits["validation"]) == 872
+    lengths = data.column(train, "length")
+    assert max(lengths) <= 64
+    assert sum(lengths) / len(lengths) < 20  # SST-2 is short: padding to 64 or 128 would be mostly waste
+    assert len(first.tokenizer) <= 8192
+
+
+def test_causal_lm_blocks(sst2, cache_dir):
+    prepared = prepare(sst2, cache_dir, task="causal_lm", max_length=32)
+    blocks = data.column(prepared.splits["train"], "input_ids")
+    assert {len(b) for b in blocks} == {32}
+    eos = prepared.tokenizer.eos_token_id
+    assert sum(b.count(eos) for b in blocks) >= 67_349 - 32  # one separator per sentence (last block cut)
+    assert "test" not in prepared.splits
+
+
+def test_global_batches_cover_each_sample_once_per_epoch():
+    lengths = [(i * 7919) % 50 + 1 for i in range(1003)]
+    for group in (True, False):
+        batches = data.GlobalBatches(lengths, 16, seed=3, group_by_length=group)
+        epoch = batches.epoch(0)
+        flat = [i for b in epoch for i in b]
+        assert len(epoch) == len(batches) == 1003 // 16
+        assert all(len(b) == 16 for b in epoch)
+        assert len(set(flat)) == len(flat) == 62 * 16
+        assert batches.epoch(0) == epoch and batches.epoch(1) != epoch
+
+
+def test_group_by_length_reduces_padding():
+    lengths = [(i * 7919) % 50 + 1 for i in range(4000)]
+
+    def padding(group):
+        epoch = data.GlobalBatches(lengths, 32, seed=0, group_by_length=group).epoch(0)
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in epoch)
+
+    assert padding(True) < 0.2 * padding(False)
+
+
+def test_micro_batches_partition_the_global_batch():
+    batch = list(range(24))
+    shares = [data.local_micro_batches(batch, rank, 3, 2) for rank in range(3)]
+    assert sorted(i for share in shares for micro in share for i in micro) == batch
+    assert all(len(micro) == 4 for share in shares for micro in share)
+
+
+def test_collate_pads_dynamically_both_sides():
+    right = data.collate([[5, 6, 7], [8]], pad_id=0, padding_side="right", labels=[1, 0])
+    assert right["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert right["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert right["labels"].tolist() == [1, 0]
+    left = data.collate([[5, 6, 7], [8]], pad_id=0, padding_side="left")
+    assert left["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert data.collate([[1, 2, 3]], 0, "right", pad_to_multiple_of=8)["input_ids"].shape == (1, 8)

@@ -1,0 +1,32 @@
+"""fp16 loss scaling: one rank's overflow makes every rank skip the step and halve the scale."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, launch, tiny_overrides
+
+WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
+
+
+@pytest.mark.parametrize("layout", [["tensor_parallel_degree=2"], ["tensor_parallel_degree=1"]],
+                         ids=["tp2", "dp2"])
+def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("INJECT_RANK", "1")
+    monkeypatch.setenv("INJECT_STEP", "3")
+    overrides = tiny_overrides(sst2, cache_dir, precision="fp16", max_steps=5, batch_size=8, max_length=32,
+                               initial_loss_scale=1024, loss_scale_growth_interval=100)
+    launch(2, overrides + layout, tmp_path, script=WORKER)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        history = rank["history"]
+        assert [r["skipped"] for r in history] == [False, False, True, False, False]
+        assert [r["loss_scale"] for r in history] == [1024, 1024, 1024, 512, 512]
+        assert rank["final_scale"] == 512
+        assert rank["params_unchanged_at_injected_step"]
+        assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in history), "no NaN/inf losses"
+    assert ranks[0]["history"] == [dict(r, step_time_s=a["step_time_s"], samples_per_s=a["samples_per_s"],
+                                        tokens_per_s=a["tokens_per_s"])
+                                   for a, r in zip(ranks[0]["history"], ranks[1]["history"])]

@@ -1,0 +1,33 @@
+"""Trains a few steps under the given layout, exports hf/, and saves the trained (sharded) model's logits on a
+fixed batch, so the test can compare them with the exported model reloaded by transformers."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from parallel_finetune import data
+from parallel_finetune.config import load_config
+from parallel_finetune.trainer import Trainer
+
+
+def main() -> None:
+    config = load_config(sys.argv[1], sys.argv[2:])
+    trainer = Trainer(config)
+    trainer.setup()
+    trainer.fit()
+    trainer.export()
+    dev = trainer.data.splits["validation"]
+    ids = data.column(dev, "input_ids")[:16]
+    batch = data.collate(ids, trainer.data.tokenizer.pad_token_id, trainer.data.tokenizer.padding_side)
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.forward(batch)
+    if trainer.layout.is_main:
+        torch.save({"batch": batch, "logits": logits}, Path(config.output_dir) / "trained_logits.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
