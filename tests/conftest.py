@@ -56,7 +56,7 @@ class Run:
         return json.loads((self.output_dir / "summary.json").read_text())
 
 
-def test_env() -> dict:
+def subprocess_env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 
@@ -67,7 +67,7 @@ def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | 
     target = script or str(REPO / "scripts" / "train.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", target,
                str(recipe), *overrides, f"output_dir={output_dir}"]
-    proc = subprocess.run(command, cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
     if check and proc.returncode != 0:
         pytest.fail(f"training failed ({proc.returncode}):\n{run.output[-6000:]}")

@@ -27,6 +27,7 @@ def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path
         assert rank["final_scale"] == 512
         assert rank["params_unchanged_at_injected_step"]
         assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in history), "no NaN/inf losses"
-    assert ranks[0]["history"] == [dict(r, step_time_s=a["step_time_s"], samples_per_s=a["samples_per_s"],
-                                        tokens_per_s=a["tokens_per_s"])
-                                   for a, r in zip(ranks[0]["history"], ranks[1]["history"])]
+        assert history[2]["grad_norm"] is None  # a skipped step reports no norm
+    timing = ("step_time_s", "samples_per_s", "tokens_per_s")
+    decisions = [[{k: v for k, v in r.items() if k not in timing} for r in rank["history"]] for rank in ranks]
+    assert decisions[0] == decisions[1], "both ranks logged the same steps, losses, norms and scales"

@@ -94,13 +94,13 @@ class Reporter:
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.write(json.dumps(finite_or_null(record)) + "\n")
         self.metrics.flush()
         for key in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s"):
             if record.get(key) is not None and math.isfinite(record[key]):
                 self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
         if record["step"] % self.log_every == 0 or record["step"] == self.total_steps or record["skipped"]:
             self.bar.write(format_step(record, self.total_steps))
 
@@ -121,9 +121,15 @@ class Reporter:
             self.tensorboard.close()
 
 
+def finite_or_null(record: dict) -> dict:
+    """Strict JSON has no NaN or Infinity: a non-finite number is written as null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
 def format_step(record: dict, total_steps: int) -> str:
+    norm = "-" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
     line = (f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | loss_scale {record['loss_scale']:g} | "
+            f"lr {record['lr']:.2e} | grad_norm {norm} | loss_scale {record['loss_scale']:g} | "
             f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s")
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
 

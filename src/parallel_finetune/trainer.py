@@ -225,8 +225,9 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(self.train_lengths[i] for i in global_batch)
+        # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
         return {"step": self.step, "epoch": self.step / self.steps_per_epoch, "loss": float(loss), "lr": lr,
-                "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped,
+                "grad_norm": None if skipped else grad_norm, "loss_scale": scale, "skipped": skipped,
                 "samples_per_s": len(global_batch) / elapsed, "tokens_per_s": tokens / elapsed,
                 "step_time_s": elapsed}
 
