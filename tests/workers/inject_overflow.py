@@ -30,11 +30,10 @@ def main() -> None:
     trainer.setup()
     before = None
     history = []
-    for _ in range(trainer.total_steps):
+    for global_batch in trainer.batches.epoch(0)[:trainer.total_steps]:
         if trainer.step + 1 == INJECT_STEP:
             before = {n: local(p.detach()).clone() for n, p in trainer.model.named_parameters()}
-        epoch_batches = trainer.batches.epoch(0)
-        record = trainer.train_step(epoch_batches[trainer.step])
+        record = trainer.train_step(global_batch)
         history.append(record)
         if record["step"] == INJECT_STEP:
             unchanged = all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())

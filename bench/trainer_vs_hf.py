@@ -1,0 +1,121 @@
+"""Single-process training throughput: our trainer vs the Hugging Face `Trainer`, same model, data, batch, precision.
+
+Three runs in one process, one after the other, on the same tokenized SST-2 (`make bench DATA=...`):
+  ours          scripts/train.py's trainer (dynamic padding, length-grouped global batches)
+  ours-random   the same with group_by_length=false (random batches, like the Trainer's default sampler)
+  hf-dynamic    transformers.Trainer with DataCollatorWithPadding (pads each batch to its longest row)
+  hf-pad128     transformers.Trainer as run_glue.py runs by default (every row padded to max_seq_length=128)
+Prints samples/s, dev accuracy and the ratios; writes runs/bench/trainer_vs_hf.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
+
+from parallel_finetune import data  # noqa: E402
+from parallel_finetune.config import load_config  # noqa: E402
+from parallel_finetune.families import get_family  # noqa: E402
+from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
+from parallel_finetune.trainer import seed_everything, tiny_vocab_size  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def our_run(config) -> dict:
+    trainer = OurTrainer(config)
+    trainer.setup()
+    trainer.fit()
+    trainer.reporter.close()
+    results = trainer.evaluate()
+    seconds = trainer.timer.seconds["train"]
+    torch.distributed.destroy_process_group()
+    return {"samples_per_s": config.max_steps * config.batch_size / seconds, "train_seconds": seconds,
+            "accuracy": results["accuracy"]}
+
+
+def hf_run(config, prepared, pad_to_128: bool, output_dir: Path) -> dict:
+    family = get_family(config.family)
+    tokenizer = prepared.tokenizer
+    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(len(tokenizer)), 128, config.model_config)
+    seed_everything(config.seed)
+    model = family.build("classification", hf_config, None, "tiny", tokenizer)
+
+    def rows(split):
+        dataset = prepared.splits[split].rename_column("label", "labels").remove_columns(["length"])
+        if pad_to_128:
+            def pad(batch):
+                padded = tokenizer.pad({"input_ids": batch["input_ids"]}, padding="max_length", max_length=128)
+                return {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]}
+            dataset = dataset.map(pad, batched=True)
+        return dataset
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=config.batch_size, per_device_eval_batch_size=64,
+        max_steps=config.max_steps, learning_rate=config.lr, weight_decay=config.weight_decay,
+        warmup_steps=config.warmup_steps or math.ceil(config.warmup_ratio * config.max_steps), max_grad_norm=config.max_grad_norm, bf16=config.precision == "bf16",
+        use_cpu=not torch.cuda.is_available(), logging_steps=10**6, save_strategy="no", report_to=[],
+        dataloader_num_workers=0, seed=config.seed, disable_tqdm=True)
+
+    def accuracy(prediction):
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    trainer = Trainer(model=model, args=args, train_dataset=rows("train"), eval_dataset=rows("validation"),
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
+    metrics = trainer.train().metrics
+    evaluation = trainer.evaluate()
+    return {"samples_per_s": metrics["train_samples_per_second"], "train_seconds": metrics["train_runtime"],
+            "accuracy": evaluation["eval_accuracy"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", help="GLUE SST-2 folder (default: ../shared/data/sst2 if present)")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model_config.n_embd=512")
+    args = parser.parse_args()
+    data_dir = args.data_dir or str(REPO.parent / "shared" / "data" / "sst2")
+    out = REPO / "runs" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    config = load_config(REPO / "recipes" / "gptj" / "tp.yaml", [
+        "size=tiny", f"data_dir={data_dir}", f"max_steps={args.steps}", "precision=bf16", "batch_size=32",
+        "tensor_parallel_degree=1", "model_config={n_layer: 4, n_embd: 256, n_head: 8, rotary_dim: 16}",
+        "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "log_every=1000000", *args.overrides])
+    prepared = data.prepare_for_config(config)
+    results = {}
+    random_batches = dataclasses.replace(config, group_by_length=False, output_dir=str(out / "ours-random"))
+    for name, run in (("ours", lambda: our_run(config)),
+                      ("ours-random", lambda: our_run(random_batches)),
+                      ("hf-dynamic", lambda: hf_run(config, prepared, False, out / "hf-dynamic")),
+                      ("hf-pad128", lambda: hf_run(config, prepared, True, out / "hf-pad128"))):
+        started = time.perf_counter()
+        results[name] = run()
+        print(f"{name:12s} {results[name]['samples_per_s']:8.1f} samples/s  accuracy {results[name]['accuracy']:.4f}"
+              f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+    ratios = {f"ours / {k}": results["ours"]["samples_per_s"] / results[k]["samples_per_s"]
+              for k in ("hf-dynamic", "hf-pad128")}
+    ratios["ours-random / hf-dynamic"] = results["ours-random"]["samples_per_s"] / results["hf-dynamic"]["samples_per_s"]
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x")
+    setup = {"model": "GPT-J config 4 layers, hidden 256, 8 heads, BPE vocab 8192", "steps": config.max_steps,
+             "batch_size": config.batch_size, "precision": config.precision, "threads": torch.get_num_threads(),
+             "data": data_dir}
+    (out / "trainer_vs_hf.json").write_text(json.dumps({"setup": setup, "results": results, "ratios": ratios},
+                                                       indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
