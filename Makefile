@@ -16,6 +16,7 @@ SIZE ?= full
 endif
 DATA ?=
 ARGS ?=
+PYTEST_ARGS ?= -q
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
@@ -48,7 +49,7 @@ data: setup
 	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/trainer_vs_hf.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

@@ -37,6 +37,8 @@ def test_check_accepts_a_good_run(sst2):
     (["size=tiny", "data_dir=/no/such/dir"], 2, "data_dir='/no/such/dir': no such folder"),
     (["size=tiny", "max_stepz=3"], 2, "unknown key 'max_stepz'; did you mean 'max_steps'?"),
     (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),
+    (["size=tiny", "tensor_parallel_degree=1", "batch_size=9"], 2,
+     "batch_size=9 must be divisible by data-parallel degree 2 x gradient_accumulation_steps=1"),
 ])
 def test_bad_input_one_line(overrides, nproc, message):
     assert_one_line_error(check(*overrides, nproc=nproc), message)
@@ -58,7 +60,7 @@ def test_existing_output_dir_is_refused_and_untouched(sst2, cache_dir, tmp_path)
 def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     out = tmp_path / "make-run"
     proc = subprocess.run(["make", "gptj-tp", "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                           f"ARGS=max_steps=5 output_dir={out} log_every=1 cache_dir={tmp_path / 'cache'}"],
+                           f"ARGS=max_steps=5 output_dir={out} log_every=1 eval_every=2 cache_dir={tmp_path / 'cache'}"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +75,23 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}
     assert len(summary["peak_memory_mib_per_rank"]) == 2
     assert summary["versions"]["torch"].startswith("2.13")
+    evaluations = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evaluations] == [2, 4, 5]
+    assert evaluations[-1]["accuracy"] == summary["accuracy"]
     assert (out / "config.yaml").is_file()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "hf" / "model.safetensors").is_file() and (out / "hf" / "tokenizer.json").is_file()
     assert "step 5/5" in proc.stderr + proc.stdout
+
+
+def test_bad_data_under_torchrun_is_one_line_and_leaves_no_run_folder(cache_dir, tmp_path):
+    bad = tmp_path / "sst2"
+    bad.mkdir()
+    (bad / "train.tsv").write_text("sentence\tlabel\na fine film\t1\na dull one\t3\n")
+    (bad / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+    out = tmp_path / "run"
+    run = launch(2, ["size=tiny", f"data_dir={bad}", f"cache_dir={cache_dir}"], out, check=False)
+    assert run.returncode != 0
+    assert run.output.count("error: ") == 1
+    assert f"error: {bad / 'train.tsv'}:3: label '3' is not 0 or 1" in run.output
+    assert not out.exists()

@@ -18,11 +18,12 @@ def preflight(config: Config, nproc: int) -> str:
     choose_output_dir(config.output_dir, config.recipe, config.overwrite)
     if config.size == "full":
         check_model_source(config.model or family.default_model)
-    from .trainer import tiny_vocab_size
+    from .trainer import check_batch_split, tiny_vocab_size
 
     hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.bpe_vocab_size),
                                  max(config.max_length, 128), config.model_config)
     tp = resolve_tp_degree(config.tensor_parallel_degree, nproc, nproc)
     family.check_tp(hf_config, tp)
+    check_batch_split(config.batch_size, nproc // tp, config.gradient_accumulation_steps)
     return (f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
             f"{nproc // tp} data-parallel x {tp} tensor-parallel | data {config.data_dir or 'Hub (sample if offline)'}")

@@ -61,6 +61,12 @@ def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:
     return value
 
 
+def check_batch_split(batch_size: int, dp: int, accumulation: int) -> None:
+    if batch_size % (dp * accumulation):
+        raise UserError(f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
+                        f"gradient_accumulation_steps={accumulation}")
+
+
 def tiny_vocab_size(tokenizer_size: int) -> int:
     """Round the embedding up to a multiple of 64 (as GPT-J does: 50400 rows for 50257 tokens), so that
     any tensor-parallel degree up to 64 that is a power of two divides it."""
@@ -98,18 +104,20 @@ class Trainer:
                                 force=True)
             transformers.logging.set_verbosity_error()
             self.precision = resolve_precision(config.precision, layout.device)
+            check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
             self.output_dir = Path(rank0_decides(
                 layout, lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite))))
-            if layout.is_main:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
-                write_yaml(self.output_dir / "config.yaml", config.to_dict())
-            log.info("run folder %s | %s", self.output_dir, layout.describe())
         with self.timer("data"):
             self.data = self._prepare_data()
         with self.timer("model"):
             self.model = self._build_model()
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             self._build_optimizer()
+        # Only now, with every input accepted, does the run folder appear (a failed start leaves nothing).
+        if layout.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            write_yaml(self.output_dir / "config.yaml", config.to_dict())
+        log.info("run folder %s | %s", self.output_dir, layout.describe())
 
     def _prepare_data(self) -> data_module.PreparedData:
         config = self.config
@@ -128,10 +136,6 @@ class Trainer:
         self.train_labels = data_module.column(train, "label") if config.task == "classification" else None
         self.batches = data_module.GlobalBatches(self.train_lengths, config.batch_size, config.seed,
                                                  config.group_by_length)
-        per_rank = self.layout.dp * config.gradient_accumulation_steps
-        if config.batch_size % per_rank:
-            raise UserError(f"batch_size={config.batch_size} must be divisible by data-parallel degree "
-                            f"{self.layout.dp} x gradient_accumulation_steps={config.gradient_accumulation_steps}")
         log.info("data: %s | %s", prepared.source.description,
                  ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()))
         return prepared
