@@ -28,6 +28,6 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     with torch.device("meta"):
         clean = type(model)(model.config)
     clean.load_state_dict(state, assign=True, strict=True)
-    clean.config.torch_dtype = next(iter(state.values())).dtype
+    clean.config.dtype = next(iter(state.values())).dtype
     clean.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -33,10 +33,6 @@ class Layout:
         return self.mesh.get_local_rank("dp")
 
     @property
-    def tp_rank(self) -> int:
-        return self.mesh.get_local_rank("tp")
-
-    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
 

@@ -55,10 +55,3 @@ class DynamicLossScaler:
             self.scale *= self.growth
             self.clean_steps = 0
         return False
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = state["scale"]
-        self.clean_steps = state["clean_steps"]

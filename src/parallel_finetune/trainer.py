@@ -320,7 +320,7 @@ class Trainer:
         dist.all_gather_object(memory, round(peak_memory_mib(layout.device), 1))
         trained = self.history
         train_seconds = sum(r["step_time_s"] for r in trained) or float("nan")
-        samples = sum(1 for r in trained) * self.config.batch_size
+        samples = len(trained) * self.config.batch_size
         return {
             **results,
             "task": self.config.task,

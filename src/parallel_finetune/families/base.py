@@ -18,7 +18,6 @@ class Family:
     tasks: tuple[str, ...] = ("classification", "causal_lm")
     config_class: type[PretrainedConfig]
     model_classes: dict[str, type[nn.Module]]  # task -> transformers class
-    tiny_tokenizer: str = "bpe"  # which tokenizer a tiny model trains on the train split
 
     # --- what a family must define ---
     def tiny_config(self, vocab_size: int, max_positions: int) -> PretrainedConfig:
