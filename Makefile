@@ -20,9 +20,11 @@ PYTEST_ARGS ?= -q
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
-.PHONY: setup data gptj-tp test bench clean-runs help
+.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
+	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
+	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer, single process"
@@ -44,6 +46,23 @@ endef
 
 gptj-tp: setup
 	$(call run_recipe,recipes/gptj/tp.yaml)
+
+gpt2-tp: setup
+	$(call run_recipe,recipes/gpt2/tp.yaml)
+
+gptneo-tp: setup
+	$(call run_recipe,recipes/gptneo/tp.yaml)
+
+bert-tp: setup
+	$(call run_recipe,recipes/bert/tp.yaml)
+
+# A real checkpoint, so always full size; on a CPU one process with every core beats two communicating ones.
+bert-minilm: SIZE = full
+ifeq ($(NGPU),0)
+bert-minilm: NPROC = 1
+endif
+bert-minilm: setup
+	$(call run_recipe,recipes/bert/minilm.yaml)
 
 data: setup
 	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)

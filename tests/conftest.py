@@ -14,6 +14,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
+FAMILIES = ("gptj", "gpt2", "gptneo", "bert")
+
+
+def recipe(family: str) -> Path:
+    return REPO / "recipes" / family / "tp.yaml"
+
+
+# Dropout draws different random numbers on differently sharded tensors; parity runs switch it off.
+NO_DROPOUT = {"bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"]}
 
 
 def find_sst2() -> Path | None:
@@ -74,10 +83,11 @@ def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | 
     return run
 
 
-def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", **extra) -> list[str]:
-    """A short fp32 run of the tiny model on real SST-2: what parity tests compare."""
+def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
+                   **extra) -> list[str]:
+    """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare."""
     base = {"size": "tiny", "task": task, "data_dir": sst2, "cache_dir": cache_dir, "precision": "fp32",
             "max_steps": 6, "batch_size": 16, "max_length": 64 if task == "classification" else 32,
             "eval_batch_size": 128, "log_every": 1}
     base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])

@@ -50,7 +50,7 @@ def test_every_issue_spelling_is_a_key():
     ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
     ("batch_size=0", "batch_size=0 must be at least 1"),
     ("task=translation", "task='translation' is not valid"),
-    ("family=llama", "family='llama' is not known; valid: gptj"),
+    ("family=llama", "family='llama' is not known; valid: bert, gpt2, gptj, gptneo"),
     ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
     ("lr", "must look like key=value"),
     ("training.nope=1", "unknown key 'nope'"),
@@ -60,6 +60,11 @@ def test_bad_overrides_are_one_line_errors(override, message):
         load_config(RECIPE, [override])
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_task_must_suit_the_family():
+    with pytest.raises(UserError, match="task='causal_lm' is not supported by family bert; valid: classification"):
+        load_config(RECIPE.parents[1] / "bert" / "tp.yaml", ["task=causal_lm"])
 
 
 def test_unknown_key_lists_valid_keys():

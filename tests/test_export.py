@@ -1,27 +1,38 @@
-"""The exported hf/ folder is a plain transformers model with the trained model's outputs."""
+"""The exported hf/ folder is a plain transformers model with the trained (sharded) model's outputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import REPO, launch, tiny_overrides
+from conftest import REPO, launch, recipe, tiny_overrides
 
 WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
 LOADERS = {"classification": AutoModelForSequenceClassification, "causal_lm": AutoModelForCausalLM}
 
 
-@pytest.mark.parametrize("task", ["classification", "causal_lm"])
-def test_export_from_tp2_reloads_with_same_logits(task, sst2, cache_dir, tmp_path):
-    launch(2, tiny_overrides(sst2, cache_dir, task, max_steps=3) + ["tensor_parallel_degree=2"], tmp_path,
-           script=WORKER)
+@pytest.mark.parametrize("family,task", [("gptj", "classification"), ("gptj", "causal_lm"),
+                                         ("gpt2", "classification"), ("gpt2", "causal_lm"),
+                                         ("gptneo", "classification"), ("bert", "classification")])
+def test_export_from_tp2_reloads_with_same_logits(family, task, sst2, cache_dir, tmp_path):
+    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3) + ["tensor_parallel_degree=2"], tmp_path,
+           script=WORKER, recipe=recipe(family))
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     model = LOADERS[task].from_pretrained(tmp_path / "hf")
     model.eval()
     with torch.no_grad():
         logits = model(**saved["batch"]).logits
     assert torch.allclose(logits, saved["logits"], atol=1e-5), (logits - saved["logits"]).abs().max()
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tokenizer("a fine film")["input_ids"]
+    if family == "gpt2":
+        # Back to transformers' own layout: Conv1D [in, out] weights and one fused c_attn.
+        assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+        assert model.transformer.h[0].attn.c_attn.weight.shape == (128, 3 * 128)
+    if task == "causal_lm":
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr() or family == "gptj"
+        with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as weights:
+            if family == "gpt2":  # tied: saved once
+                assert "lm_head.weight" not in weights.keys()

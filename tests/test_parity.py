@@ -1,16 +1,17 @@
 """The project's promise: every parallel layout trains exactly like one process (same seed, same data).
 
-Each row of LAYOUTS is one layout; adding a parallel feature adds a row. fp32, tiny GPT-J, real SST-2."""
+Each row of CASES is one (family, layout, task) run; adding a parallel feature or a family adds rows.
+fp32, tiny models, real SST-2."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import launch, tiny_overrides
+from conftest import launch, recipe, tiny_overrides
 
 TOLERANCE = 1e-5
 
-LAYOUTS = [
+GPTJ_LAYOUTS = [
     # (name, processes, overrides, tasks)
     ("tp2", 2, ["tensor_parallel_degree=2"], ("classification", "causal_lm")),
     ("dp2", 2, ["tensor_parallel_degree=1"], ("classification", "causal_lm")),
@@ -18,29 +19,47 @@ LAYOUTS = [
     ("accumulation4", 1, ["gradient_accumulation_steps=4"], ("classification", "causal_lm")),
     ("dp2_accumulation2", 2, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ("classification",)),
 ]
-CASES = [pytest.param(name, nproc, overrides, task, id=f"{name}-{task}")
-         for name, nproc, overrides, tasks in LAYOUTS for task in tasks]
+TASKS = {"gptj": ("classification", "causal_lm"), "gpt2": ("classification", "causal_lm"),
+         "gptneo": ("classification", "causal_lm"), "bert": ("classification",)}
+# 6 heads on TP=2 leaves 3 heads per rank: an odd count exposes any head-count bookkeeping error.
+SIX_HEADS = {
+    "gptj": ["model_config.n_head=6", "model_config.n_embd=192"],
+    "gpt2": ["model_config.n_head=6", "model_config.n_embd=192"],
+    "gptneo": ["model_config.num_heads=6", "model_config.hidden_size=192"],
+    "bert": ["model_config.num_attention_heads=6", "model_config.hidden_size=192", "model_config.intermediate_size=384"],
+}
+
+CASES = [pytest.param("gptj", name, nproc, overrides, task, (), id=f"gptj-{name}-{task}")
+         for name, nproc, overrides, tasks in GPTJ_LAYOUTS for task in tasks]
+CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], task, (), id=f"{family}-tp2-{task}")
+          for family in ("gpt2", "gptneo", "bert") for task in TASKS[family]]
+CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], "classification", tuple(SIX_HEADS[family]),
+                       id=f"{family}-tp2-3_heads_per_rank") for family in SIX_HEADS]
 
 
 @pytest.fixture(scope="module")
 def single_process(sst2, cache_dir, tmp_path_factory):
     runs = {}
 
-    def get(task: str):
-        if task not in runs:
-            runs[task] = launch(1, tiny_overrides(sst2, cache_dir, task), tmp_path_factory.mktemp(f"single-{task}"))
-        return runs[task]
+    def get(family: str, task: str, model: tuple):
+        key = (family, task, model)
+        if key not in runs:
+            runs[key] = launch(1, tiny_overrides(sst2, cache_dir, task, family) + list(model),
+                               tmp_path_factory.mktemp(f"single-{family}-{task}"), recipe=recipe(family))
+        return runs[key]
 
     return get
 
 
-@pytest.mark.parametrize("name,nproc,overrides,task", CASES)
-def test_layout_matches_single_process(name, nproc, overrides, task, single_process, sst2, cache_dir, tmp_path):
-    reference = single_process(task)
-    run = launch(nproc, tiny_overrides(sst2, cache_dir, task) + overrides, tmp_path / name)
+@pytest.mark.parametrize("family,name,nproc,overrides,task,model", CASES)
+def test_layout_matches_single_process(family, name, nproc, overrides, task, model, single_process, sst2,
+                                       cache_dir, tmp_path):
+    reference = single_process(family, task, model)
+    run = launch(nproc, tiny_overrides(sst2, cache_dir, task, family) + list(model) + overrides, tmp_path / name,
+                 recipe=recipe(family))
     assert len(run.losses) == len(reference.losses) >= 5
     differences = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
-    assert max(differences) < TOLERANCE, f"{name}: loss differences {differences}"
+    assert max(differences) < TOLERANCE, f"{family} {name}: loss differences {differences}"
     # The loss must actually move, or equal trajectories would prove nothing.
     assert reference.losses[0] != reference.losses[-1]
     # Evaluation: every dev row scored once, whatever the layout.

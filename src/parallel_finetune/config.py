@@ -34,7 +34,7 @@ class Config:
     task: Literal["classification", "causal_lm"] = "classification"
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
     tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
-    bpe_vocab_size: int = 8192
+    tokenizer_vocab_size: int = 8192
     # --- data ---
     data_dir: str | None = None  # GLUE-format TSV folder; None = the Hub, else the shipped sample
     cache_dir: str = "data/cache"
@@ -76,7 +76,7 @@ class Config:
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("family", "model", "size", "task", "model_config", "tokenizer", "bpe_vocab_size"),
+    "model": ("family", "model", "size", "task", "model_config", "tokenizer", "tokenizer_vocab_size"),
     "data": ("data_dir", "cache_dir", "max_length", "group_by_length", "eval_batch_size"),
     "training": (
         "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",
@@ -256,7 +256,7 @@ def validate(config: Config, where: str = "config") -> None:
     if config.family not in FAMILIES:
         raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
     for key in ("batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size", "log_every",
-                "bpe_vocab_size", "loss_scale_growth_interval"):
+                "tokenizer_vocab_size", "loss_scale_growth_interval"):
         if getattr(config, key) < 1:
             raise bad(key, "must be at least 1")
     if config.max_steps is not None and config.max_steps < 1:

@@ -137,34 +137,49 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()[:16]
 
 
-def train_bpe_tokenizer(sentences: list[str], vocab_size: int, folder: Path) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer learned from the training sentences (tiny models run without the Hub)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(kind: str, sentences: list[str], vocab_size: int, folder: Path) -> PreTrainedTokenizerFast:
+    """A tokenizer learned from the training sentences, so tiny models run without the Hub: byte-level BPE for
+    the GPT families, lower-cased WordPiece with [CLS] ... [SEP] for BERT."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(sentences, trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, pad_token=EOS,
-                                        unk_token=EOS, padding_side="right")
+    if kind == "bpe":
+        raw = Tokenizer(models.BPE())
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        raw.decoder = decoders.ByteLevel()
+        raw.train_from_iterator(sentences, trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=EOS, bos_token=EOS, pad_token=EOS,
+                                            unk_token=EOS, padding_side="right")
+    else:
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        raw = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        raw.normalizer = normalizers.BertNormalizer(lowercase=True)
+        raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        raw.decoder = decoders.WordPiece()
+        raw.train_from_iterator(sentences, trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+        cls, sep = raw.token_to_id("[CLS]"), raw.token_to_id("[SEP]")
+        raw.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]",
+                                            cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                            padding_side="right")
     _save_atomically(folder, tokenizer.save_pretrained)
     return tokenizer
 
 
-def load_tokenizer(name: str | None, size: str, family_default: str, bpe_vocab_size: int,
+def load_tokenizer(name: str | None, size: str, model_name: str, tiny_kind: str, vocab_size: int,
                    train_sentences: list[str], source: Source, cache_dir: Path) -> PreTrainedTokenizerFast:
     if name is None and size == "tiny":
-        folder = cache_dir / "tokenizers" / f"bpe{bpe_vocab_size}-{source.fingerprint}"
+        folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-{source.fingerprint}"
         if folder.is_dir():
             return AutoTokenizer.from_pretrained(folder)
-        log.info("training a byte-level BPE tokenizer (vocab %d) on %d sentences -> %s",
-                 bpe_vocab_size, len(train_sentences), folder)
-        return train_bpe_tokenizer(train_sentences, bpe_vocab_size, folder)
+        log.info("training a %s tokenizer (vocab %d) on %d sentences -> %s", tiny_kind, vocab_size,
+                 len(train_sentences), folder)
+        return train_tokenizer(tiny_kind, train_sentences, vocab_size, folder)
     from .families.base import resolve_model_path
 
-    where = name or family_default
+    where = name or model_name
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(where))
     except UserError:
@@ -227,12 +242,12 @@ class PreparedData:
 
 
 def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: int, tokenizer_name: str | None,
-            size: str, family_default: str, bpe_vocab_size: int) -> PreparedData:
+            size: str, model_name: str, tokenizer_vocab_size: int, tiny_tokenizer: str = "bpe") -> PreparedData:
     """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
     cache_dir = Path(cache_dir)
     raw, source = load_raw(data_dir)
-    tokenizer = load_tokenizer(tokenizer_name, size, family_default, bpe_vocab_size, column(raw["train"], "sentence"),
-                               source, cache_dir)
+    tokenizer = load_tokenizer(tokenizer_name, size, model_name, tiny_tokenizer, tokenizer_vocab_size,
+                               column(raw["train"], "sentence"), source, cache_dir)
     key = f"sst2-{source.fingerprint}-tok{tokenizer_identity(tokenizer)}-{task}-len{max_length}"
     path = cache_dir / key
     if path.is_dir():
@@ -258,8 +273,10 @@ def prepare_for_config(config) -> PreparedData:
     """`prepare` with a run's Config (the trainer and scripts/prepare_data.py share it)."""
     from .families import get_family
 
+    family = get_family(config.family)
     return prepare(config.task, config.data_dir, config.cache_dir, config.max_length, config.tokenizer,
-                   config.size, get_family(config.family).default_model, config.bpe_vocab_size)
+                   config.size, config.model or family.default_model, config.tokenizer_vocab_size,
+                   family.tiny_tokenizer)
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:

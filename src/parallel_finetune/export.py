@@ -28,6 +28,7 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     with torch.device("meta"):
         clean = type(model)(model.config)
     clean.load_state_dict(state, assign=True, strict=True)
+    clean.tie_weights()  # assign=True replaced tied parameters one by one; tie them again (GPT-2, GPT-Neo)
     clean.config.dtype = next(iter(state.values())).dtype
     clean.save_pretrained(out)
     tokenizer.save_pretrained(out)

