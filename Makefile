@@ -20,7 +20,7 @@ PYTEST_ARGS ?= -q
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
-.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench clean-runs help
+.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench bench-minilm clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
@@ -28,6 +28,7 @@ help:
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer, single process"
+	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -72,6 +73,9 @@ test: setup
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/trainer_vs_hf.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+bench-minilm: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 clean-runs:
 	rm -rf runs

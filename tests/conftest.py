@@ -22,7 +22,8 @@ def recipe(family: str) -> Path:
 
 
 # Dropout draws different random numbers on differently sharded tensors; parity runs switch it off.
-NO_DROPOUT = {"bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"]}
+NO_DROPOUT = {"bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"],
+              "gpt2": ["model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"]}
 
 
 def find_sst2() -> Path | None:

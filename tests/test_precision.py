@@ -31,3 +31,25 @@ def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path
     timing = ("step_time_s", "samples_per_s", "tokens_per_s")
     decisions = [[{k: v for k, v in r.items() if k not in timing} for r in rank["history"]] for rank in ranks]
     assert decisions[0] == decisions[1], "both ranks logged the same steps, losses, norms and scales"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gptneo", "bert"])
+def test_fp16_loss_scaling_runs_for_every_family(family, sst2, cache_dir, tmp_path):
+    from conftest import recipe
+
+    overrides = tiny_overrides(sst2, cache_dir, "classification", family, precision="fp16", max_steps=6,
+                               batch_size=8, max_length=32, initial_loss_scale=1024, loss_scale_growth_interval=2)
+    run = launch(2, overrides + ["tensor_parallel_degree=2"], tmp_path, recipe=recipe(family))
+    scale, clean = 1024.0, 0
+    for record in run.records:
+        assert record["loss"] is not None and record["loss"] < 20, record
+        assert record["loss_scale"] == scale, (record, scale)
+        if record["skipped"]:
+            scale, clean = scale / 2, 0
+        else:
+            assert record["grad_norm"] is not None
+            clean += 1
+            if clean == 2:
+                scale, clean = scale * 2, 0
+    assert run.summary["precision"] == "fp16"
+    assert run.summary["skipped_steps"] < len(run.records)

@@ -1,0 +1,48 @@
+"""One epoch of the real all-MiniLM-L6-v2 checkpoint on the full SST-2 train set, single process, bf16.
+
+`make bench-minilm DATA=../shared/data/sst2`: evaluates every 400 steps and prints dev accuracy against the
+training time spent so far (the Hugging Face Trainer reference measured here: 0.852 after 400 steps in 106 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from parallel_finetune.config import load_config  # noqa: E402
+from parallel_finetune.trainer import run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "sst2"))
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. lr=5e-5")
+    args = parser.parse_args()
+    out = REPO / "runs" / "bench" / "minilm-epoch"
+    config = load_config(REPO / "recipes" / "bert" / "minilm.yaml", [
+        f"data_dir={args.data_dir}", "precision=bf16", "eval_every=400", f"output_dir={out}", "overwrite=true",
+        *args.overrides])
+    started = time.perf_counter()
+    summary = run(config)
+    wall = time.perf_counter() - started
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    print(f"\n{'step':>6} {'train s':>8} {'dev accuracy':>13}")
+    for evaluation in evals:
+        seconds = sum(r["step_time_s"] for r in steps[:evaluation["step"]])
+        print(f"{evaluation['step']:>6} {seconds:>8.1f} {evaluation['accuracy']:>13.4f}")
+    print(f"one epoch: dev accuracy {summary['accuracy']:.4f}, wall {wall:.1f} s "
+          f"(train {summary['seconds']['train']:.1f} s, {summary['train_samples_per_s']:.1f} samples/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
