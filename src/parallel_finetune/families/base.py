@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from ..errors import UserError
@@ -29,15 +29,31 @@ class Family:
         """The sizes that tensor parallelism splits, by the config's own names (heads, hidden, inner...)."""
         raise NotImplementedError
 
-    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        raise NotImplementedError
+    # The Megatron split of every transformer block: these modules (paths inside a block) are sharded by
+    # output features, those by input features, so each block needs one all-reduce for attention and one for
+    # the MLP in the forward pass.
+    block_path: str  # where the ModuleList of blocks lives, e.g. "transformer.h"
+    column_wise: tuple[str, ...]
+    row_wise: tuple[str, ...]
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         """After sharding, attention modules must reshape with the per-rank head count."""
         raise NotImplementedError
 
+    def extra_tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        """Styles for modules outside the blocks (e.g. a vocabulary-sharded embedding); none by default."""
+        return {}
+
+    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        plan: dict[str, ParallelStyle] = {}
+        for i in range(len(self.blocks(model))):
+            plan.update({f"{self.block_path}.{i}.{name}": ColwiseParallel() for name in self.column_wise})
+            plan.update({f"{self.block_path}.{i}.{name}": RowwiseParallel() for name in self.row_wise})
+        plan.update(self.extra_tp_plan(model))
+        return plan
+
     def blocks(self, model: nn.Module) -> nn.ModuleList:
-        raise NotImplementedError
+        return model.get_submodule(self.block_path)
 
     def to_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Undo any surgery `build` did, so the exported state matches the unmodified transformers class."""

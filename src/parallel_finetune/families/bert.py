@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import BertConfig, BertForSequenceClassification
 
 from .base import Family, localize_heads
@@ -25,25 +24,12 @@ class Bert(Family):
         return {"num_attention_heads": hf_config.num_attention_heads, "hidden_size": hf_config.hidden_size,
                 "intermediate_size": hf_config.intermediate_size}
 
-    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        plan: dict[str, ParallelStyle] = {}
-        for i in range(len(self.blocks(model))):
-            layer = f"bert.encoder.layer.{i}"
-            plan.update({
-                f"{layer}.attention.self.query": ColwiseParallel(),
-                f"{layer}.attention.self.key": ColwiseParallel(),
-                f"{layer}.attention.self.value": ColwiseParallel(),
-                f"{layer}.attention.output.dense": RowwiseParallel(),
-                f"{layer}.intermediate.dense": ColwiseParallel(),
-                f"{layer}.output.dense": RowwiseParallel(),
-            })
-        # Embeddings (BERT's 30,522-row vocabulary divides by 2 but not by 4), LayerNorms, pooler and classifier
-        # stay replicated.
-        return plan
+    # Embeddings (BERT's 30,522-row vocabulary divides by 2 but not by 4), LayerNorms, pooler and classifier
+    # stay replicated.
+    block_path = "bert.encoder.layer"
+    column_wise = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
+    row_wise = ("attention.output.dense", "output.dense")
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for layer in self.blocks(model):
             localize_heads(layer.attention.self, tp, head_attrs=("num_attention_heads",), width_attrs=("all_head_size",))
-
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return model.bert.encoder.layer

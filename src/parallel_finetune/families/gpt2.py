@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
@@ -83,24 +82,11 @@ class GPT2(Family):
                 out[key] = tensor
         return {k: v.contiguous() for k, v in out.items()}
 
-    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        plan: dict[str, ParallelStyle] = {}
-        for i in range(len(self.blocks(model))):
-            block = f"transformer.h.{i}"
-            plan.update({
-                f"{block}.attn.c_attn.q": ColwiseParallel(),
-                f"{block}.attn.c_attn.k": ColwiseParallel(),
-                f"{block}.attn.c_attn.v": ColwiseParallel(),
-                f"{block}.attn.c_proj": RowwiseParallel(),
-                f"{block}.mlp.c_fc": ColwiseParallel(),
-                f"{block}.mlp.c_proj": RowwiseParallel(),
-            })
-        # wte is tied to lm_head (one Parameter): both stay replicated so the tie survives; wpe too.
-        return plan
+    # wte is tied to lm_head (one Parameter): both stay replicated so the tie survives; wpe too.
+    block_path = "transformer.h"
+    column_wise = ("attn.c_attn.q", "attn.c_attn.k", "attn.c_attn.v", "mlp.c_fc")
+    row_wise = ("attn.c_proj", "mlp.c_proj")
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn, tp, head_attrs=("num_heads",), width_attrs=("embed_dim", "split_size"))
-
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return model.transformer.h

@@ -24,21 +24,14 @@ class GPTJ(Family):
         return {"n_head": hf_config.n_head, "n_embd": hf_config.n_embd,
                 "n_inner": hf_config.n_inner or 4 * hf_config.n_embd, "vocab_size": hf_config.vocab_size}
 
-    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+    block_path = "transformer.h"
+    column_wise = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")
+    row_wise = ("attn.out_proj", "mlp.fc_out")
+
+    def extra_tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        # Vocabulary-sharded embedding: each rank holds vocab/tp rows; the lookup result is all-reduced.
         plan: dict[str, ParallelStyle] = {
-            # Vocabulary-sharded embedding: each rank holds vocab/tp rows; the lookup result is all-reduced.
-            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        }
-        for i in range(len(self.blocks(model))):
-            block = f"transformer.h.{i}"
-            plan.update({
-                f"{block}.attn.q_proj": ColwiseParallel(),
-                f"{block}.attn.k_proj": ColwiseParallel(),
-                f"{block}.attn.v_proj": ColwiseParallel(),
-                f"{block}.attn.out_proj": RowwiseParallel(),
-                f"{block}.mlp.fc_in": ColwiseParallel(),
-                f"{block}.mlp.fc_out": RowwiseParallel(),
-            })
+            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
         if hasattr(model, "lm_head"):
             plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
         # The 2-way classification `score` head and the LayerNorms stay replicated: too small to shard.
@@ -47,6 +40,3 @@ class GPTJ(Family):
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn, tp, head_attrs=("num_attention_heads",), width_attrs=("embed_dim",))
-
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return model.transformer.h

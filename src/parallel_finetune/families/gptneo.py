@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPTNeoForSequenceClassification
 
 from .base import Family, localize_heads
@@ -25,25 +24,12 @@ class GPTNeo(Family):
         return {"num_heads": hf_config.num_heads, "hidden_size": hf_config.hidden_size,
                 "intermediate_size": hf_config.intermediate_size or 4 * hf_config.hidden_size}
 
-    def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        plan: dict[str, ParallelStyle] = {}
-        for i in range(len(self.blocks(model))):
-            block = f"transformer.h.{i}"
-            plan.update({
-                f"{block}.attn.attention.q_proj": ColwiseParallel(),
-                f"{block}.attn.attention.k_proj": ColwiseParallel(),
-                f"{block}.attn.attention.v_proj": ColwiseParallel(),
-                f"{block}.attn.attention.out_proj": RowwiseParallel(),
-                f"{block}.mlp.c_fc": ColwiseParallel(),
-                f"{block}.mlp.c_proj": RowwiseParallel(),
-            })
-        # The token embedding is tied to lm_head: both stay replicated so the tie (one Parameter) survives.
-        # The window mask is a per-position buffer, identical for every head, so local layers need no change.
-        return plan
+    # The token embedding is tied to lm_head: both stay replicated so the tie (one Parameter) survives.
+    # The window mask is a per-position buffer, identical for every head, so local layers need no change.
+    block_path = "transformer.h"
+    column_wise = ("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj", "mlp.c_fc")
+    row_wise = ("attn.attention.out_proj", "mlp.c_proj")
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn.attention, tp, head_attrs=("num_heads",), width_attrs=("embed_dim",))
-
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return model.transformer.h
