@@ -1,7 +1,7 @@
 """The run configuration: one flat, typed dataclass, read from a recipe YAML plus `key=value` overrides.
 
 A recipe may nest its keys under the section names below (`model:`, `data:`, `training:`, `parallel:`,
-`output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
+`memory:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
 `size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). Overrides on the
 command line win over everything and use the flat key (`lr=1e-4`) or the dotted one (`training.lr=1e-4`);
 dictionary keys take a dotted suffix (`model_config.n_layer=4`).
@@ -63,6 +63,13 @@ class Config:
     # --- parallel ---
     tensor_parallel_degree: int | Literal["auto"] = "auto"  # auto = every process of one node
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How the data-parallel ranks hold the training state: none = every rank a full copy; optimizer = AdamW
+    # state sharded (ZeRO-1); full = parameters, gradients and optimizer state sharded (FSDP2); hybrid = sharded
+    # inside groups of `shard_group_size` ranks, replicated across groups (MiCS / HSDP).
+    sharding: Literal["none", "optimizer", "full", "hybrid"] = "none"
+    shard_group_size: int | None = None  # hybrid only; None = the data-parallel ranks of one node
+    activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
+    offload_activations: bool = False  # keep saved activations in CPU memory until the backward needs them
     # --- output ---
     output_dir: str | None = None  # None = a new folder runs/<recipe>-<time>
     overwrite: bool = False  # allow writing into an output_dir that already holds files
@@ -83,7 +90,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
         "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every",
     ),
-    "parallel": ("tensor_parallel_degree", "device"),
+    "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size"),
+    "memory": ("activation_checkpointing", "offload_activations"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
 }
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
@@ -280,6 +288,12 @@ def validate(config: Config, where: str = "config") -> None:
     tp = config.tensor_parallel_degree
     if tp != "auto" and tp < 1:
         raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
+    if config.shard_group_size is not None and config.shard_group_size < 1:
+        raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
+    if config.shard_group_size is not None and config.sharding != "hybrid":
+        raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
+    if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
+        raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in FAMILIES[config.family].tasks:
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}")
     if config.size == "full" and config.model is None and not FAMILIES[config.family].default_model:

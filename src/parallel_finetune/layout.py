@@ -1,7 +1,10 @@
-"""The process layout: how many ranks do data parallelism (dp) and tensor parallelism (tp), and their mesh.
+"""The process layout: degrees of data parallelism (replicated x sharded) and tensor parallelism, and their mesh.
 
-Ranks are laid out dp-major, tp-minor, so a tensor-parallel group is a run of consecutive ranks: on GPUs these
-share a node and its fast links, while data parallelism crosses nodes.
+Ranks are laid out (dp_replicate, dp_shard, tp), tp fastest: a tensor-parallel group is a run of consecutive
+ranks (one node, its fast links), a shard group the next level out, and replication crosses nodes. The
+data-parallel degree is dp_replicate x dp_shard; `sharding` decides how it splits:
+none and optimizer -> all replicate (optimizer sharding shards across the whole data-parallel group),
+full -> all shard, hybrid -> shard inside groups of `shard_group_size`, replicate across them.
 """
 
 from __future__ import annotations
@@ -17,32 +20,80 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UserError
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_degrees(world_size: int, local_world_size: int, tp_requested: int | str, sharding: str,
+                    shard_group_size: int | None) -> Degrees:
+    """The one place that turns the config's parallel keys and the process count into degrees."""
+    tp = local_world_size if tp_requested == "auto" else int(tp_requested)
+    if world_size % tp:
+        raise UserError(f"tensor_parallel_degree={tp} does not divide the {world_size} processes; "
+                        f"use a divisor of {world_size} (the rest become data-parallel replicas)")
+    dp = world_size // tp
+    if sharding == "full":
+        return Degrees(1, dp, tp)
+    if sharding != "hybrid":
+        return Degrees(dp, 1, tp)
+    group = shard_group_size or max(1, local_world_size // tp)
+    if dp % group:
+        raise UserError(f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
+                        f"{dp}; valid: {', '.join(map(str, divisors(dp)))}")
+    return Degrees(dp // group, group, tp)
+
 
 @dataclass
 class Layout:
     world_size: int
     rank: int
     local_rank: int
-    dp: int
-    tp: int
+    degrees: Degrees
+    sharding: str
     device: torch.device
-    mesh: DeviceMesh  # dims ("dp", "tp")
+    mesh: DeviceMesh  # dims MESH_DIMS, plus the flattened "dp"
+
+    @property
+    def dp(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+        return self.mesh["dp"].get_local_rank()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("tp")
+        return self.mesh["dp"].get_group()
 
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: 1-D (dp_shard) for full, 2-D (dp_replicate, dp_shard) for hybrid."""
+        return self.mesh["dp_shard"] if self.sharding == "full" else self.mesh["dp_replicate", "dp_shard"]
+
+    def size(self, dim: str) -> int:
+        return getattr(self.degrees, dim)
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +101,7 @@ class Layout:
 
     def describe(self) -> dict:
         return {"world_size": self.world_size, "data_parallel": self.dp, "tensor_parallel": self.tp,
+                "sharding": self.sharding, "shard_group_size": self.degrees.dp_shard,
                 "device": self.device.type, "backend": dist.get_backend()}
 
 
@@ -61,21 +113,14 @@ def resolve_device(choice: str) -> str:
     return choice
 
 
-def resolve_tp_degree(requested: int | str, world_size: int, local_world_size: int) -> int:
-    tp = local_world_size if requested == "auto" else int(requested)
-    if world_size % tp:
-        raise UserError(f"tensor_parallel_degree={tp} does not divide the {world_size} processes; "
-                        f"use a divisor of {world_size} (the rest become data-parallel replicas)")
-    return tp
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def init_distributed(device_choice: str, tp_requested: int | str) -> Layout:
+def init_distributed(device_choice: str, tp_requested: int | str, sharding: str = "none",
+                     shard_group_size: int | None = None) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -85,7 +130,7 @@ def init_distributed(device_choice: str, tp_requested: int | str) -> Layout:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     device_type = resolve_device(device_choice)
-    tp = resolve_tp_degree(tp_requested, world_size, local_world)
+    degrees = resolve_degrees(world_size, local_world, tp_requested, sharding, shard_group_size)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -96,8 +141,10 @@ def init_distributed(device_choice: str, tp_requested: int | str) -> Layout:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device_type == "cuda" else None)
-    mesh = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return Layout(world_size, rank, local_rank, world_size // tp, tp, device, mesh)
+    mesh = init_device_mesh(device_type, (degrees.dp_replicate, degrees.dp_shard, degrees.tp),
+                            mesh_dim_names=MESH_DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group for what spans all data-parallel ranks
+    return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh)
 
 
 def shutdown() -> None:

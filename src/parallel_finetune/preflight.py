@@ -6,7 +6,7 @@ from .config import Config
 from .data import read_glue_dir
 from .families import get_family
 from .families.base import check_model_source
-from .layout import resolve_tp_degree
+from .layout import resolve_degrees
 from .reporting import choose_output_dir
 
 
@@ -22,8 +22,12 @@ def preflight(config: Config, nproc: int) -> str:
 
     hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
                                  max(config.max_length, 128), config.model_config)
-    tp = resolve_tp_degree(config.tensor_parallel_degree, nproc, nproc)
-    family.check_tp(hf_config, tp)
-    check_batch_split(config.batch_size, nproc // tp, config.gradient_accumulation_steps)
+    degrees = resolve_degrees(nproc, nproc, config.tensor_parallel_degree, config.sharding, config.shard_group_size)
+    family.check_tp(hf_config, degrees.tp)
+    check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
+    sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
+    if config.sharding == "hybrid":
+        sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
     return (f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
-            f"{nproc // tp} data-parallel x {tp} tensor-parallel | data {config.data_dir or 'Hub (sample if offline)'}")
+            f"{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
+            f"data {config.data_dir or 'Hub (sample if offline)'}")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from . import data as data_module
 from .config import Config
@@ -29,9 +30,11 @@ from .export import gather_full_state_dict, save_hf
 from .families import get_family
 from .layout import Layout, init_distributed, shutdown
 from .metrics import load_metric
-from .parallel.gradients import all_reduce_gradients, any_rank, global_grad_norm, scale_gradients
+from .parallel.gradients import reduce_norm_and_loss, scale_gradients
+from .parallel.memory import apply_activation_checkpointing, measure_state_bytes, offload_context
+from .parallel.sharding import DataParallelAdamW, ZeroAdamW, apply_fsdp
 from .parallel.tensor import apply_tp
-from .precision import DynamicLossScaler, autocast, resolve_precision
+from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
                         write_yaml)
 
@@ -81,19 +84,6 @@ def tiny_vocab_size(tokenizer_size: int) -> int:
     return -(-tokenizer_size // 64) * 64
 
 
-def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No decay on biases and norm weights (every 1-D parameter). DTensor and plain parameters go into
-    separate groups, so the fused/foreach kernels never see a mix (they reject one)."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[tuple[bool, bool], list] = {}
-    for param in model.parameters():
-        if param.requires_grad:
-            groups.setdefault((param.ndim >= 2, isinstance(param, DTensor)), []).append(param)
-    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, _), params in sorted(groups.items())]
-
-
 class Trainer:
     def __init__(self, config: Config, after_backward: Callable[["Trainer", int], None] | None = None):
         self.config = config
@@ -102,12 +92,14 @@ class Trainer:
         self.timer = PhaseTimer()
         self.step = 0
         self.history: list[dict] = []
+        self.state_bytes: dict[str, int] | None = None  # measured at the first optimizer step
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         config = self.config
         with self.timer("setup"):
-            self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree)
+            self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree, config.sharding,
+                                                    config.shard_group_size)
             logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
                                 force=True)
             transformers.logging.set_verbosity_error()
@@ -119,7 +111,6 @@ class Trainer:
             self.data = self._prepare_data()
         with self.timer("model"):
             self.model = self._build_model()
-            self.params = [p for p in self.model.parameters() if p.requires_grad]
             self._build_optimizer()
         # Only now, with every input accepted, does the run folder appear (a failed start leaves nothing).
         if layout.is_main:
@@ -162,18 +153,28 @@ class Trainer:
                      sum(p.numel() for p in model.parameters()) / 1e6)
         model.to(layout.device)
         apply_tp(model, family, layout.tp_mesh)
+        checkpointed = apply_activation_checkpointing(family.blocks(model), config.activation_checkpointing)
+        if checkpointed:
+            log.info("activation checkpointing: blocks %s of %d", checkpointed, len(family.blocks(model)))
+        if config.offload_activations and layout.device.type == "cpu":
+            log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
+                        "memory (the offload still runs, so the code path is the one GPUs use)")
+        if layout.sharding in ("full", "hybrid"):
+            compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else None
+            apply_fsdp(model, family.blocks(model), layout, compute_dtype)
         return model
 
     def _build_optimizer(self) -> None:
         config = self.config
-        # The fused kernel (one launch per group; what the HF Trainer also uses) is ~10% of a CPU step faster.
-        self.optimizer = torch.optim.AdamW(optimizer_groups(self.model, config.weight_decay), lr=config.lr,
-                                           betas=tuple(config.adam_betas), eps=config.adam_eps, fused=True)
+        kind = ZeroAdamW if config.sharding == "optimizer" else DataParallelAdamW
+        self.optimizer = kind(self.model, self.layout, config.weight_decay, config.lr, config.adam_betas,
+                              config.adam_eps)
         self.steps_per_epoch = len(self.batches)
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
         try:
-            self.scheduler = transformers.get_scheduler(config.lr_scheduler, self.optimizer, num_warmup_steps=warmup,
+            self.scheduler = transformers.get_scheduler(config.lr_scheduler, self.optimizer.optimizer,
+                                                        num_warmup_steps=warmup,
                                                         num_training_steps=self.total_steps)
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
@@ -206,34 +207,44 @@ class Trainer:
         with autocast(self.precision, self.layout.device):
             return self.model(**model_inputs(batch)).logits
 
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP reduce-scatters in every backward unless told not to: only the last micro-batch's should."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+
     def train_step(self, global_batch: list[int]) -> dict:
         config, layout = self.config, self.layout
         started = time.perf_counter()
         count = self.loss_count(global_batch)
         scale = self.scaler.scale
         local_loss = torch.zeros((), device=layout.device)
-        for indices in data_module.local_micro_batches(global_batch, layout.dp_rank, layout.dp,
-                                                       config.gradient_accumulation_steps):
+        micro_batches = data_module.local_micro_batches(global_batch, layout.dp_rank, layout.dp,
+                                                        config.gradient_accumulation_steps)
+        for number, indices in enumerate(micro_batches, start=1):
+            self._set_gradient_sync(number == len(micro_batches))
             batch = self.micro_batch(indices)
-            loss = self.loss_sum(self.forward(batch), batch) / count
+            with offload_context(config.offload_activations, layout.device):
+                loss = self.loss_sum(self.forward(batch), batch) / count
             (loss * scale).backward()
             local_loss += loss.detach()
         if self.after_backward is not None:
             self.after_backward(self, self.step + 1)
-        loss = all_reduce_gradients(self.params, layout.dp_group, extra=local_loss)
-        grad_norm = global_grad_norm(self.params, layout.tp_group) / scale
-        nonfinite = not math.isfinite(grad_norm)
-        if self.scaler.enabled:
-            nonfinite = any_rank(nonfinite, layout.device)
-        skipped = self.scaler.update(nonfinite)
+        self.optimizer.sync_gradients()
+        pieces = self.optimizer.gradient_pieces()
+        # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
+        grad_norm, loss = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size)
+        grad_norm /= scale
+        skipped = self.scaler.update(not math.isfinite(grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             clip = config.max_grad_norm
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-            scale_gradients(self.params, coefficient / scale)
+            scale_gradients([grad for grad, _ in pieces], coefficient / scale)
             self.optimizer.step()
+            if self.state_bytes is None:  # gradients and optimizer state all exist now: the peak of both
+                self.state_bytes = measure_state_bytes(self.model, self.optimizer.optimizer)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(self.train_lengths[i] for i in global_batch)
@@ -325,6 +336,8 @@ class Trainer:
         layout = self.layout
         memory = [None] * layout.world_size
         dist.all_gather_object(memory, round(peak_memory_mib(layout.device), 1))
+        state_bytes = [None] * layout.world_size
+        dist.all_gather_object(state_bytes, self.state_bytes)
         trained = self.history
         train_seconds = sum(r["step_time_s"] for r in trained) or float("nan")
         samples = len(trained) * self.config.batch_size
@@ -344,6 +357,7 @@ class Trainer:
             "precision": self.precision,
             "seconds": {k: round(v, 3) for k, v in self.timer.seconds.items()},
             "peak_memory_mib_per_rank": memory,
+            "state_bytes_per_rank": state_bytes,
             "versions": package_versions(),
         }
 

@@ -1,7 +1,11 @@
-"""Gradient synchronisation and global norms over a mix of DTensor (sharded) and plain (replicated) parameters.
+"""Gradient summing over data-parallel ranks, and the one step-wide reduction of the gradient norm and loss.
 
-Tensor-parallel models hold both kinds (LayerNorms and small heads stay plain). torch's GradScaler and foreach
-norm kernels reject such a mix, so these functions work on local shards and reduce explicitly.
+A rank's gradients are a mix: tensor-parallel shards (DTensor), FSDP shards (DTensor), optimizer-sharding
+slices (plain tensors owned by one data-parallel rank) and replicated pieces (LayerNorms, or everything under
+plain data parallelism). Each piece comes with its replica count, the number of ranks that hold the very same
+numbers; summing square/replicas over the world counts every element of the full gradient exactly once. One
+all-reduce of [norm², loss] then gives every rank the global norm, the global loss, and (the norm being inf or
+NaN as soon as any rank overflowed) the fp16 skip decision they must all share.
 """
 
 from __future__ import annotations
@@ -14,78 +18,65 @@ from torch.distributed.tensor import DTensor
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024  # 128 MiB of fp32 per all-reduce: few collectives, bounded extra memory
 
+GradPiece = tuple[torch.Tensor, int]  # (local gradient, how many ranks hold the same numbers)
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+def replicas(tensor: torch.Tensor, world_size: int) -> int:
+    """Ranks holding identical copies of this rank's piece. A plain tensor is on every rank; a DTensor is
+    copied along each mesh dimension where it is replicated (FSDP's `_StridedShard` is no `Shard`, so test for
+    replication) and across every rank outside its mesh (the data-parallel replicas of a tensor-parallel mesh)."""
+    if not isinstance(tensor, DTensor):
+        return world_size
+    mesh = tensor.device_mesh
+    copies = world_size // mesh.size()
+    for size, placement in zip(mesh.shape, tensor.placements):
+        if placement.is_replicate():
+            copies *= size
+    return copies
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup,
-                         extra: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Sum gradients over the data-parallel group in a few flat buckets; `extra` (e.g. the loss) rides along.
-
-    Summing (not averaging) is right because every micro-batch loss is already divided by the global count.
-    """
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    if extra is not None:
-        grads.append(extra.reshape(1))
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum tensors over `group` in a few flat fp32 buckets (one collective each instead of one per tensor)."""
     if dist.get_world_size(group) == 1:
-        return extra
+        return
     bucket: list[torch.Tensor] = []
     size = 0
-    for grad in grads + [None]:
-        if grad is not None and (size + grad.numel() <= BUCKET_ELEMENTS or not bucket):
-            bucket.append(grad)
-            size += grad.numel()
+    for tensor in tensors + [None]:
+        if tensor is not None and (size + tensor.numel() <= BUCKET_ELEMENTS or not bucket):
+            bucket.append(tensor)
+            size += tensor.numel()
             continue
         if not bucket:
             break
-        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        flat = torch.cat([t.reshape(-1).float() for t in bucket])
         dist.all_reduce(flat, group=group)
         offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        bucket, size = ([grad], grad.numel()) if grad is not None else ([], 0)
-    return extra
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], tp_group: dist.ProcessGroup) -> float:
-    """L2 norm of the full gradient: squares of sharded pieces summed over the tp group, replicas counted once."""
-    sharded = torch.zeros((), dtype=torch.float32, device=_device(params))
-    replicated = torch.zeros((), dtype=torch.float32, device=_device(params))
-    for p in params:
-        if p.grad is None:
-            continue
-        square = local(p.grad).float().pow(2).sum()
-        if is_sharded(p.grad):
-            sharded += square
-        else:
-            replicated += square
-    if dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    return math.sqrt((sharded + replicated).item())
+def reduce_norm_and_loss(pieces: list[GradPiece], loss: torch.Tensor, loss_replicas: int,
+                         world_size: int) -> tuple[float, float]:
+    """(global gradient L2 norm, global loss) from this rank's pieces and its share of the loss."""
+    device = loss.device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for grad, copies in pieces:
+        totals[0] += grad.float().pow(2).sum().double() / copies
+    totals[1] = loss.double() / loss_replicas
+    if world_size > 1:
+        dist.all_reduce(totals)
+    norm_squared, total_loss = totals.tolist()
+    return math.sqrt(norm_squared) if norm_squared >= 0 else float("nan"), total_loss
 
 
-def scale_gradients(params: list[torch.nn.Parameter], factor: float) -> None:
+def scale_gradients(grads: list[torch.Tensor], factor: float) -> None:
     if factor == 1.0:
         return
-    for p in params:
-        if p.grad is not None:
-            local(p.grad).mul_(factor)
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True when `flag` is set on any rank of the world: the one decision all ranks must share."""
-    if dist.get_world_size() == 1:
-        return flag
-    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
-
-
-def _device(params: list[torch.nn.Parameter]) -> torch.device:
-    return local(params[0]).device
+    for grad in grads:
+        grad.mul_(factor)

@@ -1,0 +1,59 @@
+"""Activation memory savers: per-block activation checkpointing and offloading saved activations to the CPU.
+
+Checkpointing replaces a block's `forward` on the instance (no wrapper module), so parameter names, state
+dicts and exported checkpoints stay those of the unmodified model. The non-reentrant implementation saves the
+RNG state, so dropout draws the same masks when the block is recomputed: the loss does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("parallel_finetune")
+
+
+def checkpointed_blocks(blocks: nn.ModuleList, every: bool | int) -> list[int]:
+    """Indices of the blocks to checkpoint: all (true), every N-th (N), none (false or 0)."""
+    if every is False or every == 0:
+        return []
+    step = 1 if every is True else int(every)
+    return list(range(0, len(blocks), step))
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, every: bool | int) -> list[int]:
+    chosen = checkpointed_blocks(blocks, every)
+    for index in chosen:
+        block = blocks[index]
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return chosen
+
+
+def offload_context(enabled: bool, device: torch.device):
+    """Saved activations go to (pinned) CPU memory during the forward and come back for the backward."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (tensor accounting, not process RSS).
+    Flat-buffer views (optimizer sharding) are counted once, as the model's parameters and gradients."""
+    params = list(model.parameters())
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor) and value.numel() > 1]  # not the scalar `step` counters
+    return {"params": sum(_local_bytes(p) for p in params),
+            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(_local_bytes(t) for t in state)}
