@@ -19,6 +19,15 @@ GPTJ_LAYOUTS = [
     ("accumulation4", 1, ["gradient_accumulation_steps=4"], ("classification", "causal_lm")),
     ("dp2_accumulation2", 2, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ("classification",)),
 ]
+# Memory savers: each row turns on one sharding scheme plus one activation saver, all checked against one process.
+MEMORY_LAYOUTS = [
+    ("optimizer_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
+    ("full_dp2_checkpointing", 2, ["tensor_parallel_degree=1", "sharding=full", "activation_checkpointing=true"]),
+    ("hybrid_2x2_offload", 4, ["tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=2",
+                               "offload_activations=true"]),
+    ("full_dp2_tp2_checkpointing_every2", 4, ["tensor_parallel_degree=2", "sharding=full",
+                                              "activation_checkpointing=2"]),
+]
 TASKS = {"gptj": ("classification", "causal_lm"), "gpt2": ("classification", "causal_lm"),
          "gptneo": ("classification", "causal_lm"), "bert": ("classification",)}
 # 6 heads on TP=2 leaves 3 heads per rank: an odd count exposes any head-count bookkeeping error.
@@ -35,6 +44,10 @@ CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], task, (),
           for family in ("gpt2", "gptneo", "bert") for task in TASKS[family]]
 CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], "classification", tuple(SIX_HEADS[family]),
                        id=f"{family}-tp2-3_heads_per_rank") for family in SIX_HEADS]
+CASES += [pytest.param(family, name, nproc, overrides, "classification", (), id=f"{family}-{name}")
+          for family in ("gptj", "bert") for name, nproc, overrides in MEMORY_LAYOUTS]
+CASES += [pytest.param("gpt2", "full_dp2_tp2", 4, ["tensor_parallel_degree=2", "sharding=full"], "classification", (),
+                       id="gpt2-full_dp2_tp2")]
 
 
 @pytest.fixture(scope="module")

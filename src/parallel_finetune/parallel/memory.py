@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -57,3 +58,20 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {"params": sum(_local_bytes(p) for p in params),
             "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(_local_bytes(t) for t in state)}
+
+
+def peak_activation_bytes(model: nn.Module, forward_backward) -> int:
+    """Peak bytes of activations (saved for the backward, or recomputed) plus backward temporaries while
+    `forward_backward()` runs: tensor accounting by PyTorch's MemTracker, so it works on a CPU too."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None")  # its module tracker, about freed modules
+        with tracker:
+            forward_backward()
+    peak = tracker.get_tracker_snapshot("peak")
+    kinds = {"Activation", "Temp"}
+    return sum(size for per_device in peak.values() for kind, size in per_device.items()
+               if getattr(kind, "value", kind) in kinds)

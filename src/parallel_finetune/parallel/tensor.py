@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..families.base import Family
@@ -15,4 +16,15 @@ def apply_tp(model: nn.Module, family: Family, tp_mesh: DeviceMesh) -> nn.Module
         return model
     parallelize_module(model, tp_mesh, family.tp_plan(model))
     family.localize_attention(model, tp_mesh.size())
+    keep_gradients_sharded(model)
     return model
+
+
+def keep_gradients_sharded(model: nn.Module) -> None:
+    """DTensor's embedding backward returns a *replicated* gradient for a vocabulary-sharded weight: each rank
+    would store (and the optimizer read) the whole table. Re-placing it like its parameter is a local slice."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            placements = param.placements
+            param.register_hook(lambda grad, placements=placements:
+                                grad if grad.placements == placements else grad.redistribute(placements=placements))
