@@ -1,0 +1,404 @@
+"""Layout planner: memory per GPU and time per SST-2 epoch for every tensor x pipeline x data-parallel layout.
+
+Nothing is downloaded: known models are built from their published config values (below) on the meta device, so
+parameter counts are exact. Assumptions, also printed under the table:
+- 1 GB = 1e9 bytes; GPU memory as sold (a 40 GB A100 counts 40e9; its real 40 GiB = 42.9e9 is left as margin).
+  Total = 1.1 x (state + activations) + 1.5 GB for the CUDA context and allocator fragmentation.
+- State as the trainer keeps it: fp32 master parameters 4 B, fp32 gradients 4 B, AdamW exp_avg + exp_avg_sq 8 B
+  per parameter; 16-bit autocast. The 16-bit weight copies autocast saves for the backward are not counted: the
+  fp32 gradients do not exist during the forward and grow as those copies are freed, so 16 B/parameter +
+  activations bounds the peak. Per rank: parameters in the family's tp_plan / tp (row-wise biases replicated),
+  others whole; a vocabulary-sharded embedding's gradient (GPT-J's wte) is whole too: DTensor returns it
+  replicated (measured). `optimizer` (ZeRO-1) divides the optimizer state over the dp ranks, `full` (FSDP) also
+  parameters and gradients and adds one block's all-gathered 16-bit copy; `hybrid` = `full` within a node.
+- Pipeline: contiguous stages, later ones take the extra blocks; the first holds the embeddings, the last the final
+  norm and head (and a copy of tied embeddings); the worst stage is reported. 1F1B: stage i holds min(m, pp - i)
+  micro-batches in flight; m = the largest divisor of batch/dp that is <= 4 x pp (m = 1 without pipeline).
+- Activations (Korthikanti et al. 2022, 16-bit, no sequence parallelism): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
+  per layer and micro-batch, s = max_length (the worst batch), b = micro-batch size; with checkpointing 2*s*b*h
+  per layer (its input) plus one layer's full activations. causal_lm adds 10*s*b*vocab for the logits (16-bit,
+  the fp32 copy and the fp32 log-softmax the loss keeps).
+- Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers, plus attention
+  12*L*s*h (+4*L*s*h), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1). Here s = tokens
+  per sample, 13.4 by default: SST-2 with dynamic padding and length-grouped batches (measured 13.3 real, 13.9
+  padded WordPiece tokens per sentence incl. [CLS]/[SEP]; GPT-2 BPE has no special tokens); max_length with
+  `padded`. An epoch is 67,349 // batch steps, as the trainer draws them.
+- Communication, not overlapped (the trainer all-reduces after the backward), ring algorithms at 70% of the nominal
+  link: tensor parallel 4 (+2 recomputed) all-reduces of s*b*h*2 bytes per layer and micro-batch; data parallel
+  an all-reduce of the fp32 gradients (ZeRO-1 the same volume); FSDP two 16-bit all-gathers and an fp32
+  reduce-scatter; between nodes, the node's network / GPUs per node. Pipeline sends and latency are ignored.
+- The trainer runs pp=1, sharding none, no checkpointing today; the other layouts estimate planned features.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
+from transformers import AutoConfig, PretrainedConfig
+
+from .errors import UserError
+from .families import FAMILIES, Family
+from .families.base import resolve_model_path
+from .hardware import Hardware, hardware_for, positive_int, positive_number
+
+GB = 1e9
+SST2_TRAIN_SENTENCES = 67_349
+OVERHEAD_FRACTION, OVERHEAD_BYTES = 0.10, 1.5 * GB
+HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
+LINK_EFFICIENCY = 0.7
+SHARDINGS = ("none", "optimizer", "full", "hybrid")
+
+_NEO = dict(vocab_size=50257, max_position_embeddings=2048, window_size=256)
+_GPT2 = dict(vocab_size=50257, n_positions=1024)
+_BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
+# Published config.json values of the Hub checkpoints, so planning needs no download.
+KNOWN_MODELS: dict[str, tuple[str, dict]] = {
+    "EleutherAI/gpt-j-6b": ("gptj", dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
+                                         n_inner=16384, rotary_dim=64)),
+    "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_inner=3072)),
+    "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_inner=4096)),
+    "gpt2-large": ("gpt2", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20, n_inner=5120)),
+    "gpt2-xl": ("gpt2", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25, n_inner=6400)),
+    "EleutherAI/gpt-neo-125m": ("gptneo", dict(_NEO, hidden_size=768, num_layers=12, num_heads=12,
+                                               intermediate_size=3072, attention_types=[[["global", "local"], 6]])),
+    "EleutherAI/gpt-neo-1.3B": ("gptneo", dict(_NEO, hidden_size=2048, num_layers=24, num_heads=16,
+                                               intermediate_size=8192, attention_types=[[["global", "local"], 12]])),
+    "EleutherAI/gpt-neo-2.7B": ("gptneo", dict(_NEO, hidden_size=2560, num_layers=32, num_heads=20,
+                                               intermediate_size=10240, attention_types=[[["global", "local"], 16]])),
+    "bert-base-uncased": ("bert", dict(_BERT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                       intermediate_size=3072)),
+    "bert-large-uncased": ("bert", dict(_BERT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                        intermediate_size=4096)),
+}
+
+
+class _NoTokenizer:
+    pad_token_id = 0  # all that Family.build reads from a tokenizer
+
+
+@dataclass
+class ModelShape:
+    """Parameter counts as (tensor-parallel-sharded, replicated) pairs, by where a pipeline puts them."""
+    name: str
+    family: Family
+    hf_config: PretrainedConfig
+    task: str
+    blocks: list[tuple[int, int]]
+    embedding: tuple[int, int]  # before the first block: the first stage
+    head: tuple[int, int]  # after the last block: the last stage
+    tied: tuple[int, int]  # embedding parameters the head reuses: a second copy on a last stage that is not first
+    total: int
+    matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
+    # Vocabulary-sharded embedding weights: DTensor's embedding backward returns their gradient replicated, whole
+    # on every rank (measured with the trainer's GPT-J plan), so their gradient is not divided by tp.
+    whole_grad: int = 0
+
+    hidden = property(lambda self: self.hf_config.hidden_size)
+    heads = property(lambda self: self.hf_config.num_attention_heads)
+    layers = property(lambda self: len(self.blocks))
+
+
+def model_config(model: str) -> tuple[Family, PretrainedConfig]:
+    from .trainer import tiny_vocab_size  # local: the trainer imports the data stack
+
+    known = {name.lower(): name for name in KNOWN_MODELS}
+    if model.lower() in known:
+        family_name, values = KNOWN_MODELS[known[model.lower()]]
+        family = FAMILIES[family_name]
+        return family, family.config_class(**values)
+    if model.startswith("tiny:"):
+        family = FAMILIES.get(model[len("tiny:"):])
+        if family is None:
+            raise UserError(f"model={model!r}: no such family; valid: {', '.join('tiny:' + f for f in FAMILIES)}")
+        return family, family.hf_config(None, "tiny", tiny_vocab_size(8192), 128, {})
+    folder = resolve_model_path(model)
+    if not (Path(folder) / "config.json").is_file():
+        raise UserError(f"model={model!r} is not known offline; known: {', '.join(KNOWN_MODELS)}, "
+                        f"a local folder with config.json, package:MODULE or tiny:FAMILY")
+    config = AutoConfig.from_pretrained(folder)
+    for family in FAMILIES.values():
+        if isinstance(config, family.config_class):
+            return family, config
+    raise UserError(f"model={model!r} is a {type(config).__name__}; the planner knows the families "
+                    f"{', '.join(FAMILIES)}")
+
+
+def model_shape(model: str, task: str = "classification") -> ModelShape:
+    family, hf_config = model_config(model)
+    if task not in family.tasks:
+        raise UserError(f"task={task!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}")
+    with torch.device("meta"):
+        built = family.build(task, hf_config, None, "tiny", _NoTokenizer())
+    plan = family.tp_plan(built)
+    prefix = family.block_path + "."
+    blocks = [[0, 0] for _ in family.blocks(built)]
+    embedding, head, tied = [0, 0], [0, 0], [0, 0]
+    where: dict[int, str] = {}  # id(parameter) -> "embedding" | "block" | "head": ties appear under two names
+    after_blocks = False  # parameters come in module order: embeddings, blocks, final norm and head
+    whole_grad = 0
+    for name, param in built.named_parameters(remove_duplicate=False):
+        module, _, leaf = name.rpartition(".")
+        style = plan.get(module)
+        replicated = style is None or (isinstance(style, RowwiseParallel) and leaf == "bias")
+        if name.startswith(prefix):
+            place, counts = "block", blocks[int(name[len(prefix):].split(".")[0])]
+            after_blocks = True
+        elif after_blocks:
+            place, counts = "head", head
+        else:
+            place, counts = "embedding", embedding
+        if id(param) in where:
+            if place == "head" and where[id(param)] == "embedding":
+                tied[replicated] += param.numel()
+            continue
+        where[id(param)] = place
+        counts[replicated] += param.numel()
+        if not replicated and isinstance(built.get_submodule(module), nn.Embedding):
+            whole_grad += param.numel()
+    matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
+    return ModelShape(model, family, hf_config, task, [tuple(b) for b in blocks], tuple(embedding), tuple(head),
+                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul, whole_grad)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    sharding: str
+    ac: bool  # activation checkpointing
+    microbatches: int  # per data-parallel rank and step (pipeline micro-batches)
+    shard_degree: int = 1  # ranks that share one copy of the sharded state
+
+    def describe(self, batch_size: int) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} sharding={self.sharding} ac={'on' if self.ac else 'off'} "
+                f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}")
+
+    runs_today = property(lambda self: self.pp == 1 and self.sharding == "none" and not self.ac)
+
+
+def stages(shape: ModelShape, pp: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """(blocks, parameter parts) of each pipeline stage; later stages take the blocks that do not divide evenly."""
+    n = shape.layers
+    sizes = [n // pp + (i >= pp - n % pp) for i in range(pp)]
+    result, start = [], 0
+    for i, size in enumerate(sizes):
+        first, last = i == 0, i == pp - 1
+        parts = (shape.blocks[start:start + size] + [shape.embedding] * first + [shape.head] * last
+                 + [shape.tied] * (last and not first))
+        result.append((size, parts))
+        start += size
+    return result
+
+
+def rank_elements(parts: list[tuple[int, int]], tp: int) -> list[float]:
+    return [sharded / tp + replicated for sharded, replicated in parts]
+
+
+def memory_per_gpu(shape: ModelShape, layout: Layout, seq_len: int, batch_size: int) -> dict[str, float]:
+    """Bytes on the fullest GPU (the worst pipeline stage): params, grads, optimizer, activations, total."""
+    s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
+    b = batch_size // (layout.dp * layout.microbatches)
+    layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    fsdp = layout.sharding in ("full", "hybrid")
+    state_divisor = layout.shard_degree if fsdp else 1
+    optimizer_divisor = layout.shard_degree if layout.sharding != "none" else 1
+    worst: dict[str, float] = {}
+    for i, (blocks, parts) in enumerate(stages(shape, layout.pp)):
+        per_part = rank_elements(parts, t)
+        elements = sum(per_part)
+        grad_elements = elements + (shape.whole_grad * (1 - 1 / t) if i == 0 else 0)
+        in_flight = min(layout.microbatches, layout.pp - i)
+        kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
+        if i == layout.pp - 1 and shape.task == "causal_lm":
+            kept += 10 * s * b * shape.hf_config.vocab_size
+        memory = {"params": 4 * elements / state_divisor + (2 * max(per_part) if fsdp else 0),
+                  "grads": 4 * grad_elements / state_divisor, "optimizer": 8 * elements / optimizer_divisor,
+                  "activations": kept}
+        memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
+        if memory["total"] > worst.get("total", -1):
+            worst = memory
+    return worst
+
+
+def step_seconds(shape: ModelShape, hardware: Hardware, layout: Layout, batch_size: int,
+                 tokens_per_sample: float, mfu: float) -> float:
+    s, h, L, recompute = tokens_per_sample, shape.hidden, shape.layers, int(layout.ac)
+    m, pp, dp, t = layout.microbatches, layout.pp, layout.dp, layout.tp
+    flops = batch_size * s * ((6 + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * h)
+    compute = flops / (hardware.world * hardware.spec.tflops * 1e12 * mfu) * (m + pp - 1) / m
+    intra = hardware.spec.link_gb_s * GB * LINK_EFFICIENCY
+    inter = hardware.internode_gbits / 8 / hardware.gpus_per_node * GB * LINK_EFFICIENCY
+    dp_link = intra if hardware.nodes == 1 else inter
+    tensor = (4 + 2 * recompute) * math.ceil(L / pp) * (batch_size / dp) * s * h * 2 * 2 * (t - 1) / t / intra
+    elements = max(sum(rank_elements(parts, t)) for _, parts in stages(shape, pp))
+    if layout.sharding in ("none", "optimizer"):
+        data = 2 * (dp - 1) / dp * 4 * elements / dp_link
+    elif layout.sharding == "full":
+        data = (dp - 1) / dp * 8 * elements / dp_link
+    else:  # hybrid: FSDP inside the node, then an all-reduce of each shard across the nodes
+        shard, replicas = layout.shard_degree, dp // layout.shard_degree
+        data = ((shard - 1) / shard * 8 * elements / intra
+                + 2 * (replicas - 1) / replicas * 4 * elements / shard / inter)
+    return compute + tensor + data
+
+
+def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) -> list[Layout]:
+    layouts = []
+    for tp in shape.family.valid_tp_degrees(shape.hf_config):
+        for pp in (1, 2, 4, 8):
+            if hardware.gpus_per_node % tp or hardware.world % (tp * pp) or pp > shape.layers:
+                continue
+            dp = hardware.world // (tp * pp)
+            if batch_size % dp:
+                continue
+            per_rank = batch_size // dp
+            m = max(d for d in range(1, min(per_rank, 4 * pp) + 1) if per_rank % d == 0) if pp > 1 else 1
+            for sharding in SHARDINGS:
+                shard = {"none": 1, "optimizer": dp, "full": dp, "hybrid": dp // hardware.nodes}[sharding]
+                if sharding != "none" and dp == 1:
+                    continue  # nothing to shard over
+                if sharding == "hybrid" and (hardware.nodes == 1 or dp % hardware.nodes or not 1 < shard < dp):
+                    continue
+                layouts += [Layout(tp, pp, dp, sharding, ac, m, shard) for ac in (False, True)]
+    return layouts
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    memory: dict[str, float]  # bytes per GPU
+    step_s: float
+    epoch_min: float
+    fits: bool
+
+
+COLUMNS = ("tp", "pp", "dp", "sharding", "ac", "micro", "params", "grads", "optim", "activ", "total GB", "fits",
+           "step s", "epoch min")
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    hardware: Hardware
+    rows: list[Row]  # best first: fitting layouts by epoch time, then the others by epoch time
+    recommended: Row | None
+    batch_size: int
+    seq_len: int
+    tokens_per_sample: float
+    mfu: float
+
+    def table(self, limit: int | None = 15) -> str:
+        """The best `limit` rows (all with None), plus the recommended one if it is further down."""
+        shown = self.rows if limit is None else self.rows[:limit]
+        if self.recommended is not None and self.recommended not in shown:
+            shown = shown + [self.recommended]
+        cells = [COLUMNS] + [self._cells(row) for row in shown]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+        align = [str.ljust if name == "sharding" else str.rjust for name in COLUMNS]
+        lines = self._header() + ["  ".join(a(c, w) for a, c, w in zip(align, line, widths)) for line in cells]
+        if len(shown) < len(self.rows):
+            lines.append(f"... {len(self.rows) - len(shown)} more layouts (--all / table(limit=None) prints all)")
+        lines.append(self._verdict())
+        return "\n".join(lines + [""] + self._footer())
+
+    __str__ = table
+
+    def _cells(self, row: Row) -> tuple[str, ...]:
+        lay, mem = row.layout, row.memory
+        micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
+        sizes = [f"{mem[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "activations")]
+        return (str(lay.tp), str(lay.pp), str(lay.dp), lay.sharding, "on" if lay.ac else "off", micro, *sizes,
+                f"{mem['total'] / GB:.1f}", "yes" if row.fits else "no", f"{row.step_s:.3f}", f"{row.epoch_min:.1f}")
+
+    def _header(self) -> list[str]:
+        shape, hw = self.shape, self.hardware
+        where = f" ({hw.instance})" if hw.instance else ""
+        return [f"{shape.name} ({shape.family.name}, {shape.task}): {shape.total:,} parameters, {shape.layers} blocks, "
+                f"hidden {shape.hidden}, {shape.heads} heads; valid tp "
+                f"{', '.join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))}",
+                f"{hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu}{where}: {hw.memory_gb:g} GB each, "
+                f"{hw.spec.tflops:g} TFLOP/s 16-bit peak, {hw.spec.link_gb_s:g} GB/s GPU link"
+                + (f", {hw.internode_gbits:g} Gbit/s between nodes" if hw.nodes > 1 else "") + hw.note,
+                f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
+                f"of {self.batch_size}; memory at {self.seq_len} tokens per sequence, time at "
+                f"{self.tokens_per_sample:g} tokens per sample, MFU {self.mfu:g}", ""]
+
+    def _verdict(self) -> str:
+        best = self.recommended
+        if best is None:
+            fitting = [row for row in self.rows if row.fits]
+            return (f"recommended: nothing fits with {HEADROOM:.0%} headroom; " + (
+                f"fastest that fits at all: {fitting[0].layout.describe(self.batch_size)}" if fitting
+                else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"))
+        today = ("the trainer runs this today" if best.layout.runs_today
+                 else "needs pipeline/sharding/checkpointing, not in the trainer yet")
+        return (f"recommended: {best.layout.describe(self.batch_size)}: {best.memory['total'] / GB:.1f} of "
+                f"{self.hardware.memory_gb:g} GB per GPU, {best.epoch_min:.1f} min per epoch ({today})")
+
+    def _footer(self) -> list[str]:
+        return [
+            "Assumptions (details: the parallel_finetune/planner.py docstring):",
+            "- GB = 1e9 bytes, GPU memory as sold; per GPU on the worst pipeline stage. total = 1.1 x (params + grads",
+            "  + optim + activ) + 1.5 GB for CUDA context and fragmentation; fits: total <= GPU memory.",
+            "- State as the trainer keeps it: fp32 params 4 B, fp32 grads 4 B, AdamW 8 B per parameter, 16-bit",
+            "  autocast. tp-sharded parameters / tp (a vocab-sharded embedding's gradient stays whole). optimizer =",
+            "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
+            "- Activations: Korthikanti et al. 2022, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer at",
+            "  s = max_length; ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i micro-batches;",
+            "  micro = count x size.",
+            "- Time: (6N + 12*L*s*h) FLOPs per token (+ 2N + 4*L*s*h with ac) at the MFU of peak, / pipeline",
+            "  efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link rate, not overlapped.",
+            "- The trainer runs pp=1, sharding none, ac off today; other layouts estimate planned features.",
+        ]
+
+
+def plan(model: str, gpus: int | None = None, gpu_mem_gb: float | None = None, instance: str | None = None, *,
+         nodes: int = 1, gpu: str | None = None, task: str = "classification", seq_len: int = 128,
+         batch_size: int = 32, tokens_per_sample: float = 13.4, padded: bool = False, mfu: float = 0.35,
+         runs_today: bool = False) -> Plan:
+    """Every layout of `model` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with `runs_today` only
+    those the trainer runs now. See the module docstring for the assumptions."""
+    hardware = hardware_for(gpus, gpu_mem_gb, instance, gpu, nodes)
+    seq_len, batch_size = positive_int("seq_len", seq_len), positive_int("batch_size", batch_size)
+    tokens_per_sample = positive_number("tokens_per_sample", tokens_per_sample, "13.4")
+    if not 0 < mfu <= 1:
+        raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
+    shape = model_shape(model, task)
+    tokens = seq_len if padded else min(tokens_per_sample, seq_len)
+    steps = SST2_TRAIN_SENTENCES // batch_size
+    rows = []
+    for layout in candidate_layouts(shape, hardware, batch_size):
+        if runs_today and not layout.runs_today:
+            continue
+        memory = memory_per_gpu(shape, layout, seq_len, batch_size)
+        step = step_seconds(shape, hardware, layout, batch_size, tokens, mfu)
+        rows.append(Row(layout, memory, step, steps * step / 60, memory["total"] <= hardware.memory_gb * GB))
+    if not rows:
+        degrees = ", ".join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))
+        raise UserError(f"batch_size={batch_size}: no layout of {model} on {hardware.world} GPUs splits it evenly "
+                        f"over its data-parallel ranks (valid tp: {degrees})")
+    rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["total"]))
+    roomy = [row for row in rows if row.memory["total"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
+    return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu)
+
+
+def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's allocated training state: parameters, gradients and optimizer tensors (the local shard of a
+    DTensor). The optimizer's scalar `step` tensors are not counted, as the planner does not count them."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+    params = list(model.parameters())  # tied parameters once
+    state = [value for per_param in optimizer.state.values() for key, value in per_param.items()
+             if key != "step" and isinstance(value, torch.Tensor)]
+    return {"params": sum(nbytes(p) for p in params),
+            "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(nbytes(t) for t in state)}

