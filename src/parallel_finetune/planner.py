@@ -8,9 +8,9 @@ parameter counts are exact. Assumptions, also printed under the table:
   per parameter; 16-bit autocast. The 16-bit weight copies autocast saves for the backward are not counted: the
   fp32 gradients do not exist during the forward and grow as those copies are freed, so 16 B/parameter +
   activations bounds the peak. Per rank: parameters in the family's tp_plan / tp (row-wise biases replicated),
-  others whole; a vocabulary-sharded embedding's gradient (GPT-J's wte) is whole too: DTensor returns it
-  replicated (measured). `optimizer` (ZeRO-1) divides the optimizer state over the dp ranks, `full` (FSDP) also
-  parameters and gradients and adds one block's all-gathered 16-bit copy; `hybrid` = `full` within a node.
+  others whole; gradients are placed like their parameters. `optimizer` (ZeRO-1) divides the optimizer state
+  over the dp ranks, `full` (FSDP) also parameters and gradients and adds one block's all-gathered 16-bit copy
+  (`gathered`); `hybrid` = `full` within a node.
 - Pipeline: contiguous stages, later ones take the extra blocks; the first holds the embeddings, the last the final
   norm and head (and a copy of tied embeddings); the worst stage is reported. 1F1B: stage i holds min(m, pp - i)
   micro-batches in flight; m = the largest divisor of batch/dp that is <= 4 x pp (m = 1 without pipeline).
@@ -94,9 +94,6 @@ class ModelShape:
     tied: tuple[int, int]  # embedding parameters the head reuses: a second copy on a last stage that is not first
     total: int
     matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
-    # Vocabulary-sharded embedding weights: DTensor's embedding backward returns their gradient replicated, whole
-    # on every rank (measured with the trainer's GPT-J plan), so their gradient is not divided by tp.
-    whole_grad: int = 0
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -140,7 +137,6 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
     embedding, head, tied = [0, 0], [0, 0], [0, 0]
     where: dict[int, str] = {}  # id(parameter) -> "embedding" | "block" | "head": ties appear under two names
     after_blocks = False  # parameters come in module order: embeddings, blocks, final norm and head
-    whole_grad = 0
     for name, param in built.named_parameters(remove_duplicate=False):
         module, _, leaf = name.rpartition(".")
         style = plan.get(module)
@@ -158,15 +154,13 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
             continue
         where[id(param)] = place
         counts[replicated] += param.numel()
-        if not replicated and isinstance(built.get_submodule(module), nn.Embedding):
-            whole_grad += param.numel()
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
     return ModelShape(model, family, hf_config, task, [tuple(b) for b in blocks], tuple(embedding), tuple(head),
-                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul, whole_grad)
+                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
     tp: int
     pp: int
     dp: int
@@ -179,7 +173,7 @@ class Layout:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} sharding={self.sharding} ac={'on' if self.ac else 'off'} "
                 f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}")
 
-    runs_today = property(lambda self: self.pp == 1 and self.sharding == "none" and not self.ac)
+    runs_today = property(lambda self: self.pp == 1)  # pipeline parallelism is not built yet
 
 
 def stages(shape: ModelShape, pp: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -200,7 +194,7 @@ def rank_elements(parts: list[tuple[int, int]], tp: int) -> list[float]:
     return [sharded / tp + replicated for sharded, replicated in parts]
 
 
-def memory_per_gpu(shape: ModelShape, layout: Layout, seq_len: int, batch_size: int) -> dict[str, float]:
+def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_size: int) -> dict[str, float]:
     """Bytes on the fullest GPU (the worst pipeline stage): params, grads, optimizer, activations, total."""
     s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
     b = batch_size // (layout.dp * layout.microbatches)
@@ -212,13 +206,12 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, seq_len: int, batch_size: 
     for i, (blocks, parts) in enumerate(stages(shape, layout.pp)):
         per_part = rank_elements(parts, t)
         elements = sum(per_part)
-        grad_elements = elements + (shape.whole_grad * (1 - 1 / t) if i == 0 else 0)
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
         if i == layout.pp - 1 and shape.task == "causal_lm":
             kept += 10 * s * b * shape.hf_config.vocab_size
-        memory = {"params": 4 * elements / state_divisor + (2 * max(per_part) if fsdp else 0),
-                  "grads": 4 * grad_elements / state_divisor, "optimizer": 8 * elements / optimizer_divisor,
+        memory = {"params": 4 * elements / state_divisor, "gathered": 2 * max(per_part) if fsdp else 0,
+                  "grads": 4 * elements / state_divisor, "optimizer": 8 * elements / optimizer_divisor,
                   "activations": kept}
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
         if memory["total"] > worst.get("total", -1):
@@ -226,7 +219,7 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, seq_len: int, batch_size: 
     return worst
 
 
-def step_seconds(shape: ModelShape, hardware: Hardware, layout: Layout, batch_size: int,
+def step_seconds(shape: ModelShape, hardware: Hardware, layout: Candidate, batch_size: int,
                  tokens_per_sample: float, mfu: float) -> float:
     s, h, L, recompute = tokens_per_sample, shape.hidden, shape.layers, int(layout.ac)
     m, pp, dp, t = layout.microbatches, layout.pp, layout.dp, layout.tp
@@ -248,7 +241,7 @@ def step_seconds(shape: ModelShape, hardware: Hardware, layout: Layout, batch_si
     return compute + tensor + data
 
 
-def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) -> list[Layout]:
+def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) -> list[Candidate]:
     layouts = []
     for tp in shape.family.valid_tp_degrees(shape.hf_config):
         for pp in (1, 2, 4, 8):
@@ -265,13 +258,13 @@ def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) ->
                     continue  # nothing to shard over
                 if sharding == "hybrid" and (hardware.nodes == 1 or dp % hardware.nodes or not 1 < shard < dp):
                     continue
-                layouts += [Layout(tp, pp, dp, sharding, ac, m, shard) for ac in (False, True)]
+                layouts += [Candidate(tp, pp, dp, sharding, ac, m, shard) for ac in (False, True)]
     return layouts
 
 
 @dataclass(frozen=True)
 class Row:
-    layout: Layout
+    layout: Candidate
     memory: dict[str, float]  # bytes per GPU
     step_s: float
     epoch_min: float
@@ -312,7 +305,8 @@ class Plan:
     def _cells(self, row: Row) -> tuple[str, ...]:
         lay, mem = row.layout, row.memory
         micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
-        sizes = [f"{mem[k] / GB:.2f}" for k in ("params", "grads", "optimizer", "activations")]
+        sizes = [f"{(mem['params'] + mem['gathered']) / GB:.2f}"]
+        sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer", "activations")]
         return (str(lay.tp), str(lay.pp), str(lay.dp), lay.sharding, "on" if lay.ac else "off", micro, *sizes,
                 f"{mem['total'] / GB:.1f}", "yes" if row.fits else "no", f"{row.step_s:.3f}", f"{row.epoch_min:.1f}")
 
@@ -337,7 +331,7 @@ class Plan:
                 f"fastest that fits at all: {fitting[0].layout.describe(self.batch_size)}" if fitting
                 else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"))
         today = ("the trainer runs this today" if best.layout.runs_today
-                 else "needs pipeline/sharding/checkpointing, not in the trainer yet")
+                 else "needs pipeline parallelism, not in the trainer yet")
         return (f"recommended: {best.layout.describe(self.batch_size)}: {best.memory['total'] / GB:.1f} of "
                 f"{self.hardware.memory_gb:g} GB per GPU, {best.epoch_min:.1f} min per epoch ({today})")
 
@@ -347,14 +341,14 @@ class Plan:
             "- GB = 1e9 bytes, GPU memory as sold; per GPU on the worst pipeline stage. total = 1.1 x (params + grads",
             "  + optim + activ) + 1.5 GB for CUDA context and fragmentation; fits: total <= GPU memory.",
             "- State as the trainer keeps it: fp32 params 4 B, fp32 grads 4 B, AdamW 8 B per parameter, 16-bit",
-            "  autocast. tp-sharded parameters / tp (a vocab-sharded embedding's gradient stays whole). optimizer =",
+            "  autocast. tp-sharded parameters and their gradients / tp; the rest whole. optimizer =",
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
             "- Activations: Korthikanti et al. 2022, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer at",
             "  s = max_length; ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i micro-batches;",
             "  micro = count x size.",
             "- Time: (6N + 12*L*s*h) FLOPs per token (+ 2N + 4*L*s*h with ac) at the MFU of peak, / pipeline",
             "  efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link rate, not overlapped.",
-            "- The trainer runs pp=1, sharding none, ac off today; other layouts estimate planned features.",
+            "- The trainer runs every layout with pp=1 today; pipeline layouts estimate a planned feature.",
         ]
 
 
@@ -386,19 +380,3 @@ def plan(model: str, gpus: int | None = None, gpu_mem_gb: float | None = None, i
     rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["total"]))
     roomy = [row for row in rows if row.memory["total"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
     return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu)
-
-
-def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's allocated training state: parameters, gradients and optimizer tensors (the local shard of a
-    DTensor). The optimizer's scalar `step` tensors are not counted, as the planner does not count them."""
-    from torch.distributed.tensor import DTensor
-
-    def nbytes(tensor: torch.Tensor) -> int:
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
-
-    params = list(model.parameters())  # tied parameters once
-    state = [value for per_param in optimizer.state.values() for key, value in per_param.items()
-             if key != "step" and isinstance(value, torch.Tensor)]
-    return {"params": sum(nbytes(p) for p in params),
-            "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(nbytes(t) for t in state)}
