@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from parallel_finetune.precision import cpu_has_bf16
+
 from conftest import REPO, RECIPE, launch, subprocess_env, tiny_overrides
 
 
@@ -39,6 +41,8 @@ def test_check_accepts_a_good_run(sst2):
     (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),
     (["size=tiny", "tensor_parallel_degree=1", "batch_size=9"], 2,
      "batch_size=9 must be divisible by data-parallel degree 2 x gradient_accumulation_steps=1"),
+    (["size=tiny", "tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=3"], 4,
+     "sharding=hybrid: shard_group_size=3 does not divide the data-parallel degree 4; valid: 1, 2, 4"),
 ])
 def test_bad_input_one_line(overrides, nproc, message):
     assert_one_line_error(check(*overrides, nproc=nproc), message)
@@ -69,9 +73,9 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
         assert all(isinstance(r[key], (int, float)) for r in records), key
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["accuracy"] <= 1
-    assert summary["layout"] == {"world_size": 2, "data_parallel": 1, "tensor_parallel": 2, "device": "cpu",
-                                 "backend": "gloo"}
-    assert summary["precision"] == "bf16"  # the CPU default
+    assert summary["layout"] == {"world_size": 2, "data_parallel": 1, "tensor_parallel": 2, "sharding": "none",
+                                 "shard_group_size": 1, "device": "cpu", "backend": "gloo"}
+    assert summary["precision"] == ("bf16" if cpu_has_bf16() else "fp32")  # the CPU default
     assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}
     assert len(summary["peak_memory_mib_per_rank"]) == 2
     assert summary["versions"]["torch"].startswith("2.13")

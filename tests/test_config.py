@@ -54,6 +54,10 @@ def test_every_issue_spelling_is_a_key():
     ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
     ("lr", "must look like key=value"),
     ("training.nope=1", "unknown key 'nope'"),
+    ("sharding=zero", "sharding='zero' is not valid; expected one of none|optimizer|full|hybrid"),
+    ("shard_group_size=2", "shard_group_size=2 only applies to sharding=hybrid, not sharding=none"),
+    ("activation_checkpointing=-1", "activation_checkpointing=-1 must be true, false or N >= 1"),
+    ("activation_checkpointing=maybe", "activation_checkpointing='maybe' is not valid; expected true|false"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     with pytest.raises(UserError) as error:

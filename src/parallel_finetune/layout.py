@@ -65,7 +65,8 @@ class Layout:
     degrees: Degrees
     sharding: str
     device: torch.device
-    mesh: DeviceMesh  # dims MESH_DIMS, plus the flattened "dp"
+    mesh: DeviceMesh  # dims MESH_DIMS
+    dp_mesh: DeviceMesh  # dp_replicate x dp_shard flattened: one group spanning all data-parallel ranks
 
     @property
     def dp(self) -> int:
@@ -77,11 +78,11 @@ class Layout:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.dp_mesh.get_local_rank()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
+        return self.dp_mesh.get_group()
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -143,8 +144,8 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
                                 device_id=device if device_type == "cuda" else None)
     mesh = init_device_mesh(device_type, (degrees.dp_replicate, degrees.dp_shard, degrees.tp),
                             mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group for what spans all data-parallel ranks
-    return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh)
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)
 
 
 def shutdown() -> None:
