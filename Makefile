@@ -20,7 +20,7 @@ PYTEST_ARGS ?= -q
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
-.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench bench-minilm plan clean-runs help
+.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench bench-minilm bench-memory plan clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
@@ -29,6 +29,7 @@ help:
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer, single process"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
+	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
 setup: $(VENV)/.installed
@@ -77,6 +78,9 @@ bench: setup
 
 bench-minilm: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+bench-memory: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"

@@ -1,4 +1,4 @@
-"""One epoch of the real all-MiniLM-L6-v2 checkpoint on the full SST-2 train set, single process, bf16.
+"""One epoch of the real all-MiniLM-L6-v2 checkpoint on the full SST-2 train set, single process (precision auto).
 
 `make bench-minilm DATA=../shared/data/sst2`: evaluates every 400 steps and prints dev accuracy against the
 training time spent so far (the Hugging Face Trainer reference measured here: 0.852 after 400 steps in 106 s).
@@ -28,7 +28,7 @@ def main() -> int:
     args = parser.parse_args()
     out = REPO / "runs" / "bench" / "minilm-epoch"
     config = load_config(REPO / "recipes" / "bert" / "minilm.yaml", [
-        f"data_dir={args.data_dir}", "precision=bf16", "eval_every=400", f"output_dir={out}", "overwrite=true",
+        f"data_dir={args.data_dir}", "eval_every=400", f"output_dir={out}", "overwrite=true",
         *args.overrides])
     started = time.perf_counter()
     summary = run(config)

@@ -15,7 +15,7 @@ class _Tokenizer:
     pad_token_id = 0
 
 
-def _train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, float, dict[str, torch.Tensor]]:
+def train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, float, dict[str, torch.Tensor]]:
     family = get_family(family_name)
     torch.manual_seed(0)
     config = family.tiny_config(vocab_size=8192, max_positions=128)
@@ -38,9 +38,9 @@ def _train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int,
 
 @pytest.mark.parametrize("family", ["gptj", "bert"])
 def test_activation_checkpointing_lowers_peak_activations_and_keeps_the_loss(family):
-    peak_off, loss_off, grads_off = _train_step_under_tracker(family, False)
-    peak_half, loss_half, _ = _train_step_under_tracker(family, 2)
-    peak_all, loss_all, grads_all = _train_step_under_tracker(family, True)
+    peak_off, loss_off, grads_off = train_step_under_tracker(family, False)
+    peak_half, loss_half, _ = train_step_under_tracker(family, 2)
+    peak_all, loss_all, grads_all = train_step_under_tracker(family, True)
     print(f"{family}: peak activation bytes off {peak_off}, every 2nd block {peak_half}, every block {peak_all}")
     assert peak_all < peak_half < peak_off
     assert peak_all < 0.6 * peak_off

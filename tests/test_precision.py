@@ -11,8 +11,10 @@ from conftest import REPO, launch, tiny_overrides
 WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
 
 
-@pytest.mark.parametrize("layout", [["tensor_parallel_degree=2"], ["tensor_parallel_degree=1"]],
-                         ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [["tensor_parallel_degree=2"], ["tensor_parallel_degree=1"],
+                                    ["tensor_parallel_degree=1", "sharding=optimizer"],
+                                    ["tensor_parallel_degree=1", "sharding=full"]],
+                         ids=["tp2", "dp2", "optimizer_dp2", "full_dp2"])
 def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("INJECT_RANK", "1")
     monkeypatch.setenv("INJECT_STEP", "3")

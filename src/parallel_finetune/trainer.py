@@ -292,11 +292,18 @@ class Trainer:
         tokenizer = self.data.tokenizer
         predictions: list[tuple[int, int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
-        for chunk in chunks[layout.dp_rank::layout.dp]:
+        mine = chunks[layout.dp_rank::layout.dp]
+        # Under FSDP every forward all-gathers over the data-parallel ranks, so all of them must run the same
+        # number: a rank short of a chunk runs its first one again and counts nothing from it.
+        rounds = -(-len(chunks) // layout.dp)
+        for round_index in range(rounds):
+            chunk = mine[round_index] if round_index < len(mine) else mine[0] if mine else chunks[0]
             batch = data_module.collate([ids[i] for i in chunk], tokenizer.pad_token_id, tokenizer.padding_side,
                                         [labels[i] for i in chunk] if labels is not None else None)
             batch = {k: v.to(layout.device) for k, v in batch.items()}
             logits = self.forward(batch)
+            if round_index >= len(mine):
+                continue
             totals[0] += self.loss_sum(logits, batch).double()
             if labels is not None:
                 totals[1] += len(chunk)
