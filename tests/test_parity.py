@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
+
 from conftest import launch, recipe, tiny_overrides
 
 TOLERANCE = 1e-5
@@ -85,10 +87,25 @@ def test_layout_matches_single_process(family, name, nproc, overrides, task, mod
     assert layout["sharding"] == _value(overrides, "sharding", "none")
     _check_state_bytes(family, overrides, run.summary["state_bytes_per_rank"],
                        reference.summary["state_bytes_per_rank"][0])
+    if not model:  # the planner knows the default tiny configs
+        _check_planner_estimate(family, task, overrides, layout, run.summary["state_bytes_per_rank"])
 
 
 def _value(overrides: list[str], key: str, default: str) -> str:
     return next((o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")), default)
+
+
+def _check_planner_estimate(family: str, task: str, overrides: list[str], layout: dict, per_rank: list[dict]) -> None:
+    """The planner's parameter, gradient and optimizer bytes for this layout, against the measured ones."""
+    sharding = layout["sharding"]
+    shard_degree = {"none": 1, "optimizer": layout["data_parallel"], "full": layout["data_parallel"],
+                    "hybrid": layout["shard_group_size"]}[sharding]
+    candidate = Candidate(layout["tensor_parallel"], 1, layout["data_parallel"], sharding,
+                          _value(overrides, "activation_checkpointing", "false") != "false", 1, shard_degree)
+    estimate = memory_per_gpu(model_shape(f"tiny:{family}", task), candidate, seq_len=64, batch_size=16)
+    for category, planned in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer")):
+        measured = max(rank[category] for rank in per_rank)
+        assert estimate[planned] == pytest.approx(measured, rel=0.10), (category, estimate[planned], measured)
 
 
 SHARDED = 0.55  # of one process's bytes: half, plus padding and the small replicated pieces
