@@ -32,11 +32,15 @@ from test_parity import _value, single_process  # noqa: F401 (single_process is 
 FP32 = {"loss": 1e-5, "norm": 1e-5, "weights": 1e-5}
 BF16 = {"loss": 5e-3, "norm": 1e-2, "weights": None}  # weights: Adam's sign-like first steps amplify bf16 noise
 
+# A user's JSON as the base: its stage and a setting no recipe key has; "auto" filled from the recipe.
+USER_JSON = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "train_batch_size": "auto",
+             "communication_data_type": "fp32"}
 ROWS = [
     # (id, family, overrides, tolerances)
     ("gptj-zero1-accumulation2", "gptj", ["zero_stage=1", "gradient_accumulation_steps=2"], FP32),
-    ("gptj-zero2", "gptj", ["zero_stage=2"], FP32),
-    ("gptj-zero3", "gptj", ["zero_stage=3"], FP32),
+    ("gptj-zero2-user_json", "gptj", ["deepspeed_config=USER_JSON"], FP32),
+    ("gptj-zero3-checkpointing-offload", "gptj", ["zero_stage=3", "activation_checkpointing=true",
+                                                   "offload_activations=true"], FP32),
     ("gptj-zero2-bf16", "gptj", ["zero_stage=2", "precision=bf16"], BF16),
     ("bert-zero3", "bert", ["zero_stage=3"], FP32),
 ]
@@ -46,6 +50,8 @@ SHARDED = 0.55  # of one process's bytes: half, plus padding
 @pytest.mark.parametrize("family,overrides,tolerance", [pytest.param(*row[1:], id=row[0]) for row in ROWS])
 def test_zero_matches_single_process(family, overrides, tolerance, single_process, sst2, cache_dir, tmp_path):
     reference = single_process(family, "classification", ())
+    (tmp_path / "user.json").write_text(json.dumps(USER_JSON))
+    overrides = [o.replace("USER_JSON", str(tmp_path / "user.json")) for o in overrides]
     run = launch(2, tiny_overrides(sst2, cache_dir, family=family) + ["engine=deepspeed", *overrides],
                  tmp_path / "run", recipe=recipe(family))
     assert len(run.losses) == len(reference.losses) >= 5
@@ -66,6 +72,9 @@ def test_zero_matches_single_process(family, overrides, tolerance, single_proces
     written = json.loads((run.output_dir / "deepspeed_config.json").read_text())
     accumulation = int(_value(overrides, "gradient_accumulation_steps", "1"))
     assert written["zero_optimization"]["stage"] == stage
+    if "deepspeed_config" in " ".join(overrides):
+        assert written["zero_optimization"] == USER_JSON["zero_optimization"]
+        assert written["communication_data_type"] == "fp32"
     assert (written["train_batch_size"], written["train_micro_batch_size_per_gpu"]) == (16, 8 // accumulation)
     _check_state_bytes(stage, summary["precision"], summary["state_bytes_per_rank"],
                        reference.summary["state_bytes_per_rank"][0])
