@@ -68,6 +68,14 @@ class Config:
     # inside groups of `shard_group_size` ranks, replicated across groups (MiCS / HSDP).
     sharding: Literal["none", "optimizer", "full", "hybrid"] = "none"
     shard_group_size: int | None = None  # hybrid only; None = the data-parallel ranks of one node
+    # Who runs the data-parallel optimizer: torch = this repo's (tensor parallel, `sharding`); deepspeed = DeepSpeed's
+    # ZeRO, data parallel only (tensor_parallel_degree=auto means 1 there, sharding must be none).
+    engine: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: Literal[1, 2, 3] | None = None  # deepspeed: 1 = optimizer state, 2 = + gradients, 3 = + parameters
+    # sharded; None = the stage in deepspeed_config, else 2
+    mics_shard_size: int | None = None  # deepspeed, zero_stage=3: shard inside groups of N ranks (MiCS)
+    deepspeed_config: str | None = None  # a DeepSpeed JSON to start from: the recipe fills what it lacks ("auto"
+    # counts as lacking) and a value contradicting the recipe is an error, never silently overridden
     activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
     offload_activations: bool = False  # keep saved activations in CPU memory until the backward needs them
     # --- output ---
@@ -90,7 +98,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
         "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every",
     ),
-    "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size"),
+    "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size", "engine", "zero_stage",
+                 "mics_shard_size", "deepspeed_config"),
     "memory": ("activation_checkpointing", "offload_activations"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
 }
@@ -250,6 +259,8 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     config = Config(**typed)
     family = config.family or "unknown"
     config.recipe = f"{family}-{name}" if name else family
+    if config.engine == "deepspeed" and config.tensor_parallel_degree == "auto":
+        config.tensor_parallel_degree = 1  # DeepSpeed runs data parallel only: every process is a replica
     validate(config, where)
     return config
 
@@ -298,3 +309,6 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}")
     if config.size == "full" and config.model is None and not FAMILIES[config.family].default_model:
         raise bad("model", "must name a Hub model or a local folder")
+    from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
+
+    deepspeed_engine.validate(config, where)

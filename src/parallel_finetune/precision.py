@@ -20,9 +20,13 @@ def cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+FP16_ON_CPU = ("engine=deepspeed: DeepSpeed refuses fp16 on this CPU (no fp16 arithmetic units); "
+               "use precision=bf16 or precision=fp32, or run on a GPU")
+
+
+def resolve_precision(precision: str, device: torch.device, engine: str = "torch") -> str:
     """auto = fp16 on CUDA (what the recipes target); on a CPU bf16 where it has bf16 units, else fp32
-    (no CPU here has fp16 units)."""
+    (no CPU here has fp16 units). fp16 on such a CPU: emulated with engine=torch, refused by DeepSpeed."""
     if precision == "auto":
         if device.type == "cuda":
             return "fp16"
@@ -30,6 +34,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
     native = {"fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported, "bf16": cpu_has_bf16}
+    if engine == "deepspeed" and precision == "fp16" and device.type == "cpu" and not native["fp16"]():
+        raise UserError(FP16_ON_CPU)  # the very test DeepSpeed's CPU accelerator makes, before its traceback
     if device.type == "cpu" and precision in native and not native[precision]():
         log.warning("precision=%s on a CPU without %s units: emulated, tens of times slower than fp32 "
                     "(precision=auto picks the fastest)", precision, precision)

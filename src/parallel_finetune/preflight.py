@@ -26,6 +26,17 @@ def preflight(config: Config, nproc: int) -> str:
     family.check_tp(hf_config, degrees.tp)
     check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
+    if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
+        import torch
+
+        from .layout import resolve_device
+        from .parallel import deepspeed_engine
+        from .precision import resolve_precision
+
+        device = torch.device(resolve_device(config.device))
+        generated = deepspeed_engine.preflight(config, degrees.dp, device.type,
+                                               resolve_precision(config.precision, device, config.engine))
+        sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
     if config.sharding == "hybrid":
         sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
     return (f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "

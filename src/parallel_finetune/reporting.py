@@ -62,7 +62,8 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def package_versions() -> dict[str, str]:
-    names = ("parallel-finetune", "torch", "transformers", "datasets", "tokenizers", "evaluate", "accelerate")
+    names = ("parallel-finetune", "torch", "transformers", "datasets", "tokenizers", "evaluate", "accelerate",
+             "deepspeed")
     versions = {"python": platform.python_version()}
     for name in names:
         try:

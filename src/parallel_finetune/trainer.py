@@ -3,6 +3,8 @@
 The promise: for a given global batch, the loss, gradients and update are those of single-process training.
 Every rank draws the same global batches; each micro-batch loss is a *sum* divided by the global count of
 samples (classification) or target tokens (causal_lm); gradients are *summed* over data-parallel ranks.
+With engine=deepspeed, DeepSpeed's ZeRO does the backward's reduction, clipping, loss scaling and update instead
+of our optimizer (`parallel/deepspeed_engine.py`); everything else is this same loop.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.state_bytes: dict[str, int] | None = None  # measured at the first optimizer step
+        self.deepspeed = None  # engine=deepspeed: a DeepSpeedEngine; self.model is then DeepSpeed's own engine
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -103,8 +106,12 @@ class Trainer:
             logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
                                 force=True)
             transformers.logging.set_verbosity_error()
-            self.precision = resolve_precision(config.precision, layout.device)
+            self.precision = resolve_precision(config.precision, layout.device, config.engine)
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
+            if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
+                from .parallel import deepspeed_engine
+
+                deepspeed_engine.preflight(config, layout.dp, layout.device.type, self.precision)
             self.output_dir = Path(rank0_decides(
                 layout, lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite))))
         with self.timer("data"):
@@ -116,6 +123,8 @@ class Trainer:
         if layout.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_yaml(self.output_dir / "config.yaml", config.to_dict())
+            if self.deepspeed is not None:
+                write_json(self.output_dir / "deepspeed_config.json", self.deepspeed.config)
         log.info("run folder %s | %s", self.output_dir, layout.describe())
 
     def _prepare_data(self) -> data_module.PreparedData:
@@ -166,19 +175,27 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         config = self.config
-        kind = ZeroAdamW if config.sharding == "optimizer" else DataParallelAdamW
-        self.optimizer = kind(self.model, self.layout, config.weight_decay, config.lr, config.adam_betas,
-                              config.adam_eps)
+        if config.engine == "deepspeed":
+            from .parallel.deepspeed_engine import DeepSpeedEngine
+
+            self.deepspeed = DeepSpeedEngine(self.model, config, self.layout, self.precision)
+            self.model = self.deepspeed.engine  # forwards go through DeepSpeed (ZeRO-3 gathers parameters there)
+            optimizer = self.deepspeed.optimizer
+        else:
+            kind = ZeroAdamW if config.sharding == "optimizer" else DataParallelAdamW
+            self.optimizer = kind(self.model, self.layout, config.weight_decay, config.lr, config.adam_betas,
+                                  config.adam_eps)
+            optimizer = self.optimizer.optimizer
         self.steps_per_epoch = len(self.batches)
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
         try:
-            self.scheduler = transformers.get_scheduler(config.lr_scheduler, self.optimizer.optimizer,
+            self.scheduler = transformers.get_scheduler(config.lr_scheduler, optimizer,
                                                         num_warmup_steps=warmup,
                                                         num_training_steps=self.total_steps)
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
-        self.scaler = DynamicLossScaler(self.precision == "fp16", config.initial_loss_scale,
+        self.scaler = DynamicLossScaler(self.precision == "fp16" and self.deepspeed is None, config.initial_loss_scale,
                                         config.loss_scale_growth_interval)
 
     # ------------------------------------------------------------------------------------------- training
@@ -216,7 +233,9 @@ class Trainer:
         config, layout = self.config, self.layout
         started = time.perf_counter()
         count = self.loss_count(global_batch)
-        scale = self.scaler.scale
+        engine = self.deepspeed
+        scale = self.scaler.scale if engine is None else engine.loss_scale
+        backward = (lambda loss: (loss * scale).backward()) if engine is None else engine.backward
         local_loss = torch.zeros((), device=layout.device)
         micro_batches = data_module.local_micro_batches(global_batch, layout.dp_rank, layout.dp,
                                                         config.gradient_accumulation_steps)
@@ -225,26 +244,32 @@ class Trainer:
             batch = self.micro_batch(indices)
             with offload_context(config.offload_activations, layout.device):
                 loss = self.loss_sum(self.forward(batch), batch) / count
-            (loss * scale).backward()
+            backward(loss)
             local_loss += loss.detach()
         if self.after_backward is not None:
             self.after_backward(self, self.step + 1)
-        self.optimizer.sync_gradients()
-        pieces = self.optimizer.gradient_pieces()
-        # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
-        grad_norm, loss = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size)
-        grad_norm /= scale
-        skipped = self.scaler.update(not math.isfinite(grad_norm))
         lr = self.scheduler.get_last_lr()[0]
-        if not skipped:
-            clip = config.max_grad_norm
-            coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-            scale_gradients([grad for grad, _ in pieces], coefficient / scale)
-            self.optimizer.step()
-            if self.state_bytes is None:  # gradients and optimizer state all exist now: the peak of both
-                self.state_bytes = measure_state_bytes(self.model, self.optimizer.optimizer)
+        if engine is not None:  # DeepSpeed reduces, unscales, clips, updates (or skips) and zeroes the gradients
+            grad_norm, skipped = engine.step()
+            _, loss = reduce_norm_and_loss([], local_loss, layout.tp, layout.world_size)
+            if self.state_bytes is None:
+                self.state_bytes = engine.state_bytes()
+        else:
+            self.optimizer.sync_gradients()
+            pieces = self.optimizer.gradient_pieces()
+            # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
+            grad_norm, loss = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size)
+            grad_norm /= scale
+            skipped = self.scaler.update(not math.isfinite(grad_norm))
+            if not skipped:
+                clip = config.max_grad_norm
+                coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
+                scale_gradients([grad for grad, _ in pieces], coefficient / scale)
+                self.optimizer.step()
+                if self.state_bytes is None:  # gradients and optimizer state all exist now: the peak of both
+                    self.state_bytes = measure_state_bytes(self.model, self.optimizer.optimizer)
+            self.optimizer.zero_grad()
         self.scheduler.step()
-        self.optimizer.zero_grad()
         self.step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(self.train_lengths[i] for i in global_batch)
@@ -293,16 +318,15 @@ class Trainer:
         predictions: list[tuple[int, int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
         mine = chunks[layout.dp_rank::layout.dp]
-        # Under FSDP every forward all-gathers over the data-parallel ranks, so all of them must run the same
-        # number: a rank short of a chunk runs its first one again and counts nothing from it.
+        # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
+        # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
         rounds = -(-len(chunks) // layout.dp)
-        for round_index in range(rounds):
-            chunk = mine[round_index] if round_index < len(mine) else mine[0] if mine else chunks[0]
+        for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
             batch = data_module.collate([ids[i] for i in chunk], tokenizer.pad_token_id, tokenizer.padding_side,
                                         [labels[i] for i in chunk] if labels is not None else None)
             batch = {k: v.to(layout.device) for k, v in batch.items()}
             logits = self.forward(batch)
-            if round_index >= len(mine):
+            if number >= len(mine):
                 continue
             totals[0] += self.loss_sum(logits, batch).double()
             if labels is not None:
@@ -333,9 +357,13 @@ class Trainer:
             return None
         out = self.output_dir / "hf"
         with self.timer("export"):
-            state = gather_full_state_dict(self.model, EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main)
+            dtype, keep = EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main
+            if self.deepspeed is not None:  # from DeepSpeed's fp32 master partitions
+                model, state = self.deepspeed.module, self.deepspeed.full_state_dict(dtype, keep)
+            else:
+                model, state = self.model, gather_full_state_dict(self.model, dtype, keep)
             if self.layout.is_main:
-                save_hf(self.model, self.family.to_hf_state_dict(state), self.data.tokenizer, out)
+                save_hf(model, self.family.to_hf_state_dict(state), self.data.tokenizer, out)
                 log.info("exported a Hugging Face model to %s", out)
         return out
 
@@ -362,6 +390,8 @@ class Trainer:
             "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
             "layout": layout.describe(),
             "precision": self.precision,
+            "engine": self.config.engine,
+            **({"zero_stage": self.deepspeed.zero_stage} if self.deepspeed is not None else {}),
             "seconds": {k: round(v, 3) for k, v in self.timer.seconds.items()},
             "peak_memory_mib_per_rank": memory,
             "state_bytes_per_rank": state_bytes,

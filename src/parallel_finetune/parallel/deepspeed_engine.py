@@ -1,0 +1,325 @@
+"""engine=deepspeed: the same recipes, with DeepSpeed's ZeRO (stage 1, 2 or 3) in place of our data-parallel optimizer.
+
+What stays ours: data, model, the loss (a sum divided by the global count), the lr schedule, logging, evaluation
+and export. What DeepSpeed does: the backward with fp16 loss scaling, gradient reduction and partitioning,
+clipping, and the AdamW update on its fp32 master partitions.
+
+Gradients: DeepSpeed *averages* them over the data-parallel ranks; our loss is already divided by the global
+count, so each rank's loss is multiplied by the data-parallel degree before the backward, and the average of
+those is exactly the single-process gradient (the sum). Accumulation scaling is switched off for the same reason.
+
+The DeepSpeed config is generated from the recipe (`deepspeed_config`, a pure function) and written to the run
+folder. A user JSON (`deepspeed_config=path.json`) is the base: recipe values fill what it lacks (or sets to
+"auto"), a key it sets to the recipe's value is fine, a key it sets to another value is an error naming both.
+Nothing from either side is dropped silently.
+
+`deepspeed` is imported only here, only for engine=deepspeed runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..precision import FP16_ON_CPU
+
+log = logging.getLogger("parallel_finetune")
+
+DEFAULT_ZERO_STAGE = 2  # zero_stage=null and no stage in the user's JSON: optimizer state and gradients sharded
+MICS_REMOVED_IN = (0, 19, 7)  # DeepSpeed 0.19.7 removed MiCS: its config rejects zero_optimization.mics_shard_size
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def validate(config, where: str = "config") -> None:
+    """Key combinations, no processes needed (config.validate calls this)."""
+    deepspeed_only = ("zero_stage", "mics_shard_size", "deepspeed_config")
+    if config.engine != "deepspeed":
+        for key in deepspeed_only:
+            if getattr(config, key) is not None:
+                raise UserError(f"{where}: {key}={getattr(config, key)!r} only applies to engine=deepspeed, "
+                                f"not engine={config.engine}")
+        return
+    tp = config.tensor_parallel_degree
+    if tp != "auto" and tp > 1:
+        raise UserError(f"{where}: engine=deepspeed with tensor_parallel_degree={tp} is not supported (DeepSpeed "
+                        f"runs data parallel only here); use tensor_parallel_degree=1, or engine=torch for tensor "
+                        f"parallelism")
+    if config.sharding != "none":
+        raise UserError(f"{where}: engine=deepspeed with sharding={config.sharding} is not supported; DeepSpeed "
+                        f"shards by zero_stage=1|2|3 (sharding=optimizer ~ zero_stage=1, sharding=full ~ "
+                        f"zero_stage=3); use sharding=none")
+    if config.mics_shard_size is not None and config.mics_shard_size < 1:
+        raise UserError(f"{where}: mics_shard_size={config.mics_shard_size} must be a positive integer (or null)")
+    user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
+    stage = zero_stage(config, user)
+    if config.mics_shard_size is not None and stage != 3:
+        raise UserError(f"{where}: mics_shard_size={config.mics_shard_size} requires zero_stage=3, not "
+                        f"zero_stage={stage}")
+    power = math.log2(config.initial_loss_scale)
+    if not power.is_integer():
+        raise UserError(f"{where}: engine=deepspeed: initial_loss_scale={config.initial_loss_scale:g} must be a "
+                        f"power of two (DeepSpeed takes initial_scale_power), e.g. {2 ** round(power):g}")
+
+
+def zero_stage(config, user: dict) -> int:
+    """The recipe's zero_stage, else the user JSON's, else DEFAULT_ZERO_STAGE."""
+    if config.zero_stage is not None:
+        return config.zero_stage
+    stage = user.get("zero_optimization", {}).get("stage", "auto")
+    return DEFAULT_ZERO_STAGE if stage == "auto" else stage
+
+
+def load_user_config(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"deepspeed_config={path!r}: no such file (a DeepSpeed JSON config)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"deepspeed_config={path!r}: not valid JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"deepspeed_config={path!r}: must be a JSON object of DeepSpeed settings")
+    return data
+
+
+def deepspeed_version() -> tuple[int, ...] | None:
+    try:
+        text = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def preflight(config, dp: int, device_type: str, precision: str) -> dict:
+    """What needs the process count and the device: the generated config, or a one-line error before DeepSpeed
+    starts (and prints its own traceback on every rank). `precision` is the resolved one (auto -> fp16/bf16/fp32)."""
+    if precision == "fp16" and device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        raise UserError(FP16_ON_CPU)  # the very test DeepSpeed's CPU accelerator makes, asked before it does
+    version = deepspeed_version()
+    if version is None:
+        raise UserError("engine=deepspeed: the deepspeed package is not installed; pip install -r requirements.txt")
+    generated = deepspeed_config(config, dp, precision)
+    mics = generated["zero_optimization"].get("mics_shard_size")
+    if mics is not None:
+        if version >= MICS_REMOVED_IN:
+            raise UserError(f"mics_shard_size={mics}: DeepSpeed {'.'.join(map(str, version))} has no MiCS (removed "
+                            f"in 0.19.7; it rejects zero_optimization.mics_shard_size); for the same scheme use "
+                            f"engine=torch sharding=hybrid shard_group_size={mics}")
+        if dp % mics:
+            raise UserError(f"mics_shard_size={mics} does not divide the {dp} data-parallel processes; valid: "
+                            f"{', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}")
+    return generated
+
+
+# ----------------------------------------------------------------------------------------------- config
+def _precision_origin(config, precision: str) -> str:
+    return f"precision={config.precision}" + (f" ({precision} here)" if config.precision == "auto" else "")
+
+
+def _recipe_values(config, dp: int, precision: str) -> list[tuple[str, Any, str]]:
+    """(dotted DeepSpeed key, value, the recipe setting it comes from): what a user JSON may not contradict."""
+    gas = config.gradient_accumulation_steps
+    values = [
+        ("train_batch_size", config.batch_size, f"batch_size={config.batch_size}"),
+        ("train_micro_batch_size_per_gpu", config.batch_size // (dp * gas),
+         f"batch_size={config.batch_size} over {dp} processes x gradient_accumulation_steps={gas}"),
+        ("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas}"),
+        ("gradient_clipping", float(config.max_grad_norm or 0.0), f"max_grad_norm={config.max_grad_norm}"),
+        ("fp16.enabled", precision == "fp16", _precision_origin(config, precision)),
+        ("bf16.enabled", precision == "bf16", _precision_origin(config, precision)),
+        ("optimizer.type", "AdamW", "the trainer's optimizer (AdamW, no decay on biases and norm weights)"),
+        ("optimizer.params.lr", config.lr, f"lr={config.lr}"),
+        ("optimizer.params.betas", [float(b) for b in config.adam_betas], f"adam_betas={config.adam_betas}"),
+        ("optimizer.params.eps", config.adam_eps, f"adam_eps={config.adam_eps}"),
+        ("optimizer.params.weight_decay", config.weight_decay, f"weight_decay={config.weight_decay}"),
+    ]
+    if precision == "fp16":
+        values += [
+            ("fp16.initial_scale_power", int(math.log2(config.initial_loss_scale)),
+             f"initial_loss_scale={config.initial_loss_scale:g}"),
+            ("fp16.loss_scale_window", config.loss_scale_growth_interval,
+             f"loss_scale_growth_interval={config.loss_scale_growth_interval}"),
+        ]
+    if config.zero_stage is not None:
+        values.append(("zero_optimization.stage", config.zero_stage, f"zero_stage={config.zero_stage}"))
+    if config.mics_shard_size is not None:
+        values.append(("zero_optimization.mics_shard_size", config.mics_shard_size,
+                       f"mics_shard_size={config.mics_shard_size}"))
+    return values
+
+
+def _engine_defaults(precision: str) -> list[tuple[str, Any]]:
+    """Settings no recipe key covers: a user JSON may change them."""
+    defaults = [
+        ("zero_optimization.stage", DEFAULT_ZERO_STAGE),
+        # torch.optim.AdamW: DeepSpeed's FusedAdam would be JIT-compiled at start (a C++/CUDA toolchain and minutes).
+        ("optimizer.params.torch_adam", True),
+        ("steps_per_print", 10 ** 9),  # the trainer logs
+        ("wall_clock_breakdown", False),
+    ]
+    if precision == "fp16":
+        # Dynamic scaling as our own scaler does it: halve on every overflow (hysteresis 1), double after
+        # loss_scale_window clean steps.
+        defaults += [("fp16.loss_scale", 0), ("fp16.hysteresis", 1), ("fp16.min_loss_scale", 1)]
+    return defaults
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
+def deepspeed_config(config, dp: int, precision: str) -> dict:
+    """The DeepSpeed config for `config` on `dp` data-parallel processes at the resolved `precision` (fp16, bf16
+    or fp32), on top of the user's JSON when `config.deepspeed_config` names one. Pure: no processes, no deepspeed.
+
+    Raises UserError when the JSON contradicts a recipe value, or sets what the trainer owns (`scheduler`)."""
+    user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
+    where = f"deepspeed_config={config.deepspeed_config!r}"
+    if "scheduler" in user:
+        raise UserError(f"{where}: has a 'scheduler' section, but the recipe's lr_scheduler={config.lr_scheduler!r} "
+                        f"(warmup_steps, warmup_ratio) drives the learning rate; remove 'scheduler' from the JSON")
+    result = json.loads(json.dumps(user))  # a deep copy
+    for dotted, value, origin in _recipe_values(config, dp, precision):
+        theirs = _get(user, dotted)
+        if theirs is None or theirs == "auto":
+            _set(result, dotted, value)
+        elif not _same(theirs, value):
+            raise UserError(f"{where}: {dotted}={json.dumps(theirs)} conflicts with {origin} (which means "
+                            f"{dotted}={json.dumps(value)}); make them agree, or drop the key from the JSON")
+    for dotted, value in _engine_defaults(precision):
+        if _get(result, dotted) in (None, "auto"):
+            _set(result, dotted, value)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- the engine
+def import_deepspeed(device_type: str):
+    """Import deepspeed for this device, without the start-up cost a CPU run needs none of."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips probing for every other accelerator
+    import deepspeed
+    import deepspeed.ops
+
+    # On the CPU accelerator, DeepSpeed JIT-compiles a shared-memory all-reduce op when its communication backend
+    # starts (~2.5 min on 2 cores; it serves inference all-reduces, not ZeRO training). Marking it incompatible
+    # skips the build; filling the dict directly also skips probing every other op with a compiler.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+class DeepSpeedEngine:
+    """The trainer's handle on a DeepSpeed engine: what its train_step, evaluation and export need."""
+
+    def __init__(self, model: nn.Module, config, layout, precision: str):
+        self.config = preflight(config, layout.dp, layout.device.type, precision)
+        self.dp = layout.dp
+        self.precision = precision
+        self.zero_stage = self.config["zero_optimization"]["stage"]
+        deepspeed = import_deepspeed(layout.device.type)
+        from deepspeed.runtime.config import DeepSpeedConfigError
+        from pydantic import ValidationError
+
+        from .sharding import optimizer_groups
+
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=optimizer_groups(model, config.weight_decay), config=self.config)
+        except (DeepSpeedConfigError, ValidationError) as exc:
+            raise UserError(f"engine=deepspeed: DeepSpeed rejected the config: {_one_line(exc)}") from None
+        self.module = self.engine.module
+        log.info("deepspeed %s: ZeRO stage %d, %s, %d data-parallel processes (deepspeed_config.json in the run "
+                 "folder)", metadata.version("deepspeed"), self.zero_stage, precision, self.dp)
+        # The torch AdamW DeepSpeed steps on this rank's fp32 partitions: the lr schedule sets its lr.
+        self.optimizer = self.engine.basic_optimizer
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """ZeRO-3 all-gathers a layer's parameters in a forward whenever it released them: all ranks must run as
+        many forwards (as transformers' `synced_gpus` does for generation)."""
+        return self.zero_stage == 3
+
+    @property
+    def loss_scale(self) -> float:
+        if self.precision != "fp16":
+            return 1.0
+        return float(self.engine.optimizer.loss_scale)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch. DeepSpeed averages gradients over ranks: scaling by dp makes that average our sum."""
+        self.engine.backward(loss * self.dp, scale_wrt_gas=False)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # counts the micro-step only; the update waits for the boundary
+
+    def step(self) -> tuple[float | None, bool]:
+        """The update at the accumulation boundary: (global gradient norm before clipping, skipped)."""
+        self.engine.step()
+        skipped = not self.engine.was_step_applied()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return (None if skipped or norm is None or not math.isfinite(norm) else norm), skipped
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model parameters (the ZeRO-3 partition), fp32 master partition and AdamW state
+        (DeepSpeed's gradient buffers are internal to it: not counted)."""
+        params = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
+                     for p in self.module.parameters())
+        zero = self.engine.optimizer  # ZeRO-3 keeps the fp32 partitions apart from the optimizer's param groups
+        master = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        state = [value for per_param in self.optimizer.state.values() for value in per_param.values()
+                 if isinstance(value, torch.Tensor) and value.numel() > 1]
+        return {"params": params, "master_params": sum(p.numel() * p.element_size() for p in master),
+                "optimizer": sum(t.numel() * t.element_size() for t in state)}
+
+    def full_state_dict(self, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+        """The trained weights from the fp32 master copies (not the bf16/fp16 working copies), assembled from
+        every rank's partition (a collective: all ranks call it); `keep` ranks get CPU tensors."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full: dict[int, torch.Tensor] = {}
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if isinstance(tensor, nn.Parameter):
+                if id(tensor) not in full:  # tied weights: gathered once
+                    master = safe_get_full_fp32_param(tensor)
+                    full[id(tensor)] = master if master is not None else tensor.detach()
+                tensor = full[id(tensor)]
+            if keep:
+                tensor = tensor.detach().to("cpu")
+                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return state
