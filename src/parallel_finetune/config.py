@@ -1,7 +1,7 @@
 """The run configuration: one flat, typed dataclass, read from a recipe YAML plus `key=value` overrides.
 
 A recipe may nest its keys under the section names below (`model:`, `data:`, `training:`, `parallel:`,
-`memory:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
+`memory:`, `checkpoint:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
 `size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). Overrides on the
 command line win over everything and use the flat key (`lr=1e-4`) or the dotted one (`training.lr=1e-4`);
 dictionary keys take a dotted suffix (`model_config.n_layer=4`).
@@ -78,6 +78,13 @@ class Config:
     # counts as lacking) and a value contradicting the recipe is an error, never silently overridden
     activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
     offload_activations: bool = False  # keep saved activations in CPU memory until the backward needs them
+    # --- checkpoint ---
+    checkpoint_every: int | None = None  # steps between sharded checkpoints; one is always written at the end
+    keep_checkpoints: int = 2  # the newest N complete checkpoints are kept
+    # auto = continue from the newest complete checkpoint in the checkpoint folder, if any (so torchrun restarts
+    # and SageMaker spot restarts just work); none = start fresh; a path = that checkpoint
+    resume: str = "auto"
+    checkpoint_dir: str | None = None  # None = output_dir/checkpoints (on SageMaker /opt/ml/checkpoints)
     # --- output ---
     output_dir: str | None = None  # None = a new folder runs/<recipe>-<time>
     overwrite: bool = False  # allow writing into an output_dir that already holds files
@@ -101,6 +108,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size", "engine", "zero_stage",
                  "mics_shard_size", "deepspeed_config"),
     "memory": ("activation_checkpointing", "offload_activations"),
+    "checkpoint": ("checkpoint_every", "keep_checkpoints", "resume", "checkpoint_dir"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
 }
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
@@ -275,11 +283,13 @@ def validate(config: Config, where: str = "config") -> None:
     if config.family not in FAMILIES:
         raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
     for key in ("batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size", "log_every",
-                "tokenizer_vocab_size", "loss_scale_growth_interval"):
+                "tokenizer_vocab_size", "loss_scale_growth_interval", "keep_checkpoints"):
         if getattr(config, key) < 1:
             raise bad(key, "must be at least 1")
     if config.max_steps is not None and config.max_steps < 1:
         raise bad("max_steps", "must be at least 1 (or null to train for `epochs`)")
+    if config.checkpoint_every is not None and config.checkpoint_every < 1:
+        raise bad("checkpoint_every", "must be at least 1 (or null: a checkpoint at the end only)")
     if config.eval_every is not None and config.eval_every < 1:
         raise bad("eval_every", "must be at least 1 (or null: evaluate at the end only)")
     if config.max_steps is None and config.epochs <= 0:

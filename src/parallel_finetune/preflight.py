@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .checkpoint import continuing_run, resolve_resume
 from .config import Config
 from .data import read_glue_dir
 from .families import get_family
@@ -15,7 +18,9 @@ def preflight(config: Config, nproc: int) -> str:
     family = get_family(config.family)
     if config.data_dir:
         read_glue_dir(config.data_dir)
-    choose_output_dir(config.output_dir, config.recipe, config.overwrite)
+    choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
+    if config.resume not in ("auto", "none"):
+        resolve_resume(config.resume, Path(config.resume))
     if config.size == "full":
         check_model_source(config.model or family.default_model)
     from .trainer import check_batch_split, tiny_vocab_size

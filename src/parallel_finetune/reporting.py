@@ -21,8 +21,9 @@ from .errors import UserError
 RUNS_DIR = Path("runs")
 
 
-def choose_output_dir(requested: str | None, recipe: str, overwrite: bool) -> Path:
-    """The run folder: the requested one (refused if it already holds files, unless overwrite) or a new one."""
+def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, continuing: bool = False) -> Path:
+    """The run folder: the requested one (refused if it already holds files, unless overwrite or `continuing` a
+    run from its checkpoint) or a new one."""
     if requested is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = RUNS_DIR / f"{recipe}-{stamp}"
@@ -34,7 +35,7 @@ def choose_output_dir(requested: str | None, recipe: str, overwrite: bool) -> Pa
     path = Path(requested).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"output_dir={requested!r} is a file, not a folder")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    if path.is_dir() and any(path.iterdir()) and not (overwrite or continuing):
         raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
                         "or pass overwrite=true to write into it")
     return path
@@ -73,23 +74,36 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def _continue_jsonl(path: Path, resumed_at: int):
+    """Open a step-keyed JSON-lines file: fresh, or (resuming) keeping the records up to the resumed step, so
+    the file reads as one uninterrupted run."""
+    kept = []
+    if resumed_at and path.is_file():
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resumed_at]
+    handle = open(path, "w", encoding="utf-8")
+    handle.writelines(line + "\n" for line in kept)
+    handle.flush()
+    return handle
+
+
 class Reporter:
     """Rank 0's view of training. Other ranks get a Reporter that does nothing."""
 
-    def __init__(self, output_dir: Path, total_steps: int, log_every: int, enabled: bool):
+    def __init__(self, output_dir: Path, total_steps: int, log_every: int, enabled: bool, resumed_at: int = 0):
         self.enabled = enabled
         self.output_dir = output_dir
         self.log_every = log_every
         self.total_steps = total_steps
         # In a log file (not a terminal) every redraw is a line of text: redraw every 30 s there.
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
-                        file=sys.stderr, mininterval=0.2 if sys.stderr.isatty() else 30)
+        self.bar = tqdm(total=total_steps, initial=resumed_at, desc="train", unit="step", disable=not enabled,
+                        dynamic_ncols=True, file=sys.stderr, mininterval=0.2 if sys.stderr.isatty() else 30)
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.metrics = open(output_dir / "metrics.jsonl", "w", encoding="utf-8")
-        self.evals = open(output_dir / "eval.jsonl", "w", encoding="utf-8")
+        self.metrics = _continue_jsonl(output_dir / "metrics.jsonl", resumed_at)
+        self.evals = _continue_jsonl(output_dir / "eval.jsonl", resumed_at)
         self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
 
     def step(self, record: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,8 +25,10 @@ import transformers
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from . import checkpoint
 from . import data as data_module
 from .config import Config
+from .checkpoint import continuing_run
 from .errors import UserError
 from .export import DTYPES as EXPORT_DTYPES
 from .export import gather_full_state_dict, save_hf
@@ -96,6 +99,10 @@ class Trainer:
         self.history: list[dict] = []
         self.state_bytes: dict[str, int] | None = None  # measured at the first optimizer step
         self.deepspeed = None  # engine=deepspeed: a DeepSpeedEngine; self.model is then DeepSpeed's own engine
+        self.adam_step = 0  # optimizer updates done (fp16 skips steps), for AdamW's bias correction on resume
+        self.stop_requested = False  # set by SIGTERM: finish the step, checkpoint, exit 0
+        self.stop_agreed = False  # any rank was asked to stop (agreed in the step's one all-reduce)
+        self.resumed_from: Path | None = None
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -112,13 +119,22 @@ class Trainer:
                 from .parallel import deepspeed_engine
 
                 deepspeed_engine.preflight(config, layout.dp, layout.device.type, self.precision)
-            self.output_dir = Path(rank0_decides(
-                layout, lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite))))
+            self.output_dir = Path(rank0_decides(layout, lambda: str(choose_output_dir(
+                config.output_dir, config.recipe, config.overwrite, continuing_run(config)))))
+            self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
         with self.timer("data"):
             self.data = self._prepare_data()
         with self.timer("model"):
             self.model = self._build_model()
+            self.parameter_shapes = checkpoint.parameter_shapes(self.model)
             self._build_optimizer()
+        if config.engine == "torch":
+            resume_from = rank0_decides(layout, lambda: str(checkpoint.resolve_resume(config.resume,
+                                                                                        self.checkpoint_root)))
+            if resume_from != "None":
+                with self.timer("resume"):
+                    checkpoint.load(self, Path(resume_from))
+                self.resumed_from = Path(resume_from)
         # Only now, with every input accepted, does the run folder appear (a failed start leaves nothing).
         if layout.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -251,14 +267,15 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if engine is not None:  # DeepSpeed reduces, unscales, clips, updates (or skips) and zeroes the gradients
             grad_norm, skipped = engine.step()
-            _, loss = reduce_norm_and_loss([], local_loss, layout.tp, layout.world_size)
+            _, loss, stop = reduce_norm_and_loss([], local_loss, layout.tp, layout.world_size, self.stop_requested)
             if self.state_bytes is None:
                 self.state_bytes = engine.state_bytes()
         else:
             self.optimizer.sync_gradients()
             pieces = self.optimizer.gradient_pieces()
             # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
-            grad_norm, loss = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size)
+            grad_norm, loss, stop = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size,
+                                                         self.stop_requested)
             grad_norm /= scale
             skipped = self.scaler.update(not math.isfinite(grad_norm))
             if not skipped:
@@ -266,11 +283,13 @@ class Trainer:
                 coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
                 scale_gradients([grad for grad, _ in pieces], coefficient / scale)
                 self.optimizer.step()
+                self.adam_step += 1
                 if self.state_bytes is None:  # gradients and optimizer state all exist now: the peak of both
                     self.state_bytes = measure_state_bytes(self.model, self.optimizer.optimizer)
             self.optimizer.zero_grad()
         self.scheduler.step()
         self.step += 1
+        self.stop_agreed = stop
         elapsed = time.perf_counter() - started
         tokens = sum(self.train_lengths[i] for i in global_batch)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
@@ -281,7 +300,8 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         config = self.config
-        reporter = Reporter(self.output_dir, self.total_steps, config.log_every, self.layout.is_main)
+        reporter = Reporter(self.output_dir, self.total_steps, config.log_every, self.layout.is_main,
+                            resumed_at=self.step)
         self.reporter = reporter
         log.info("training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
                  self.total_steps, self.steps_per_epoch, config.batch_size, self.layout.dp,
@@ -299,9 +319,29 @@ class Trainer:
                         with self.timer("eval"):
                             reporter.evaluation(self.step, self.evaluate())
                         self.model.train()
+                    if self.checkpoint_due():
+                        self.save_checkpoint()
+                    if self.stop_agreed:
+                        log.warning("stopping after step %d as asked (SIGTERM); resume=auto continues from the "
+                                    "checkpoint", self.step)
+                        return self.history
                     if self.step >= self.total_steps:
                         break
         return self.history
+
+    def checkpoint_due(self) -> bool:
+        if self.config.engine != "torch":
+            return False
+        every = self.config.checkpoint_every
+        return self.stop_agreed or self.step >= self.total_steps or bool(every and self.step % every == 0)
+
+    def save_checkpoint(self) -> Path | None:
+        with self.timer("checkpoint"):
+            return checkpoint.save(self, self.checkpoint_root)
+
+    def request_stop(self, signum=None, frame=None) -> None:
+        """SIGTERM (a spot interruption, `docker stop`): the current step finishes, then every rank checkpoints."""
+        self.stop_requested = True
 
     # ------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -389,6 +429,7 @@ class Trainer:
             "train_samples_per_s": samples / train_seconds,
             "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
             "layout": layout.describe(),
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "precision": self.precision,
             "engine": self.config.engine,
             **({"zero_stage": self.deepspeed.zero_stage} if self.deepspeed is not None else {}),
@@ -402,9 +443,13 @@ class Trainer:
 def run(config: Config, after_backward: Callable | None = None) -> dict:
     """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content."""
     trainer = Trainer(config, after_backward)
+    signal.signal(signal.SIGTERM, trainer.request_stop)
     try:
         trainer.setup()
         trainer.fit()
+        if trainer.stop_agreed:
+            shutdown()
+            return {"stopped_at_step": trainer.step}
         with trainer.timer("eval"):
             results = trainer.evaluate()
         trainer.reporter.evaluation(trainer.step, results)

@@ -4,8 +4,9 @@ A rank's gradients are a mix: tensor-parallel shards (DTensor), FSDP shards (DTe
 slices (plain tensors owned by one data-parallel rank) and replicated pieces (LayerNorms, or everything under
 plain data parallelism). Each piece comes with its replica count, the number of ranks that hold the very same
 numbers; summing square/replicas over the world counts every element of the full gradient exactly once. One
-all-reduce of [norm², loss] then gives every rank the global norm, the global loss, and (the norm being inf or
-NaN as soon as any rank overflowed) the fp16 skip decision they must all share.
+all-reduce of [norm², loss, stop] then gives every rank the global norm, the global loss, (the norm being inf or
+NaN as soon as any rank overflowed) the fp16 skip decision they must all share, and whether any rank was asked to
+stop (SIGTERM), so all of them checkpoint after the same step.
 """
 
 from __future__ import annotations
@@ -61,18 +62,21 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> No
         bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
 
 
-def reduce_norm_and_loss(pieces: list[GradPiece], loss: torch.Tensor, loss_replicas: int,
-                         world_size: int) -> tuple[float, float]:
-    """(global gradient L2 norm, global loss) from this rank's pieces and its share of the loss."""
+def reduce_norm_and_loss(pieces: list[GradPiece], loss: torch.Tensor, loss_replicas: int, world_size: int,
+                         stop_requested: bool = False) -> tuple[float, float, bool]:
+    """(global gradient L2 norm, global loss, whether any rank was asked to stop) from this rank's pieces, its
+    share of the loss and its stop request (SIGTERM): one all-reduce for all three."""
     device = loss.device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for grad, copies in pieces:
         totals[0] += grad.float().pow(2).sum().double() / copies
     totals[1] = loss.double() / loss_replicas
+    totals[2] = float(stop_requested)
     if world_size > 1:
         dist.all_reduce(totals)
-    norm_squared, total_loss = totals.tolist()
-    return math.sqrt(norm_squared) if norm_squared >= 0 else float("nan"), total_loss
+    norm_squared, total_loss, stops = totals.tolist()
+    norm = math.sqrt(norm_squared) if norm_squared >= 0 else float("nan")
+    return norm, total_loss, stops > 0
 
 
 def scale_gradients(grads: list[torch.Tensor], factor: float) -> None:

@@ -63,6 +63,27 @@ class DataParallelAdamW:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def moments(self, model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's moments by parameter name, each shaped and placed like its parameter: a form every layout
+        can write and read (checkpoints reshard through it)."""
+        result = {}
+        for name, param in model.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            result[name] = {key: state[key] if key in state else torch.zeros_like(param) for key in MOMENTS}
+        return result
+
+    def load_moments(self, model: nn.Module, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
+        for name, param in model.named_parameters():
+            self.optimizer.state[param] = {"step": _step_tensor(adam_step, param), **moments[name]}
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _step_tensor(adam_step: int, param: torch.Tensor) -> torch.Tensor:
+    # The fused AdamW keeps its step count as a float32 tensor beside the parameter.
+    return torch.tensor(float(adam_step), dtype=torch.float32, device=local(param).device)
+
 
 class _FlatBucket:
     """Parameters of one optimizer group, laid end to end in one flat buffer (padded to a multiple of dp),
@@ -77,7 +98,9 @@ class _FlatBucket:
         self.data = torch.zeros(padded, dtype=first.dtype, device=first.device)
         self.grad = torch.zeros_like(self.data)
         offset = 0
+        self.offsets: list[int] = []
         for param, tensor in zip(params, tensors):
+            self.offsets.append(offset)
             n = tensor.numel()
             self.data[offset:offset + n].copy_(tensor.reshape(-1))
             # The parameter now lives in the buffer (for a DTensor, its local shard does).
@@ -131,6 +154,38 @@ class ZeroAdamW:
     def zero_grad(self) -> None:
         for bucket, _ in self.buckets:
             bucket.grad.zero_()
+
+    def moments(self, model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter moments (see DataParallelAdamW.moments): each rank's slices are all-gathered into
+        whole buffers, then cut back into parameter-shaped views."""
+        names = {param: name for name, param in model.named_parameters()}
+        result: dict[str, dict[str, torch.Tensor]] = {}
+        for bucket, _ in self.buckets:
+            state = self.optimizer.state.get(bucket.owned, {})
+            for key in MOMENTS:
+                owned = state[key] if key in state else torch.zeros_like(bucket.owned)
+                whole = torch.empty_like(bucket.data)
+                if self.layout.dp > 1:
+                    dist.all_gather_into_tensor(whole, owned.detach().contiguous(), group=self.layout.dp_group)
+                else:
+                    whole.copy_(owned)
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    piece = whole[offset:offset + local(param).numel()].view(local(param).shape)
+                    if isinstance(param, DTensor):
+                        piece = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
+                    result.setdefault(names[param], {})[key] = piece
+        return result
+
+    def load_moments(self, model: nn.Module, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
+        names = {param: name for name, param in model.named_parameters()}
+        for bucket, _ in self.buckets:
+            state = {"step": _step_tensor(adam_step, bucket.owned)}
+            for key in MOMENTS:
+                whole = torch.zeros_like(bucket.data)
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    whole[offset:offset + local(param).numel()].copy_(local(moments[names[param]][key]).reshape(-1))
+                state[key] = whole[bucket.slice].clone()
+            self.optimizer.state[bucket.owned] = state
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, layout: Layout, compute_dtype: torch.dtype | None) -> None:
