@@ -178,7 +178,13 @@ def load(trainer, folder: Path) -> None:
     dcp.load(target, checkpoint_id=folder)  # in place, resharding from the writer's layout
     trainer.optimizer.load_moments(trainer.model, target["optimizer"], state["adam_step"])
     trainer.adam_step = state["adam_step"]
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    # Layouts group parameters differently (DTensor and plain tensors apart, ZeRO buckets), but every group
+    # follows the same schedule: restore its position, not the writer's per-group lists.
+    saved, scheduler_state = state["scheduler"], trainer.scheduler.state_dict()
+    groups = len(scheduler_state["base_lrs"])
+    scheduler_state.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],
+                           _last_lr=[saved["_last_lr"][0]] * groups)
+    trainer.scheduler.load_state_dict(scheduler_state)
     for group, lr in zip(trainer.scheduler.optimizer.param_groups, trainer.scheduler.get_last_lr()):
         group["lr"] = lr
     trainer.scaler.scale = state["loss_scaler"]["scale"]
