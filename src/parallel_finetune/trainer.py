@@ -322,7 +322,7 @@ class Trainer:
                     if self.checkpoint_due():
                         self.save_checkpoint()
                     if self.stop_agreed:
-                        log.warning("stopping after step %d as asked (SIGTERM); resume=auto continues from the "
+                        log.info("stopping after step %d as asked (SIGTERM); resume=auto continues from the "
                                     "checkpoint", self.step)
                         return self.history
                     if self.step >= self.total_steps:

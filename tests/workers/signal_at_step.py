@@ -1,0 +1,24 @@
+"""Trains like scripts/train.py, but one rank signals itself at one step (after that step's backward).
+
+torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGKILL, SIGNAL_RANK, SIGNAL_STEP;
+SIGKILL only in torchrun's first attempt, so a restarted run goes through)"""
+
+import os
+import signal
+import sys
+
+from parallel_finetune.config import load_config
+from parallel_finetune.trainer import run
+
+SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])
+RANK, STEP = int(os.environ["SIGNAL_RANK"]), int(os.environ["SIGNAL_STEP"])
+FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def send(trainer, step: int) -> None:
+    if step == STEP and trainer.layout.rank == RANK and (SIGNAL != signal.SIGKILL or FIRST_ATTEMPT):
+        os.kill(os.getpid(), SIGNAL)
+
+
+if __name__ == "__main__":
+    run(load_config(sys.argv[1], sys.argv[2:]), after_backward=send)
