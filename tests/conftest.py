@@ -72,12 +72,14 @@ def subprocess_env() -> dict:
 
 
 def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | None = None,
-           recipe: Path = RECIPE, check: bool = True, timeout: int = 600) -> Run:
+           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun_args: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> Run:
     """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=..."""
     target = script or str(REPO / "scripts" / "train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", target,
-               str(recipe), *overrides, f"output_dir={output_dir}"]
-    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *torchrun_args, target, str(recipe), *overrides, f"output_dir={output_dir}"]
+    proc = subprocess.run(command, cwd=REPO, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
     if check and proc.returncode != 0:
         pytest.fail(f"training failed ({proc.returncode}):\n{run.output[-6000:]}")

@@ -4,6 +4,7 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - the model's state dict and AdamW's moments, written by `torch.distributed.checkpoint` (DCP) from every rank's
   shards. Keys are the unsplit model's parameter names and the moments are shaped like their parameters, so a
   checkpoint written under one layout (TP=2, FSDP, ZeRO-1, ...) loads under another: DCP reshards on load;
+- `config.yaml` and `tokenizer/` (rank 0), so `scripts/export_hf.py` needs nothing else;
 - `trainer_state.json` (rank 0): step, AdamW's step count, LR scheduler, loss scaler, and the model's parameter
   shapes, which identify the model it belongs to;
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
@@ -24,6 +25,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -32,6 +34,7 @@ from .errors import UserError
 log = logging.getLogger("parallel_finetune")
 
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
 NAME = re.compile(r"^step-(\d{8})$")
 SAGEMAKER_CHECKPOINTS = Path("/opt/ml/checkpoints")  # synced to S3 through the job's checkpoint URI
 
@@ -138,6 +141,9 @@ def save(trainer, root: Path) -> Path | None:
                  "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
                  "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
                  "parameter_shapes": trainer.parameter_shapes}
+        # What an export needs without the data: the run's configuration and tokenizer.
+        (partial / CONFIG_FILE).write_text(yaml.safe_dump(trainer.config.to_dict(), sort_keys=False))
+        trainer.data.tokenizer.save_pretrained(partial / "tokenizer")
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         os.replace(partial, final)  # atomic: a folder named step-… is complete
         for old in sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)[
@@ -199,3 +205,35 @@ def load(trainer, folder: Path) -> None:
     log.info("resumed from %s (step %d, written by %s)", folder, trainer.step,
              ", ".join(f"{k}={v}" for k, v in state["layout"].items() if k in ("world_size", "data_parallel",
                                                                                 "tensor_parallel", "sharding")))
+
+
+def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
+    """A Hugging Face model folder from any layout's checkpoint, in one process (no process group)."""
+    from transformers import AutoTokenizer
+
+    from .config import Config
+    from .export import DTYPES, save_hf
+    from .families import get_family
+    from .trainer import tiny_vocab_size
+
+    folder = Path(folder)
+    problem = _complete(folder) if folder.is_dir() else "no such folder"
+    if problem is not None:
+        raise UserError(f"checkpoint {str(folder)!r} is not a complete checkpoint: {problem}")
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(DTYPES)}")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} already holds files; choose an empty or new folder")
+    config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
+    family = get_family(config.family)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)),
+                                 max(config.max_length, 128), config.model_config)
+    with torch.device("meta"):  # shapes only: the checkpoint supplies every value
+        model = family.build(config.task, hf_config, config.model, "tiny", tokenizer)
+    model.to_empty(device="cpu")
+    state = model.state_dict()
+    dcp.load({"model": state}, checkpoint_id=folder)
+    state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    save_hf(model, family.to_hf_state_dict(state), tokenizer, out)
+    return out

@@ -129,9 +129,10 @@ class Trainer:
             self.parameter_shapes = checkpoint.parameter_shapes(self.model)
             self._build_optimizer()
         if config.engine == "torch":
+            # Rank 0 picks (and warns about skipped ones) once; every rank loads the same folder.
             resume_from = rank0_decides(layout, lambda: str(checkpoint.resolve_resume(config.resume,
-                                                                                        self.checkpoint_root)))
-            if resume_from != "None":
+                                                                                        self.checkpoint_root) or ""))
+            if resume_from:
                 with self.timer("resume"):
                     checkpoint.load(self, Path(resume_from))
                 self.resumed_from = Path(resume_from)

@@ -1,0 +1,33 @@
+#!/usr/bin/env python
+"""Write a Hugging Face model folder from a training checkpoint of any layout (one process, no GPU needed).
+
+python scripts/export_hf.py CHECKPOINT OUT [--dtype float32|bfloat16|float16]
+CHECKPOINT: a step-… folder (or a checkpoint folder: its newest complete checkpoint). OUT: a new or empty folder;
+`AutoModelForSequenceClassification.from_pretrained(OUT)` (or ForCausalLM) loads it.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from parallel_finetune.checkpoint import export_checkpoint, resolve_resume
+from parallel_finetune.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args(argv)
+    try:
+        folder = resolve_resume(args.checkpoint, Path(args.checkpoint))
+        print(export_checkpoint(folder, Path(args.out), args.dtype))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
