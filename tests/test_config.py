@@ -90,3 +90,11 @@ def test_bad_recipe_files(tmp_path):
     flat = tmp_path / "flat.yaml"
     flat.write_text("family: gptj\nbatch_size: 8\n")
     assert load_config(flat).batch_size == 8
+
+
+def test_checkpoint_keys_are_validated():
+    with pytest.raises(UserError, match="checkpoint_every=0 must be at least 1"):
+        load_config(RECIPE, ["checkpoint_every=0"])
+    with pytest.raises(UserError, match="checkpoint_every=5 is not supported with engine=deepspeed yet"):
+        load_config(RECIPE, ["engine=deepspeed", "checkpoint_every=5"])
+    assert load_config(RECIPE, ["checkpoint.resume=none"]).resume == "none"

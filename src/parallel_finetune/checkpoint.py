@@ -28,6 +28,7 @@ import torch
 import yaml
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import UserError
 
@@ -115,7 +116,10 @@ def save(trainer, root: Path) -> Path | None:
         if not error and (everywhere or layout.is_main):
             try:
                 action()
-            except Exception as exc:  # OSError, or DCP's CheckpointException wrapping one (raised on every rank)
+            # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one
+            except (Exception, CheckpointException) as exc:
+                if isinstance(exc, CheckpointException) and exc.failures:  # the rank's own error says what
+                    exc = next(iter(exc.failures.values()))
                 error.append(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
         flag = torch.tensor([1.0 if error else 0.0], device=layout.device)
         dist.all_reduce(flag)

@@ -288,6 +288,10 @@ def validate(config: Config, where: str = "config") -> None:
             raise bad(key, "must be at least 1")
     if config.max_steps is not None and config.max_steps < 1:
         raise bad("max_steps", "must be at least 1 (or null to train for `epochs`)")
+    if config.engine == "deepspeed" and (config.checkpoint_every or config.resume not in ("auto", "none")):
+        key = "checkpoint_every" if config.checkpoint_every else "resume"
+        raise bad(key, "is not supported with engine=deepspeed yet (checkpoints are engine=torch's); "
+                       "use engine=torch or drop the key")
     if config.checkpoint_every is not None and config.checkpoint_every < 1:
         raise bad("checkpoint_every", "must be at least 1 (or null: a checkpoint at the end only)")
     if config.eval_every is not None and config.eval_every < 1:

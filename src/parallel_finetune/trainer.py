@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -396,7 +397,8 @@ class Trainer:
     def export(self) -> Path | None:
         if not self.config.export:
             return None
-        out = self.output_dir / "hf"
+        # On SageMaker the job uploads SM_MODEL_DIR to S3 as the model artifact.
+        out = Path(os.environ["SM_MODEL_DIR"]) if "SM_MODEL_DIR" in os.environ else self.output_dir / "hf"
         with self.timer("export"):
             dtype, keep = EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main
             if self.deepspeed is not None:  # from DeepSpeed's fp32 master partitions
