@@ -87,7 +87,8 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(reference, sst2, cac
 
 
 def test_killed_rank_restarts_from_the_last_checkpoint(reference, sst2, cache_dir, tmp_path):
-    env = {"SIGNAL_NAME": "SIGKILL", "SIGNAL_RANK": "1", "SIGNAL_STEP": "7"}
+    # the late restart: torchrun keeps its store across attempts, so peers must not find the dead rank's address
+    env = {"SIGNAL_NAME": "SIGKILL", "SIGNAL_RANK": "1", "SIGNAL_STEP": "7", "LATE_RANK": "1", "LATE_BY_S": "5"}
     run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "checkpoint_every=3"), tmp_path / "run",
                  script=SIGNAL_WORKER, env=env, torchrun_args=("--max-restarts=1",))
     assert "resumed from" in run.output and "step-00000006" in run.output

@@ -140,12 +140,24 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
-                                device_id=device if device_type == "cuda" else None)
+        _init_process_group(backend, device if device_type == "cuda" else None)
     mesh = init_device_mesh(device_type, (degrees.dp_replicate, degrees.dp_shard, degrees.tp),
                             mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)
+
+
+def _init_process_group(backend: str, device_id: torch.device | None) -> None:
+    timeout = datetime.timedelta(minutes=30)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        return
+    # torchrun keeps one store across restarts (--max-restarts) and process-group keys carry no attempt number, so a
+    # restarted rank could read a dead peer's address and fail with "Connection refused": each attempt gets its own keys
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt-{attempt}/", store), rank=rank,
+                            world_size=world_size, timeout=timeout, device_id=device_id)
 
 
 def shutdown() -> None:

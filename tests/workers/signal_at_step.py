@@ -1,11 +1,13 @@
 """Trains like scripts/train.py, but one rank signals itself at one step (after that step's backward).
 
 torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGKILL, SIGNAL_RANK, SIGNAL_STEP;
-SIGKILL only in torchrun's first attempt, so a restarted run goes through)"""
+SIGKILL only in torchrun's first attempt, so a restarted run goes through; in a restarted attempt rank LATE_RANK
+starts LATE_BY_S seconds late, so its peers look for it in the store first)"""
 
 import os
 import signal
 import sys
+import time
 
 from parallel_finetune.config import load_config
 from parallel_finetune.trainer import run
@@ -21,4 +23,6 @@ def send(trainer, step: int) -> None:
 
 
 if __name__ == "__main__":
+    if not FIRST_ATTEMPT and os.environ["RANK"] == os.environ.get("LATE_RANK"):
+        time.sleep(float(os.environ["LATE_BY_S"]))
     run(load_config(sys.argv[1], sys.argv[2:]), after_backward=send)
