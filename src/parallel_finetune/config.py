@@ -76,6 +76,12 @@ class Config:
     mics_shard_size: int | None = None  # deepspeed, zero_stage=3: shard inside groups of N ranks (MiCS)
     deepspeed_config: str | None = None  # a DeepSpeed JSON to start from: the recipe fills what it lacks ("auto"
     # counts as lacking) and a value contradicting the recipe is an error, never silently overridden
+    # Pipeline parallelism: the blocks cut into consecutive stages, one (or, interleaved, several) per rank.
+    pipeline_parallel_degree: int = 1
+    microbatches: int | None = None  # per pipeline step (each accumulation step); None = 2 x stages
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = 2  # interleaved only: stages per rank
+    partition: Literal["auto"] | list = "auto"  # auto = balanced by compute; [a, b, ...] = blocks per stage
     activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
     offload_activations: bool = False  # keep saved activations in CPU memory until the backward needs them
     # --- checkpoint ---
@@ -106,7 +112,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every",
     ),
     "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size", "engine", "zero_stage",
-                 "mics_shard_size", "deepspeed_config"),
+                 "mics_shard_size", "deepspeed_config", "pipeline_parallel_degree", "microbatches", "pipeline_schedule",
+                 "virtual_stages", "partition"),
     "memory": ("activation_checkpointing", "offload_activations"),
     "checkpoint": ("checkpoint_every", "keep_checkpoints", "resume", "checkpoint_dir"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
@@ -317,6 +324,25 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
     if config.shard_group_size is not None and config.sharding != "hybrid":
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
+    if config.pipeline_parallel_degree < 1:
+        raise bad("pipeline_parallel_degree", "must be a positive integer")
+    if config.microbatches is not None and config.microbatches < 1:
+        raise bad("microbatches", "must be a positive integer (or null: 2 x the number of stages)")
+    if config.virtual_stages < 1:
+        raise bad("virtual_stages", "must be a positive integer")
+    if config.partition != "auto" and not (config.partition and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)):
+        raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
+    if config.pipeline_parallel_degree > 1:
+        if config.engine == "deepspeed":
+            raise bad("pipeline_parallel_degree", "does not combine with engine=deepspeed (its pipeline engine "
+                                                  "needs a PipelineModule); use engine=torch")
+        if config.sharding in ("full", "hybrid"):
+            raise bad("pipeline_parallel_degree", f"does not combine with sharding={config.sharding} yet; use "
+                                                  "sharding=optimizer (ZeRO-1) or none with pipeline parallelism")
+        if config.offload_activations:
+            raise bad("pipeline_parallel_degree", "does not combine with offload_activations=true (activations "
+                                                  "cross stages); use activation_checkpointing instead")
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in FAMILIES[config.family].tasks:

@@ -1,7 +1,8 @@
-"""The process layout: degrees of data parallelism (replicated x sharded) and tensor parallelism, and their mesh.
+"""The process layout: degrees of pipeline, data (replicated x sharded) and tensor parallelism, and their mesh.
 
-Ranks are laid out (dp_replicate, dp_shard, tp), tp fastest: a tensor-parallel group is a run of consecutive
-ranks (one node, its fast links), a shard group the next level out, and replication crosses nodes. The
+Ranks are laid out (pp, dp_replicate, dp_shard, tp), tp fastest: a tensor-parallel group is a run of consecutive
+ranks (one node, its fast links), a shard group the next level out, replication further out, and pipeline
+stages outermost (a stage boundary sends one activation per micro-batch: the cheapest link to cross nodes). The
 data-parallel degree is dp_replicate x dp_shard; `sharding` decides how it splits:
 none and optimizer -> all replicate (optimizer sharding shards across the whole data-parallel group),
 full -> all shard, hybrid -> shard inside groups of `shard_group_size`, replicate across them.
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UserError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Degrees:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -39,22 +41,31 @@ def divisors(n: int) -> list[int]:
 
 
 def resolve_degrees(world_size: int, local_world_size: int, tp_requested: int | str, sharding: str,
-                    shard_group_size: int | None) -> Degrees:
+                    shard_group_size: int | None, pp: int = 1) -> Degrees:
     """The one place that turns the config's parallel keys and the process count into degrees."""
-    tp = local_world_size if tp_requested == "auto" else int(tp_requested)
-    if world_size % tp:
-        raise UserError(f"tensor_parallel_degree={tp} does not divide the {world_size} processes; "
-                        f"use a divisor of {world_size} (the rest become data-parallel replicas)")
-    dp = world_size // tp
+    if world_size % pp:
+        raise UserError(f"pipeline_parallel_degree={pp} does not divide the {world_size} processes; "
+                        f"valid: {', '.join(map(str, divisors(world_size)))}")
+    if tp_requested == "auto":  # the ranks of a node that its pipeline stages leave over
+        nodes = max(1, world_size // local_world_size)
+        stages_per_node = max(1, pp // nodes)
+        tp = local_world_size // stages_per_node if local_world_size % stages_per_node == 0 else 1
+    else:
+        tp = int(tp_requested)
+    if (world_size // pp) % tp:
+        raise UserError(f"tensor_parallel_degree={tp} does not divide the {world_size // pp} processes of a "
+                        f"pipeline stage ({world_size} processes / pipeline_parallel_degree={pp}); use a divisor "
+                        f"of {world_size // pp} (the rest become data-parallel replicas)")
+    dp = world_size // (tp * pp)
     if sharding == "full":
-        return Degrees(1, dp, tp)
+        return Degrees(1, dp, tp, pp)
     if sharding != "hybrid":
-        return Degrees(dp, 1, tp)
+        return Degrees(dp, 1, tp, pp)
     group = shard_group_size or max(1, local_world_size // tp)
     if dp % group:
         raise UserError(f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
                         f"{dp}; valid: {', '.join(map(str, divisors(dp)))}")
-    return Degrees(dp // group, group, tp)
+    return Degrees(dp // group, group, tp, pp)
 
 
 @dataclass
@@ -75,6 +86,27 @@ class Layout:
     @property
     def tp(self) -> int:
         return self.degrees.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
+
+    @property
+    def pp(self) -> int:
+        return self.degrees.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks that hold one pipeline stage (all of them without pipelining): what replica counts refer to."""
+        return self.world_size // self.pp
 
     @property
     def dp_rank(self) -> int:
@@ -101,7 +133,8 @@ class Layout:
         return self.rank == 0
 
     def describe(self) -> dict:
-        return {"world_size": self.world_size, "data_parallel": self.dp, "tensor_parallel": self.tp,
+        return {"world_size": self.world_size, "pipeline_parallel": self.pp, "data_parallel": self.dp,
+                "tensor_parallel": self.tp,
                 "sharding": self.sharding, "shard_group_size": self.degrees.dp_shard,
                 "device": self.device.type, "backend": dist.get_backend()}
 
@@ -121,7 +154,7 @@ def _free_port() -> int:
 
 
 def init_distributed(device_choice: str, tp_requested: int | str, sharding: str = "none",
-                     shard_group_size: int | None = None) -> Layout:
+                     shard_group_size: int | None = None, pp: int = 1) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -131,7 +164,7 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     device_type = resolve_device(device_choice)
-    degrees = resolve_degrees(world_size, local_world, tp_requested, sharding, shard_group_size)
+    degrees = resolve_degrees(world_size, local_world, tp_requested, sharding, shard_group_size, pp)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -141,7 +174,7 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
         backend = "gloo"
     if not dist.is_initialized():
         _init_process_group(backend, device if device_type == "cuda" else None)
-    mesh = init_device_mesh(device_type, (degrees.dp_replicate, degrees.dp_shard, degrees.tp),
+    mesh = init_device_mesh(device_type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp),
                             mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)

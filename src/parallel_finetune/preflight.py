@@ -27,7 +27,8 @@ def preflight(config: Config, nproc: int) -> str:
 
     hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
                                  max(config.max_length, 128), config.model_config)
-    degrees = resolve_degrees(nproc, nproc, config.tensor_parallel_degree, config.sharding, config.shard_group_size)
+    degrees = resolve_degrees(nproc, nproc, config.tensor_parallel_degree, config.sharding, config.shard_group_size,
+                              config.pipeline_parallel_degree)
     family.check_tp(hf_config, degrees.tp)
     check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"

@@ -38,6 +38,8 @@ from .layout import Layout, init_distributed, shutdown
 from .metrics import load_metric
 from .parallel.gradients import reduce_norm_and_loss, scale_gradients
 from .parallel.memory import apply_activation_checkpointing, measure_state_bytes, offload_context
+from .parallel.pipeline import (PAD_MULTIPLE, Pipeline, check_microbatches, cut_model, describe_stages, plan_stages,
+                                sync_tied_gradients, tied_parameters)
 from .parallel.sharding import DataParallelAdamW, ZeroAdamW, apply_fsdp
 from .parallel.tensor import apply_tp
 from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
@@ -104,18 +106,27 @@ class Trainer:
         self.stop_requested = False  # set by SIGTERM: finish the step, checkpoint, exit 0
         self.stop_agreed = False  # any rank was asked to stop (agreed in the step's one all-reduce)
         self.resumed_from: Path | None = None
+        self.pipeline: Pipeline | None = None  # pipeline_parallel_degree > 1: this rank's stages and schedules
+        self.tied: list[tuple[str, ...]] = []  # weights shared by the first and last stage (tied embeddings)
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches or 2 * self.config.pipeline_parallel_degree
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         config = self.config
         with self.timer("setup"):
             self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree, config.sharding,
-                                                    config.shard_group_size)
+                                                    config.shard_group_size, config.pipeline_parallel_degree)
             logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
                                 force=True)
             transformers.logging.set_verbosity_error()
             self.precision = resolve_precision(config.precision, layout.device, config.engine)
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
+            if layout.pp > 1:
+                check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps),
+                                   self.microbatches)
             if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
                 from .parallel import deepspeed_engine
 
@@ -127,7 +138,6 @@ class Trainer:
             self.data = self._prepare_data()
         with self.timer("model"):
             self.model = self._build_model()
-            self.parameter_shapes = checkpoint.parameter_shapes(self.model)
             self._build_optimizer()
         if config.engine == "torch":
             # Rank 0 picks (and warns about skipped ones) once; every rank loads the same folder.
@@ -178,11 +188,26 @@ class Trainer:
             log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
                      ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
                      sum(p.numel() for p in model.parameters()) / 1e6)
+        self.parameter_shapes = checkpoint.parameter_shapes(model)  # of the unsplit model: layout-neutral
+        n_blocks = len(family.blocks(model))
+        if layout.pp > 1:
+            virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
+            stages = plan_stages(model, family, layout.pp, virtual, config.partition)
+            self.tied = tied_parameters(model)
+            self.tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in self.tied}
+            cut_model(model, family, [s for s in stages if s.index % layout.pp == layout.pp_rank])
+            log.info("pipeline: %s schedule, %d micro-batches | %s", config.pipeline_schedule, self.microbatches,
+                     describe_stages(stages, layout.pp))
         model.to(layout.device)
         apply_tp(model, family, layout.tp_mesh)
-        checkpointed = apply_activation_checkpointing(family.blocks(model), config.activation_checkpointing)
+        if layout.pp > 1:
+            self.pipeline = Pipeline(model, family, stages, layout, config.pipeline_schedule, self.microbatches,
+                                     self._autocast)
+        checkpointed = apply_activation_checkpointing(family.blocks(model), config.activation_checkpointing,
+                                                      family.block_numbers(model))
         if checkpointed:
-            log.info("activation checkpointing: blocks %s of %d", checkpointed, len(family.blocks(model)))
+            log.info("activation checkpointing: blocks %s of %d%s", checkpointed, n_blocks,
+                     " (this stage's)" if layout.pp > 1 else "")
         if config.offload_activations and layout.device.type == "cpu":
             log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
                         "memory (the offload still runs, so the code path is the one GPUs use)")
@@ -190,6 +215,11 @@ class Trainer:
             compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else None
             apply_fsdp(model, family.blocks(model), layout, compute_dtype)
         return model
+
+    def _held_names(self, tied: list[tuple[str, ...]]) -> dict[str, str]:
+        """For each weight shared across pipeline stages: the name this stage holds it by -> its first name."""
+        held = dict(self.model.named_parameters())
+        return {name: names[0] for names in tied for name in names if name in held}
 
     def _build_optimizer(self) -> None:
         config = self.config
@@ -202,7 +232,7 @@ class Trainer:
         else:
             kind = ZeroAdamW if config.sharding == "optimizer" else DataParallelAdamW
             self.optimizer = kind(self.model, self.layout, config.weight_decay, config.lr, config.adam_betas,
-                                  config.adam_eps)
+                                  config.adam_eps, self._held_names(self.tied))
             optimizer = self.optimizer.optimizer
         self.steps_per_epoch = len(self.batches)
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
@@ -231,15 +261,29 @@ class Trainer:
             return len(indices)
         return sum(self.train_lengths[i] - 1 for i in indices)
 
-    def micro_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+    def micro_batch(self, indices: list[int], ids: list | None = None, labels: list | None = None) -> dict:
         tokenizer = self.data.tokenizer
-        labels = [self.train_labels[i] for i in indices] if self.train_labels is not None else None
-        batch = data_module.collate([self.train_ids[i] for i in indices], tokenizer.pad_token_id,
-                                    tokenizer.padding_side, labels)
+        ids, labels = (self.train_ids, self.train_labels) if ids is None else (ids, labels)
+        batch = data_module.collate([ids[i] for i in indices], tokenizer.pad_token_id, tokenizer.padding_side,
+                                    [labels[i] for i in indices] if labels is not None else None,
+                                    # a pipeline keeps one schedule per shape: fewer lengths, fewer schedules
+                                    pad_to_multiple_of=PAD_MULTIPLE if self.pipeline is not None else 1)
         return {k: v.to(self.layout.device, non_blocking=True) for k, v in batch.items()}
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with autocast(self.precision, self.layout.device):
+    def targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the loss compares the logits with: labels, or the next tokens with padding ignored."""
+        if self.config.task == "classification":
+            return batch["labels"]
+        return batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+
+    def _autocast(self):
+        return autocast(self.precision, self.layout.device)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Logits (under pipeline parallelism: on the last stage; None on the others)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(batch)
+        with self._autocast():
             return self.model(**model_inputs(batch)).logits
 
     def _set_gradient_sync(self, enabled: bool) -> None:
@@ -260,6 +304,9 @@ class Trainer:
         for number, indices in enumerate(micro_batches, start=1):
             self._set_gradient_sync(number == len(micro_batches))
             batch = self.micro_batch(indices)
+            if self.pipeline is not None:  # forward and backward of every micro-batch, stage by stage
+                local_loss += self.pipeline.train(batch, self.targets(batch), scale / count) / scale
+                continue
             with offload_context(config.offload_activations, layout.device):
                 loss = self.loss_sum(self.forward(batch), batch) / count
             backward(loss)
@@ -274,6 +321,7 @@ class Trainer:
                 self.state_bytes = engine.state_bytes()
         else:
             self.optimizer.sync_gradients()
+            sync_tied_gradients(self.model, self.tied, getattr(self, "tied_shapes", {}), layout)
             pieces = self.optimizer.gradient_pieces()
             # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
             grad_norm, loss, stop = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size,
@@ -356,7 +404,6 @@ class Trainer:
         labels = data_module.column(rows, "label") if config.task == "classification" else None
         order = sorted(range(len(ids)), key=lambda i: lengths[i])
         chunks = [order[i:i + config.eval_batch_size] for i in range(0, len(order), config.eval_batch_size)]
-        tokenizer = self.data.tokenizer
         predictions: list[tuple[int, int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
         mine = chunks[layout.dp_rank::layout.dp]
@@ -364,11 +411,9 @@ class Trainer:
         # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
         rounds = -(-len(chunks) // layout.dp)
         for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
-            batch = data_module.collate([ids[i] for i in chunk], tokenizer.pad_token_id, tokenizer.padding_side,
-                                        [labels[i] for i in chunk] if labels is not None else None)
-            batch = {k: v.to(layout.device) for k, v in batch.items()}
+            batch = self.micro_batch(chunk, ids, labels)
             logits = self.forward(batch)
-            if number >= len(mine):
+            if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
                 continue
             totals[0] += self.loss_sum(logits, batch).double()
             if labels is not None:
@@ -378,14 +423,18 @@ class Trainer:
                 totals[1] += batch["attention_mask"][:, 1:].sum()
         if layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
-        mean_loss = (totals[0] / totals[1]).item()
-        if labels is None:
-            return {"eval_loss": mean_loss, "perplexity": math.exp(min(mean_loss, 700.0))}
         gathered: list = [None] * layout.dp
-        if layout.dp > 1:
+        if labels is not None and layout.dp > 1:
             dist.all_gather_object(gathered, predictions, group=layout.dp_group)
         else:
             gathered = [predictions]
+        if layout.pp > 1:  # the last stage scored everything: hand its sums and predictions to the other stages
+            box = [(totals.tolist(), gathered)]
+            dist.broadcast_object_list(box, group=layout.pp_group, group_src=layout.pp - 1)
+            totals, gathered = torch.tensor(box[0][0], dtype=torch.float64), box[0][1]
+        mean_loss = (totals[0] / totals[1]).item()
+        if labels is None:
+            return {"eval_loss": mean_loss, "perplexity": math.exp(min(mean_loss, 700.0))}
         by_row = dict(pair for part in gathered for pair in part)
         assert len(by_row) == len(ids), "every dev row is predicted exactly once"
         ordered = sorted(by_row)
@@ -403,6 +452,12 @@ class Trainer:
             dtype, keep = EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main
             if self.deepspeed is not None:  # from DeepSpeed's fp32 master partitions
                 model, state = self.deepspeed.module, self.deepspeed.full_state_dict(dtype, keep)
+            elif self.pipeline is not None:  # each stage's first rank gathers its shards, then rank 0 all stages
+                keep_stage = self.layout.dp_rank == 0 and self.layout.tp_rank == 0
+                part = gather_full_state_dict(self.model, dtype, keep_stage)
+                parts: list | None = [None] * self.layout.pp if self.layout.pp_rank == 0 else None
+                dist.gather_object(part, parts, group=self.layout.pp_group, group_dst=0)
+                model, state = self.model, {k: v for piece in parts or [] for k, v in piece.items()}
             else:
                 model, state = self.model, gather_full_state_dict(self.model, dtype, keep)
             if self.layout.is_main:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.masking_utils import create_causal_mask
 
 from ..errors import UserError
 
@@ -46,14 +47,42 @@ class Family:
 
     def tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         plan: dict[str, ParallelStyle] = {}
-        for i in range(len(self.blocks(model))):
+        for i in self.block_numbers(model):
             plan.update({f"{self.block_path}.{i}.{name}": ColwiseParallel() for name in self.column_wise})
             plan.update({f"{self.block_path}.{i}.{name}": RowwiseParallel() for name in self.row_wise})
-        plan.update(self.extra_tp_plan(model))
+        plan.update({path: style for path, style in self.extra_tp_plan(model).items() if has_module(model, path)})
         return plan
 
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        return model.get_submodule(self.block_path)
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer blocks this process holds, in order (a pipeline stage holds some of them)."""
+        container = model.get_submodule(self.block_path)
+        return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+    def block_numbers(self, model: nn.Module) -> list[int]:
+        """The blocks' numbers in the unsplit model (their parameter names), e.g. [2, 3] on a second stage."""
+        container = model.get_submodule(self.block_path)
+        return [int(key) for key in container.keys()] if isinstance(container, nn.ModuleDict) else \
+            list(range(len(container)))
+
+    # --- pipeline parallelism: the model as embed -> blocks -> head, so that stages can run pieces of it.
+    # Each mirrors the transformers forward (training path: no cache); tests hold them to the unsplit model.
+    first_stage_modules: tuple[str, ...]  # what only the first stage holds (embeddings)
+    last_stage_modules: tuple[str, ...]  # what only the last stage holds (final norm, heads); absent ones skipped
+
+    def pipeline_embed(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pipeline_mask(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor):
+        """The attention mask the blocks take, built from the 2-D padding mask that travels with the activations."""
+        return create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+
+    def pipeline_block(self, block: nn.Module, hidden: torch.Tensor, mask, position_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def to_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Undo any surgery `build` did, so the exported state matches the unmodified transformers class."""
@@ -137,6 +166,40 @@ def check_model_source(model: str) -> None:
     except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
         raise UserError(f"model={model!r}: not a local folder and not loadable from the Hub "
                         f"({type(exc).__name__}); pass a local path or check the network") from None
+
+
+def has_module(model: nn.Module, path: str) -> bool:
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
+def last_token_logits(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A decoder's sequence classification reads the last real token (transformers finds it from the pad id;
+    the padding mask marks the same positions, and it is what travels between stages)."""
+    positions = torch.arange(attention_mask.shape[-1], device=logits.device, dtype=torch.int32)
+    last = (positions * attention_mask.to(torch.int32)).argmax(-1)
+    return logits[torch.arange(logits.shape[0], device=logits.device), last]
+
+
+class DecoderFamily(Family):
+    """GPT-J, GPT-2, GPT-Neo: token (+ position) embeddings, causal blocks, final LayerNorm, LM or score head."""
+    first_stage_modules = ("transformer.wte", "transformer.wpe")
+    last_stage_modules = ("transformer.ln_f", "lm_head", "score")
+
+    def pipeline_embed(self, model, input_ids, position_ids):
+        transformer = model.transformer
+        hidden = transformer.wte(input_ids)
+        if getattr(transformer, "wpe", None) is not None:
+            hidden = hidden + transformer.wpe(position_ids)
+        return transformer.drop(hidden)
+
+    def pipeline_head(self, model, hidden, attention_mask):
+        hidden = model.transformer.ln_f(hidden)
+        if getattr(model, "lm_head", None) is not None:
+            return model.lm_head(hidden)
+        return last_token_logits(model.score(hidden), attention_mask)
 
 
 def localize_heads(module: nn.Module, tp: int, head_attrs: tuple[str, ...], width_attrs: tuple[str, ...] = ()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
+from transformers.masking_utils import create_bidirectional_mask
 
 from .base import Family, localize_heads
 
@@ -33,3 +34,18 @@ class Bert(Family):
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for layer in self.blocks(model):
             localize_heads(layer.attention.self, tp, head_attrs=("num_attention_heads",), width_attrs=("all_head_size",))
+
+    first_stage_modules = ("bert.embeddings",)
+    last_stage_modules = ("bert.pooler", "classifier")
+
+    def pipeline_embed(self, model, input_ids, position_ids):
+        return model.bert.embeddings(input_ids=input_ids, position_ids=position_ids)
+
+    def pipeline_mask(self, model, hidden, attention_mask, position_ids):
+        return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
+
+    def pipeline_block(self, block, hidden, mask, position_ids):
+        return block(hidden, mask)
+
+    def pipeline_head(self, model, hidden, attention_mask):
+        return model.classifier(model.dropout(model.bert.pooler(hidden)))

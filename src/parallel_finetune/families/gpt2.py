@@ -16,7 +16,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
-from .base import Family, localize_heads
+from .base import DecoderFamily, localize_heads
 
 
 class FusedQKV(nn.Module):
@@ -44,7 +44,7 @@ def linear_from_conv1d(conv: Conv1D, start: int = 0, stop: int | None = None) ->
 CONV1D_NAMES = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-class GPT2(Family):
+class GPT2(DecoderFamily):
     name = "gpt2"
     default_model = "gpt2-xl"
     config_class = GPT2Config
@@ -90,3 +90,6 @@ class GPT2(Family):
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn, tp, head_attrs=("num_heads",), width_attrs=("embed_dim", "split_size"))
+
+    def pipeline_block(self, block, hidden, mask, position_ids):
+        return block(hidden, None, mask, position_ids=position_ids)

@@ -7,10 +7,10 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import GPTJConfig, GPTJForCausalLM, GPTJForSequenceClassification
 
-from .base import Family, localize_heads
+from .base import DecoderFamily, localize_heads
 
 
-class GPTJ(Family):
+class GPTJ(DecoderFamily):
     name = "gptj"
     default_model = "EleutherAI/gpt-j-6b"
     config_class = GPTJConfig
@@ -40,3 +40,6 @@ class GPTJ(Family):
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn, tp, head_attrs=("num_attention_heads",), width_attrs=("embed_dim",))
+
+    def pipeline_block(self, block, hidden, mask, position_ids):
+        return block(hidden, attention_mask=mask, position_ids=position_ids)[0]

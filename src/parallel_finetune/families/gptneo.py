@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPTNeoForSequenceClassification
 
-from .base import Family, localize_heads
+from .base import DecoderFamily, localize_heads
 
 
-class GPTNeo(Family):
+class GPTNeo(DecoderFamily):
     name = "gptneo"
     default_model = "EleutherAI/gpt-neo-2.7B"
     config_class = GPTNeoConfig
@@ -33,3 +33,6 @@ class GPTNeo(Family):
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):
             localize_heads(block.attn.attention, tp, head_attrs=("num_heads",), width_attrs=("embed_dim",))
+
+    def pipeline_block(self, block, hidden, mask, position_ids):
+        return block(hidden, attention_mask=mask)[0]

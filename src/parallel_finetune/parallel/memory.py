@@ -19,19 +19,23 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("parallel_finetune")
 
 
-def checkpointed_blocks(blocks: nn.ModuleList, every: bool | int) -> list[int]:
-    """Indices of the blocks to checkpoint: all (true), every N-th (N), none (false or 0)."""
+def checkpointed_blocks(numbers: list[int], every: bool | int) -> list[int]:
+    """Which blocks (by number in the unsplit model) to checkpoint: all (true), every N-th (N), none (false or 0)."""
     if every is False or every == 0:
         return []
     step = 1 if every is True else int(every)
-    return list(range(0, len(blocks), step))
+    return [number for number in numbers if number % step == 0]
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, every: bool | int) -> list[int]:
-    chosen = checkpointed_blocks(blocks, every)
-    for index in chosen:
-        block = blocks[index]
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+def apply_activation_checkpointing(blocks: list[nn.Module], every: bool | int,
+                                   numbers: list[int] | None = None) -> list[int]:
+    """`numbers`: the blocks' numbers in the unsplit model (a pipeline stage holds some), so every N-th block
+    means the same blocks in every layout."""
+    numbers = list(range(len(blocks))) if numbers is None else numbers
+    chosen = checkpointed_blocks(numbers, every)
+    for block, number in zip(blocks, numbers):
+        if number in chosen:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return chosen
 
 

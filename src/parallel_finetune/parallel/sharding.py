@@ -40,12 +40,33 @@ def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
 
 
-class DataParallelAdamW:
-    """AdamW on every parameter (`none`), or on FSDP's sharded parameters (`full`, `hybrid`)."""
+def _named(model: nn.Module, shared: dict[str, str]) -> dict[nn.Parameter, str]:
+    """Parameter -> layout-neutral name (a weight shared by two pipeline stages goes by its first name)."""
+    return {param: shared.get(name, name) for name, param in model.named_parameters()}
 
-    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float):
+
+class _Replicas:
+    """How many ranks hold the same numbers as this rank's piece of a parameter (see gradients.replicas):
+    counted within a pipeline stage, doubled for a weight that the first and last stage both hold."""
+
+    def __init__(self, model: nn.Module, layout: Layout, shared: dict[str, str]):
+        self.world = layout.stage_world_size
+        self.doubled = {id(param) for name, param in model.named_parameters() if name in shared}
+
+    def __call__(self, param: torch.Tensor, tensor: torch.Tensor) -> int:
+        return replicas(tensor, self.world) * (2 if id(param) in self.doubled else 1)
+
+
+class DataParallelAdamW:
+    """AdamW on every parameter (`none`), or on FSDP's sharded parameters (`full`, `hybrid`).
+    `shared`: names of weights this pipeline stage shares with another -> their layout-neutral names."""
+
+    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float,
+                 shared: dict[str, str] | None = None):
         self.layout = layout
+        self.shared = shared or {}
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.replicas = _Replicas(model, layout, self.shared)
         self.fsdp = isinstance(model, FSDPModule)  # FSDP reduce-scatters during the backward itself
         self.optimizer = make_adamw(optimizer_groups(model, weight_decay), lr, betas, eps)
 
@@ -54,8 +75,7 @@ class DataParallelAdamW:
             all_reduce_flat([local(p.grad) for p in self.params if p.grad is not None], self.layout.dp_group)
 
     def gradient_pieces(self) -> list[GradPiece]:
-        world = self.layout.world_size
-        return [(local(p.grad), replicas(p.grad, world)) for p in self.params if p.grad is not None]
+        return [(local(p.grad), self.replicas(p, p.grad)) for p in self.params if p.grad is not None]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -67,13 +87,13 @@ class DataParallelAdamW:
         """AdamW's moments by parameter name, each shaped and placed like its parameter: a form every layout
         can write and read (checkpoints reshard through it)."""
         result = {}
-        for name, param in model.named_parameters():
+        for param, name in _named(model, self.shared).items():
             state = self.optimizer.state.get(param, {})
             result[name] = {key: state[key] if key in state else torch.zeros_like(param) for key in MOMENTS}
         return result
 
     def load_moments(self, model: nn.Module, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
-        for name, param in model.named_parameters():
+        for param, name in _named(model, self.shared).items():
             self.optimizer.state[param] = {"step": _step_tensor(adam_step, param), **moments[name]}
 
 
@@ -120,13 +140,16 @@ class _FlatBucket:
 class ZeroAdamW:
     """Optimizer-state sharding (ZeRO-1) over the data-parallel group."""
 
-    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float):
+    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float,
+                 shared: dict[str, str] | None = None):
         self.layout = layout
+        self.shared = shared or {}
+        count = _Replicas(model, layout, self.shared)
         # Buckets must be homogeneous in decay and in how many tensor-parallel ranks hold the same numbers.
         by_kind: dict[tuple[bool, int], list[nn.Parameter]] = {}
         for param in model.parameters():
             if param.requires_grad:
-                by_kind.setdefault((param.ndim >= 2, replicas(param, layout.world_size)), []).append(param)
+                by_kind.setdefault((param.ndim >= 2, count(param, param)), []).append(param)
         self.buckets = [(_FlatBucket(params, layout.dp, layout.dp_rank), copies // layout.dp)
                         for (_, copies), params in sorted(by_kind.items())]
         decays = [weight_decay if decay else 0.0 for decay, _ in sorted(by_kind)]
@@ -158,7 +181,7 @@ class ZeroAdamW:
     def moments(self, model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter moments (see DataParallelAdamW.moments): each rank's slices are all-gathered into
         whole buffers, then cut back into parameter-shaped views."""
-        names = {param: name for name, param in model.named_parameters()}
+        names = _named(model, self.shared)
         result: dict[str, dict[str, torch.Tensor]] = {}
         for bucket, _ in self.buckets:
             state = self.optimizer.state.get(bucket.owned, {})
@@ -177,7 +200,7 @@ class ZeroAdamW:
         return result
 
     def load_moments(self, model: nn.Module, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
-        names = {param: name for name, param in model.named_parameters()}
+        names = _named(model, self.shared)
         for bucket, _ in self.buckets:
             state = {"step": _step_tensor(adam_step, bucket.owned)}
             for key in MOMENTS:
