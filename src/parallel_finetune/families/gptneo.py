@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPTNeoForSequenceClassification
 
+from ..errors import UserError
 from .base import DecoderFamily, localize_heads
 
 
@@ -36,3 +37,14 @@ class GPTNeo(DecoderFamily):
 
     def pipeline_block(self, block, hidden, mask, position_ids):
         return block(hidden, attention_mask=mask)[0]
+
+    def hf_config(self, model, size, vocab_size, max_positions, overrides):
+        config = super().hf_config(model, size, vocab_size, max_positions, overrides)
+        # transformers expands attention_types into one entry per layer only when the config is built
+        config.attention_layers = GPTNeoConfig.expand_attention_types_params(config.attention_types)
+        if len(config.attention_layers) != config.num_layers:
+            raise UserError(f"model_config: num_layers={config.num_layers} but attention_types "
+                            f"{config.attention_types} describes {len(config.attention_layers)} layers; set "
+                            f"model_config.attention_types too, e.g. [[[\"global\", \"local\"], "
+                            f"{config.num_layers // 2}]]")
+        return config
