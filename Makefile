@@ -20,10 +20,13 @@ PYTEST_ARGS ?= -q
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
-.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp bert-minilm test bench bench-minilm bench-memory plan clean-runs help
+.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
+	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-minilm bench-memory plan clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
+	@echo "make gptj-pp (gpt2-pp, gptneo-pp, bert-pp)   pipeline parallelism (2 stages on a CPU)"
+	@echo "make gptj-tp-pp (gpt2-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
@@ -58,6 +61,20 @@ gptneo-tp: setup
 
 bert-tp: setup
 	$(call run_recipe,recipes/bert/tp.yaml)
+
+# Pipeline parallelism, alone and with tensor parallelism: recipes/<family>/pp.yaml and tp_pp.yaml.
+FAMILIES := gptj gpt2 gptneo bert
+define pipeline_targets
+$(1)-pp: setup
+	$$(call run_recipe,recipes/$(1)/pp.yaml)
+$(1)-tp-pp: setup
+	$$(call run_recipe,recipes/$(1)/tp_pp.yaml)
+endef
+$(foreach family,$(FAMILIES),$(eval $(call pipeline_targets,$(family))))
+# 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
+ifeq ($(NGPU),0)
+$(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4
+endif
 
 # A real checkpoint, so always full size; on a CPU one process with every core beats two communicating ones.
 bert-minilm: SIZE = full

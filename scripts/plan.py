@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--padded", action="store_true", help="time with every sentence padded to --max-length")
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation (default 0.35)")
     parser.add_argument("--runs-today", action="store_true",
-                        help="only layouts the trainer runs now (pp=1, sharding none, no activation checkpointing)")
+                        help="only layouts the trainer runs now (all but pipeline stages with FSDP)")
     parser.add_argument("--all", action="store_true", help="print every layout, not the best 15")
     args = parser.parse_args(argv)
     try:

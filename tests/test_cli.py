@@ -43,6 +43,20 @@ def test_check_accepts_a_good_run(sst2):
      "batch_size=9 must be divisible by data-parallel degree 2 x gradient_accumulation_steps=1"),
     (["size=tiny", "tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=3"], 4,
      "sharding=hybrid: shard_group_size=3 does not divide the data-parallel degree 4; valid: 1, 2, 4"),
+    # pipeline layouts (tiny GPT-J: 2 blocks, batch_size 32)
+    (["size=tiny", "pipeline_parallel_degree=3"], 4, "pipeline_parallel_degree=3 does not divide the 4 processes"),
+    (["size=tiny", "pipeline_parallel_degree=4", "tensor_parallel_degree=1"], 4,
+     "pipeline_parallel_degree=4 = 4 stages for a model of 2 blocks: at most one stage per block"),
+    (["size=tiny", "pipeline_parallel_degree=2", "pipeline_schedule=interleaved", "virtual_stages=2"], 2,
+     "pipeline_parallel_degree=2 x virtual_stages=2 = 4 stages for a model of 2 blocks"),
+    (["size=tiny", "pipeline_parallel_degree=2", "partition=[2,1]"], 2,
+     "partition=[2, 1]: needs 2 entries (one per stage) adding up to the model's 2 blocks, e.g. [1, 1]"),
+    (["size=tiny", "pipeline_parallel_degree=2", "microbatches=3"], 2,
+     "microbatches=3 does not divide the 32 sequences each pipeline step gets"),
+    (["size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", "sharding=full"], 4,
+     "pipeline_parallel_degree=2 does not combine with sharding=full yet"),
+    (["size=tiny", "pipeline_parallel_degree=2", "engine=deepspeed"], 2,
+     "pipeline_parallel_degree=2 does not combine with engine=deepspeed"),
 ])
 def test_bad_input_one_line(overrides, nproc, message):
     assert_one_line_error(check(*overrides, nproc=nproc), message)
@@ -73,7 +87,7 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
         assert all(isinstance(r[key], (int, float)) for r in records), key
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["accuracy"] <= 1
-    assert summary["layout"] == {"world_size": 2, "data_parallel": 1, "tensor_parallel": 2, "sharding": "none",
+    assert summary["layout"] == {"world_size": 2, "pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 2, "sharding": "none",
                                  "shard_group_size": 1, "device": "cpu", "backend": "gloo"}
     assert summary["precision"] == ("bf16" if cpu_has_bf16() else "fp32")  # the CPU default
     assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}

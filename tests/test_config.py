@@ -92,6 +92,31 @@ def test_bad_recipe_files(tmp_path):
     assert load_config(flat).batch_size == 8
 
 
+def test_a_recipe_extends_another(tmp_path):
+    pipeline = load_config(RECIPE.parent / "pp.yaml")
+    assert pipeline.recipe == "gptj-pp"
+    assert (pipeline.pipeline_parallel_degree, pipeline.tensor_parallel_degree, pipeline.lr) == (4, 1, 1e-5)
+    tiny = load_config(RECIPE.parent / "pp.yaml", ["size=tiny"])
+    assert (tiny.pipeline_parallel_degree, tiny.lr) == (2, 1e-3)  # its own tiny section, then tp.yaml's
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {RECIPE}\nmodel_config: {{n_layer: 4}}\ntiny:\n  training:\n    lr: 5.0e-4\n")
+    config = load_config(child, ["size=tiny"])
+    assert (config.family, config.lr, config.model_config, config.recipe) == ("gptj", 5e-4, {"n_layer": 4},
+                                                                           "gptj-child")
+    child.write_text("extends: nowhere.yaml\n")
+    with pytest.raises(UserError, match=r"child.yaml: extends .*nowhere.yaml: no such file"):
+        load_config(child)
+    child.write_text("extends: child.yaml\n")
+    with pytest.raises(UserError, match="extends itself"):
+        load_config(child)
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(RECIPE.parents[1])) for p in RECIPE.parents[1].glob("*/*.yaml")))
+def test_every_shipped_recipe_loads_at_both_sizes(recipe):
+    for size in ("full", "tiny"):
+        assert load_config(RECIPE.parents[1] / recipe, [f"size={size}"]).family == recipe.split("/")[0]
+
+
 def test_checkpoint_keys_are_validated():
     with pytest.raises(UserError, match="checkpoint_every=0 must be at least 1"):
         load_config(RECIPE, ["checkpoint_every=0"])

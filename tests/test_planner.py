@@ -69,8 +69,9 @@ def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
     assert {r.layout.tp for r in result.rows} == {1}
     assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, batch_size=40).rows} == {1, 5}  # dp=5 must divide it
     today = plan("gpt2-xl", 8, 40, runs_today=True)
-    assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8)}
-    assert today.recommended.layout.pp == 1
+    assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8), (1, 2, 4), (1, 4, 2),
+                                                                             (1, 8, 1)}
+    assert not any(r.layout.pp > 1 and r.layout.sharding in ("full", "hybrid") for r in today.rows)
 
 
 def test_memory_and_time_arithmetic_by_hand():

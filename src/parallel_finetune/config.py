@@ -2,7 +2,8 @@
 
 A recipe may nest its keys under the section names below (`model:`, `data:`, `training:`, `parallel:`,
 `memory:`, `checkpoint:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
-`size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). Overrides on the
+`size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). `extends: tp.yaml`
+starts from another recipe (a path relative to this one) and changes only what it lists. Overrides on the
 command line win over everything and use the flat key (`lr=1e-4`) or the dotted one (`training.lr=1e-4`);
 dictionary keys take a dotted suffix (`model_config.n_layer=4`).
 """
@@ -242,24 +243,43 @@ def _merge(base: dict, key: str, value: Any) -> None:
         base[key] = value
 
 
+def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
+    """(flat keys, tiny-size overrides) of a recipe file, after those of the recipe it `extends`."""
+    if not path.is_file():
+        where = f"recipe {chain[-1]}: extends {path}" if chain else f"recipe {path}"
+        raise UserError(f"{where}: no such file (recipes live in recipes/<family>/*.yaml)")
+    if path.resolve() in chain:
+        raise UserError(f"recipe {path}: extends itself through {' -> '.join(str(p) for p in chain)}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0]
+        raise UserError(f"recipe {path}: not valid YAML ({first})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path}: must be a mapping of keys to values")
+    values: dict = {}
+    tiny: dict = {}
+    base = data.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise UserError(f"recipe {path}: extends must be the path of another recipe, e.g. extends: tp.yaml")
+        values, tiny = _read_recipe(path.parent / base, (*chain, path.resolve()))
+    own_values, own_tiny = _flatten_recipe(data, f"recipe {path}")
+    for key, value in own_values.items():
+        _merge(values, key, value)
+    for key, value in own_tiny.items():
+        _merge(tiny, key, value)
+    return values, tiny
+
+
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a recipe (or none: defaults only) and apply overrides; every error names the file or key."""
     values: dict = {}
     tiny: dict = {}
     name = ""
     if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise UserError(f"recipe {path}: no such file (recipes live in recipes/<family>/*.yaml)")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            first = str(exc).splitlines()[0]
-            raise UserError(f"recipe {path}: not valid YAML ({first})") from None
-        if not isinstance(data, dict):
-            raise UserError(f"recipe {path}: must be a mapping of keys to values")
-        values, tiny = _flatten_recipe(data, f"recipe {path}")
-        name = path.stem
+        values, tiny = _read_recipe(Path(recipe))
+        name = Path(recipe).stem
     parsed = [parse_override(text) for text in overrides]
     for key, value in parsed:
         if key == "size":

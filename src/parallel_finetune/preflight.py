@@ -31,6 +31,15 @@ def preflight(config: Config, nproc: int) -> str:
                               config.pipeline_parallel_degree)
     family.check_tp(hf_config, degrees.tp)
     check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
+    pipeline = ""
+    if degrees.pp > 1:
+        from .parallel.pipeline import check_microbatches, check_stages
+
+        virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
+        check_stages(hf_config.num_hidden_layers, degrees.pp, virtual, config.partition)
+        microbatches = config.microbatches or 2 * degrees.pp
+        check_microbatches(config.batch_size // (degrees.dp * config.gradient_accumulation_steps), microbatches)
+        pipeline = f"{degrees.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch
@@ -46,5 +55,5 @@ def preflight(config: Config, nproc: int) -> str:
     if config.sharding == "hybrid":
         sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
     return (f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
-            f"{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
+            f"{pipeline}{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
             f"data {config.data_dir or 'Hub (sample if offline)'}")

@@ -80,21 +80,27 @@ def balanced_partition(block_costs: list[int], head_cost: int, stages: int) -> l
     return counts[::-1]
 
 
-def plan_stages(model: nn.Module, family: Family, pp: int, virtual: int, partition) -> list[Stage]:
-    """All S = pp x virtual stages, from `partition` ('auto' or blocks per stage); errors name the key."""
-    n_blocks, stages = len(family.blocks(model)), pp * virtual
+def check_stages(n_blocks: int, pp: int, virtual: int, partition) -> None:
+    """One-line errors for a split that cannot exist; runs at --check (no model built) and again at setup."""
+    stages = pp * virtual
     if stages > n_blocks:
         raise UserError(f"pipeline_parallel_degree={pp}" + (f" x virtual_stages={virtual}" if virtual > 1 else "")
                         + f" = {stages} stages for a model of {n_blocks} blocks: at most one stage per block; "
                           f"use fewer stages or more layers")
+    if partition != "auto" and (len(partition) != stages or sum(partition) != n_blocks):
+        raise UserError(f"partition={list(partition)}: needs {stages} entries (one per stage) adding up to the "
+                        f"model's {n_blocks} blocks, e.g. {balanced_partition([1] * n_blocks, 0, stages)}")
+
+
+def plan_stages(model: nn.Module, family: Family, pp: int, virtual: int, partition) -> list[Stage]:
+    """All S = pp x virtual stages, from `partition` ('auto' or blocks per stage); errors name the key."""
+    n_blocks, stages = len(family.blocks(model)), pp * virtual
+    check_stages(n_blocks, pp, virtual, partition)
     if partition == "auto":
         block_costs, head_cost = stage_costs(model, family)
         counts = balanced_partition(block_costs, head_cost, stages)
     else:
         counts = list(partition)
-        if len(counts) != stages or sum(counts) != n_blocks:
-            raise UserError(f"partition={counts}: needs {stages} entries (one per stage) adding up to the "
-                            f"model's {n_blocks} blocks, e.g. {balanced_partition([1] * n_blocks, 0, stages)}")
     result, start = [], 0
     for index, count in enumerate(counts):
         result.append(Stage(index, tuple(range(start, start + count)), index == 0, index == stages - 1))
