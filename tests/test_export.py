@@ -13,11 +13,18 @@ WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
 LOADERS = {"classification": AutoModelForSequenceClassification, "causal_lm": AutoModelForCausalLM}
 
 
-@pytest.mark.parametrize("family,task", [("gptj", "classification"), ("gptj", "causal_lm"),
-                                         ("gpt2", "classification"), ("gpt2", "causal_lm"),
-                                         ("gptneo", "classification"), ("bert", "classification")])
-def test_export_from_tp2_reloads_with_same_logits(family, task, sst2, cache_dir, tmp_path):
-    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3) + ["tensor_parallel_degree=2"], tmp_path,
+TP2 = ["tensor_parallel_degree=2"]
+PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
+
+
+@pytest.mark.parametrize("family,task,layout", [
+    ("gptj", "classification", TP2), ("gptj", "causal_lm", TP2), ("gpt2", "classification", TP2),
+    ("gpt2", "causal_lm", TP2), ("gptneo", "classification", TP2), ("bert", "classification", TP2),
+    # stages on two ranks, the tied GPT-2 embedding / LM head on both: the export writes one model
+    ("gpt2", "causal_lm", PP2), ("bert", "classification", PP2)],
+    ids=lambda value: "pp2" if value == PP2 else "tp2" if value == TP2 else None)
+def test_export_reloads_with_same_logits(family, task, layout, sst2, cache_dir, tmp_path):
+    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3) + layout, tmp_path,
            script=WORKER, recipe=recipe(family))
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     model = LOADERS[task].from_pretrained(tmp_path / "hf")

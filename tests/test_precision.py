@@ -11,17 +11,21 @@ from conftest import REPO, launch, tiny_overrides
 WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
 
 
-@pytest.mark.parametrize("layout", [["tensor_parallel_degree=2"], ["tensor_parallel_degree=1"],
-                                    ["tensor_parallel_degree=1", "sharding=optimizer"],
-                                    ["tensor_parallel_degree=1", "sharding=full"]],
-                         ids=["tp2", "dp2", "optimizer_dp2", "full_dp2"])
-def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("INJECT_RANK", "1")
+# The planted inf sits in the final LayerNorm's gradient of the last rank: under pipeline parallelism that rank
+# holds the last stage, and the others must learn of the overflow across the pipeline (and tensor) groups.
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["tensor_parallel_degree=2"]), (2, ["tensor_parallel_degree=1"]),
+    (2, ["tensor_parallel_degree=1", "sharding=optimizer"]), (2, ["tensor_parallel_degree=1", "sharding=full"]),
+    (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
+    (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"])],
+    ids=["tp2", "dp2", "optimizer_dp2", "full_dp2", "pp2_last_stage", "pp2_tp2_last_stage"])
+def test_overflow_on_one_rank_skips_everywhere(nproc, layout, sst2, cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("INJECT_RANK", str(nproc - 1))
     monkeypatch.setenv("INJECT_STEP", "3")
     overrides = tiny_overrides(sst2, cache_dir, precision="fp16", max_steps=5, batch_size=8, max_length=32,
                                initial_loss_scale=1024, loss_scale_growth_interval=100)
-    launch(2, overrides + layout, tmp_path, script=WORKER)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    launch(nproc, overrides + layout, tmp_path, script=WORKER)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     for rank in ranks:
         history = rank["history"]
         assert [r["skipped"] for r in history] == [False, False, True, False, False]
@@ -32,7 +36,7 @@ def test_overflow_on_one_rank_skips_everywhere(layout, sst2, cache_dir, tmp_path
         assert history[2]["grad_norm"] is None  # a skipped step reports no norm
     timing = ("step_time_s", "samples_per_s", "tokens_per_s")
     decisions = [[{k: v for k, v in r.items() if k not in timing} for r in rank["history"]] for rank in ranks]
-    assert decisions[0] == decisions[1], "both ranks logged the same steps, losses, norms and scales"
+    assert all(d == decisions[0] for d in decisions), "every rank logged the same steps, losses, norms and scales"
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gptneo", "bert"])

@@ -23,7 +23,8 @@ def main() -> None:
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.forward(batch)
-    if trainer.layout.is_main:
+    layout = trainer.layout  # under pipeline parallelism only the last stage has logits
+    if logits is not None and layout.dp_rank == 0 and layout.tp_rank == 0:
         torch.save({"batch": batch, "logits": logits}, Path(config.output_dir) / "trained_logits.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
