@@ -58,6 +58,7 @@ def test_reference_keeps_the_newest_checkpoints(reference):
     ("single_process", 1, []),
     ("optimizer_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
     ("full_dp2_tp2", 4, ["tensor_parallel_degree=2", "sharding=full"]),
+    ("pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
 ])
 def test_resume_from_tp2_checkpoint_under_any_layout(name, nproc, layout, reference, sst2, cache_dir, tmp_path):
     step5 = reference.output_dir / "checkpoints" / "step-00000005"
@@ -73,6 +74,20 @@ def test_fsdp_checkpoint_resumes_under_tp2(sharded_writer, reference, sst2, cach
     step5 = sharded_writer.output_dir / "checkpoints" / "step-00000005"
     run = launch(2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2"), tmp_path / "tp2")
     assert_same_losses(run, reference, 6)
+
+
+@pytest.mark.parametrize("family,task", [("gptj", "classification"), ("gpt2", "causal_lm")])
+def test_pipeline_checkpoint_resumes_under_tp2(family, task, sst2, cache_dir, tmp_path):
+    """Stages write their own blocks under the unsplit names (GPT-2's tied embedding from both ends): a checkpoint
+    of a PP=2 run is an ordinary checkpoint that TP=2 continues."""
+    model = ["model_config.n_layer=4", f"task={task}"]
+    pipeline = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=1", "pipeline_parallel_degree=2",
+                                   "checkpoint_every=5", *model, family=family), tmp_path / "pp2",
+                      recipe=recipe(family))
+    step5 = pipeline.output_dir / "checkpoints" / "step-00000005"
+    run = launch(2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2", *model, family=family),
+                 tmp_path / "tp2", recipe=recipe(family))
+    assert_same_losses(run, pipeline, 6)
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(reference, sst2, cache_dir, tmp_path):
