@@ -94,3 +94,18 @@ def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", fa
             "eval_batch_size": 128, "log_every": 1}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])
+
+
+def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1e-5) -> float:
+    """The project's promise, checked: the same loss at every step (within `tolerance`) and the same dev metric
+    as the single-process `reference`. Returns the largest loss difference."""
+    assert len(run.losses) == len(reference.losses) >= 5
+    differences = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
+    assert max(differences) < tolerance, f"loss differences {differences}"
+    # The loss must actually move, or equal trajectories would prove nothing.
+    assert reference.losses[0] != reference.losses[-1]
+    # Evaluation: every dev row scored once, whatever the layout.
+    metric = "accuracy" if task == "classification" else "perplexity"
+    assert run.summary[metric] == pytest.approx(reference.summary[metric], rel=1e-5)
+    assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance)
+    return max(differences)
