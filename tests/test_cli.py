@@ -83,7 +83,8 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    for key in ("step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s"):
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s",
+                "tflops_per_device", "mfu"):
         assert all(isinstance(r[key], (int, float)) for r in records), key
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["accuracy"] <= 1
@@ -91,6 +92,8 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
                                  "shard_group_size": 1, "device": "cpu", "backend": "gloo"}
     assert summary["precision"] == ("bf16" if cpu_has_bf16() else "fp32")  # the CPU default
     assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}
+    assert 0 < summary["padding_fraction"] < 0.5 and 0 < summary["mfu"] < 1.5  # a CPU probe is approximate
+    assert "MFU is measured against" in proc.stdout + proc.stderr
     assert len(summary["peak_memory_mib_per_rank"]) == 2
     assert summary["versions"]["torch"].startswith("2.13")
     evaluations = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]

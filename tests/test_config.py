@@ -117,6 +117,17 @@ def test_every_shipped_recipe_loads_at_both_sizes(recipe):
         assert load_config(RECIPE.parents[1] / recipe, [f"size={size}"]).family == recipe.split("/")[0]
 
 
+def test_linear_lr_scaling_says_what_it_did():
+    scaled = load_config(RECIPE, ["size=tiny", "lr_scaling=linear", "batch_size=64"])
+    assert scaled.lr == pytest.approx(2e-3)  # the tiny recipe's 1e-3 was tuned for batch 32
+    assert scaled.lr_note == "lr_scaling=linear: lr 0.001 x batch_size 64 / recipe batch_size 32 = 0.002"
+    assert load_config(RECIPE, ["size=tiny", "batch_size=64"]).lr == 1e-3  # off unless asked
+    kept = load_config(RECIPE, ["lr_scaling=linear"])
+    assert kept.lr == 1e-5 and "is the recipe's, lr 1e-05 kept" in kept.lr_note
+    with pytest.raises(UserError, match="lr_scaling=linear scales the recipe's lr .* drop the lr override"):
+        load_config(RECIPE, ["lr_scaling=linear", "batch_size=16", "lr=1e-4"])
+
+
 def test_checkpoint_keys_are_validated():
     with pytest.raises(UserError, match="checkpoint_every=0 must be at least 1"):
         load_config(RECIPE, ["checkpoint_every=0"])

@@ -61,6 +61,10 @@ class Config:
     seed: int = 42
     eval_every: int | None = None  # steps between dev evaluations; the end of training always evaluates
     log_every: int = 10
+    # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
+    lr_scaling: Literal["none", "linear"] = "none"
+    compile: bool = False  # torch.compile each transformer block (regional: one small graph, compiled once)
+    peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, or measured (CPU)
     # --- parallel ---
     tensor_parallel_degree: int | Literal["auto"] = "auto"  # auto = every process of one node
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -99,6 +103,7 @@ class Config:
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # --- bookkeeping (set by the loader, not by users) ---
     recipe: str = ""
+    lr_note: str = ""  # what lr_scaling did, for the log
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +115,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "training": (
         "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",
         "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
-        "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every",
+        "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every", "lr_scaling",
+        "compile", "peak_tflops",
     ),
     "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size", "engine", "zero_stage",
                  "mics_shard_size", "deepspeed_config", "pipeline_parallel_degree", "microbatches", "pipeline_schedule",
@@ -122,7 +128,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
-assert set(USER_KEYS) == set(_FIELDS) - {"recipe"}, "every Config field belongs to exactly one section"
+assert set(USER_KEYS) == set(_FIELDS) - {"recipe", "lr_note"}, "every Config field belongs to exactly one section"
 
 
 def _unknown_key(key: str, where: str) -> UserError:
@@ -199,7 +205,7 @@ def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
                 if sub_key not in SECTIONS[key]:
                     raise _unknown_key(sub_key, f"{where} section '{key}'")
                 flat[sub_key] = sub_value
-        elif key in _FIELDS and key != "recipe":
+        elif key in USER_KEYS:
             flat[key] = value
         else:
             raise _unknown_key(key, where)
@@ -287,6 +293,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     if values.get("size") == "tiny":
         for key, value in tiny.items():
             _merge(values, key, value)
+    recipe_batch, recipe_lr = values.get("batch_size", Config.batch_size), values.get("lr", Config.lr)
     for key, value in parsed:
         _merge(values, key, value)
     where = f"recipe {recipe}" if recipe is not None else "config"
@@ -294,10 +301,26 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     config = Config(**typed)
     family = config.family or "unknown"
     config.recipe = f"{family}-{name}" if name else family
+    if config.lr_scaling == "linear":
+        _scale_lr(config, where, _coerce("batch_size", recipe_batch, where), _coerce("lr", recipe_lr, where),
+                  lr_overridden=any(key == "lr" for key, _ in parsed))
     if config.engine == "deepspeed" and config.tensor_parallel_degree == "auto":
         config.tensor_parallel_degree = 1  # DeepSpeed runs data parallel only: every process is a replica
     validate(config, where)
     return config
+
+
+def _scale_lr(config: Config, where: str, recipe_batch: int, recipe_lr: float, lr_overridden: bool) -> None:
+    """The linear rule: the recipe's lr was tuned for its batch_size; a k times larger batch gets k times the lr."""
+    if config.batch_size == recipe_batch:
+        config.lr_note = f"lr_scaling=linear: batch_size {config.batch_size} is the recipe's, lr {config.lr:g} kept"
+        return
+    if lr_overridden:
+        raise UserError(f"{where}: lr_scaling=linear scales the recipe's lr (tuned for batch_size={recipe_batch}) "
+                        f"to batch_size={config.batch_size}; drop the lr override or set lr_scaling=none")
+    config.lr = recipe_lr * config.batch_size / recipe_batch
+    config.lr_note = (f"lr_scaling=linear: lr {recipe_lr:g} x batch_size {config.batch_size} / recipe batch_size "
+                      f"{recipe_batch} = {config.lr:g}")
 
 
 def validate(config: Config, where: str = "config") -> None:
@@ -344,6 +367,10 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
     if config.shard_group_size is not None and config.sharding != "hybrid":
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
+    if config.peak_tflops is not None and config.peak_tflops <= 0:
+        raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
+    if config.compile and config.engine == "deepspeed":
+        raise bad("compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false")
     if config.pipeline_parallel_degree < 1:
         raise bad("pipeline_parallel_degree", "must be a positive integer")
     if config.microbatches is not None and config.microbatches < 1:

@@ -335,6 +335,17 @@ def local_micro_batches(global_batch: list[int], dp_rank: int, dp_size: int, acc
             for step in range(accumulation)]
 
 
+def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulation: int, multiple: int = 1) -> int:
+    """Token positions a global batch occupies once each replica's micro-batches are padded to their longest row
+    (rounded up to `multiple`): real tokens / this = the useful share of the compute."""
+    slots = 0
+    for replica in range(dp):
+        for indices in local_micro_batches(global_batch, replica, dp, accumulation):
+            if indices:
+                slots += len(indices) * -(-max(lengths[i] for i in indices) // multiple) * multiple
+    return slots
+
+
 def collate(input_ids: list[list[int]], pad_id: int, padding_side: str, labels: list[int] | None = None,
             pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores)."""

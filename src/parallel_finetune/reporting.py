@@ -111,7 +111,8 @@ class Reporter:
             return
         self.metrics.write(json.dumps(finite_or_null(record)) + "\n")
         self.metrics.flush()
-        for key in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s"):
+        for key in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "tflops_per_device",
+                    "mfu"):
             if record.get(key) is not None and math.isfinite(record[key]):
                 self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
         self.bar.update(1)
@@ -145,7 +146,8 @@ def format_step(record: dict, total_steps: int) -> str:
     norm = "-" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
     line = (f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.2e} | grad_norm {norm} | loss_scale {record['loss_scale']:g} | "
-            f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s")
+            f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s | "
+            f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {record['mfu']:.1%}")
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
 
 

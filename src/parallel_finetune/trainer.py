@@ -39,10 +39,11 @@ from .metrics import load_metric
 from .parallel.gradients import reduce_norm_and_loss, scale_gradients
 from .parallel.memory import apply_activation_checkpointing, measure_state_bytes, offload_context
 from .parallel.pipeline import (PAD_MULTIPLE, Pipeline, check_microbatches, cut_model, describe_stages, plan_stages,
-                                sync_tied_gradients, tied_parameters)
+                                stage_costs, sync_tied_gradients, tied_parameters)
 from .parallel.sharding import DataParallelAdamW, ZeroAdamW, apply_fsdp
 from .parallel.tensor import apply_tp
 from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
+from .throughput import achieved, device_peak_tflops, model_flops
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
                         write_yaml)
 
@@ -108,6 +109,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.pipeline: Pipeline | None = None  # pipeline_parallel_degree > 1: this rank's stages and schedules
         self.tied: list[tuple[str, ...]] = []  # weights shared by the first and last stage (tied embeddings)
+        self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
 
     @property
     def microbatches(self) -> int:
@@ -123,6 +125,11 @@ class Trainer:
                                 force=True)
             transformers.logging.set_verbosity_error()
             self.precision = resolve_precision(config.precision, layout.device, config.engine)
+            if config.lr_note:
+                log.info("%s", config.lr_note)
+            compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else torch.float32
+            self.peak_tflops, source = device_peak_tflops(layout.device, compute_dtype, config.peak_tflops)
+            log.info("MFU is measured against %.3g TFLOP/s per device (%s)", self.peak_tflops, source)
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
             if layout.pp > 1:
                 check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps),
@@ -189,6 +196,7 @@ class Trainer:
                      ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
                      sum(p.numel() for p in model.parameters()) / 1e6)
         self.parameter_shapes = checkpoint.parameter_shapes(model)  # of the unsplit model: layout-neutral
+        self.flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
         n_blocks = len(family.blocks(model))
         if layout.pp > 1:
             virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
@@ -208,6 +216,10 @@ class Trainer:
         if checkpointed:
             log.info("activation checkpointing: blocks %s of %d%s", checkpointed, n_blocks,
                      " (this stage's)" if layout.pp > 1 else "")
+        if config.compile:
+            compile_blocks(family.blocks(model))
+            log.info("compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
+                     len(family.blocks(model)), " of this stage" if layout.pp > 1 else "")
         if config.offload_activations and layout.device.type == "cpu":
             log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
                         "memory (the offload still runs, so the code path is the one GPUs use)")
@@ -341,12 +353,19 @@ class Trainer:
         self.step += 1
         self.stop_agreed = stop
         elapsed = time.perf_counter() - started
-        tokens = sum(self.train_lengths[i] for i in global_batch)
+        lengths = [self.train_lengths[i] for i in global_batch]
+        tokens = sum(lengths)
+        epoch_padding = self.padding.setdefault(int((self.step - 1) // self.steps_per_epoch), [0, 0])
+        epoch_padding[0] += tokens
+        epoch_padding[1] += data_module.token_slots(global_batch, self.train_lengths, layout.dp,
+                                                    config.gradient_accumulation_steps,
+                                                    PAD_MULTIPLE if self.pipeline is not None else 1)
+        tflops, mfu = achieved(self.flops.batch(lengths), elapsed, layout.world_size, self.peak_tflops)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
         return {"step": self.step, "epoch": self.step / self.steps_per_epoch, "loss": float(loss), "lr": lr,
                 "grad_norm": None if skipped else grad_norm, "loss_scale": scale, "skipped": skipped,
                 "samples_per_s": len(global_batch) / elapsed, "tokens_per_s": tokens / elapsed,
-                "step_time_s": elapsed}
+                "tflops_per_device": tflops, "mfu": mfu, "step_time_s": elapsed}
 
     def fit(self) -> list[dict]:
         config = self.config
@@ -486,6 +505,14 @@ class Trainer:
             "final_loss": trained[-1]["loss"] if trained else None,
             "train_samples_per_s": samples / train_seconds,
             "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
+            # model FLOPs of all trained steps over their time: the run's mean, not the mean of per-step MFUs
+            "train_tflops_per_device": (tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in trained)
+                                        / train_seconds),
+            "mfu": tflops / self.peak_tflops,
+            "peak_tflops_per_device": self.peak_tflops,
+            "padding_fraction": padding_fraction(self.padding.values()),
+            "padding_fraction_per_epoch": {epoch: padding_fraction([counts])
+                                           for epoch, counts in sorted(self.padding.items())},
             "layout": layout.describe(),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "precision": self.precision,
@@ -496,6 +523,21 @@ class Trainer:
             "state_bytes_per_rank": state_bytes,
             "versions": package_versions(),
         }
+
+
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """Regional compilation: `Module.compile` swaps each block's call for a compiled one, keeping the module and
+    its parameter names. The blocks run the same code, so dynamo traces it once for all of them, for any sequence
+    length (dynamic padding changes it every step), plus once for evaluation (no gradients). Activation checkpointing, applied before, is traced
+    into the graph."""
+    for block in blocks:
+        block.compile(dynamic=True)
+
+
+def padding_fraction(counts) -> float | None:
+    """Share of the token slots that were padding, from [real tokens, slots] pairs."""
+    real, slots = (sum(c[i] for c in counts) for i in (0, 1))
+    return 1 - real / slots if slots else None
 
 
 def run(config: Config, after_backward: Callable | None = None) -> dict:
