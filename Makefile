@@ -21,7 +21,7 @@ RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 .PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
-	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-pipeline bench-minilm bench-memory plan clean-runs help
+	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-speed bench-pipeline bench-minilm bench-memory plan clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
@@ -30,7 +30,8 @@ help:
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
-	@echo "make bench     our trainer vs the Hugging Face Trainer, single process; then bench-pipeline"
+	@echo "make bench     our trainer vs the Hugging Face Trainer (real MiniLM), then bench-speed and bench-pipeline"
+	@echo "make bench-speed   TP=2 vs one process at hidden 512/1024, MFU against the matmul peak, compile on/off"
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
@@ -91,9 +92,15 @@ data: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
+# The README's speed table, each row measured in one run: trainer vs HF Trainer (real MiniLM), TP scaling, MFU,
+# compile, then the pipeline table.
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/trainer_vs_hf.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) bench/speed.py $(if $(DATA),--data-dir $(DATA))
 	HF_HUB_OFFLINE=1 $(PY) bench/pipeline.py $(if $(DATA),--data-dir $(DATA))
+
+bench-speed: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/speed.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 bench-pipeline: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/pipeline.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

@@ -1,6 +1,8 @@
 """Single-process training throughput: our trainer vs the Hugging Face `Trainer`, same model, data, batch, precision.
 
-Three runs in one process, one after the other, on the same tokenized SST-2 (`make bench DATA=...`):
+By default the real pretrained MiniLM checkpoint (recipes/bert/minilm.yaml), 400 steps of batch 32, the recipe's
+lr and warm-up in both loops, precision as `auto` picks it (bf16 on CPUs with bf16 units, else fp32).
+Four runs in one process, one after the other, on the same tokenized SST-2 (`make bench DATA=...`):
   ours          scripts/train.py's trainer (dynamic padding, length-grouped global batches)
   ours-random   the same with group_by_length=false (random batches, like the Trainer's default sampler)
   hf-dynamic    transformers.Trainer with DataCollatorWithPadding (pads each batch to its longest row)
@@ -49,9 +51,10 @@ def our_run(config) -> dict:
 def hf_run(config, prepared, pad_to_128: bool, output_dir: Path) -> dict:
     family = get_family(config.family)
     tokenizer = prepared.tokenizer
-    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(len(tokenizer)), 128, config.model_config)
+    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)), 128,
+                                 config.model_config)
     seed_everything(config.seed)
-    model = family.build("classification", hf_config, None, "tiny", tokenizer)
+    model = family.build("classification", hf_config, config.model, config.size, tokenizer)
 
     def rows(split):
         dataset = prepared.splits[split].rename_column("label", "labels").remove_columns(["length"])
@@ -83,16 +86,20 @@ def hf_run(config, prepared, pad_to_128: bool, output_dir: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="GLUE SST-2 folder (default: ../shared/data/sst2 if present)")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "bert" / "minilm.yaml"))
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model_config.n_embd=512")
     args = parser.parse_args()
     data_dir = args.data_dir or str(REPO.parent / "shared" / "data" / "sst2")
     out = REPO / "runs" / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    config = load_config(REPO / "recipes" / "gptj" / "tp.yaml", [
-        "size=tiny", f"data_dir={data_dir}", f"max_steps={args.steps}", "precision=bf16", "batch_size=32",
-        "tensor_parallel_degree=1", "model_config={n_layer: 4, n_embd: 256, n_head: 8, rotary_dim: 16}",
+    config = load_config(args.recipe, [
+        f"data_dir={data_dir}", f"max_steps={args.steps}", "batch_size=32", "tensor_parallel_degree=1",
         "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "log_every=1000000", *args.overrides])
+    if config.precision == "auto":
+        from parallel_finetune.precision import resolve_precision
+
+        config.precision = resolve_precision("auto", torch.device("cpu"), "torch")
     prepared = data.prepare_for_config(config)
     results = {}
     random_batches = dataclasses.replace(config, group_by_length=False, output_dir=str(out / "ours-random"))
@@ -109,7 +116,8 @@ def main() -> int:
     ratios["ours-random / hf-dynamic"] = results["ours-random"]["samples_per_s"] / results["hf-dynamic"]["samples_per_s"]
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")
-    setup = {"model": "GPT-J config 4 layers, hidden 256, 8 heads, BPE vocab 8192", "steps": config.max_steps,
+    setup = {"recipe": args.recipe, "model": config.model if config.size == "full" else f"tiny {config.family}",
+             "overrides": args.overrides, "steps": config.max_steps,
              "batch_size": config.batch_size, "precision": config.precision, "threads": torch.get_num_threads(),
              "data": data_dir}
     (out / "trainer_vs_hf.json").write_text(json.dumps({"setup": setup, "results": results, "ratios": ratios},
