@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ from parallel_finetune import data  # noqa: E402
 from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
-from parallel_finetune.trainer import seed_everything, tiny_vocab_size  # noqa: E402
+from parallel_finetune.trainer import padding_fraction, seed_everything, tiny_vocab_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,8 @@ def our_run(config) -> dict:
     seconds = trainer.timer.seconds["train"]
     torch.distributed.destroy_process_group()
     return {"samples_per_s": config.max_steps * config.batch_size / seconds, "train_seconds": seconds,
-            "accuracy": results["accuracy"]}
+            "accuracy": results["accuracy"], "padding_fraction": padding_fraction(trainer.padding.values()),
+            "mfu": statistics.median(r["mfu"] for r in trainer.history), "peak_tflops": trainer.peak_tflops}
 
 
 def hf_run(config, prepared, pad_to_128: bool, output_dir: Path) -> dict:
