@@ -528,8 +528,8 @@ class Trainer:
 def compile_blocks(blocks: list[nn.Module]) -> None:
     """Regional compilation: `Module.compile` swaps each block's call for a compiled one, keeping the module and
     its parameter names. The blocks run the same code, so dynamo traces it once for all of them, for any sequence
-    length (dynamic padding changes it every step), plus once for evaluation (no gradients). Activation checkpointing, applied before, is traced
-    into the graph."""
+    length (dynamic padding changes it every step), plus once for evaluation (no gradients). Activation
+    checkpointing, applied before, is traced into the graph."""
     for block in blocks:
         block.compile(dynamic=True)
 
