@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--data-dir", help="GLUE SST-2 folder (default: ../shared/data/sst2 if present)")
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "bert" / "minilm.yaml"))
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--runs", nargs="+", default=["ours", "ours-random", "hf-dynamic", "hf-pad128"],
+                        help="which of the four runs (default: all)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model_config.n_embd=512")
     args = parser.parse_args()
     data_dir = args.data_dir or str(REPO.parent / "shared" / "data" / "sst2")
@@ -109,13 +111,15 @@ def main() -> int:
                       ("ours-random", lambda: our_run(random_batches)),
                       ("hf-dynamic", lambda: hf_run(config, prepared, False, out / "hf-dynamic")),
                       ("hf-pad128", lambda: hf_run(config, prepared, True, out / "hf-pad128"))):
+        if name not in args.runs:
+            continue
         started = time.perf_counter()
         results[name] = run()
         print(f"{name:12s} {results[name]['samples_per_s']:8.1f} samples/s  accuracy {results[name]['accuracy']:.4f}"
               f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-    ratios = {f"ours / {k}": results["ours"]["samples_per_s"] / results[k]["samples_per_s"]
-              for k in ("hf-dynamic", "hf-pad128")}
-    ratios["ours-random / hf-dynamic"] = results["ours-random"]["samples_per_s"] / results["hf-dynamic"]["samples_per_s"]
+    pairs = [("ours", "hf-dynamic"), ("ours", "hf-pad128"), ("ours-random", "hf-dynamic")]
+    ratios = {f"{a} / {b}": results[a]["samples_per_s"] / results[b]["samples_per_s"]
+              for a, b in pairs if a in results and b in results}
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")
     setup = {"recipe": args.recipe, "model": config.model if config.size == "full" else f"tiny {config.family}",
