@@ -21,7 +21,7 @@ RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 .PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
-	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-speed bench-pipeline bench-minilm bench-memory plan clean-runs help
+	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-speed bench-pipeline bench-minilm bench-memory plan notebooks clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
@@ -29,6 +29,9 @@ help:
 	@echo "make gptj-tp-pp (gpt2-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
+	@echo "make notebooks execute the four walkthrough notebooks (LAUNCH=local; MAX_STEPS=, DATA=)"
+	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
+	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
 	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer (real MiniLM), then bench-speed and bench-pipeline"
 	@echo "make bench-speed   TP=2 vs one process at hidden 512/1024, MFU against the matmul peak, compile on/off"
@@ -73,6 +76,20 @@ $(1)-tp-pp: setup
 	$$(call run_recipe,recipes/$(1)/tp_pp.yaml)
 endef
 $(foreach family,$(FAMILIES),$(eval $(call pipeline_targets,$(family))))
+
+# The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
+# instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in
+# SM_ARGS). Defaults: ml.p4d.24xlarge, size=full, e.g. make gptj-tp-sagemaker DATA=../shared/data/sst2
+SM_ARGS ?=
+define sagemaker_targets
+$(1)-tp-sagemaker: setup
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+$(1)-pp-sagemaker: setup
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/pp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+$(1)-tp-pp-sagemaker: setup
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp_pp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+endef
+$(foreach family,$(FAMILIES),$(eval $(call sagemaker_targets,$(family))))
 # 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
 ifeq ($(NGPU),0)
 $(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4
@@ -116,6 +133,13 @@ bench-memory: setup
 plan: setup
 	HF_HUB_OFFLINE=1 $(PY) scripts/plan.py $(MODEL) $(if $(INSTANCE),--instance $(INSTANCE)) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(GPU_MEM_GB),--gpu-mem-gb $(GPU_MEM_GB)) $(if $(NODES),--nodes $(NODES)) $(ARGS)
+
+# Every walkthrough notebook, top to bottom, LAUNCH=local at the size this machine runs (tiny without a GPU);
+# executed copies in runs/notebooks/. CI: make notebooks MAX_STEPS=40 DATA=../shared/data/sst2
+MAX_STEPS ?=
+notebooks: setup
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(PY) scripts/run_notebooks.py -p LAUNCH local \
+		$(if $(DATA),-p DATA $(abspath $(DATA))) $(if $(MAX_STEPS),-p MAX_STEPS $(MAX_STEPS)) $(ARGS)
 
 clean-runs:
 	rm -rf runs

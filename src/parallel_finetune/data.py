@@ -87,6 +87,16 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
     return columns
 
 
+def write_glue_tsv(split_rows: datasets.Dataset, path: Path, split: str) -> None:
+    """The inverse of read_glue_tsv (sentence<TAB>label, or index<TAB>sentence for the unlabelled test split)."""
+    sentences = column(split_rows, "sentence")
+    if split == "test":
+        lines = ["index\tsentence", *(f"{i}\t{s}" for i, s in enumerate(sentences))]
+    else:
+        lines = ["sentence\tlabel", *(f"{s}\t{label}" for s, label in zip(sentences, column(split_rows, "label")))]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def read_glue_dir(data_dir: str | Path) -> datasets.DatasetDict:
     folder = Path(data_dir).expanduser()
     if not folder.is_dir():

@@ -13,22 +13,14 @@ from .layout import resolve_degrees
 from .reporting import choose_output_dir
 
 
-def preflight(config: Config, nproc: int) -> str:
-    """Raise UserError on the first problem; return a one-line description of what will run."""
-    family = get_family(config.family)
-    if config.data_dir:
-        read_glue_dir(config.data_dir)
-    choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
-    if config.resume not in ("auto", "none"):
-        resolve_resume(config.resume, Path(config.resume))
-    if config.size == "full":
-        check_model_source(config.model or family.default_model)
-    from .trainer import check_batch_split, tiny_vocab_size
+def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
+    """Degrees for `world_size` processes (`local_world_size` per node) that divide the model and the batch;
+    returns them and a description of the pipeline part ("" without one)."""
+    from .trainer import check_batch_split
 
-    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
-                                 max(config.max_length, 128), config.model_config)
-    degrees = resolve_degrees(nproc, nproc, config.tensor_parallel_degree, config.sharding, config.shard_group_size,
-                              config.pipeline_parallel_degree)
+    family = get_family(config.family)
+    degrees = resolve_degrees(world_size, local_world_size, config.tensor_parallel_degree, config.sharding,
+                              config.shard_group_size, config.pipeline_parallel_degree)
     family.check_tp(hf_config, degrees.tp)
     check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
     pipeline = ""
@@ -40,6 +32,24 @@ def preflight(config: Config, nproc: int) -> str:
         microbatches = config.microbatches or 2 * degrees.pp
         check_microbatches(config.batch_size // (degrees.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{degrees.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
+    return degrees, pipeline
+
+
+def preflight(config: Config, nproc: int) -> str:
+    """Raise UserError on the first problem; return a one-line description of what will run."""
+    family = get_family(config.family)
+    if config.data_dir:
+        read_glue_dir(config.data_dir)
+    choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
+    if config.resume not in ("auto", "none"):
+        resolve_resume(config.resume, Path(config.resume))
+    if config.size == "full":
+        check_model_source(config.model or family.default_model)
+    from .trainer import tiny_vocab_size
+
+    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
+                                 max(config.max_length, 128), config.model_config)
+    degrees, pipeline = check_layout(config, hf_config, nproc, nproc)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch

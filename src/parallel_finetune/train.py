@@ -1,5 +1,8 @@
 """Entry point: `torchrun --nproc_per_node N -m parallel_finetune.train RECIPE.yaml [key=value ...]`.
 
+Runs from any folder (the recipe is a path; `parallel-finetune RECIPE.yaml ...` is the same for one process).
+A SageMaker job calls it as `train.py --recipe RECIPE.yaml --key value ...` (see sagemaker_job.py).
+
 `--check --nproc N` validates a recipe, its data, model and layout without starting processes (the Makefile runs
 it before torchrun, so bad input ends in one line instead of a traceback from every rank).
 """
@@ -14,7 +17,31 @@ from .config import USER_KEYS, load_config
 from .errors import UserError
 
 
+def sagemaker_arguments(argv: list[str]) -> list[str]:
+    """SageMaker's drivers pass hyperparameters as `--key value` pairs: `--recipe R --lr 2e-5` -> R lr=2e-5."""
+    if not argv or not argv[0].startswith("--") or argv[0] in ("--check", "--nproc", "-h", "--help"):
+        return argv
+    recipe, overrides, pairs = None, [], list(argv)
+    while pairs:
+        flag = pairs.pop(0)
+        if not flag.startswith("--") or not pairs:
+            raise UserError(f"argument {flag!r}: expected --key value pairs (SageMaker hyperparameters)")
+        value = pairs.pop(0)
+        if flag == "--recipe":
+            recipe = value
+        else:
+            overrides.append(f"{flag[2:]}={value}")
+    if recipe is None:
+        raise UserError("SageMaker hyperparameters lack `recipe` (the recipe YAML's path in the code channel)")
+    return [recipe, *overrides]
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv = sagemaker_arguments(sys.argv[1:] if argv is None else argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(
         prog="parallel_finetune.train",
         description="Fine-tune a recipe on SST-2. Overrides: key=value with keys " + ", ".join(USER_KEYS))

@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Execute the walkthrough notebooks top to bottom with papermill (`make notebooks`).
+
+python scripts/run_notebooks.py [NAME ...] [-p KEY VALUE ...]
+  NAME      gptj, gpt2, gptneo, bert (default: all four)
+  -p        a parameter for every notebook, e.g. -p MAX_STEPS 40 -p DATA ../shared/data/sst2 -p LAUNCH local
+
+Executed copies go to runs/notebooks/NAME.ipynb. Fails unless each notebook's plot cell drew a figure and its
+accuracy cell printed the dev accuracy (or perplexity); prints how long each notebook took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ("gptj", "gpt2", "gptneo", "bert")
+
+
+def value(text: str):
+    """-p values as papermill's CLI reads them: JSON where it parses (40, null, true, [..]), else a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def check(executed: Path) -> list[str]:
+    """What the executed notebook failed to show."""
+    cells = json.loads(executed.read_text())["cells"]
+    problems = []
+    for tag, wanted, what in (("plot", "image/png", "a figure"), ("accuracy", "dev ", "the dev accuracy")):
+        tagged = [c for c in cells if tag in c.get("metadata", {}).get("tags", [])]
+        shown = json.dumps([c.get("outputs", []) for c in tagged])
+        if not tagged or wanted not in shown:
+            problems.append(f"its {tag} cell produced no {what}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME", help=", ".join(NOTEBOOKS) + " (default: all)")
+    parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    parser.add_argument("--no-check", action="store_true", help="do not require the plot and accuracy outputs "
+                                                                "(e.g. LAUNCH sagemaker with WAIT false)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in NOTEBOOKS]
+    if unknown:
+        parser.error(f"unknown notebook(s) {', '.join(unknown)}; valid: {', '.join(NOTEBOOKS)}")
+    import papermill
+
+    parameters = {key: value(text) for key, text in args.p}
+    out = REPO / "runs" / "notebooks"
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in args.names or NOTEBOOKS:
+        started = time.perf_counter()
+        executed = out / f"{name}.ipynb"
+        print(f">>> notebooks/{name}.ipynb {parameters}", flush=True)
+        try:
+            papermill.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(executed),
+                                       parameters=parameters, cwd=str(REPO / "notebooks"), kernel_name="python3",
+                                       log_output=True, progress_bar=False)
+            problems = [] if args.no_check else check(executed)
+        except papermill.PapermillExecutionError as exc:
+            problems = [f"cell {exc.exec_count} raised {exc.ename}: {exc.evalue}"]
+        seconds = time.perf_counter() - started
+        print(f"<<< notebooks/{name}.ipynb: {'ok' if not problems else '; '.join(problems)} in {seconds:.0f} s "
+              f"(executed copy: {executed.relative_to(REPO)})", flush=True)
+        if problems:
+            failed.append(name)
+    if failed:
+        print(f"error: notebook(s) {', '.join(failed)} failed (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

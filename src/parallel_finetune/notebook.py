@@ -1,0 +1,115 @@
+"""What the walkthrough notebooks share: launch a recipe (local torchrun or SageMaker), then read its results.
+
+A notebook stays prose plus a few calls, so the four of them cannot drift apart in how they launch or plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import UserError
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_size() -> str:
+    """`full` where GPUs are, else `tiny` (a small model of the same family, trained from scratch)."""
+    return "full" if gpu_count() else "tiny"
+
+
+def default_nproc() -> int:
+    """Every GPU, or 2 processes on a CPU."""
+    return gpu_count() or 2
+
+
+def stream(command: list[str], cwd: str | Path | None = None) -> None:
+    """Run a command, printing its output as it comes; one-line error if it fails."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1)
+    for line in process.stdout:
+        # tqdm redraws with carriage returns; keep the newest state of each line
+        print(line.rstrip("\n").rsplit("\r", 1)[-1][-300:], flush=True)
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(map(str, command[:4]))} ... exited with {process.returncode} (see above)")
+
+
+def run_folder(recipe: str | Path, root: str | Path = "runs") -> Path:
+    """A new folder for a notebook's run: runs/notebook-<recipe folder>-<recipe>-<time>."""
+    recipe = Path(recipe)
+    return Path(root).resolve() / f"notebook-{recipe.parent.name}-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def launch_local(recipe: str | Path, overrides: list[str], nproc: int) -> None:
+    """Validate in one process (bad input = one line, no traceback from every rank), then torchrun."""
+    stream([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe),
+            *overrides])
+    stream([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "parallel_finetune.train", str(recipe), *overrides])
+
+
+def read_metrics(folder: str | Path) -> list[dict]:
+    path = Path(folder) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: no metrics yet (did the run start?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_training(folder: str | Path):
+    """Loss, learning rate and throughput per step from metrics.jsonl; returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(folder)
+    steps = [r["step"] for r in records]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 3.5))
+    axes[0].plot(steps, [r["loss"] for r in records])
+    axes[0].set_title("training loss")
+    axes[1].plot(steps, [r["lr"] for r in records])
+    axes[1].set_title("learning rate")
+    axes[2].plot(steps, [r["samples_per_s"] for r in records], label="samples/s")
+    tokens = axes[2].twinx()
+    tokens.plot(steps, [r["tokens_per_s"] for r in records], color="tab:orange", label="tokens/s (no padding)")
+    axes[2].set_title("throughput: samples/s (blue), real tokens/s (orange)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    figure.tight_layout()
+    return figure
+
+
+def read_summary(folder: str | Path) -> dict:
+    path = Path(folder) / "summary.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no summary (the run has not finished)")
+    return json.loads(path.read_text())
+
+
+def report(folder: str | Path) -> dict:
+    """Print the numbers a user looks at after a run; returns summary.json."""
+    summary = read_summary(folder)
+    if "accuracy" in summary:
+        print(f"dev accuracy {summary['accuracy']:.4f} after {summary['steps']} steps")
+    if "perplexity" in summary:
+        print(f"dev perplexity {summary['perplexity']:.2f} after {summary['steps']} steps")
+    for key in ("layout", "precision", "train_samples_per_s", "train_tokens_per_s", "mfu", "padding_fraction",
+                "seconds", "peak_memory_mib_per_rank"):
+        if key in summary:
+            print(f"{key}: {summary[key]}")
+    return summary
+
+
+def classify(model_folder: str | Path, sentences: list[str]) -> list[tuple[str, float, str]]:
+    """(label, score, sentence) for each sentence, with the exported Hugging Face model (no repository code)."""
+    from transformers import pipeline
+
+    classifier = pipeline("text-classification", model=str(model_folder), device=-1)
+    return [(result["label"], result["score"], sentence)
+            for result, sentence in zip(classifier(sentences), sentences)]

@@ -1,0 +1,461 @@
+"""Run a recipe as an Amazon SageMaker training job (SageMaker Python SDK v3: ModelTrainer + Torchrun).
+
+The job runs the same `parallel_finetune.train` entry point as a local torchrun, one process per GPU of each
+instance. What the job gets, and where:
+
+  code channel   this package, the recipe's folder, requirements.txt (the versions installed here) and train.py
+  sst2 channel   SST-2 TSVs plus the tokenized cache, prepared here: the job tokenizes nothing
+  model channel  only when the recipe's model is an s3:// URI: the weights are on the instance before the
+                 script starts (no Hub download at start-up)
+  checkpoints    /opt/ml/checkpoints, synced with the checkpoint S3 URI (a rerun with the same URI resumes)
+  model.tar.gz   the exported Hugging Face folder (SM_MODEL_DIR)
+  output.tar.gz  metrics.jsonl, eval.jsonl, summary.json, tensorboard (SM_OUTPUT_DATA_DIR)
+
+Hyperparameters are the recipe path and the overrides as written, except keys that name local paths (data_dir,
+cache_dir, output_dir, and an s3:// model), which become the channel paths above. Every check that can fail on
+bad input (instance type, role, region, bucket, credentials, recipe) runs before anything is uploaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import load_config, parse_override
+from .errors import UserError
+from .hardware import INSTANCES
+
+log = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CHANNELS = Path("/opt/ml/input/data")
+# The newest PyTorch training container the SDK knows; the job's pip upgrades its torch to the version in
+# requirements.txt (the one this package is tested with) when they differ.
+CONTAINER_PYTORCH, CONTAINER_PYTHON = "2.10.0", "py313"
+# Multi-node jobs on EFA instances: AWS's recommended NCCL/libfabric settings (p4d/p4de/p5/p5e).
+EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
+                   "RDMAV_FORK_SAFE": "1", "NCCL_PROTO": "simple", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+EFA_RDMA_INSTANCES = ("ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge")
+LOCAL_PATH_KEYS = ("data_dir", "cache_dir", "output_dir", "checkpoint_dir")
+ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs `torchrun ... train.py --recipe R --key value ...`."""
+import sys
+
+from parallel_finetune.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+# Only what training imports: notebooks, tests and the SageMaker SDK stay on the launching machine.
+JOB_EXTRAS = {"deepspeed": ("deepspeed",)}
+
+
+@dataclass
+class JobSettings:
+    """Where and on what the job runs. None = from the environment (see `resolve`)."""
+    instance_type: str = "ml.p4d.24xlarge"
+    instance_count: int = 1
+    role: str | None = None  # $SAGEMAKER_ROLE
+    region: str | None = None  # $AWS_REGION, $AWS_DEFAULT_REGION
+    bucket: str | None = None  # $SAGEMAKER_BUCKET
+    prefix: str = "parallel-finetune"
+    image_uri: str | None = None  # None = the region's PyTorch training container
+    checkpoint_s3_uri: str | None = None  # None = one per job; the same URI again = resume from it
+    volume_gb: int = 500
+    max_run_hours: float = 24.0
+    job_name: str | None = None  # base name; SageMaker's job name adds a timestamp. None = the recipe's name
+
+    def resolve(self) -> "JobSettings":
+        """Fill the blanks from the environment; a one-line error for anything still missing or invalid."""
+        if self.instance_type not in INSTANCES:
+            raise UserError(f"instance_type={self.instance_type!r} is not a known GPU training instance; valid: "
+                            + ", ".join(INSTANCES))
+        if not isinstance(self.instance_count, int) or self.instance_count < 1:
+            raise UserError(f"instance_count={self.instance_count!r} must be a positive integer")
+        role = self.role or os.environ.get("SAGEMAKER_ROLE")
+        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        bucket = self.bucket or os.environ.get("SAGEMAKER_BUCKET")
+        for name, value, env in (("role", role, "SAGEMAKER_ROLE"), ("region", region, "AWS_REGION"),
+                                 ("bucket", bucket, "SAGEMAKER_BUCKET")):
+            if not value:
+                raise UserError(f"no SageMaker {name}: pass {name}=... or set ${env}"
+                                + (" (an IAM role ARN SageMaker can assume)" if name == "role" else ""))
+        if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/\S+", role):
+            raise UserError(f"role={role!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
+        if bucket.startswith("s3://") or "/" in bucket:
+            raise UserError(f"bucket={bucket!r} must be a bucket name, without s3:// or a path (use prefix=)")
+        return JobSettings(self.instance_type, self.instance_count, role, region, bucket, self.prefix.strip("/"),
+                           self.image_uri, self.checkpoint_s3_uri, self.volume_gb, self.max_run_hours,
+                           self.job_name)
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return INSTANCES[self.instance_type][1]
+
+
+@dataclass
+class Job:
+    """A submitted job: its name, links and where its results land."""
+    name: str
+    region: str
+    bucket: str
+    output_s3_uri: str
+    checkpoint_s3_uri: str
+    data_s3_uri: str
+    hyperparameters: dict
+    trainer: object = field(repr=False, default=None)
+
+    @property
+    def console_url(self) -> str:
+        return (f"https://{self.region}.console.aws.amazon.com/sagemaker/home?region={self.region}"
+                f"#/jobs/{self.name}")
+
+    def status(self) -> str:
+        return self._client().describe_training_job(TrainingJobName=self.name)["TrainingJobStatus"]
+
+    def wait(self, poll_seconds: float = 30) -> str:
+        """Block until the job ends; its final status (Completed, Failed or Stopped)."""
+        while (status := self.status()) in ("InProgress", "Stopping"):
+            time.sleep(poll_seconds)
+        return status
+
+    def download(self, folder: str | Path) -> Path:
+        """Fetch and unpack model.tar.gz (into folder/hf) and output.tar.gz (metrics, summary) into `folder`."""
+        folder = Path(folder)
+        description = self._client().describe_training_job(TrainingJobName=self.name)
+        if description["TrainingJobStatus"] != "Completed":
+            raise UserError(f"job {self.name} is {description['TrainingJobStatus']}, not Completed: nothing to "
+                            f"download yet ({self.console_url})")
+        model_uri = description["ModelArtifacts"]["S3ModelArtifacts"]
+        output_uri = model_uri.rsplit("/", 1)[0] + "/output.tar.gz"
+        s3 = self._session().client("s3")
+        for uri, target in ((model_uri, folder / "hf"), (output_uri, folder)):
+            bucket, key = split_s3_uri(uri)
+            target.mkdir(parents=True, exist_ok=True)
+            archive = folder / Path(key).name
+            s3.download_file(bucket, key, str(archive))
+            with tarfile.open(archive) as tar:
+                tar.extractall(target, filter="data")
+            archive.unlink()
+        return folder
+
+    def _session(self):
+        import boto3
+
+        return boto3.Session(region_name=self.region)
+
+    def _client(self):
+        return self._session().client("sagemaker")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    match = re.fullmatch(r"s3://([^/]+)/?(.*)", uri)
+    if not match:
+        raise UserError(f"{uri!r} is not an S3 URI (s3://bucket/key)")
+    return match.group(1), match.group(2)
+
+
+# ----------------------------------------------------------------------------------------------- staging
+
+def job_requirements(engine: str, model: str | None = None) -> list[str]:
+    """This package's dependencies pinned to the versions installed here, so the job runs what was tested
+    (plus DeepSpeed for engine=deepspeed, and the pip package behind a `model: package:MODULE`)."""
+    try:
+        declared = importlib.metadata.requires("parallel-finetune") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError("the parallel-finetune package is not installed (pip install -e . or pip install "
+                        "git+<repository>); the job's requirements come from its metadata") from None
+    names = [re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in declared
+             if "extra ==" not in requirement]
+    names += JOB_EXTRAS.get(engine, ())
+    if model and model.startswith("package:"):
+        module = model.split(":", 1)[1].split(".")[0]
+        names += importlib.metadata.packages_distributions().get(module, [module])
+    pinned = []
+    for name in names:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise UserError(f"{name} is not installed here, so its version for the job is unknown; pip install "
+                            f"-r requirements.txt first") from None
+        pinned.append(f"{name}=={version.split('+')[0]}")  # 2.13.0+cpu here -> the CUDA build of 2.13.0 there
+    return pinned
+
+
+def stage_code(recipe: Path, config, folder: Path) -> str:
+    """The code channel: package, recipe folder, requirements, entry script. Returns the recipe's path in it."""
+    shutil.copytree(PACKAGE_DIR, folder / "parallel_finetune",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # The whole folder, so that `extends:` between a recipe and its siblings keeps working.
+    shutil.copytree(recipe.parent, folder / "recipe", ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model)) + "\n")
+    (folder / "train.py").write_text(ENTRY_SCRIPT)
+    return f"recipe/{recipe.name}"
+
+
+def stage_data(config, folder: Path) -> Path:
+    """SST-2 as GLUE TSVs plus the tokenized cache for `config`, in one folder (the sst2 channel).
+
+    The job finds the cache because its key hashes the TSVs' bytes and the tokenizer, not their paths."""
+    from . import data
+
+    raw, source = data.load_raw(config.data_dir)
+    if source.kind == "sample":
+        raise UserError("the SST-2 data could not be read (Hub unreachable and no data_dir): pass "
+                        "data_dir=PATH, a folder with GLUE's train.tsv and dev.tsv, to ship it to the job")
+    folder.mkdir(parents=True)
+    for split, name in data.SPLIT_FILES.items():
+        if split not in raw:
+            continue
+        if source.kind == "tsv":
+            shutil.copy(Path(source.description) / name, folder / name)
+        else:  # the Hub: written in GLUE's TSV layout so the job reads it like any data_dir
+            data.write_glue_tsv(raw[split], folder / name, split)
+    cache = folder / "cache"
+    if source.kind == "tsv":  # the user's own cache (made by an earlier run or `make data`) is reused as is
+        prepared = data.prepare_for_config(config)
+        shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
+        for tokenizer in (Path(config.cache_dir) / "tokenizers").glob(f"*-{source.fingerprint}"):
+            shutil.copytree(tokenizer, cache / "tokenizers" / tokenizer.name)
+    else:
+        prepared = data.prepare_for_config(load_config_like(config, data_dir=str(folder), cache_dir=str(cache)))
+    log.info("SST-2 for the job: %s (%s)", prepared.cache_path.name, source.description)
+    return folder
+
+
+def load_config_like(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
+
+
+def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
+    """Everything in an S3 model folder except the weights: enough to tokenize SST-2 here."""
+    bucket, prefix = split_s3_uri(model_uri.rstrip("/") + "/")
+    s3 = boto_session.client("s3")
+    found = False
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            relative = item["Key"][len(prefix):]
+            found = True
+            if relative and "/" not in relative and not relative.endswith(WEIGHT_FILES):
+                folder.mkdir(parents=True, exist_ok=True)
+                s3.download_file(bucket, item["Key"], str(folder / relative))
+    if not found:
+        raise UserError(f"model={model_uri!r}: no files under that S3 prefix (expected a Hugging Face model "
+                        "folder: config.json, tokenizer files, weights)")
+    return folder
+
+
+def job_hyperparameters(recipe_in_code: str, overrides: list[str], model_is_s3: bool) -> dict[str, str]:
+    """The overrides as written (SageMaker shows and passes them on), local paths swapped for channel paths."""
+    hyperparameters = {"recipe": recipe_in_code}
+    for text in overrides:
+        key, _ = parse_override(text)
+        if key in LOCAL_PATH_KEYS or (key == "model" and model_is_s3):
+            continue
+        hyperparameters[key] = text.split("=", 1)[1].strip()
+    hyperparameters["data_dir"] = str(CHANNELS / "sst2")
+    hyperparameters["cache_dir"] = str(CHANNELS / "sst2" / "cache")
+    if model_is_s3:
+        hyperparameters["model"] = str(CHANNELS / "model")
+    return hyperparameters
+
+
+# ----------------------------------------------------------------------------------------------- launching
+
+def _check_aws(settings: JobSettings):
+    """Credentials and bucket, before any upload; returns the boto3 session."""
+    import boto3
+    import botocore.exceptions
+
+    session = boto3.Session(region_name=settings.region)
+    if session.get_credentials() is None:
+        raise UserError("no AWS credentials found: run `aws configure` (or `aws sso login`), or set "
+                        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    try:
+        session.client("s3").head_bucket(Bucket=settings.bucket)
+    except botocore.exceptions.ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "?")
+        why = "does not exist" if code in ("404", "NoSuchBucket") else f"is not accessible ({code})"
+        raise UserError(f"bucket={settings.bucket!r} {why}; create it in {settings.region} or pass another "
+                        "bucket=") from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise UserError(f"cannot reach S3 in {settings.region}: {exc}") from None
+    return session
+
+
+def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -> str:
+    """The recipe's layout on the job's GPUs (degrees dividing heads, blocks and batch), checked here: a bad one
+    would otherwise surface minutes into a paid job. Full-size configs come from the planner's offline table,
+    the S3 model's own config.json, or the Hub."""
+    from .families import get_family
+    from .planner import KNOWN_MODELS
+    from .preflight import check_layout
+    from .trainer import tiny_vocab_size
+
+    family = get_family(config.family)
+    name = str(model_folder) if model_folder else (config.model or family.default_model)
+    vocab, positions = tiny_vocab_size(config.tokenizer_vocab_size), max(config.max_length, 128)
+    if config.size == "full" and name in KNOWN_MODELS:
+        hf_config = family.config_class(**KNOWN_MODELS[name][1])
+        for key, value in config.model_config.items():
+            setattr(hf_config, key, value)
+    else:
+        try:
+            hf_config = family.hf_config(name, config.size, vocab, positions, config.model_config)
+        except OSError as exc:
+            raise UserError(f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "
+                            "pass a Hub name, model=s3://... or check the network") from None
+    gpus = settings.gpus_per_instance
+    degrees, pipeline = check_layout(config, hf_config, gpus * settings.instance_count, gpus)
+    return (f"{settings.instance_count} x {settings.instance_type} = {pipeline}{degrees.dp} data-parallel x "
+            f"{degrees.tp} tensor-parallel")
+
+
+def training_image(settings: JobSettings) -> str:
+    if settings.image_uri:
+        return settings.image_uri
+    from sagemaker.core import image_uris
+
+    return image_uris.retrieve(framework="pytorch", region=settings.region, version=CONTAINER_PYTORCH,
+                               py_version=CONTAINER_PYTHON, instance_type=settings.instance_type,
+                               image_scope="training")
+
+
+def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings | None = None,
+           wait: bool = False) -> Job:
+    """Validate everything, stage and upload code and data, submit the job. With `wait`, also wait for it."""
+    overrides = list(overrides)
+    settings = (settings or JobSettings()).resolve()
+    recipe = Path(recipe).expanduser()
+    config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
+    model_is_s3 = bool(config.model and config.model.startswith("s3://"))
+    if model_is_s3:
+        split_s3_uri(config.model)
+    elif config.model and Path(config.model).expanduser().is_dir():
+        raise UserError(f"model={config.model!r} is a local folder the job cannot read: upload it "
+                        "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME")
+    boto_session = _check_aws(settings)
+
+    from sagemaker.core.helper.session_helper import Session
+    from sagemaker.train import ModelTrainer
+    from sagemaker.train.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig, SourceCode,
+                                         StoppingCondition)
+    from sagemaker.train.distributed import Torchrun
+
+    # The SDK appends a timestamp to this base name; it also names the job's S3 folder.
+    base_name = re.sub(r"[^a-zA-Z0-9-]", "-", settings.job_name or config.recipe)[:40].strip("-")
+    base = f"s3://{settings.bucket}/{settings.prefix}"
+    session = Session(boto_session=boto_session, default_bucket=settings.bucket,
+                      default_bucket_prefix=settings.prefix or None)
+    with tempfile.TemporaryDirectory(prefix="sagemaker-job-") as tmp:
+        tmp = Path(tmp)
+        prep_config, model_folder = config, None
+        if model_is_s3:  # tokenize with the model's own tokenizer files, as the job will read them
+            model_folder = fetch_tokenizer_files(boto_session, config.model, tmp / "tokenizer")
+            prep_config = load_config_like(config, model=str(model_folder))
+        log.info("layout: %s", check_job_layout(config, settings, model_folder))
+        recipe_in_code = stage_code(recipe, config, tmp / "code")
+        data_folder = stage_data(prep_config, tmp / "sst2")
+        # Keyed by the cache folder's name (data and tokenizer hashes): a later job with the same data reuses it.
+        cache_key = next((data_folder / "cache").glob("sst2-*")).name
+        data_uri = session.upload_data(str(data_folder), bucket=settings.bucket,
+                                       key_prefix=f"{settings.prefix}/data/{cache_key}")
+        hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3)
+        inputs = [InputData(channel_name="sst2", data_source=data_uri)]
+        if model_is_s3:
+            inputs.append(InputData(channel_name="model", data_source=config.model))
+        environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
+            environment.update(EFA_ENVIRONMENT)
+        trainer = ModelTrainer(
+            sagemaker_session=session, role=settings.role, base_job_name=base_name,
+            training_image=training_image(settings),
+            source_code=SourceCode(source_dir=str(tmp / "code"), requirements="requirements.txt",
+                                   entry_script="train.py"),
+            distributed=Torchrun(process_count_per_node=settings.gpus_per_instance),
+            compute=Compute(instance_type=settings.instance_type, instance_count=settings.instance_count,
+                            volume_size_in_gb=settings.volume_gb),
+            stopping_condition=StoppingCondition(max_runtime_in_seconds=int(settings.max_run_hours * 3600)),
+            # No URI: the SDK's default, s3://bucket/prefix/<base name>/<job>/checkpoints.
+            checkpoint_config=CheckpointConfig(s3_uri=settings.checkpoint_s3_uri),
+            output_data_config=OutputDataConfig(s3_output_path=f"{base}/output"),
+            hyperparameters=hyperparameters, environment=environment)
+        trainer.train(input_data_config=inputs, wait=False, logs=False)
+    submitted = trainer._latest_training_job
+    job = Job(submitted.training_job_name, settings.region, settings.bucket,
+              f"{base}/output/{submitted.training_job_name}", submitted.checkpoint_config.s3_uri, data_uri,
+              hyperparameters, trainer)
+    log.info("submitted %s: %s", job.name, job.console_url)
+    if wait:
+        job.wait()
+    return job
+
+
+# ----------------------------------------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    """scripts/launch_sagemaker.py RECIPE [key=value ...] [--instance-type T --instance-count N --wait ...]"""
+    import argparse
+    import sys
+
+    defaults = JobSettings()
+    parser = argparse.ArgumentParser(
+        prog="launch_sagemaker.py",
+        description="Submit a recipe as a SageMaker training job (torchrun, one process per GPU). Role, region "
+                    "and bucket default to $SAGEMAKER_ROLE, $AWS_REGION and $SAGEMAKER_BUCKET.")
+    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gptj/tp.yaml")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (data_dir= is prepared here)")
+    parser.add_argument("--instance-type", default=defaults.instance_type, help=", ".join(INSTANCES))
+    parser.add_argument("--instance-count", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--role", help="IAM role ARN for the job")
+    parser.add_argument("--region", help="AWS region")
+    parser.add_argument("--bucket", help="S3 bucket for code, data, checkpoints and results")
+    parser.add_argument("--prefix", default=defaults.prefix, help="S3 key prefix (default %(default)s)")
+    parser.add_argument("--image-uri", help="training container (default: the region's PyTorch "
+                                            f"{CONTAINER_PYTORCH} training image)")
+    parser.add_argument("--checkpoint-s3-uri", help="checkpoints; reuse a job's URI to resume it")
+    parser.add_argument("--job-name", help="base job name (default: the recipe's, e.g. gptj-tp)")
+    parser.add_argument("--max-run-hours", type=float, default=defaults.max_run_hours)
+    parser.add_argument("--wait", action="store_true", help="wait for the job to end")
+    parser.add_argument("--download", metavar="DIR", help="with --wait: fetch the model and metrics into DIR")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("sagemaker", "sagemaker.config", "botocore", "boto3", "urllib3", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    settings = JobSettings(args.instance_type, args.instance_count, args.role, args.region, args.bucket,
+                           args.prefix, args.image_uri, args.checkpoint_s3_uri, max_run_hours=args.max_run_hours,
+                           job_name=args.job_name)
+    try:
+        job = launch(args.recipe, args.overrides, settings)
+        print(f"job {job.name}\n  console  {job.console_url}\n  output   {job.output_s3_uri}\n"
+              f"  checkpoints {job.checkpoint_s3_uri}")
+        if args.wait or args.download:
+            status = job.wait()
+            print(f"job {job.name}: {status}")
+            if args.download:
+                print(f"results in {job.download(args.download)}")
+            return 0 if status == "Completed" else 1
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"error: {exc.name} is missing: pip install -r requirements.txt (it brings sagemaker-train)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
