@@ -99,7 +99,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = load_config(args.recipe, [
         f"data_dir={data_dir}", f"max_steps={args.steps}", "batch_size=32", "tensor_parallel_degree=1",
-        "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "log_every=1000000", *args.overrides])
+        "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "resume=none", "log_every=1000000", *args.overrides])
     if config.precision == "auto":
         from parallel_finetune.precision import resolve_precision
 
