@@ -91,6 +91,7 @@ def main() -> int:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "bert" / "minilm.yaml"))
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--runs", nargs="+", default=["ours", "ours-random", "hf-dynamic", "hf-pad128"],
+                        choices=["ours", "ours-random", "hf-dynamic", "hf-pad128"],
                         help="which of the four runs (default: all)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model_config.n_embd=512")
     args = parser.parse_args()
