@@ -91,6 +91,7 @@ def main() -> int:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "bert" / "minilm.yaml"))
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--runs", nargs="+", default=["ours", "ours-random", "hf-dynamic", "hf-pad128"],
+                        choices=["ours", "ours-random", "hf-dynamic", "hf-pad128"],
                         help="which of the four runs (default: all)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model_config.n_embd=512")
     args = parser.parse_args()
@@ -99,7 +100,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = load_config(args.recipe, [
         f"data_dir={data_dir}", f"max_steps={args.steps}", "batch_size=32", "tensor_parallel_degree=1",
-        "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "log_every=1000000", *args.overrides])
+        "export=false", f"output_dir={out / 'ours'}", "overwrite=true", "resume=none", "log_every=1000000", *args.overrides])
     if config.precision == "auto":
         from parallel_finetune.precision import resolve_precision
 
