@@ -52,6 +52,9 @@ class Emulator:
     def reset(self):
         self._post("/moto-api/reset")
         self.s3().create_bucket(Bucket=BUCKET)
+        self.record_from_now()
+
+    def record_from_now(self):
         self._post("/moto-api/recorder/reset-recording")
         self._post("/moto-api/recorder/start-recording")
 
@@ -59,14 +62,22 @@ class Emulator:
         urllib.request.urlopen(urllib.request.Request(self.url + path, method="POST"), timeout=10)
 
     def requests(self) -> list[dict]:
-        text = urllib.request.urlopen(f"{self.url}/moto-api/recorder/download-recording", timeout=10).read()
-        return [json.loads(line) for line in text.decode().splitlines() if line.strip()]
+        text = urllib.request.urlopen(f"{self.url}/moto-api/recorder/download-recording", timeout=60).read().decode()
+        # One JSON object per request; concurrent uploads can leave two on one line, so decode a stream.
+        decoder, found, at = json.JSONDecoder(), [], 0
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at == len(text):
+                return found
+            request, at = decoder.raw_decode(text, at)
+            found.append(request)
 
     def calls(self, target: str) -> list[dict]:
         """Bodies of the JSON API calls named `target`, e.g. SageMaker.CreateTrainingJob."""
         found = []
         for request in self.requests():
-            if f"'X-Amz-Target': '{target}'" in request["headers"]:
+            if request["headers"].get("X-Amz-Target") == target:
                 found.append(json.loads(base64.b64decode(request["body"])))
         return found
 
@@ -222,6 +233,7 @@ def test_pretrained_weights_from_s3_become_an_input_channel(aws, sst2, cache_dir
     for path in model.iterdir():
         if path.is_file():
             s3.upload_file(str(path), BUCKET, f"models/minilm/{path.name}")
+    aws.record_from_now()  # what the launch does, not the test's own upload
     done = launch_script(["recipes/bert/minilm.yaml", f"model=s3://{BUCKET}/models/minilm", "max_steps=2",
                           f"data_dir={sst2}", f"cache_dir={cache_dir}", "--instance-type", "ml.g5.12xlarge",
                           "--role", ROLE, "--bucket", BUCKET], aws.env)

@@ -49,10 +49,11 @@ def run_folder(recipe: str | Path, root: str | Path = "runs") -> Path:
     return Path(root).resolve() / f"notebook-{recipe.parent.name}-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def launch_local(recipe: str | Path, overrides: list[str], nproc: int) -> None:
+def launch_local(recipe: str | Path, overrides: list[str], nproc: int, check: bool = True) -> None:
     """Validate in one process (bad input = one line, no traceback from every rank), then torchrun."""
-    stream([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe),
-            *overrides])
+    if check:
+        stream([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe),
+                *overrides])
     stream([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "parallel_finetune.train", str(recipe), *overrides])
 
