@@ -17,6 +17,8 @@ endif
 DATA ?=
 ARGS ?=
 PYTEST_ARGS ?= -q
+# Two workers fill both cores while one waits on a single-process reference run or a torchrun start-up.
+PYTEST_WORKERS ?= 2
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
@@ -107,7 +109,7 @@ data: setup
 	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The README's speed table, each row measured in one run: trainer vs HF Trainer (real MiniLM), TP scaling, MFU,
 # compile, then the pipeline table.

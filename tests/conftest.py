@@ -88,10 +88,11 @@ def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | 
 
 def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
                    **extra) -> list[str]:
-    """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare."""
+    """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare. No hf/ export (it costs
+    ~2 s per run) unless a test asks for one with export="true"."""
     base = {"size": "tiny", "task": task, "data_dir": sst2, "cache_dir": cache_dir, "precision": "fp32",
             "max_steps": 6, "batch_size": 16, "max_length": 64 if task == "classification" else 32,
-            "eval_batch_size": 128, "log_every": 1}
+            "eval_batch_size": 128, "log_every": 1, "export": "false"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])
 

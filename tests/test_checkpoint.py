@@ -22,7 +22,7 @@ TOLERANCE = 1e-5
 
 
 def overrides(sst2, cache_dir, *extra: str, family: str = "gptj") -> list[str]:
-    return tiny_overrides(sst2, cache_dir, family=family, max_steps=10, export="false") + list(extra)
+    return tiny_overrides(sst2, cache_dir, family=family, max_steps=10) + list(extra)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_killed_rank_restarts_from_the_last_checkpoint(reference, sst2, cache_di
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_from_a_checkpoint_equals_the_run_export(family, sst2, cache_dir, tmp_path):
-    run = launch(2, tiny_overrides(sst2, cache_dir, family=family, max_steps=2) + ["tensor_parallel_degree=2"],
-                 tmp_path / "run", recipe=recipe(family))
+    run = launch(2, tiny_overrides(sst2, cache_dir, family=family, max_steps=2, export="true")
+                 + ["tensor_parallel_degree=2"], tmp_path / "run", recipe=recipe(family))
     out = tmp_path / "exported"
     proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(run.output_dir / "checkpoints"), str(out)],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)

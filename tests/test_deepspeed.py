@@ -52,7 +52,7 @@ def test_zero_matches_single_process(family, overrides, tolerance, single_proces
     reference = single_process(family, "classification", ())
     (tmp_path / "user.json").write_text(json.dumps(USER_JSON))
     overrides = [o.replace("USER_JSON", str(tmp_path / "user.json")) for o in overrides]
-    run = launch(2, tiny_overrides(sst2, cache_dir, family=family) + ["engine=deepspeed", *overrides],
+    run = launch(2, tiny_overrides(sst2, cache_dir, family=family, export="true") + ["engine=deepspeed", *overrides],
                  tmp_path / "run", recipe=recipe(family))
     assert len(run.losses) == len(reference.losses) >= 5
     losses = [abs(a - b) for a, b in zip(run.losses, reference.losses)]

@@ -24,7 +24,7 @@ PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
     ("gpt2", "causal_lm", PP2), ("bert", "classification", PP2)],
     ids=lambda value: "pp2" if value == PP2 else "tp2" if value == TP2 else None)
 def test_export_reloads_with_same_logits(family, task, layout, sst2, cache_dir, tmp_path):
-    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3) + layout, tmp_path,
+    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3, export="true") + layout, tmp_path,
            script=WORKER, recipe=recipe(family))
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     model = LOADERS[task].from_pretrained(tmp_path / "hf")

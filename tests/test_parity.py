@@ -59,7 +59,8 @@ def single_process(sst2, cache_dir, tmp_path_factory):
     def get(family: str, task: str, model: tuple):
         key = (family, task, model)
         if key not in runs:
-            runs[key] = launch(1, tiny_overrides(sst2, cache_dir, task, family) + list(model),
+            # Exported: test_deepspeed compares its exports with these weights.
+            runs[key] = launch(1, tiny_overrides(sst2, cache_dir, task, family, export="true") + list(model),
                                tmp_path_factory.mktemp(f"single-{family}-{task}"), recipe=recipe(family))
         return runs[key]
 

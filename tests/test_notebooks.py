@@ -1,0 +1,28 @@
+"""The walkthrough notebooks as committed: no outputs, and a parameters cell papermill reads completely.
+
+(`make notebooks` executes them top to bottom; test_sagemaker runs one with LAUNCH="sagemaker".)"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import papermill
+import pytest
+
+from conftest import FAMILIES, REPO
+
+REQUIRED = {"LAUNCH", "SIZE", "DATA", "MAX_STEPS", "NPROC", "RECIPE", "ARGS", "INSTANCE_TYPE", "INSTANCE_COUNT"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_notebook_is_committed_clean_with_a_complete_parameters_cell(family):
+    path = REPO / "notebooks" / f"{family}.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    code = [cell for cell in cells if cell["cell_type"] == "code"]
+    assert all(not cell.get("outputs") and cell.get("execution_count") is None for cell in code), "outputs committed"
+    (parameters,) = [cell for cell in code if "parameters" in cell["metadata"].get("tags", [])]
+    assigned = set(re.findall(r"^([A-Z_]+) *=", "".join(parameters["source"]), flags=re.M))
+    assert REQUIRED <= assigned
+    # papermill skips (with a warning) any line it cannot parse, e.g. one with a second "=" in its comment.
+    assert set(papermill.inspect_notebook(str(path))) == assigned
