@@ -119,10 +119,10 @@ def test_bad_data_under_torchrun_is_one_line_and_leaves_no_run_folder(cache_dir,
 
 
 @pytest.mark.parametrize("target", ["gpt2-tp", "gptneo-tp", "bert-tp"])
-def test_make_family_targets(target, sst2, tmp_path):
+def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     out = tmp_path / target
     proc = subprocess.run(["make", target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                           f"ARGS=max_steps=3 output_dir={out} cache_dir={tmp_path / 'cache'}"],
+                           f"ARGS=max_steps=3 output_dir={out} cache_dir={cache_dir}"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
