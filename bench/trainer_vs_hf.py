@@ -32,7 +32,9 @@ from parallel_finetune import data  # noqa: E402
 from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
-from parallel_finetune.trainer import padding_fraction, seed_everything, tiny_vocab_size  # noqa: E402
+from parallel_finetune.families.base import download_model  # noqa: E402
+from parallel_finetune.trainer import padding_fraction, seed_everything  # noqa: E402
+from parallel_finetune.weights import build_and_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,10 +55,10 @@ def our_run(config) -> dict:
 def hf_run(config, prepared, pad_to_128: bool, output_dir: Path) -> dict:
     family = get_family(config.family)
     tokenizer = prepared.tokenizer
-    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)), 128,
-                                 config.model_config)
+    model_path = download_model(config.model, config.revision) if config.size == "full" else None
+    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
     seed_everything(config.seed)
-    model = family.build("classification", hf_config, config.model, config.size, tokenizer)
+    model = build_and_load(family, "classification", hf_config, model_path, config.seed)
 
     def rows(split):
         dataset = prepared.splits[split].rename_column("label", "labels").remove_columns(["length"])

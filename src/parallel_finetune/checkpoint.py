@@ -218,7 +218,8 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     from .config import Config
     from .export import DTYPES, save_hf
     from .families import get_family
-    from .trainer import tiny_vocab_size
+    from .families.base import download_model
+    from .weights import materialize
 
     folder = Path(folder)
     problem = _complete(folder) if folder.is_dir() else "no such folder"
@@ -231,13 +232,14 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
     family = get_family(config.family)
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
-    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)),
-                                 max(config.max_length, 128), config.model_config)
-    with torch.device("meta"):  # shapes only: the checkpoint supplies every value
-        model = family.build(config.task, hf_config, config.model, "tiny", tokenizer)
-    model.to_empty(device="cpu")
+    model_path = None
+    if config.size == "full":  # its config.json gives the architecture
+        model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
+    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
+    model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
+    materialize(model, torch.device("cpu"))
     state = model.state_dict()
     dcp.load({"model": state}, checkpoint_id=folder)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
-    save_hf(model, family.to_hf_state_dict(state), tokenizer, out)
+    save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

@@ -31,6 +31,7 @@ class Config:
     # --- model ---
     family: str = ""
     model: str | None = None  # Hub name or local folder; None = the family's full-size default
+    revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"
     task: Literal["classification", "causal_lm"] = "classification"
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
@@ -110,7 +111,7 @@ class Config:
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("family", "model", "size", "task", "model_config", "tokenizer", "tokenizer_vocab_size"),
+    "model": ("family", "model", "revision", "size", "task", "model_config", "tokenizer", "tokenizer_vocab_size"),
     "data": ("data_dir", "cache_dir", "max_length", "group_by_length", "eval_batch_size"),
     "training": (
         "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",

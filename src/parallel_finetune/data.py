@@ -279,13 +279,14 @@ def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: 
     return load_prepared(path, source)
 
 
-def prepare_for_config(config) -> PreparedData:
-    """`prepare` with a run's Config (the trainer and scripts/prepare_data.py share it)."""
+def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
+    """`prepare` with a run's Config (the trainer and scripts/prepare_data.py share it); `model_path`: the
+    pretrained model's local folder when the caller fetched it already."""
     from .families import get_family
 
     family = get_family(config.family)
     return prepare(config.task, config.data_dir, config.cache_dir, config.max_length, config.tokenizer,
-                   config.size, config.model or family.default_model, config.tokenizer_vocab_size,
+                   config.size, model_path or config.model or family.default_model, config.tokenizer_vocab_size,
                    family.tiny_tokenizer)
 
 

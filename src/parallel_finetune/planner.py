@@ -43,7 +43,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
 from .families import FAMILIES, Family
-from .families.base import resolve_model_path
+from .families.base import resolve_model_path, tiny_vocab_size
 from .hardware import Hardware, hardware_for, positive_int, positive_number
 
 GB = 1e9
@@ -77,10 +77,6 @@ KNOWN_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
-class _NoTokenizer:
-    pad_token_id = 0  # all that Family.build reads from a tokenizer
-
-
 @dataclass
 class ModelShape:
     """Parameter counts as (tensor-parallel-sharded, replicated) pairs, by where a pipeline puts them."""
@@ -101,8 +97,6 @@ class ModelShape:
 
 
 def model_config(model: str) -> tuple[Family, PretrainedConfig]:
-    from .trainer import tiny_vocab_size  # local: the trainer imports the data stack
-
     known = {name.lower(): name for name in KNOWN_MODELS}
     if model.lower() in known:
         family_name, values = KNOWN_MODELS[known[model.lower()]]
@@ -129,8 +123,8 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
     family, hf_config = model_config(model)
     if task not in family.tasks:
         raise UserError(f"task={task!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}")
-    with torch.device("meta"):
-        built = family.build(task, hf_config, None, "tiny", _NoTokenizer())
+    family.set_task(hf_config, task, pad_token_id=0)
+    built = family.build(task, hf_config)  # on the meta device: shapes only
     plan = family.tp_plan(built)
     prefix = family.block_path + "."
     blocks = [[0, 0] for _ in family.blocks(built)]

@@ -45,10 +45,7 @@ def preflight(config: Config, nproc: int) -> str:
         resolve_resume(config.resume, Path(config.resume))
     if config.size == "full":
         check_model_source(config.model or family.default_model)
-    from .trainer import tiny_vocab_size
-
-    hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(config.tokenizer_vocab_size),
-                                 max(config.max_length, 128), config.model_config)
+    hf_config = family.config_for(config, config.tokenizer_vocab_size)
     degrees, pipeline = check_layout(config, hf_config, nproc, nproc)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here

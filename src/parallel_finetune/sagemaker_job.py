@@ -302,7 +302,7 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     from .families import get_family
     from .planner import KNOWN_MODELS
     from .preflight import check_layout
-    from .trainer import tiny_vocab_size
+    from .families.base import tiny_vocab_size
 
     family = get_family(config.family)
     name = str(model_folder) if model_folder else (config.model or family.default_model)

@@ -34,18 +34,21 @@ from .errors import UserError
 from .export import DTYPES as EXPORT_DTYPES
 from .export import gather_full_state_dict, save_hf
 from .families import get_family
+from .families.base import download_model
 from .layout import Layout, init_distributed, shutdown
 from .metrics import load_metric
+from .parallel import parallelize
 from .parallel.gradients import reduce_norm_and_loss, scale_gradients
-from .parallel.memory import apply_activation_checkpointing, measure_state_bytes, offload_context
-from .parallel.pipeline import (PAD_MULTIPLE, Pipeline, check_microbatches, cut_model, describe_stages, plan_stages,
-                                stage_costs, sync_tied_gradients, tied_parameters)
-from .parallel.sharding import DataParallelAdamW, ZeroAdamW, apply_fsdp
-from .parallel.tensor import apply_tp
+from .parallel.memory import measure_state_bytes, offload_context
+from .parallel.pipeline import PAD_MULTIPLE, Pipeline, check_microbatches, stage_costs, sync_tied_gradients
+from .parallel.sharding import DataParallelAdamW, ZeroAdamW
+from .parallel.tensor import keep_gradients_sharded
 from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .throughput import achieved, device_peak_tflops, model_flops
-from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
-                        write_yaml)
+from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib,
+                        write_json, write_yaml)
+from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, tied_aliases,
+                      weights_source)
 
 log = logging.getLogger("parallel_finetune")
 IGNORE = -100
@@ -85,12 +88,6 @@ def check_batch_split(batch_size: int, dp: int, accumulation: int) -> None:
     if batch_size % (dp * accumulation):
         raise UserError(f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
                         f"gradient_accumulation_steps={accumulation}")
-
-
-def tiny_vocab_size(tokenizer_size: int) -> int:
-    """Round the embedding up to a multiple of 64 (as GPT-J does: 50400 rows for 50257 tokens), so that
-    any tensor-parallel degree up to 64 that is a power of two divides it."""
-    return -(-tokenizer_size // 64) * 64
 
 
 class Trainer:
@@ -141,6 +138,7 @@ class Trainer:
             self.output_dir = Path(rank0_decides(layout, lambda: str(choose_output_dir(
                 config.output_dir, config.recipe, config.overwrite, continuing_run(config)))))
             self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
+            self.model_path = self._fetch_model() if config.size == "full" else None
         with self.timer("data"):
             self.data = self._prepare_data()
         with self.timer("model"):
@@ -162,12 +160,29 @@ class Trainer:
                 write_json(self.output_dir / "deepspeed_config.json", self.deepspeed.config)
         log.info("run folder %s | %s", self.output_dir, layout.describe())
 
+    def _fetch_model(self) -> str:
+        """The pretrained model's local folder. A Hub name is downloaded once per node, by its first process,
+        while the others wait; then all read the same cache. A local folder or SageMaker channel is used as is."""
+        config, layout = self.config, self.layout
+        name = config.model or self.family.default_model
+        problem = ""
+        if layout.local_rank == 0:
+            try:
+                download_model(name, config.revision)
+            except UserError as exc:
+                problem = str(exc)
+        problems: list = [None] * layout.world_size
+        dist.all_gather_object(problems, problem)  # also the barrier: no rank reads a half-downloaded cache
+        if any(problems):
+            raise UserError(next(p for p in problems if p))
+        return download_model(name, config.revision, local_only=True)
+
     def _prepare_data(self) -> data_module.PreparedData:
         config = self.config
         mine: list[data_module.PreparedData] = []
 
         def prepare_on_rank0():
-            mine.append(data_module.prepare_for_config(config))
+            mine.append(data_module.prepare_for_config(config, self.model_path))
             return str(mine[0].cache_path), mine[0].source
 
         # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.
@@ -184,53 +199,58 @@ class Trainer:
         return prepared
 
     def _build_model(self) -> nn.Module:
+        """Built on `meta`, split by `parallelize`, then each rank allocates and loads only its own shards."""
         config, layout, family = self.config, self.layout, self.family
         tokenizer = self.data.tokenizer
-        hf_config = family.hf_config(config.model, config.size, tiny_vocab_size(len(tokenizer)),
-                                     max(config.max_length, 128), config.model_config)
+        hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
         seed_everything(config.seed)  # identical initialisation on every rank and in every layout
-        model = family.build(config.task, hf_config, config.model, config.size, tokenizer)
+        started = time.perf_counter()
+        weights = weights_source(family, config.task, hf_config, self.model_path)
+        model = family.build(config.task, hf_config)
+        aliases = tied_aliases(model)
+        new = NewWeights(model, list(plan_load(model, family, weights, aliases).new), config.seed)
+        total = sum(p.numel() for p in model.parameters())
         if config.size == "tiny":
             log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
-                     ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
-                     sum(p.numel() for p in model.parameters()) / 1e6)
+                     ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()), total / 1e6)
         self.parameter_shapes = checkpoint.parameter_shapes(model)  # of the unsplit model: layout-neutral
         self.flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
-        n_blocks = len(family.blocks(model))
+        compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else None
+        self.parallel = parallelize(model, family, layout, config, compute_dtype)
+        self.tied = self.parallel.tied
+        if config.engine == "torch" and config.sharding == "optimizer":
+            # ZeRO-1 keeps parameters in flat buffers: allocating them there is the model's only allocation.
+            self.optimizer = ZeroAdamW(model, layout, config.weight_decay, config.lr, config.adam_betas,
+                                       config.adam_eps, self._held_names(self.tied, model))
+        materialize(model, layout.device)
+        plan = plan_load(model, family, weights, aliases)
+        load_weights(model, plan, weights, new)
+        weights.close()
+        keep_gradients_sharded(model)
         if layout.pp > 1:
-            virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
-            stages = plan_stages(model, family, layout.pp, virtual, config.partition)
-            self.tied = tied_parameters(model)
-            self.tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in self.tied}
-            cut_model(model, family, [s for s in stages if s.index % layout.pp == layout.pp_rank])
-            log.info("pipeline: %s schedule, %d micro-batches | %s", config.pipeline_schedule, self.microbatches,
-                     describe_stages(stages, layout.pp))
-        model.to(layout.device)
-        apply_tp(model, family, layout.tp_mesh)
-        if layout.pp > 1:
-            self.pipeline = Pipeline(model, family, stages, layout, config.pipeline_schedule, self.microbatches,
-                                     self._autocast)
-        checkpointed = apply_activation_checkpointing(family.blocks(model), config.activation_checkpointing,
-                                                      family.block_numbers(model))
-        if checkpointed:
-            log.info("activation checkpointing: blocks %s of %d%s", checkpointed, n_blocks,
-                     " (this stage's)" if layout.pp > 1 else "")
-        if config.compile:
-            compile_blocks(family.blocks(model))
-            log.info("compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
-                     len(family.blocks(model)), " of this stage" if layout.pp > 1 else "")
+            self.pipeline = Pipeline(model, family, self.parallel.stages, layout, config.pipeline_schedule,
+                                     self.microbatches, self._autocast)
         if config.offload_activations and layout.device.type == "cpu":
             log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
                         "memory (the offload still runs, so the code path is the one GPUs use)")
-        if layout.sharding in ("full", "hybrid"):
-            compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else None
-            apply_fsdp(model, family.blocks(model), layout, compute_dtype)
+        self.load_seconds = time.perf_counter() - started
+        self.load_peak_mib = peak_memory_mib(layout.device)  # the model is ready: no gradients, no optimizer state
+        if config.size == "full":
+            mine = sum(local_tensor(p).numel() for p in model.parameters())
+            log.info("model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
+                     config.model or family.default_model, total / 1e9, mine / 1e9, weights.description,
+                     "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())),
+                     self.load_seconds, self.load_peak_mib)
+            if new.templates:
+                log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed,
+                         ", ".join(sorted(new.templates)))
         return model
 
-    def _held_names(self, tied: list[tuple[str, ...]]) -> dict[str, str]:
+    @staticmethod
+    def _held_names(tied: list[tuple[str, ...]], model: nn.Module) -> dict[str, str]:
         """For each weight shared across pipeline stages: the name this stage holds it by -> its first name."""
-        held = dict(self.model.named_parameters())
+        held = dict(model.named_parameters())
         return {name: names[0] for names in tied for name in names if name in held}
 
     def _build_optimizer(self) -> None:
@@ -242,9 +262,10 @@ class Trainer:
             self.model = self.deepspeed.engine  # forwards go through DeepSpeed (ZeRO-3 gathers parameters there)
             optimizer = self.deepspeed.optimizer
         else:
-            kind = ZeroAdamW if config.sharding == "optimizer" else DataParallelAdamW
-            self.optimizer = kind(self.model, self.layout, config.weight_decay, config.lr, config.adam_betas,
-                                  config.adam_eps, self._held_names(self.tied))
+            if config.sharding != "optimizer":  # ZeRO-1's was made with the model (it holds the parameters)
+                self.optimizer = DataParallelAdamW(self.model, self.layout, config.weight_decay, config.lr,
+                                                   config.adam_betas, config.adam_eps,
+                                                   self._held_names(self.tied, self.model))
             optimizer = self.optimizer.optimizer
         self.steps_per_epoch = len(self.batches)
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
@@ -333,7 +354,7 @@ class Trainer:
                 self.state_bytes = engine.state_bytes()
         else:
             self.optimizer.sync_gradients()
-            sync_tied_gradients(self.model, self.tied, getattr(self, "tied_shapes", {}), layout)
+            sync_tied_gradients(self.model, self.tied, self.parallel.tied_shapes, layout)
             pieces = self.optimizer.gradient_pieces()
             # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
             grad_norm, loss, stop = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size,
@@ -480,7 +501,7 @@ class Trainer:
             else:
                 model, state = self.model, gather_full_state_dict(self.model, dtype, keep)
             if self.layout.is_main:
-                save_hf(model, self.family.to_hf_state_dict(state), self.data.tokenizer, out)
+                save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out)
                 log.info("exported a Hugging Face model to %s", out)
         return out
 
@@ -488,6 +509,8 @@ class Trainer:
         layout = self.layout
         memory = [None] * layout.world_size
         dist.all_gather_object(memory, round(peak_memory_mib(layout.device), 1))
+        load_peaks = [None] * layout.world_size
+        dist.all_gather_object(load_peaks, round(self.load_peak_mib, 1))
         state_bytes = [None] * layout.world_size
         dist.all_gather_object(state_bytes, self.state_bytes)
         trained = self.history
@@ -520,18 +543,12 @@ class Trainer:
             **({"zero_stage": self.deepspeed.zero_stage} if self.deepspeed is not None else {}),
             "seconds": {k: round(v, 3) for k, v in self.timer.seconds.items()},
             "peak_memory_mib_per_rank": memory,
+            # when the model was ready, before the first step: process peak RSS (CPU) or allocated bytes (CUDA)
+            "load_peak_mib_per_rank": load_peaks,
+            "load_seconds": round(self.load_seconds, 3),
             "state_bytes_per_rank": state_bytes,
             "versions": package_versions(),
         }
-
-
-def compile_blocks(blocks: list[nn.Module]) -> None:
-    """Regional compilation: `Module.compile` swaps each block's call for a compiled one, keeping the module and
-    its parameter names. The blocks run the same code, so dynamo traces it once for all of them, for any sequence
-    length (dynamic padding changes it every step), plus once for evaluation (no gradients). Activation
-    checkpointing, applied before, is traced into the graph."""
-    for block in blocks:
-        block.compile(dynamic=True)
 
 
 def padding_fraction(counts) -> float | None:

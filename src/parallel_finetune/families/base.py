@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
 from ..errors import UserError
@@ -84,9 +85,14 @@ class Family:
     def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def to_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Undo any surgery `build` did, so the exported state matches the unmodified transformers class."""
-        return state
+    def hf_source(self, name: str, hf_config: PretrainedConfig) -> "HFSource":
+        """Where parameter `name` of the built model lives in a Hugging Face checkpoint of the unmodified class:
+        the same name unless `build` did surgery (GPT-2). Loading and export both follow this one description."""
+        return HFSource(name)
+
+    def surgery(self, model: nn.Module) -> None:
+        """Replace modules that tensor parallelism cannot shard as they are (structure only: values come from the
+        loader, through `hf_source`); none by default."""
 
     # --- shared behaviour ---
     def hf_config(self, model: str | None, size: str, vocab_size: int, max_positions: int,
@@ -114,19 +120,70 @@ class Family:
         sizes = self.tp_dimensions(hf_config).values()
         return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)]
 
-    def build(self, task: str, hf_config: PretrainedConfig, model: str | None, size: str,
-              tokenizer: PreTrainedTokenizerBase) -> nn.Module:
-        """The unmodified transformers model in fp32 (master weights), pretrained or freshly initialised."""
-        cls = self.model_classes[task]
-        hf_config.pad_token_id = tokenizer.pad_token_id
+    def set_task(self, hf_config: PretrainedConfig, task: str, pad_token_id: int | None) -> None:
+        """What the task and tokenizer add to a config: the padding id and, to classify, the two SST-2 labels."""
+        hf_config.pad_token_id = pad_token_id
         if task == "classification":
             hf_config.num_labels = 2
             hf_config.id2label = {0: "negative", 1: "positive"}
             hf_config.label2id = {"negative": 0, "positive": 1}
-        if size == "tiny":
-            return cls(hf_config)
-        return cls.from_pretrained(resolve_model_path(model or self.default_model), config=hf_config,
-                                   dtype=torch.float32)
+
+    def config_for(self, config, tokenizer_size: int, pad_token_id: int | None = None,
+                   model_path: str | None = None) -> PretrainedConfig:
+        """The one rule that turns a run's Config into the model's transformers config: a tiny model's size, or
+        the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides."""
+        hf_config = self.hf_config(model_path or config.model, config.size, tiny_vocab_size(tokenizer_size),
+                                   max(config.max_length, 128), config.model_config)
+        self.set_task(hf_config, config.task, pad_token_id)
+        return hf_config
+
+    def build(self, task: str, hf_config: PretrainedConfig) -> nn.Module:
+        """The model's structure, with the family's surgery, without allocating any weight: parameters live on the
+        `meta` device (values come later, shard by shard, see weights.py); buffers (rotary tables, position ids)
+        are computed as usual, they are small."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = self.model_classes[task](hf_config)
+            self.surgery(model)
+        model.tie_weights()  # each parameter was replaced by a `meta` one: ties (GPT-2, GPT-Neo) are made again
+        return model
+
+    def hf_model(self, task: str, hf_config: PretrainedConfig) -> nn.Module:
+        """The unmodified transformers model, initialised in CPU memory from the current RNG state: what a tiny
+        run starts from (and, through `hf_source`, loads into any layout as if it were a checkpoint)."""
+        return self.model_classes[task](hf_config)
+
+    def to_hf_state_dict(self, state: dict[str, torch.Tensor], hf_config: PretrainedConfig) -> dict[str, torch.Tensor]:
+        """Whole tensors by the built model's names -> by the unmodified class's names (undoes the surgery)."""
+        pieces: dict[str, list[tuple[HFSource, torch.Tensor]]] = {}
+        for name, tensor in state.items():
+            source = self.hf_source(name, hf_config)
+            pieces.setdefault(source.key, []).append((source, tensor.t() if source.transpose else tensor))
+        out = {}
+        for key, parts in pieces.items():
+            if len(parts) == 1 and parts[0][0].start == 0:
+                out[key] = parts[0][1].contiguous()
+            else:
+                parts.sort(key=lambda part: part[0].start)
+                out[key] = torch.cat([tensor for _, tensor in parts], dim=parts[0][0].dim).contiguous()
+        return out
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A built model's parameter as a block of a checkpoint tensor: `key`, narrowed along `dim` from `start` (the
+    parameter's length), after transposing the parameter when `transpose` (GPT-2's Conv1D stores [in, out])."""
+    key: str
+    transpose: bool = False
+    dim: int = 0
+    start: int = 0
+
+
+def tiny_vocab_size(tokenizer_size: int) -> int:
+    """Round the embedding up to a multiple of 64 (as GPT-J does: 50400 rows for 50257 tokens), so that
+    any tensor-parallel degree up to 64 that is a power of two divides it."""
+    return -(-tokenizer_size // 64) * 64
 
 
 PACKAGE_PREFIX = "package:"
@@ -152,6 +209,33 @@ def resolve_model_path(model: str) -> str:
     if model.startswith(("/", "./", "../", "~")) or path.exists():
         raise UserError(f"model={model!r}: no such folder (expected a Hugging Face model folder or a Hub name)")
     return model
+
+
+# What a fine-tuning run needs of a Hub repository: config, tokenizer files and weights (safetensors preferred).
+HUB_FILES = ["*.json", "*.txt", "*.model", "tokenizer*"]
+
+
+def download_model(model: str, revision: str | None = None, local_only: bool = False) -> str:
+    """The local folder of `model` (see resolve_model_path); a Hub name is downloaded into the Hugging Face cache
+    (config, tokenizer and weights: *.safetensors, else *.bin), or with `local_only` found there."""
+    resolved = resolve_model_path(model)
+    if Path(resolved).is_dir():
+        return resolved
+    from huggingface_hub import snapshot_download
+
+    def fetch(patterns: list[str]) -> Path:
+        return Path(snapshot_download(resolved, revision=revision, allow_patterns=patterns,
+                                      local_files_only=local_only))
+
+    try:
+        folder = fetch(HUB_FILES + ["*.safetensors"])
+        if not any(folder.glob("*.safetensors")):
+            folder = fetch(HUB_FILES + ["*.bin"])
+    except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
+        where = " (revision " + revision + ")" if revision else ""
+        raise UserError(f"model={model!r}{where}: cannot be had from the Hub ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or check the network") from None
+    return str(folder)
 
 
 def check_model_source(model: str) -> None:

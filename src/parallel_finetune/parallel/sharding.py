@@ -107,34 +107,43 @@ def _step_tensor(adam_step: int, param: torch.Tensor) -> torch.Tensor:
 
 class _FlatBucket:
     """Parameters of one optimizer group, laid end to end in one flat buffer (padded to a multiple of dp),
-    with a matching flat gradient buffer; the model's parameters and gradients become views into them."""
+    with a matching flat gradient buffer; the model's parameters and gradients become views into them.
+    Parameters still on `meta` are allocated right here, in the buffer (their values are loaded afterwards), so
+    a rank never holds a second copy of them."""
 
-    def __init__(self, params: list[nn.Parameter], dp: int, dp_rank: int):
+    def __init__(self, params: list[nn.Parameter], dp: int, dp_rank: int, device: torch.device):
         self.params = params
-        tensors = [local(p.detach()) for p in params]
-        numel = sum(t.numel() for t in tensors)
+        shapes = [local(p).shape for p in params]
+        numel = sum(shape.numel() for shape in shapes)
         padded = -(-numel // dp) * dp
-        first = tensors[0]
-        self.data = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        self.data = torch.empty(padded, dtype=params[0].dtype, device=device)
+        self.data[numel:].zero_()
         self.grad = torch.zeros_like(self.data)
         offset = 0
         self.offsets: list[int] = []
-        for param, tensor in zip(params, tensors):
+        for param, shape in zip(params, shapes):
             self.offsets.append(offset)
-            n = tensor.numel()
-            self.data[offset:offset + n].copy_(tensor.reshape(-1))
-            # The parameter now lives in the buffer (for a DTensor, its local shard does).
-            holder = param._local_tensor if isinstance(param, DTensor) else param
-            holder.data = self.data[offset:offset + n].view(tensor.shape)
-            local_grad_view = self.grad[offset:offset + n].view(tensor.shape)
-            param.grad = (DTensor.from_local(local_grad_view, param.device_mesh, param.placements, run_check=False)
-                          if isinstance(param, DTensor) else local_grad_view)
+            n = shape.numel()
+            view = self.data[offset:offset + n].view(shape)
+            if not param.is_meta:
+                view.copy_(local(param).detach())
+            # The parameter now lives in the buffer (for a DTensor, its local shard does); same Parameter object.
+            torch.utils.swap_tensors(param, nn.Parameter(_like(param, view), param.requires_grad))
+            param.grad = _like(param, self.grad[offset:offset + n].view(shape))
             offset += n
         shard = padded // dp
         self.slice = slice(dp_rank * shard, (dp_rank + 1) * shard)
         # The optimizer's parameter: this rank's slice, a view, so an update lands in the model directly.
         self.owned = nn.Parameter(self.data[self.slice], requires_grad=True)
         self.owned.grad = self.grad[self.slice]
+
+
+def _like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` as this rank's piece of `param`: a DTensor placed like it, or the tensor itself."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local_tensor
 
 
 class ZeroAdamW:
@@ -150,7 +159,7 @@ class ZeroAdamW:
         for param in model.parameters():
             if param.requires_grad:
                 by_kind.setdefault((param.ndim >= 2, count(param, param)), []).append(param)
-        self.buckets = [(_FlatBucket(params, layout.dp, layout.dp_rank), copies // layout.dp)
+        self.buckets = [(_FlatBucket(params, layout.dp, layout.dp_rank, layout.device), copies // layout.dp)
                         for (_, copies), params in sorted(by_kind.items())]
         decays = [weight_decay if decay else 0.0 for decay, _ in sorted(by_kind)]
         self.optimizer = make_adamw([{"params": [bucket.owned], "weight_decay": decay}

@@ -16,13 +16,13 @@ def apply_tp(model: nn.Module, family: Family, tp_mesh: DeviceMesh) -> nn.Module
         return model
     parallelize_module(model, tp_mesh, family.tp_plan(model))
     family.localize_attention(model, tp_mesh.size())
-    keep_gradients_sharded(model)
     return model
 
 
 def keep_gradients_sharded(model: nn.Module) -> None:
     """DTensor's embedding backward returns a *replicated* gradient for a vocabulary-sharded weight: each rank
-    would store (and the optimizer read) the whole table. Re-placing it like its parameter is a local slice."""
+    would store (and the optimizer read) the whole table. Re-placing it like its parameter is a local slice.
+    Called once the parameters exist (after `weights.materialize`): hooks live on the allocated tensors."""
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             placements = param.placements

@@ -1,0 +1,408 @@
+"""Pretrained weights straight into each rank's shards: no rank ever holds the whole model.
+
+The model is built on the `meta` device (`Family.build`: shapes, no storage), cut into pipeline stages,
+tensor-parallelised and sharded there. Then `materialize` allocates this rank's pieces only, and `load_weights`
+fills every piece from the checkpoint files, reading just the bytes of its block:
+
+    plan_load(model, family, tensors)   for every parameter: which checkpoint tensor, which block of it
+    materialize(model, device)          allocate the local shards (plain, DTensor or FSDP)
+    load_weights(model, plan, ...)      read each block (pread, one block at a time), copy it into its shard
+
+Blocks come from the DTensor placements (`compute_local_shape_and_global_offset`: TP's Shard, FSDP's strided
+shards, any mix), through the family's `hf_source` (GPT-2's Conv1D transposes and the q|k|v columns of its fused
+c_attn), so a GPT-2 rank reads only the columns of its own heads.
+
+Why our own safetensors reader instead of `safetensors.safe_open(...).get_slice` or DCP's Hugging Face storage
+reader: both map the whole file into memory, and every page a slice touches stays resident in the process until
+the file is closed (measured here: the per-rank peak then grows towards the file's size). `pread` into the
+destination-sized buffer keeps the transient extra at one block. The safetensors format is a JSON header and raw
+little-endian arrays, which is all this needs. `.bin` checkpoints (pickle archives) are read with
+`torch.load(mmap=True, weights_only=True)`: no code runs, slices read only their pages, but mapped pages count.
+
+Parameters the checkpoint lacks (a new classification head) are initialised by the model's own `_init_weights`
+on a CPU copy of their module, from the run's seed and the parameter's name: the same values in every layout.
+A tiny run loads the same way from an unmodified transformers model initialised in memory (`Family.hf_model`),
+so every layout of every test goes through this code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .errors import UserError
+from .families.base import Family
+
+log = logging.getLogger("parallel_finetune")
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) of a block of a tensor
+
+
+# ----------------------------------------------------------------------------------------------- checkpoint files
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class SafetensorsFile:
+    """One .safetensors file read with pread: the header once, then exactly the bytes of each requested block."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+        except (OSError, struct.error, ValueError) as exc:
+            raise UserError(f"{path}: not a readable safetensors file ({type(exc).__name__})") from None
+        self.data_start = 8 + length
+        self.entries = {key: value for key, value in header.items() if key != "__metadata__"}
+        self.fd: int | None = None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.entries[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self.entries[key]["dtype"]]
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        shape, dtype = self.shape(key), self.dtype(key)
+        offsets, size = box
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        begin = self.data_start + self.entries[key]["data_offsets"][0]
+        out = torch.empty(size, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        # As rows of a 2-D view: leading index x the rest (rows of a matrix, or one row for a vector).
+        rows_shape = (shape[0] if shape else 1, _prod(shape[1:]))
+        if len(shape) > 2 and tuple(size[1:]) != tuple(shape[1:]):
+            raise UserError(f"{self.path}: {key} {list(shape)}: blocks of tensors above 2-D are read whole-row")
+        item = out.element_size()
+        if len(shape) <= 1:
+            start, count = (offsets[0], size[0]) if shape else (0, 1)
+            rows = [(0, start, count)]
+        else:
+            row0, col0 = offsets[0], offsets[1] if len(shape) == 2 else 0
+            count = size[1] if len(shape) == 2 else rows_shape[1]
+            rows = [(i, (row0 + i) * rows_shape[1] + col0, count) for i in range(size[0])]
+        buffer = out.view(-1).view(torch.uint8).numpy()
+        contiguous = len(rows) == 1 or count == rows_shape[1]
+        if contiguous:  # one read for the whole block
+            _pread_into(self.fd, buffer, begin + rows[0][1] * item, self.path)
+        else:
+            per_row = count * item
+            for index, element, _ in rows:
+                _pread_into(self.fd, buffer[index * per_row:(index + 1) * per_row], begin + element * item, self.path)
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _prod(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def _pread_into(fd: int, buffer, offset: int, path: Path) -> None:
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count == 0:
+            raise UserError(f"{path}: ends early (truncated file?)")
+        done += count
+
+
+class TorchBinFile:
+    """A pytorch_model.bin (zip archive of tensors), memory-mapped; `weights_only` refuses anything but tensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # torch raises several types for a bad archive; all mean "cannot read it"
+            raise UserError(f"{path}: not a loadable PyTorch weights file ({type(exc).__name__})") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].dtype
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.tensors[key][_slices(box)].clone()
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+class TensorSource(Protocol):
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def dtype(self, key: str) -> torch.dtype: ...
+    def read(self, key: str, box: Box) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+class StateDictSource:
+    """Tensors in memory by name: a tiny run's freshly initialised transformers model."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].dtype
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.tensors[key][_slices(box)]
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(offset, offset + size) for offset, size in zip(*box))
+
+
+@dataclass
+class Checkpoint:
+    """The tensors of a Hugging Face model folder (one or several safetensors or .bin files), by key, with the
+    key spellings transformers accepts: with or without the base model's prefix, LayerNorm gamma/beta."""
+    files: dict[str, TensorSource]  # key -> the file holding it
+    prefix: str = ""  # the model's base_model_prefix (transformer, bert)
+    description: str = ""
+
+    def find(self, key: str) -> str | None:
+        candidates = [key]
+        if self.prefix and key.startswith(self.prefix + "."):
+            candidates.append(key[len(self.prefix) + 1:])
+        for candidate in list(candidates):
+            for new, old in ((".weight", ".gamma"), (".bias", ".beta")):
+                if candidate.endswith("LayerNorm" + new):
+                    candidates.append(candidate[:-len(new)] + old)
+        return next((c for c in candidates if c in self.files), None)
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.files[key].read(key, box)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.files[key].shape(key)
+
+    def dtypes(self) -> set[torch.dtype]:
+        return {source.dtype(key) for key, source in self.files.items()}
+
+    def close(self) -> None:
+        for source in {id(source): source for source in self.files.values()}.values():
+            source.close()
+
+
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors", SafetensorsFile),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin", TorchBinFile))
+
+
+def open_checkpoint(folder: str | Path, prefix: str = "") -> Checkpoint:
+    """The weights of a Hugging Face model folder; safetensors preferred, sharded (index.json) or not."""
+    folder = Path(folder)
+    for index_name, single_name, kind in WEIGHT_FILES:
+        if (folder / index_name).is_file():
+            try:
+                weight_map = json.loads((folder / index_name).read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise UserError(f"{folder / index_name}: not a valid weight index ({type(exc).__name__})") from None
+            opened = {name: kind(folder / name) for name in sorted(set(weight_map.values()))}
+            files = {key: opened[name] for key, name in weight_map.items()}
+            return Checkpoint(files, prefix, f"{len(opened)} {single_name.split('.')[-1]} files in {folder}")
+        if (folder / single_name).is_file():
+            source = kind(folder / single_name)
+            keys = source.entries if isinstance(source, SafetensorsFile) else source.tensors
+            return Checkpoint({key: source for key in keys}, prefix, f"{folder / single_name}")
+    raise UserError(f"model={str(folder)!r}: no weights (model.safetensors, pytorch_model.bin or their "
+                    f".index.json) in the folder")
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Read:
+    name: str  # the built model's parameter
+    key: str  # the checkpoint tensor
+    box: Box  # its block that this rank holds
+    transpose: bool  # the block is the transpose of the parameter's block (GPT-2 Conv1D)
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.box[1])
+
+
+@dataclass
+class LoadPlan:
+    reads: list[Read] = field(default_factory=list)
+    new: dict[str, Box] = field(default_factory=dict)  # not in the checkpoint: name -> this rank's block
+    unused: list[str] = field(default_factory=list)  # checkpoint tensors no parameter reads
+
+    def largest_read(self) -> int:
+        return max((read.numel for read in self.reads), default=0)
+
+
+def shard_box(param: torch.Tensor) -> Box:
+    """The block of the global tensor that this rank holds of `param` (the whole tensor if it is not sharded)."""
+    if isinstance(param, DTensor):
+        shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(offsets), tuple(shape)
+    return (0,) * param.ndim, tuple(param.shape)
+
+
+def plan_load(model: nn.Module, family: Family, checkpoint, aliases: dict[str, list[str]] | None = None,
+              box_of: Callable[[torch.Tensor], Box] = shard_box) -> LoadPlan:
+    """For every parameter this rank holds: the checkpoint tensor and block to read. `aliases`: other names of a
+    tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only."""
+    plan, used = LoadPlan(), set()
+    for name, param in model.named_parameters():
+        box = box_of(param)
+        candidates = [name, *(aliases or {}).get(name, [])]
+        found = None
+        for candidate in candidates:
+            source = family.hf_source(candidate, model.config)
+            key = checkpoint.find(source.key)
+            if key is not None:
+                found = source, key
+                break
+        if found is None:
+            plan.new[name] = box
+            continue
+        source, key = found
+        offsets, shape = box
+        if source.transpose:
+            offsets, shape = offsets[::-1], shape[::-1]
+        if source.start:
+            offsets = tuple(o + source.start if d == source.dim else o for d, o in enumerate(offsets))
+        plan.reads.append(Read(name, key, (tuple(offsets), tuple(shape)), source.transpose))
+        used.add(key)
+    plan.unused = sorted(set(checkpoint.files) - used) if hasattr(checkpoint, "files") else []
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- materialize, load
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate every parameter still on `meta` (this rank's shard of it) on `device`, uninitialised; buffers,
+    computed at build time, move there. FSDP-sharded models go through `to_empty`, which FSDP2 supports (its
+    sharded parameters are re-registered); others swap each parameter in place, so ties and references hold."""
+    from torch.distributed.fsdp import FSDPModule
+
+    buffers = {(module, name): buffer for module in model.modules() for name, buffer in module._buffers.items()
+               if buffer is not None and not buffer.is_meta}
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        model.to_empty(device=device)
+    else:
+        for param in {id(p): p for p in model.parameters()}.values():
+            if param.is_meta:
+                torch.utils.swap_tensors(param, nn.Parameter(_empty_like(param, device), param.requires_grad))
+    for (module, name), buffer in buffers.items():
+        module._buffers[name] = buffer.to(device)
+
+
+def _empty_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(param, DTensor):
+        local = torch.empty(param.to_local().shape, dtype=param.dtype, device=device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+    return torch.empty(param.shape, dtype=param.dtype, device=device)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class NewWeights:
+    """Initial values of parameters the checkpoint lacks, made by the model's own `_init_weights` on a CPU copy
+    of the module that owns each (captured from the unsplit meta model), reseeded per parameter: every layout,
+    and one process, get the same numbers."""
+
+    def __init__(self, model: nn.Module, names: list[str], seed: int):
+        self.init = model._init_weights
+        self.seed = seed
+        self.templates = {}
+        for name in names:
+            module_path, _, leaf = name.rpartition(".")
+            self.templates[name] = (copy.deepcopy(model.get_submodule(module_path)), leaf)
+
+    def value(self, name: str) -> torch.Tensor:
+        template, leaf = self.templates[name]
+        module = copy.deepcopy(template).to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            with torch.no_grad():
+                self.init(module)
+        return getattr(module, leaf).detach()
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, plan: LoadPlan, checkpoint, new: NewWeights | None = None,
+                 write: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    """Fill this rank's blocks: each checkpoint block read, converted to the parameter's dtype (fp16/bf16 files
+    into fp32 master weights) and copied into place, one block at a time. `write(param, block)` stores a block
+    (default: into the local shard)."""
+    params = dict(model.named_parameters())
+    write = write or (lambda param, block: local_tensor(param).copy_(block))
+    for read in plan.reads:
+        block = checkpoint.read(read.key, read.box)
+        write(params[read.name], block.t() if read.transpose else block)
+        del block
+    missing = [name for name in plan.new if new is None or name not in new.templates]
+    if missing:
+        raise UserError(f"the checkpoint lacks {', '.join(missing[:3])} and no initialiser was given")
+    for name, box in plan.new.items():
+        write(params[name], new.value(name)[_slices(box)])
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """name -> the other names of the same Parameter (tied embeddings), from the unsplit model."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {name: [other for other in names if other != name] for names in groups.values() if len(names) > 1
+            for name in names}
+
+
+def weights_source(family: Family, task: str, hf_config, model_path: str | None) -> Checkpoint:
+    """The pretrained files of `model_path`, or (None: a tiny model) the unmodified transformers model initialised
+    in memory from the current RNG state, read the same way."""
+    prefix = family.model_classes[task].base_model_prefix
+    if model_path is not None:
+        return open_checkpoint(model_path, prefix)
+    initial = family.hf_model(task, hf_config).state_dict()
+    return Checkpoint({key: StateDictSource(initial) for key in initial}, prefix, "initialised from the seed")
+
+
+def build_and_load(family: Family, task: str, hf_config, model_path: str | None, seed: int,
+                   device: torch.device | str = "cpu") -> nn.Module:
+    """One process, the whole model: built, allocated and loaded as every rank of a run does it (benchmarks,
+    tests, the Hugging Face Trainer comparison)."""
+    weights = weights_source(family, task, hf_config, model_path)
+    model = family.build(task, hf_config)
+    aliases = tied_aliases(model)
+    plan = plan_load(model, family, weights, aliases)
+    new = NewWeights(model, list(plan.new), seed)
+    materialize(model, torch.device(device))
+    load_weights(model, plan, weights, new)
+    weights.close()
+    return model
