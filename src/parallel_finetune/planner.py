@@ -4,6 +4,9 @@ Nothing is downloaded: known models are built from their published config values
 parameter counts are exact. Assumptions, also printed under the table:
 - 1 GB = 1e9 bytes; GPU memory as sold (a 40 GB A100 counts 40e9; its real 40 GiB = 42.9e9 is left as margin).
   Total = 1.1 x (state + activations) + 1.5 GB for the CUDA context and allocator fragmentation.
+- Loading (before the first step): each rank allocates only its shards and reads one block at a time, so
+  load = 1.1 x (this rank's fp32 parameters + the largest tensor's local piece in fp32) + 1.5 GB; `fits` needs
+  both the load and the training total within the GPU's memory.
 - State as the trainer keeps it: fp32 master parameters 4 B, fp32 gradients 4 B, AdamW exp_avg + exp_avg_sq 8 B
   per parameter; 16-bit autocast. The 16-bit weight copies autocast saves for the backward are not counted: the
   fp32 gradients do not exist during the forward and grow as those copies are freed, so 16 B/parameter +
@@ -90,6 +93,7 @@ class ModelShape:
     tied: tuple[int, int]  # embedding parameters the head reuses: a second copy on a last stage that is not first
     total: int
     matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
+    largest: tuple[int, int]  # elements of the largest tensor-parallel-sharded and of the largest replicated tensor
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -130,6 +134,7 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
     blocks = [[0, 0] for _ in family.blocks(built)]
     embedding, head, tied = [0, 0], [0, 0], [0, 0]
     where: dict[int, str] = {}  # id(parameter) -> "embedding" | "block" | "head": ties appear under two names
+    largest = [0, 0]
     after_blocks = False  # parameters come in module order: embeddings, blocks, final norm and head
     for name, param in built.named_parameters(remove_duplicate=False):
         module, _, leaf = name.rpartition(".")
@@ -148,9 +153,10 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
             continue
         where[id(param)] = place
         counts[replicated] += param.numel()
+        largest[replicated] = max(largest[replicated], param.numel())
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
     return ModelShape(model, family, hf_config, task, [tuple(b) for b in blocks], tuple(embedding), tuple(head),
-                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul)
+                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul, tuple(largest))
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,8 @@ def rank_elements(parts: list[tuple[int, int]], tp: int) -> list[float]:
 
 
 def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_size: int) -> dict[str, float]:
-    """Bytes on the fullest GPU (the worst pipeline stage): params, grads, optimizer, activations, total."""
+    """Bytes on the fullest GPU (the worst pipeline stage): params, grads, optimizer, activations, total (training);
+    load (this rank's shards + the largest block being read, before the first step), load_total, and peak."""
     s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
     b = batch_size // (layout.dp * layout.microbatches)
     layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
@@ -209,7 +216,12 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
                   "grads": 4 * elements / state_divisor, "optimizer": 8 * elements / optimizer_divisor,
                   "activations": kept}
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
-        if memory["total"] > worst.get("total", -1):
+        # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
+        largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
+        memory["load"] = memory["params"] + 4 * largest_block
+        memory["load_total"] = (1 + OVERHEAD_FRACTION) * memory["load"] + OVERHEAD_BYTES
+        memory["peak"] = max(memory["total"], memory["load_total"])
+        if memory["peak"] > worst.get("peak", -1):
             worst = memory
     return worst
 
@@ -266,7 +278,7 @@ class Row:
     fits: bool
 
 
-COLUMNS = ("tp", "pp", "dp", "sharding", "ac", "micro", "params", "grads", "optim", "activ", "total GB", "fits",
+COLUMNS = ("tp", "pp", "dp", "sharding", "ac", "micro", "params", "grads", "optim", "activ", "total GB", "load GB", "fits",
            "step s", "epoch min")
 
 
@@ -303,7 +315,8 @@ class Plan:
         sizes = [f"{(mem['params'] + mem['gathered']) / GB:.2f}"]
         sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer", "activations")]
         return (str(lay.tp), str(lay.pp), str(lay.dp), lay.sharding, "on" if lay.ac else "off", micro, *sizes,
-                f"{mem['total'] / GB:.1f}", "yes" if row.fits else "no", f"{row.step_s:.3f}", f"{row.epoch_min:.1f}")
+                f"{mem['total'] / GB:.1f}", f"{mem['load_total'] / GB:.1f}", "yes" if row.fits else "no",
+                f"{row.step_s:.3f}", f"{row.epoch_min:.1f}")
 
     def _header(self) -> list[str]:
         shape, hw = self.shape, self.hardware
@@ -334,7 +347,8 @@ class Plan:
         return [
             "Assumptions (details: the parallel_finetune/planner.py docstring):",
             "- GB = 1e9 bytes, GPU memory as sold; per GPU on the worst pipeline stage. total = 1.1 x (params + grads",
-            "  + optim + activ) + 1.5 GB for CUDA context and fragmentation; fits: total <= GPU memory.",
+            "  + optim + activ) + 1.5 GB for CUDA context and fragmentation while training; load = 1.1 x (params +",
+            "  the largest tensor's local piece) + 1.5 GB before the first step; fits: total and load <= GPU memory.",
             "- State as the trainer keeps it: fp32 params 4 B, fp32 grads 4 B, AdamW 8 B per parameter, 16-bit",
             "  autocast. tp-sharded parameters and their gradients / tp; the rest whole. optimizer =",
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
@@ -367,11 +381,11 @@ def plan(model: str, gpus: int | None = None, gpu_mem_gb: float | None = None, i
             continue
         memory = memory_per_gpu(shape, layout, seq_len, batch_size)
         step = step_seconds(shape, hardware, layout, batch_size, tokens, mfu)
-        rows.append(Row(layout, memory, step, steps * step / 60, memory["total"] <= hardware.memory_gb * GB))
+        rows.append(Row(layout, memory, step, steps * step / 60, memory["peak"] <= hardware.memory_gb * GB))
     if not rows:
         degrees = ", ".join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))
         raise UserError(f"batch_size={batch_size}: no layout of {model} on {hardware.world} GPUs splits it evenly "
                         f"over its data-parallel ranks (valid tp: {degrees})")
-    rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["total"]))
-    roomy = [row for row in rows if row.memory["total"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
+    rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["peak"]))
+    roomy = [row for row in rows if row.memory["peak"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
     return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu)

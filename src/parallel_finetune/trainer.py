@@ -47,7 +47,7 @@ from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .throughput import achieved, device_peak_tflops, model_flops
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib,
                         write_json, write_yaml)
-from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, tied_aliases,
+from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, shard_box, tied_aliases,
                       weights_source)
 
 log = logging.getLogger("parallel_finetune")
@@ -134,7 +134,8 @@ class Trainer:
             if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
                 from .parallel import deepspeed_engine
 
-                deepspeed_engine.preflight(config, layout.dp, layout.device.type, self.precision)
+                self.deepspeed_config = deepspeed_engine.preflight(config, layout.dp, layout.device.type,
+                                                                   self.precision)
             self.output_dir = Path(rank0_decides(layout, lambda: str(choose_output_dir(
                 config.output_dir, config.recipe, config.overwrite, continuing_run(config)))))
             self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
@@ -216,6 +217,13 @@ class Trainer:
                      ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()), total / 1e6)
         self.parameter_shapes = checkpoint.parameter_shapes(model)  # of the unsplit model: layout-neutral
         self.flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
+        box_of, write = shard_box, None
+        if config.engine == "deepspeed" and self.deepspeed_config["zero_optimization"]["stage"] == 3:
+            from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
+
+            # Built again, partitioned as it is built: the meta model above gave the names, shapes and new weights.
+            model = family.build(config.task, hf_config, zero3_init(self.deepspeed_config, layout.device.type))
+            box_of, write = zero3_box, zero3_write
         compute_dtype = DTYPES[self.precision] if self.precision != "fp32" else None
         self.parallel = parallelize(model, family, layout, config, compute_dtype)
         self.tied = self.parallel.tied
@@ -224,8 +232,7 @@ class Trainer:
             self.optimizer = ZeroAdamW(model, layout, config.weight_decay, config.lr, config.adam_betas,
                                        config.adam_eps, self._held_names(self.tied, model))
         materialize(model, layout.device)
-        plan = plan_load(model, family, weights, aliases)
-        load_weights(model, plan, weights, new)
+        load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
         weights.close()
         keep_gradients_sharded(model)
         if layout.pp > 1:
@@ -237,7 +244,7 @@ class Trainer:
         self.load_seconds = time.perf_counter() - started
         self.load_peak_mib = peak_memory_mib(layout.device)  # the model is ready: no gradients, no optimizer state
         if config.size == "full":
-            mine = sum(local_tensor(p).numel() for p in model.parameters())
+            mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
             log.info("model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
                      config.model or family.default_model, total / 1e9, mine / 1e9, weights.description,
                      "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())),
@@ -483,11 +490,13 @@ class Trainer:
         return {"eval_loss": mean_loss, "accuracy": accuracy}
 
     # ------------------------------------------------------------------------------------------- outputs
-    def export(self) -> Path | None:
-        if not self.config.export:
+    def export(self, out: Path | None = None) -> Path | None:
+        """The model as a Hugging Face folder: `out`, else (export=true) hf/ in the run folder (on SageMaker, the
+        job's model folder, which it uploads to S3 as the model artifact). Every rank calls it."""
+        if out is None and not self.config.export:
             return None
-        # On SageMaker the job uploads SM_MODEL_DIR to S3 as the model artifact.
-        out = Path(os.environ["SM_MODEL_DIR"]) if "SM_MODEL_DIR" in os.environ else self.output_dir / "hf"
+        if out is None:
+            out = Path(os.environ["SM_MODEL_DIR"]) if "SM_MODEL_DIR" in os.environ else self.output_dir / "hf"
         with self.timer("export"):
             dtype, keep = EXPORT_DTYPES[self.config.export_dtype], self.layout.is_main
             if self.deepspeed is not None:  # from DeepSpeed's fp32 master partitions

@@ -137,13 +137,14 @@ class Family:
         self.set_task(hf_config, config.task, pad_token_id)
         return hf_config
 
-    def build(self, task: str, hf_config: PretrainedConfig) -> nn.Module:
+    def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:
         """The model's structure, with the family's surgery, without allocating any weight: parameters live on the
         `meta` device (values come later, shard by shard, see weights.py); buffers (rotary tables, position ids)
-        are computed as usual, they are small."""
+        are computed as usual, they are small. `context`: another way to create the parameters (DeepSpeed's
+        zero.Init partitions each one as its module is built)."""
         from accelerate import init_empty_weights
 
-        with init_empty_weights(include_buffers=False):
+        with context if context is not None else init_empty_weights(include_buffers=False):
             model = self.model_classes[task](hf_config)
             self.surgery(model)
         model.tie_weights()  # each parameter was replaced by a `meta` one: ties (GPT-2, GPT-Neo) are made again

@@ -18,6 +18,7 @@ Nothing from either side is dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -237,6 +238,54 @@ def import_deepspeed(device_type: str):
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return deepspeed
+
+
+def zero3_init(ds_config: dict, device_type: str) -> contextlib.ExitStack:
+    """ZeRO-3: every module built inside is partitioned over the data-parallel ranks as it is constructed
+    (DeepSpeed's zero.Init, entered as transformers' from_pretrained does it), so no rank holds the whole model;
+    weights are not initialised there, the loader fills each rank's partition (`zero3_box`, `zero3_write`)."""
+    deepspeed = import_deepspeed(device_type)
+    from transformers import initialization
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    deepspeed.init_distributed()  # adopts the process group: zero.Init reads the world size from it
+    stack = contextlib.ExitStack()
+    stack.enter_context(initialization.no_init_weights())
+    stack.enter_context(prevent_arange_dtype_change())  # rotary tables keep their own dtype
+    stack.enter_context(deepspeed.zero.Init(config_dict_or_path=ds_config))
+    return stack
+
+
+def _partition(param) -> tuple[int, int]:
+    """[start, end) of the flattened parameter that this rank's ZeRO-3 partition holds."""
+    import deepspeed.comm as ds_dist
+
+    size = param.ds_tensor.ds_numel
+    start = min(size * ds_dist.get_rank(group=param.ds_process_group), param.ds_numel)
+    return start, min(start + size, param.ds_numel)
+
+
+def _row_width(param) -> int:
+    shape = tuple(param.ds_shape)
+    return param.ds_numel // shape[0] if len(shape) > 1 else 1
+
+
+def zero3_box(param) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The rows of the parameter that cover this rank's flat partition: what the loader reads for it."""
+    shape = tuple(param.ds_shape)
+    start, end = _partition(param)
+    width = _row_width(param)
+    first, last = start // width, -(-end // width)
+    return (first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]
+
+
+def zero3_write(param, block: torch.Tensor) -> None:
+    """Store this rank's part of `block` (the rows `zero3_box` asked for) in the ZeRO-3 partition."""
+    start, end = _partition(param)
+    first = zero3_box(param)[0][0] if param.ds_shape else 0
+    flat = block.reshape(-1)
+    offset = start - first * _row_width(param)
+    param.ds_tensor[:end - start].copy_(flat[offset:offset + end - start])
 
 
 def _one_line(exc: BaseException) -> str:

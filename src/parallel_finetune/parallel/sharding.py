@@ -26,11 +26,13 @@ from .gradients import GradPiece, all_reduce_flat, local, replicas
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """No decay on biases and norm weights (every 1-D parameter). DTensor and plain parameters go into
-    separate groups, so the fused/foreach kernels never see a mix (they reject one)."""
+    separate groups, so the fused/foreach kernels never see a mix (they reject one). A ZeRO-3 partitioned
+    parameter is a flat piece: its `ds_shape` is the real one."""
     groups: dict[tuple[bool, bool], list] = {}
     for param in model.parameters():
         if param.requires_grad:
-            groups.setdefault((param.ndim >= 2, isinstance(param, DTensor)), []).append(param)
+            matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
+            groups.setdefault((matrix, isinstance(param, DTensor)), []).append(param)
     return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
             for (decay, _), params in sorted(groups.items())]
 

@@ -1,0 +1,232 @@
+"""Full-size models: built on `meta`, split, then each rank allocates and loads only its own shards.
+
+The checkpoints are written here (synthetic.write_checkpoint: random weights, a tokenizer learned from SST-2,
+safetensors in fp32 and fp16), once per session, and loaded with size=full model=FOLDER under each layout. A
+worker exports the weights as loaded (before the first update); the test compares them with the file, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, launch, recipe
+from parallel_finetune import synthetic
+from parallel_finetune.data import column, read_glue_dir
+from parallel_finetune.families import get_family
+from parallel_finetune.planner import KNOWN_MODELS, Candidate, memory_per_gpu, model_shape
+from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
+
+WORKER = str(REPO / "tests" / "workers" / "export_loaded.py")
+TASK = {"gptj": "classification", "gpt2": "causal_lm", "gptneo": "causal_lm", "bert": "classification"}
+# GPT-J ~100M parameters (400 MB in fp32): big enough that its bytes dominate a process's memory; the others small.
+SIZES = {"gptj": dict(hidden=1024, layers=8, heads=16), "gpt2": dict(hidden=256, layers=4, heads=8),
+         "gptneo": dict(hidden=256, layers=4, heads=8), "bert": dict(hidden=256, layers=4, heads=8)}
+LAYOUTS = {"one": (1, []), "tp2": (2, ["tensor_parallel_degree=2"]),
+           "pp2": (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
+           "fsdp2": (2, ["tensor_parallel_degree=1", "sharding=full"]),
+           "pp2_tp2": (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
+           "zero3": (2, ["tensor_parallel_degree=1", "engine=deepspeed", "zero_stage=3"])}
+# (family, layout, file dtype). Every family loads both dtypes; runs compared with one process load fp32 files.
+CASES = [("gptj", "tp2", "float32"), ("gptj", "pp2", "float16"), ("gptj", "fsdp2", "float16"),
+         ("gptj", "pp2_tp2", "float32"), ("gptj", "zero3", "float32"),
+         ("gpt2", "tp2", "float16"), ("gpt2", "pp2", "float32"), ("gpt2", "fsdp2", "float16"),
+         ("gpt2", "pp2_tp2", "float32"),
+         ("gptneo", "tp2", "float16"), ("gptneo", "pp2", "float16"), ("gptneo", "fsdp2", "float16"),
+         ("gptneo", "pp2_tp2", "float32"),
+         ("bert", "tp2", "float16"), ("bert", "pp2", "float16"), ("bert", "fsdp2", "float16"),
+         ("bert", "pp2_tp2", "float32")]
+COMPARED_WITH_ONE_PROCESS = {("gptj", "tp2"), ("gptj", "pp2_tp2"), ("gpt2", "pp2"), ("gpt2", "pp2_tp2")}
+CACHE = REPO / ".cache" / "test-checkpoints-v1"
+
+
+@pytest.fixture(scope="module")
+def small_sst2(sst2, tmp_path_factory) -> Path:
+    """The first rows of the real SST-2 (evaluation of a 100M model on all 872 dev rows takes too long here)."""
+    folder = tmp_path_factory.mktemp("sst2-head")
+    for name, rows in (("train.tsv", 257), ("dev.tsv", 65)):
+        lines = (sst2 / name).read_text(encoding="utf-8").splitlines(keepends=True)[:rows]
+        (folder / name).write_text("".join(lines), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(sst2):
+    """family, dtype -> a model folder (written on first use, reused by later sessions)."""
+    sentences = column(read_glue_dir(sst2)["train"], "sentence")
+
+    def get(family: str, dtype: str) -> Path:
+        folder = CACHE / f"{family}-{dtype}"
+        if not (folder / "config.json").is_file():
+            synthetic.write_checkpoint(folder, family, sentences, dtype=dtype, **SIZES[family])
+        return folder
+
+    return get
+
+
+def overrides(family: str, folder: Path, data: Path, cache_dir: Path, **extra) -> list[str]:
+    values = {"size": "full", "model": folder, "task": TASK[family], "data_dir": data, "cache_dir": cache_dir,
+              "precision": "fp32", "max_steps": 3, "batch_size": 16, "max_length": 64, "eval_batch_size": 64,
+              "lr": 1e-4, "warmup_ratio": 0, "log_every": 1, "export": "false", **extra}
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, small_sst2, cache_dir, tmp_path_factory):
+    """(family, layout, dtype, size) -> the finished run (launched on first use)."""
+    done = {}
+
+    def get(family: str, layout: str, dtype: str = "float32", size: str = "full"):
+        key = (family, layout, dtype, size)
+        if key not in done:
+            nproc, layout_overrides = LAYOUTS[layout]
+            folder = checkpoint(family, dtype)
+            extra = {"size": "tiny", "model": None} if size == "tiny" else {}
+            out = tmp_path_factory.mktemp(f"{family}-{layout}-{dtype}-{size}")
+            done[key] = launch(nproc, overrides(family, folder, small_sst2, cache_dir, **extra) + layout_overrides,
+                               out, script=WORKER if size == "full" else None, recipe=recipe(family))
+        return done[key]
+
+    return get
+
+
+def compare_with_file(exported: dict[str, torch.Tensor], folder: Path, prefix: str) -> set[str]:
+    """Every checkpoint tensor the model has equals the exported one exactly; returns the exported names that
+    the checkpoint lacked (new weights)."""
+    source = load_file(folder / "model.safetensors")
+    matched = set()
+    for key, tensor in source.items():
+        name = key if key in exported else f"{prefix}.{key}"
+        if name not in exported:
+            continue  # unused by this task, e.g. GPT-J's lm_head when classifying
+        assert torch.equal(exported[name], tensor.float()), f"{name} differs from the file's {key}"
+        matched.add(name)
+    return set(exported) - matched
+
+
+@pytest.mark.parametrize("family,layout,dtype", CASES, ids=[f"{f}-{l}-{d}" for f, l, d in CASES])
+def test_loaded_shards_equal_the_checkpoint(family, layout, dtype, runs, checkpoint):
+    run = runs(family, layout, dtype)
+    exported = load_file(run.output_dir / "loaded" / "model.safetensors")
+    prefix = get_family(family).model_classes[TASK[family]].base_model_prefix
+    new = compare_with_file(exported, checkpoint(family, dtype), prefix)
+    expected_new = {"classification": {"gptj": {"score.weight"}, "bert": {"classifier.weight", "classifier.bias"}}}
+    assert new == expected_new.get(TASK[family], {}).get(family, set())
+    if new:
+        assert "new (not in the checkpoint), initialised from seed 42: " + ", ".join(sorted(new)) in run.output
+        # Same seed, same values, whatever the layout: one process's are the reference.
+        single = load_file(runs(family, "one", "float32").output_dir / "loaded" / "model.safetensors")
+        for name in new:
+            assert torch.equal(exported[name], single[name]), name
+    if (family, layout) in COMPARED_WITH_ONE_PROCESS:
+        reference = runs(family, "one", "float32")
+        differences = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
+        assert len(run.losses) == 3 and max(differences) < 1e-5, differences
+        assert reference.losses[0] != reference.losses[-1]
+        assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=1e-5)
+    if layout == "zero3":  # built partitioned: each rank holds half of one process's parameter bytes
+        single = runs(family, "one", "float32").summary["state_bytes_per_rank"][0]["params"]
+        assert max(rank["params"] for rank in run.summary["state_bytes_per_rank"]) <= 0.55 * single
+
+
+def model_bytes(folder: Path, task: str) -> int:
+    return 4 * model_shape(str(folder), task).total
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2", "pp2"])
+def test_load_peak_memory_per_rank(layout, runs, checkpoint):
+    """Measured from the operating system (peak RSS when the model is ready): a rank's extra memory over a tiny
+    run of the same layout is its shards plus one block, never the whole model; the planner predicts it."""
+    dtype = "float16" if layout == "pp2" else "float32"
+    run, tiny = runs("gptj", layout, dtype), runs("gptj", layout, "float32", size="tiny")
+    folder = checkpoint("gptj", dtype)
+    whole = model_bytes(folder, "classification")
+    extra = [(big - small) * 2**20 for big, small in zip(run.summary["load_peak_mib_per_rank"],
+                                                          tiny.summary["load_peak_mib_per_rank"])]
+    ratios = [e / whole for e in extra]
+    print(f"gptj {layout} ({dtype} file, {whole / 2**20:.0f} MiB in fp32): extra per rank "
+          f"{[round(e / 2**20) for e in extra]} MiB = {[round(r, 3) for r in ratios]} x the model; "
+          f"load {run.summary['load_seconds']} s")
+    if layout == "one":
+        assert 0.9 <= ratios[0] <= 1.15, ratios  # no double copy
+    else:
+        assert max(ratios) <= 0.6, ratios
+    tp, pp = (2, 1) if layout == "tp2" else (1, 2) if layout == "pp2" else (1, 1)
+    planned = memory_per_gpu(model_shape(str(folder), "classification"), Candidate(tp, pp, 1, "none", False, 1),
+                             64, 16)["load"]
+    assert max(extra) == pytest.approx(planned, rel=0.15), (max(extra), planned)
+
+
+class _MetaBlocks(Checkpoint):
+    """The tensors of a checkpoint by shape only (meta blocks): counts what a load reads and keeps alive."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], prefix: str):
+        super().__init__({key: self for key in shapes}, prefix, "shapes")
+        self.shapes, self.alive, self.most_alive, self.read_elements = shapes, 0, 0, []
+
+    def read(self, key, box):
+        block = torch.empty(box[1], dtype=torch.float16, device="meta")
+        self.alive += 1
+        self.most_alive = max(self.most_alive, self.alive)
+        self.read_elements.append(block.numel())
+        weakref.finalize(block, self._released)
+        return block
+
+    def _released(self):
+        self.alive -= 1
+
+
+def test_gptj_6b_tp8_load_plan_reads_only_the_shards(fake_world_of_eight):
+    """The real GPT-J 6B config on the meta device, TP=8, rank 3 of a fake world: every parameter is read as exactly
+    its local shard, at most one block is alive at a time, and nothing is ever allocated."""
+    from transformers import GPTJConfig
+
+    from parallel_finetune.parallel.tensor import apply_tp
+
+    family = get_family("gptj")
+    hf_config = GPTJConfig(**KNOWN_MODELS["EleutherAI/gpt-j-6b"][1])
+    family.set_task(hf_config, "classification", pad_token_id=50256)
+    model = family.build("classification", hf_config)
+    whole = sum(p.numel() for p in model.parameters())
+    new = NewWeights(model, ["score.weight"], seed=42)
+    causal = family.build("causal_lm", GPTJConfig(**KNOWN_MODELS["EleutherAI/gpt-j-6b"][1]))
+    source = _MetaBlocks({name: tuple(p.shape) for name, p in causal.named_parameters()}, "transformer")  # the Hub file
+    apply_tp(model, family, fake_world_of_eight["tp"])
+    plan = plan_load(model, family, source)
+    local = {name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+             for name, param in model.named_parameters()}
+    assert {read.name: read.numel for read in plan.reads} == {n: local[n] for n in local if n != "score.weight"}
+    assert list(plan.new) == ["score.weight"] and plan.unused == ["lm_head.bias", "lm_head.weight"]
+    load_weights(model, plan, source, new, write=lambda param, block: None)
+    assert source.most_alive == 1
+    mine = sum(local.values())
+    print(f"GPT-J 6B TP=8 rank 3: holds {mine * 4 / 1e9:.2f} GB of {whole * 4 / 1e9:.1f} GB (fp32); largest block "
+          f"{max(source.read_elements) * 2 / 1e6:.1f} MB (fp16)")
+    assert mine < 0.13 * whole  # 1/8 plus the replicated LayerNorms and score
+    assert max(source.read_elements) == max(n for name, n in local.items() if name != "score.weight")
+
+
+@pytest.fixture
+def fake_world_of_eight():
+    """A process group of 8 ranks in this one process (rank 3): collectives do nothing, shapes are real."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    try:
+        yield init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_summary_reports_load_peak_and_time(runs):
+    summary = runs("gpt2", "tp2", "float16").summary
+    assert len(summary["load_peak_mib_per_rank"]) == 2 and all(m > 100 for m in summary["load_peak_mib_per_rank"])
+    assert 0 < summary["load_seconds"] < 120
+    json.dumps(summary)

@@ -1,0 +1,17 @@
+"""A normal run that also exports the weights as loaded into its shards: from the first step's after-backward hook
+(every rank still holds the pretrained values, no update yet) into `loaded/`. tests/test_full_size.py compares that
+folder with the checkpoint file and the losses with one process."""
+
+import sys
+
+from parallel_finetune.config import load_config
+from parallel_finetune.trainer import run
+
+
+def export_loaded(trainer, step: int) -> None:
+    if step == 1:
+        trainer.export(trainer.output_dir / "loaded")
+
+
+if __name__ == "__main__":
+    run(load_config(sys.argv[1], sys.argv[2:]), after_backward=export_loaded)
