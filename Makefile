@@ -23,7 +23,8 @@ RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 .PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
-	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test bench bench-speed bench-pipeline bench-minilm bench-memory plan notebooks clean-runs help
+	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test selftest bench bench-speed bench-pipeline bench-minilm \
+	bench-memory bench-load plan notebooks clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
@@ -31,6 +32,7 @@ help:
 	@echo "make gptj-tp-pp (gpt2-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
+	@echo "make selftest  every layout vs one process on this machine's GPUs (nccl) or CPU (gloo): table + verdict"
 	@echo "make notebooks execute the four walkthrough notebooks (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
@@ -40,6 +42,7 @@ help:
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
+	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
 setup: $(VENV)/.installed
@@ -111,6 +114,10 @@ data: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
+# Proof on this machine (GPUs or CPU) that every parallel layout trains like one process, in about two minutes.
+selftest: setup
+	HF_HUB_OFFLINE=1 $(PY) -m parallel_finetune.selftest
+
 # The README's speed table, each row measured in one run: trainer vs HF Trainer (real MiniLM), TP scaling, MFU,
 # compile, then the pipeline table.
 bench: setup
@@ -129,6 +136,9 @@ bench-minilm: setup
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+bench-load: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/load.py $(ARGS)
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"

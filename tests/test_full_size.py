@@ -32,14 +32,15 @@ LAYOUTS = {"one": (1, []), "tp2": (2, ["tensor_parallel_degree=2"]),
            "fsdp2": (2, ["tensor_parallel_degree=1", "sharding=full"]),
            "pp2_tp2": (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
            "zero3": (2, ["tensor_parallel_degree=1", "engine=deepspeed", "zero_stage=3"])}
-# (family, layout, file dtype). Every family loads both dtypes; runs compared with one process load fp32 files.
+# (family, layout, file dtype). Every family loads fp16 and fp32 files (BERT bf16 too); runs compared with one
+# process load fp32 files.
 CASES = [("gptj", "tp2", "float32"), ("gptj", "pp2", "float16"), ("gptj", "fsdp2", "float16"),
          ("gptj", "pp2_tp2", "float32"), ("gptj", "zero3", "float32"),
          ("gpt2", "tp2", "float16"), ("gpt2", "pp2", "float32"), ("gpt2", "fsdp2", "float16"),
          ("gpt2", "pp2_tp2", "float32"),
          ("gptneo", "tp2", "float16"), ("gptneo", "pp2", "float16"), ("gptneo", "fsdp2", "float16"),
          ("gptneo", "pp2_tp2", "float32"),
-         ("bert", "tp2", "float16"), ("bert", "pp2", "float16"), ("bert", "fsdp2", "float16"),
+         ("bert", "tp2", "float16"), ("bert", "pp2", "bfloat16"), ("bert", "fsdp2", "float16"),
          ("bert", "pp2_tp2", "float32")]
 COMPARED_WITH_ONE_PROCESS = {("gptj", "tp2"), ("gptj", "pp2_tp2"), ("gpt2", "pp2"), ("gpt2", "pp2_tp2")}
 CACHE = REPO / ".cache" / "test-checkpoints-v1"
@@ -230,3 +231,23 @@ def test_summary_reports_load_peak_and_time(runs):
     assert len(summary["load_peak_mib_per_rank"]) == 2 and all(m > 100 for m in summary["load_peak_mib_per_rank"])
     assert 0 < summary["load_seconds"] < 120
     json.dumps(summary)
+
+
+def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2, cache_dir, tmp_path):
+    """A Hub name with `revision=` is fetched by one process per node into the Hugging Face cache and read from
+    there by all: here the cache is filled beforehand and the Hub is off, so the run can only succeed through it."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--testorg--small-gpt2"
+    for revision, dtype, commit in (("main", "float32", "a" * 40), ("float16", "float16", "b" * 40)):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for file in checkpoint("gpt2", dtype).iterdir():
+            (snapshot / file.name).symlink_to(file)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+    run = launch(2, overrides("gpt2", "testorg/small-gpt2", small_sst2, cache_dir, revision="float16")
+                 + LAYOUTS["tp2"][1], tmp_path / "run", script=WORKER, recipe=recipe("gpt2"),
+                 env={"HF_HUB_CACHE": str(hub)})
+    assert "(float16)" in run.output and "b" * 40 in run.output
+    compare_with_file(load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"),
+                      "transformer")

@@ -205,3 +205,13 @@ def test_make_plan_prints_the_table_and_the_recommendation():
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "2 node(s) x 4 A10G-24GB" in proc.stdout and " hybrid " in proc.stdout and "more layouts" not in proc.stdout
+
+
+def test_fits_needs_the_load_peak_too():
+    """Loading holds a rank's shards plus one block: GPT-J 6B with TP=8 loads in ~5 GB of an A10G's 24, while plain
+    data parallelism would need the whole 23.4 GB model on every GPU before training even starts."""
+    result = plan("EleutherAI/gpt-j-6b", instance="ml.g5.48xlarge")
+    tp8 = row(result, tp=8, pp=1, dp=1, sharding="none", ac=False)
+    assert tp8.fits and tp8.memory["load_total"] < 6 * GB
+    replicas = row(result, tp=1, pp=1, dp=8, sharding="optimizer", ac=True)
+    assert replicas.memory["load_total"] > 24 * GB and not replicas.fits

@@ -207,10 +207,12 @@ class Trainer:
         family.check_tp(hf_config, layout.tp)
         seed_everything(config.seed)  # identical initialisation on every rank and in every layout
         started = time.perf_counter()
+        self.memory_before_load_mib = peak_memory_mib(layout.device)
         weights = weights_source(family, config.task, hf_config, self.model_path)
         model = family.build(config.task, hf_config)
         aliases = tied_aliases(model)
-        new = NewWeights(model, list(plan_load(model, family, weights, aliases).new), config.seed)
+        whole_plan = plan_load(model, family, weights, aliases)  # of the unsplit model
+        new = NewWeights(model, list(whole_plan.new), config.seed)
         total = sum(p.numel() for p in model.parameters())
         if config.size == "tiny":
             log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
@@ -252,6 +254,8 @@ class Trainer:
             if new.templates:
                 log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed,
                          ", ".join(sorted(new.templates)))
+            if whole_plan.unused:
+                log.info("not used (this task's model has no such weight): %s", ", ".join(whole_plan.unused))
         return model
 
     @staticmethod

@@ -1,0 +1,213 @@
+"""`python -m parallel_finetune.selftest` (`make selftest`): proves, on the machine it runs on, that every parallel
+layout trains exactly like one process, before a cluster is paid for.
+
+On a GPU node it runs with nccl on the GPUs, on a CPU with gloo; nothing else differs. Tiny models on the SST-2
+sample shipped with the package, fp32, dropout off, a few steps each under torchrun: tensor, pipeline and sharded
+data parallelism and pipeline x tensor against one process; fp16 with an overflow planted on one rank (every rank
+must skip that step and halve the loss scale, as one process does); and a full-size-style load of a checkpoint
+written here (random weights, safetensors), whose shards must equal the file. Prints a table and a verdict; exit
+status 0 only if everything agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TOLERANCE = 1e-5  # fp32: measured differences are ~1e-7 (summation order); a real bug moves losses by far more
+FP16_TOLERANCE = 5e-3  # fp16 rounds each matmul to 11 significant bits: another reduction order differs more
+INJECT_STEP = 2
+WORKER_FLAG = "--worker"
+
+
+@dataclass
+class Check:
+    name: str
+    family: str
+    nproc: int
+    overrides: list[str]
+    task: str = "classification"
+    reference: str = ""  # the check this one is compared with ("" = it is a reference)
+    fp16_overflow: bool = False
+    full_size: bool = False
+
+
+def checks(devices: int) -> list[Check]:
+    gptj, gpt2_lm = "gptj 1 process", "gpt2 causal_lm 1 process"
+    rows = [Check(gptj, "gptj", 1, []),
+            Check("gptj tp=2", "gptj", 2, ["tensor_parallel_degree=2"], reference=gptj),
+            Check("gptj pp=2 (1f1b)", "gptj", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
+                  reference=gptj),
+            Check("gptj fsdp dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=full"], reference=gptj),
+            Check("gptj zero-1 dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=optimizer"], reference=gptj),
+            Check("gptj pp=2 x tp=2", "gptj", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"],
+                  reference=gptj),
+            Check(gpt2_lm, "gpt2", 1, [], task="causal_lm"),
+            Check("gpt2 causal_lm pp=2 (tied embedding on both ends)", "gpt2", 2,
+                  ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"], task="causal_lm", reference=gpt2_lm),
+            Check("gpt2 causal_lm tp=2", "gpt2", 2, ["tensor_parallel_degree=2"], task="causal_lm",
+                  reference=gpt2_lm),
+            Check("fp16 overflow 1 process", "gptj", 1, ["precision=fp16"], fp16_overflow=True),
+            Check("fp16 overflow tp=2", "gptj", 2, ["precision=fp16", "tensor_parallel_degree=2"],
+                  fp16_overflow=True, reference="fp16 overflow 1 process"),
+            Check("full-size load 1 process", "gptj", 1, [], full_size=True),
+            Check("full-size load tp=2", "gptj", 2, ["tensor_parallel_degree=2"], full_size=True,
+                  reference="full-size load 1 process"),
+            Check("full-size load pp=2", "gptj", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
+                  full_size=True, reference="full-size load 1 process")]
+    return [row for row in rows if row.nproc <= devices]
+
+
+def sample_data() -> Path:
+    return Path(__file__).resolve().parent / "sample_data"
+
+
+def run_folder(check: Check, work: Path) -> Path:
+    return work / "runs" / re.sub(r"[^a-z0-9]+", "-", check.name.lower()).strip("-")
+
+
+def overrides(check: Check, work: Path, model: Path | None) -> list[str]:
+    values = {"family": check.family, "task": check.task, "size": "full" if check.full_size else "tiny",
+              "data_dir": sample_data(), "cache_dir": work / "cache", "precision": "fp32", "max_steps": 5,
+              "batch_size": 8, "max_length": 64, "eval_batch_size": 32, "lr": 1e-3, "warmup_ratio": 0,
+              "log_every": 1, "export": "false", "resume": "none", "output_dir": run_folder(check, work)}
+    if model is not None:
+        values["model"] = model
+    dropout_off = [] if check.full_size or check.family != "gpt2" else [
+        "model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"]
+    return [f"{key}={value}" for key, value in values.items()] + dropout_off + check.overrides
+
+
+def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
+    arguments = overrides(check, work, model)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={check.nproc}",
+               "-m", "parallel_finetune.selftest", WORKER_FLAG, json.dumps(
+                   {"overrides": arguments, "fp16_overflow": check.fp16_overflow, "export_loaded": check.full_size})]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{check.name}: exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-3000:])
+    return run_folder(check, work), proc.stdout + proc.stderr
+
+
+def worker(spec: dict) -> int:
+    """One torchrun rank: a normal run, with the selftest's hooks."""
+    from .config import load_config
+    from .parallel.gradients import local
+    from .trainer import run
+
+    def after_backward(trainer, step: int) -> None:
+        if spec["export_loaded"] and step == 1:  # every rank still holds the pretrained values
+            trainer.export(trainer.output_dir / "loaded")
+        if spec["fp16_overflow"] and step == INJECT_STEP and trainer.layout.rank == trainer.layout.world_size - 1:
+            # the last rank (last pipeline stage): an inf in a replicated weight's gradient, that no collective
+            # of the model would carry to the other ranks; only the agreed skip decision can
+            local(trainer.model.transformer.ln_f.weight.grad)[0] = float("inf")
+
+    run(load_config(None, spec["overrides"]), after_backward=after_backward)
+    return 0
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def compare(check: Check, mine: Path, theirs: Path, model: Path | None) -> tuple[str, bool]:
+    ours, reference = records(mine), records(theirs)
+    difference = max(abs(a["loss"] - b["loss"]) for a, b in zip(ours, reference))
+    tolerance = FP16_TOLERANCE if check.fp16_overflow else TOLERANCE
+    summary, reference_summary = (json.loads((p / "summary.json").read_text()) for p in (mine, theirs))
+    eval_difference = abs(summary["eval_loss"] - reference_summary["eval_loss"])
+    ok = len(ours) == len(reference) and difference < tolerance and eval_difference < tolerance
+    detail = f"max |loss difference| {difference:.1e}, eval loss {eval_difference:.1e} (< {tolerance:g})"
+    if check.fp16_overflow:
+        skipped = [r["step"] for r in ours if r["skipped"]]
+        scales = [r["loss_scale"] for r in ours]
+        ok = ok and skipped == [INJECT_STEP] and scales == [r["loss_scale"] for r in reference]
+        detail += f"; skipped steps {skipped}, loss scale {scales[0]:g} -> {scales[-1]:g}"
+    if check.full_size:
+        equal, total = weights_equal_file(mine / "loaded", model)
+        ok = ok and equal == total
+        detail += f"; {equal}/{total} tensors equal the file"
+    return detail, ok
+
+
+def weights_equal_file(exported: Path, model: Path) -> tuple[int, int]:
+    import torch
+    from safetensors.torch import load_file
+
+    ours, source = load_file(exported / "model.safetensors"), load_file(model / "model.safetensors")
+    shared = [key for key in source if key in ours]
+    return sum(torch.equal(ours[key], source[key].float()) for key in shared), len(shared)
+
+
+def write_model(work: Path) -> Path:
+    from .data import column, read_glue_dir
+    from .synthetic import write_checkpoint
+
+    sentences = column(read_glue_dir(sample_data())["train"], "sentence")
+    return write_checkpoint(work / "pretrained-gptj", "gptj", sentences, hidden=128, layers=4, heads=4,
+                            vocab_size=512)
+
+
+def devices_here() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, nccl"
+    return 4, f"CPU ({os.cpu_count()} cores), gloo, 4 processes at most"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [WORKER_FLAG]:
+        return worker(json.loads(argv[1]))
+    parser = argparse.ArgumentParser(prog="parallel_finetune.selftest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", type=Path, help="keep the runs in this folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    devices, where = devices_here()
+    rows = checks(devices)
+    started = time.perf_counter()
+    print(f"selftest on {where}: {len(rows)} runs", flush=True)
+    with tempfile.TemporaryDirectory(prefix="selftest-") as temporary:
+        work = args.keep or Path(temporary)
+        work.mkdir(parents=True, exist_ok=True)
+        model = write_model(work)
+        done: dict[str, Path] = {}
+        results = []
+        for check in rows:
+            begun = time.perf_counter()
+            try:
+                done[check.name], _ = launch(check, work, model if check.full_size else None)
+            except RuntimeError as exc:
+                results.append((check, "run failed: " + str(exc).splitlines()[0], False))
+                print(str(exc), file=sys.stderr)
+                continue
+            if check.reference:
+                if check.reference not in done:
+                    results.append((check, f"no reference ({check.reference} failed)", False))
+                    continue
+                detail, ok = compare(check, done[check.name], done[check.reference], model)
+            else:
+                detail, ok = "reference", True
+            results.append((check, f"{detail} [{time.perf_counter() - begun:.0f} s]", ok))
+            print(f"  {'ok  ' if ok else 'FAIL'} {check.name}: {detail}", flush=True)
+    width = max(len(check.name) for check, _, _ in results)
+    print("\n" + "\n".join(f"{check.name:<{width}}  {check.nproc} proc  {'ok  ' if ok else 'FAIL'}  {detail}"
+                           for check, detail, ok in results))
+    passed = all(ok for _, _, ok in results)
+    print(f"\nverdict: {'PASS' if passed else 'FAIL'} ({len(results)} runs in {time.perf_counter() - started:.0f} s "
+          f"on {where}): " + ("every layout trains like one process" if passed else "see the rows marked FAIL"))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
