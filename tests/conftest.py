@@ -3,6 +3,7 @@ training under torchrun exactly as a user would and returns what it wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -110,3 +111,18 @@ def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1
     assert run.summary[metric] == pytest.approx(reference.summary[metric], rel=1e-5)
     assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance)
     return max(differences)
+
+
+@contextlib.contextmanager
+def fake_tp_mesh(world_size: int, rank: int):
+    """A process group of `world_size` ranks inside this one process, seen from `rank` (torch's fake backend:
+    collectives do nothing, shapes and placements are real), and its 1-D tensor-parallel mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, launch, recipe
+from conftest import REPO, fake_tp_mesh, launch, recipe
 from parallel_finetune import synthetic
 from parallel_finetune.data import column, read_glue_dir
 from parallel_finetune.families import get_family
@@ -214,16 +214,8 @@ def test_gptj_6b_tp8_load_plan_reads_only_the_shards(fake_world_of_eight):
 
 @pytest.fixture
 def fake_world_of_eight():
-    """A process group of 8 ranks in this one process (rank 3): collectives do nothing, shapes are real."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
-    try:
-        yield init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+    with fake_tp_mesh(8, rank=3) as mesh:
+        yield mesh
 
 
 def test_summary_reports_load_peak_and_time(runs):

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import FAMILIES, REPO, subprocess_env
+from conftest import FAMILIES, REPO, fake_tp_mesh, subprocess_env
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
@@ -138,15 +137,8 @@ def test_state_estimate_matches_measured_bytes(model, task):
 
 @pytest.fixture
 def fake_world_of_two():
-    """A process group of 2 ranks in this one process: collectives do nothing, shapes are real."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+    with fake_tp_mesh(2, rank=0) as mesh:
+        yield mesh
 
 
 @pytest.mark.parametrize("family_name", FAMILIES)
