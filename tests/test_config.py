@@ -74,7 +74,7 @@ def test_task_must_suit_the_family():
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(UserError) as error:
         load_config(RECIPE, ["nonsense=1"])
-    assert "valid keys: family, model, size" in str(error.value)
+    assert "valid keys: family, model, revision, size" in str(error.value)
 
 
 def test_bad_recipe_files(tmp_path):

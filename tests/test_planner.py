@@ -85,7 +85,11 @@ def test_memory_and_time_arithmetic_by_hand():
                                           shard_degree=2), seq_len=128, batch_size=32)
     expected = {"params": 4 * per_rank, "gathered": 0, "grads": 4 * per_rank, "optimizer": 8 * per_rank / 2,
                 "activations": 2 * layer}
-    assert memory == pytest.approx({**expected, "total": 1.1 * sum(expected.values()) + 1.5 * GB})
+    total = 1.1 * sum(expected.values()) + 1.5 * GB
+    # Loading: the rank's fp32 shards plus the largest block, its half of the 8192x128 embedding.
+    load = 4 * per_rank + 4 * 1_048_576 / 2
+    assert memory == pytest.approx({**expected, "total": total, "load": load, "load_total": 1.1 * load + 1.5 * GB,
+                                    "peak": max(total, 1.1 * load + 1.5 * GB)})
 
     # Two stages of one block each, 8 micro-batches of 4 with checkpointing: the first stage (embedding, two
     # micro-batches in flight) is the fuller one.
