@@ -1,5 +1,6 @@
 """Shared test fixtures: the real SST-2 files, a session-wide tokenized-data cache, and `launch`, which runs
-training under torchrun exactly as a user would and returns what it wrote."""
+training on N ranks as torchrun would (forked from a pre-warmed process, see harness.py) and returns what it
+wrote."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import harness
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
@@ -72,17 +75,29 @@ def subprocess_env() -> dict:
 
 
 def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | None = None,
-           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> Run:
-    """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=..."""
+           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun: bool = False,
+           torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Run:
+    """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=...
+
+    The ranks are forked from the harness's pre-warmed zygote (tests/harness.py), the same script under the same
+    environment contract; `torchrun=True` (or any `torchrun_args`) launches real torchrun instead."""
     target = script or str(REPO / "scripts" / "train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *torchrun_args, target, str(recipe), *overrides, f"output_dir={output_dir}"]
-    proc = subprocess.run(command, cwd=REPO, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
-    run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
-    if check and proc.returncode != 0:
-        pytest.fail(f"training failed ({proc.returncode}):\n{run.output[-6000:]}")
+    argv = [str(recipe), *overrides, f"output_dir={output_dir}"]
+    env = {**subprocess_env(), **(env or {})}
+    if torchrun or torchrun_args:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *torchrun_args, target, *argv]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
+        report = run.output[-6000:]
+    else:
+        ranks = harness.run_ranks(nproc, target, argv, env, REPO, timeout)
+        run = Run(ranks.returncode, ranks.output, output_dir)
+        report = ranks.report()
+        if ranks.timed_out:
+            pytest.fail(f"training timed out after {timeout} s:\n{report}")
+    if check and run.returncode != 0:
+        pytest.fail(f"training failed ({run.returncode}):\n{report}")
     return run
 
 

@@ -67,11 +67,11 @@ def test_existing_output_dir_is_refused_and_untouched(sst2, cache_dir, tmp_path)
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert_one_line_error(check("size=tiny", f"output_dir={out}"), "already holds files")
-    # The same refusal from a real torchrun launch: rank 0 says it once, every rank exits non-zero.
+    # The same refusal from a 2-rank launch: rank 0 says it once, every rank exits non-zero.
     run = launch(2, tiny_overrides(sst2, cache_dir), out, check=False)
     assert run.returncode != 0
     assert run.output.count("error: output_dir=") == 1
-    assert "parallel_finetune/" not in run.output, "no traceback through our code, only torchrun's own report"
+    assert "parallel_finetune/" not in run.output, "no traceback through our code"
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
@@ -105,7 +105,7 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     assert "step 5/5" in proc.stderr + proc.stdout
 
 
-def test_bad_data_under_torchrun_is_one_line_and_leaves_no_run_folder(cache_dir, tmp_path):
+def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, tmp_path):
     bad = tmp_path / "sst2"
     bad.mkdir()
     (bad / "train.tsv").write_text("sentence\tlabel\na fine film\t1\na dull one\t3\n")
