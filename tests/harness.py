@@ -3,7 +3,8 @@ already imported torch, transformers, datasets and the trainer, and runs the sam
 under the same environment contract. One zygote per pytest process, started on first use, gone with it.
 
 `run_ranks` returns every rank's exit status and output; a failed or hung rank's output reaches the test report
-through `Ranks.report`."""
+through `Ranks.report`. `python` is `subprocess.run([sys.executable, ...])` for one plain process, forked too
+(a `--check` or an export costs ~8 s of imports as a fresh process)."""
 
 from __future__ import annotations
 
@@ -115,18 +116,32 @@ def zygote(env: dict[str, str], cwd: Path) -> Zygote:
     return _zygote
 
 
-def run_ranks(nproc: int, target: str, argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
-    """`torchrun --standalone --nproc_per_node nproc target argv...`, forked from the zygote."""
+def run_ranks(nproc: int, argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
+    """`torchrun --standalone --nproc_per_node nproc *argv` (argv: a script and its arguments, or -m module ...),
+    forked from the zygote."""
+    return _fork(argv, nproc, env, cwd, timeout_s)
+
+
+def python(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...), forked from the zygote."""
+    (process,) = _fork(argv, None, env, cwd, timeout_s).ranks
+    command = [sys.executable, *argv]
+    if process.killed:
+        raise subprocess.TimeoutExpired(command, timeout_s, process.stdout, process.stderr)
+    return subprocess.CompletedProcess(command, process.returncode, process.stdout, process.stderr)
+
+
+def _fork(argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
     log_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
-        request = {"nproc": nproc, "target": target, "argv": argv, "env": env, "cwd": str(cwd),
-                   "log_dir": str(log_dir), "timeout_s": timeout_s}
+        request = {"argv": argv, "ranks": ranks, "env": env, "cwd": str(cwd), "log_dir": str(log_dir),
+                   "timeout_s": timeout_s}
         reply = zygote(env, cwd).launch(request)
         if "refused" in reply:
             raise RuntimeError(f"the harness's zygote refused to fork: {reply['refused']}")
-        ranks = [Rank(r, code, read(log_dir / f"rank{r}.stdout"), read(log_dir / f"rank{r}.stderr"),
-                      reply["killed"].get(str(r))) for r, code in enumerate(reply["returncodes"])]
-        return Ranks(ranks, reply["exit_order"], reply["timed_out"])
+        processes = [Rank(r, code, read(log_dir / f"rank{r}.stdout"), read(log_dir / f"rank{r}.stderr"),
+                          reply["killed"].get(str(r))) for r, code in enumerate(reply["returncodes"])]
+        return Ranks(processes, reply["exit_order"], reply["timed_out"])
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 

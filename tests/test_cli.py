@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
-import sys
 
 import pytest
 
 from parallel_finetune.precision import cpu_has_bf16
 
-from conftest import REPO, RECIPE, launch, subprocess_env, tiny_overrides
+from conftest import REPO, RECIPE, launch, python, subprocess_env, tiny_overrides
 
 
 def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc),
-                           str(RECIPE), *overrides], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    return python("-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(RECIPE), *overrides)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -118,13 +117,28 @@ def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, t
     assert not out.exists()
 
 
+def make_commands(target: str, *variables: str) -> list[list[str]]:
+    """What `make target variables...` runs (make -n; .venv taken as set up), each command split into its words."""
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    return [shlex.split(line) for line in dry.stdout.splitlines() if not line.startswith("echo ")]
+
+
 @pytest.mark.parametrize("target", ["gpt2-tp", "gptneo-tp", "bert-tp"])
 def test_make_family_targets(target, sst2, cache_dir, tmp_path):
+    """The commands each target runs, run forked (test_make_gptj_tp_end_to_end runs make and torchrun for real)."""
+    recipe = f"recipes/{target.split('-')[0]}/tp.yaml"
+    check_command, train_command = make_commands(target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
+                                                  f"ARGS=max_steps=3 cache_dir={cache_dir}")
+    overrides = ["size=tiny", f"data_dir={sst2}", "max_steps=3", f"cache_dir={cache_dir}"]
+    assert check_command == [".venv/bin/python", "-m", "parallel_finetune.train", "--check", "--nproc", "2", recipe,
+                             *overrides]
+    assert train_command == [".venv/bin/torchrun", "--nproc_per_node", "2", "scripts/train.py", recipe, *overrides]
+    checked = python(*check_command[1:])
+    assert checked.returncode == 0, checked.stderr
     out = tmp_path / target
-    proc = subprocess.run(["make", target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                           f"ARGS=max_steps=3 output_dir={out} cache_dir={cache_dir}"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(2, overrides, out, recipe=REPO / recipe)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["family"] == target.split("-")[0] and summary["steps"] == 3
     assert summary["layout"]["tensor_parallel"] == 2

@@ -1,14 +1,17 @@
 """The harness that forks ranks from a pre-warmed zygote (harness.py, zygote.py) stands in for torchrun: the
-same environment, the same losses to the bit, and a failed, killed or hung rank's output in the test report."""
+same environment, the same losses to the bit, and a failed, killed or hung rank's output in the test report;
+a forked plain `python` prints and exits as a fresh interpreter does."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from conftest import REPO, launch, tiny_overrides
+from conftest import REPO, launch, python, subprocess_env, tiny_overrides
 from zygote import fork_hazards
 
 PROBE = str(REPO / "tests" / "workers" / "rank_probe.py")
@@ -72,6 +75,17 @@ def test_a_hung_rank_is_killed_at_the_timeout_with_its_output(tmp_path):
     assert report.startswith("training timed out after 10 s")
     assert "rank 1: killed by SIGKILL (the harness killed it: still running at the 10 s timeout)" in report
     assert "rank 1 will hang" in report
+
+
+@pytest.mark.parametrize("args", [
+    ["-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "max_stepz=3"],
+    [PROBE, "no_output_dir=here"],  # a traceback from the script's own frame on
+], ids=["module_one_line_error", "script_traceback"])
+def test_a_forked_python_exits_and_prints_as_a_fresh_one(args):
+    fresh = subprocess.run([sys.executable, *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    forked = python(*args)
+    assert forked.returncode == fresh.returncode != 0
+    assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
 
 
 def test_the_zygote_refuses_to_fork_beside_a_thread():

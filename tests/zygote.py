@@ -1,12 +1,13 @@
 """The pre-warmed parent of the test harness's ranks (tests/harness.py starts one per pytest process).
 
 It imports the training stack once (~8 s of CPU that every torchrun worker pays), then, for each request read
-from stdin (one JSON line: nproc, target script, argv, env, cwd, log_dir, timeout_s), forks one process per rank
-and answers one JSON line with every rank's exit status once all have ended.
+from stdin (one JSON line: argv, ranks, env, cwd, log_dir, timeout_s), forks one process per rank (or one plain
+process where ranks is null), each running `python *argv` in itself (a script, or -m module), and answers one
+JSON line with every process's exit status once all have ended.
 
-A rank runs what a torchrun worker runs: the target script as `__main__` under the variables `torchrun
+A rank runs what a torchrun worker runs: the same `__main__` under the variables `torchrun
 --standalone` sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, a free
-MASTER_PORT, ...) except the agent's TORCHELASTIC_* ones; its stdout and stderr go to log_dir/rank{N}.std{out,err}.
+MASTER_PORT, ...) except the agent's TORCHELASTIC_* ones. Output goes to log_dir/rank{N}.std{out,err}.
 
 Fork safety: this process imports modules but runs no torch op (no OpenMP/MKL pool), never touches CUDA or a
 process group, and checks before each fork that its only other thread is pyarrow's jemalloc purger (jemalloc's own
@@ -19,6 +20,7 @@ import atexit
 import ctypes
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -62,9 +64,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(request: dict, rank: int, port: int) -> dict[str, str]:
-    nproc = request["nproc"]
-    env = {k: v for k, v in request["env"].items() if not k.startswith("TORCHELASTIC_")}
+def child_environment(request: dict, rank: int, port: int) -> dict[str, str]:
+    """A plain process gets the request's environment; a rank gets what torchrun's agent adds but its own keys."""
+    env = dict(request["env"])
+    nproc = request["ranks"]
+    if nproc is None:
+        return env
+    env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
                MASTER_ADDR="localhost", MASTER_PORT=str(port), TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
@@ -81,19 +87,44 @@ def exit_code(code) -> int:
     return 1
 
 
-def print_from(script: str, exc: BaseException) -> None:
-    """The traceback as the interpreter prints it for `python script`: from the script's frame on, no harness."""
+def print_from(main_file: str, exc: BaseException) -> None:
+    """The traceback as the interpreter prints it: from the main file's frame on, no harness frames."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+    while tb is not None and tb.tb_frame.f_code.co_filename != main_file:
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
-def run_rank(request: dict, rank: int, port: int, reply_fd: int, zygote: int) -> None:
-    """In the forked child: become rank `rank` and never return."""
+def run_main(argv: list[str]) -> int:
+    """`python *argv` (a script and its arguments, or -m module ...) in this process; returns its exit code."""
+    if argv[0] == "-m":
+        main_file = importlib.util.find_spec(argv[1]).origin
+        sys.argv, sys.path[0] = [main_file, *argv[2:]], os.getcwd()  # as `python -m` sets them
+        sys.modules.pop(argv[1], None)  # preloaded here, but not yet imported in a fresh `python -m`
+
+        def run():
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        main_file = argv[0]
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(main_file))  # as `python script`
+
+        def run():
+            runpy.run_path(main_file, run_name="__main__")
+    try:
+        run()
+        return 0
+    except SystemExit as exit:
+        return exit_code(exit.code)
+    except BaseException as exc:  # noqa: BLE001 - an uncaught exception ends the interpreter with its traceback
+        print_from(main_file, exc)
+        return 1
+
+
+def run_child(request: dict, rank: int, port: int, reply_fd: int, zygote: int) -> None:
+    """In the forked child: become the process (or rank `rank`) the request asks for, and never return."""
     code = 1
     try:
-        os.setsid()  # its own process group: a kill reaches whatever the rank started (compile workers)
+        os.setsid()  # its own process group: a kill reaches whatever it started (compile workers)
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # and it dies with the zygote
         if os.getppid() != zygote:  # which died before prctl took effect
             return
@@ -105,7 +136,7 @@ def run_rank(request: dict, rank: int, port: int, reply_fd: int, zygote: int) ->
             os.dup2(opened, fd)
             os.close(opened)
         os.environ.clear()
-        os.environ.update(rank_environment(request, rank, port))
+        os.environ.update(child_environment(request, rank, port))
         os.chdir(request["cwd"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for name in ("SIGTERM", "SIGHUP", "SIGCHLD", "SIGUSR1", "SIGUSR2"):
@@ -114,17 +145,7 @@ def run_rank(request: dict, rank: int, port: int, reply_fd: int, zygote: int) ->
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         gc.enable()
-        target = request["target"]
-        sys.argv = [target, *request["argv"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python target` sets it
-        try:
-            runpy.run_path(target, run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = exit_code(exit.code)
-        except BaseException as exc:  # noqa: BLE001 - an uncaught exception ends a worker with its traceback and 1
-            print_from(target, exc)
-            code = 1
+        code = run_main(request["argv"])
         atexit._run_exitfuncs()  # the interpreter's own exit, minus tearing down the heap it shares with us
     except BaseException:  # noqa: BLE001 - the harness itself failed in this child: say so in its log
         traceback.print_exc()
@@ -181,10 +202,10 @@ def launch(request: dict, reply_fd: int) -> dict:
     pids = []
     sys.stdout.flush()
     sys.stderr.flush()
-    for rank in range(request["nproc"]):
+    for rank in range(request["ranks"] or 1):
         pid = os.fork()
         if pid == 0:
-            run_rank(request, rank, port, reply_fd, zygote)
+            run_child(request, rank, port, reply_fd, zygote)
         pids.append(pid)
     return wait_for(pids, request["timeout_s"])
 
