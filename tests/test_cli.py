@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 
 import pytest
 
 from parallel_finetune.precision import cpu_has_bf16
 
-from conftest import REPO, RECIPE, launch, python, subprocess_env, tiny_overrides
+from conftest import REPO, RECIPE, launch, make_commands, python, subprocess_env, tiny_overrides
 
 
 def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -115,14 +114,6 @@ def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, t
     assert run.output.count("error: ") == 1
     assert f"error: {bad / 'train.tsv'}:3: label '3' is not 0 or 1" in run.output
     assert not out.exists()
-
-
-def make_commands(target: str, *variables: str) -> list[list[str]]:
-    """What `make target variables...` runs (make -n; .venv taken as set up), each command split into its words."""
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
-    assert dry.returncode == 0, dry.stderr
-    return [shlex.split(line) for line in dry.stdout.splitlines() if not line.startswith("echo ")]
 
 
 @pytest.mark.parametrize("target", ["gpt2-tp", "gptneo-tp", "bert-tp"])
