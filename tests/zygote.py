@@ -30,9 +30,10 @@ import sys
 import time
 import traceback
 
-# What a training run imports (measured with sys.modules after a run); deepspeed only for engine=deepspeed.
+# What every training run imports (sys.modules after a run). Not deepspeed: a run without engine=deepspeed never
+# imports it, and must not run beside what its import sets up.
 PRELOAD = ("parallel_finetune.train", "parallel_finetune.trainer", "parallel_finetune.parallel.deepspeed_engine",
-           "torch.utils.tensorboard", "transformers.optimization", "deepspeed")
+           "torch.utils.tensorboard", "transformers.optimization")
 FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
 # After one rank fails, its peers get this long to end on their own (printing their side of the story) before
 # they are killed, as torchrun stops the rest of a group whose worker failed.
