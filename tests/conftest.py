@@ -90,8 +90,10 @@ def python(*args: str, timeout: float = 600, env: dict[str, str] | None = None) 
 def make_commands(target: str, *variables: str) -> list[list[str]]:
     """The commands `make target variables...` runs (make -n, .venv taken as set up), each split into its words
     (a leading NAME=value is a word too). The tests run them forked; test_make_gptj_tp_end_to_end runs make."""
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    # as typed in a shell, not nested in `make test` (which would add "make[1]: Entering directory" lines)
+    env = {k: v for k, v in subprocess_env().items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.replace("\\\n", " ").splitlines()
     return [shlex.split(line) for line in lines if line.strip() and not line.startswith("echo ")]

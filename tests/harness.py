@@ -1,6 +1,8 @@
 """Multi-rank runs without torchrun's start-up: each rank is forked from a zygote (tests/zygote.py) that has
 already imported torch, transformers, datasets and the trainer, and runs the same script a torchrun worker runs
-under the same environment contract. One zygote per pytest process, started on first use, gone with it.
+under the same environment contract. One zygote per pytest process, started on first use (with that launch's
+environment: what the preloaded modules read at import, HF_HUB_OFFLINE say, must not vary between launches),
+gone with it.
 
 `run_ranks` returns every rank's exit status and output; a failed or hung rank's output reaches the test report
 through `Ranks.report`. `python` is `subprocess.run([sys.executable, ...])` for one plain process, forked too
@@ -90,14 +92,18 @@ class Zygote:
         if not line:
             self.close()
             self.log.seek(0)
-            raise RuntimeError(f"the harness's zygote gave no answer within {timeout_s:g} s; its log:\n"
+            raise RuntimeError(f"the harness's zygote ended or gave no answer within {timeout_s:g} s; its log:\n"
                                f"{self.log.read()[-REPORT_CHARS:]}")
         return json.loads(line)
 
     def launch(self, request: dict) -> dict:
-        self.process.stdin.write(json.dumps(request).encode() + b"\n")
-        self.process.stdin.flush()
-        return self.reply(request["timeout_s"] + REPLY_MARGIN_S)
+        try:
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            return self.reply(request["timeout_s"] + REPLY_MARGIN_S)
+        except BaseException:  # e.g. Ctrl-C mid-launch: a reply still to come would answer the next request
+            self.close()
+            raise
 
     def close(self) -> None:
         if self.alive():

@@ -62,6 +62,13 @@ def test_a_failing_rank_reports_its_traceback_and_exit_code(tmp_path):
     assert "===== rank 1: exit code 1" in str(failure.value) and "planted failure" in str(failure.value)
 
 
+def test_the_peers_of_a_failed_rank_are_stopped(tmp_path):
+    run, _ = probe(tmp_path / "run", check=False, PROBE_RANK="1", PROBE_DOES="fail", PROBE_PEERS="hang")
+    assert run.returncode == 1  # the root cause, not the peer's SIGKILL
+    assert run.output.endswith("rank 1: exit code 1\nrank 0: killed by SIGKILL (the harness killed it: still running "
+                               "10 s after rank 1 failed)")
+
+
 def test_a_rank_killed_by_a_signal_is_reported_as_such(tmp_path):
     run, _ = probe(tmp_path / "run", check=False, PROBE_RANK="0", PROBE_DOES="sigkill")
     assert run.returncode == -9

@@ -173,6 +173,7 @@ def wait_for(pids: list[int], timeout_s: float) -> dict:
     killed: dict[int, str] = {}
     exit_order: list[int] = []
     first_failure = None  # (rank, when)
+    timed_out = False
     while len(returncodes) < len(pids):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
@@ -182,17 +183,18 @@ def wait_for(pids: list[int], timeout_s: float) -> dict:
             if returncodes[rank] != 0 and first_failure is None:
                 first_failure = rank, time.monotonic()
             continue
-        now = time.monotonic()
-        reason = (f"still running at the {timeout_s:g} s timeout" if now > deadline else
-                  f"still running {PEER_GRACE_S:g} s after rank {first_failure[0]} failed"
-                  if first_failure and now > first_failure[1] + PEER_GRACE_S else None)
+        now, reason = time.monotonic(), None
+        if now > deadline:
+            timed_out, reason = True, f"still running at the {timeout_s:g} s timeout"
+        elif first_failure and now > first_failure[1] + PEER_GRACE_S:
+            reason = f"still running {PEER_GRACE_S:g} s after rank {first_failure[0]} failed"
         for rank, pid in enumerate(pids):
             if reason and rank not in returncodes and rank not in killed:
                 killed[rank] = reason
                 kill_group(pid)
         time.sleep(0.02)
-    return {"returncodes": [returncodes[r] for r in range(len(pids))], "killed": {str(r): why for r, why in
-            killed.items()}, "exit_order": exit_order, "timed_out": any("timeout" in why for why in killed.values())}
+    return {"returncodes": [returncodes[r] for r in range(len(pids))], "exit_order": exit_order,
+            "killed": {str(r): why for r, why in killed.items()}, "timed_out": timed_out}
 
 
 def launch(request: dict, reply_fd: int) -> dict:

@@ -1,7 +1,8 @@
 """What a rank sees: writes rank{RANK}.json (environment, threads, signal handlers, argv, the sum of all ranks
 over a gloo group) into output_dir, then misbehaves if asked to. For tests/test_harness.py.
 
-... rank_probe.py RECIPE key=value ... output_dir=DIR (env PROBE_RANK and PROBE_DOES=fail|hang|sigkill)"""
+... rank_probe.py RECIPE key=value ... output_dir=DIR (env PROBE_RANK and PROBE_DOES=fail|hang|sigkill: what
+that rank does then; PROBE_PEERS=hang: the other ranks hang)"""
 
 import json
 import os
@@ -26,9 +27,13 @@ def main() -> None:
             "rank_sum": int(total)}
     (output_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
-    if os.environ.get("PROBE_RANK") != os.environ["RANK"]:
-        return
-    does = os.environ["PROBE_DOES"]
+    if os.environ.get("PROBE_RANK") == os.environ["RANK"]:
+        misbehave(os.environ["PROBE_DOES"])
+    elif os.environ.get("PROBE_PEERS") == "hang":
+        time.sleep(3600)
+
+
+def misbehave(does: str) -> None:
     print(f"rank {os.environ['RANK']} will {does}", flush=True)
     if does == "fail":
         raise RuntimeError("the probe's planted failure")
