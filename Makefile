@@ -17,7 +17,7 @@ endif
 DATA ?=
 ARGS ?=
 PYTEST_ARGS ?= -q
-# Two workers fill both cores while one waits on a single-process reference run or a torchrun start-up.
+# Two workers fill both cores while one waits on a single-process reference run or a real torchrun test.
 PYTEST_WORKERS ?= 2
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10

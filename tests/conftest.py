@@ -1,17 +1,21 @@
 """Shared test fixtures: the real SST-2 files, a session-wide tokenized-data cache, and `launch`, which runs
-training under torchrun exactly as a user would and returns what it wrote."""
+training on N ranks as torchrun would (forked from a pre-warmed process, see harness.py) and returns what it
+wrote."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import harness
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
@@ -45,7 +49,13 @@ def sst2() -> Path:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+    """One tokenized-data cache for the whole session, pytest-xdist workers included (their temp folders share a
+    parent): each tokenizer and dataset variant is built once, not once per worker. Concurrent builders are safe,
+    as for ranks: data.prepare writes a variant to a temporary folder and renames it."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent / "cache" if os.environ.get("PYTEST_XDIST_WORKER") else root / "cache"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @dataclass
@@ -72,28 +82,73 @@ def subprocess_env() -> dict:
     return env
 
 
+def python(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python *args` in the repository with subprocess_env() (plus `env`), output captured as text; forked from
+    the harness's pre-warmed zygote, which spares it ~8 s of imports."""
+    return harness.python(list(args), {**subprocess_env(), **(env or {})}, REPO, timeout)
+
+
+def make_commands(target: str, *variables: str) -> list[list[str]]:
+    """The commands `make target variables...` runs (make -n, .venv taken as set up), each split into its words
+    (a leading NAME=value is a word too). The tests run them forked; test_make_gptj_tp_end_to_end runs make."""
+    # as typed in a shell, not nested in `make test` (which would add "make[1]: Entering directory" lines)
+    env = {k: v for k, v in subprocess_env().items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.strip() and not line.startswith("echo ")]
+
+
 def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | None = None,
-           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> Run:
-    """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=..."""
-    target = script or str(REPO / "scripts" / "train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *torchrun_args, target, str(recipe), *overrides, f"output_dir={output_dir}"]
-    proc = subprocess.run(command, cwd=REPO, env={**subprocess_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
-    run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
-    if check and proc.returncode != 0:
-        pytest.fail(f"training failed ({proc.returncode}):\n{run.output[-6000:]}")
+           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun: bool = False,
+           torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Run:
+    """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=...
+
+    The ranks are forked from the harness's pre-warmed zygote (tests/harness.py), the same script under the same
+    environment contract; `torchrun=True` (or any `torchrun_args`) launches real torchrun instead."""
+    argv = [script or str(REPO / "scripts" / "train.py"), str(recipe), *overrides, f"output_dir={output_dir}"]
+    env = {**subprocess_env(), **(env or {})}
+    if torchrun or torchrun_args:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *torchrun_args, *argv]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
+        report = run.output[-6000:]
+    else:
+        ranks = harness.run_ranks(nproc, argv, env, REPO, timeout)
+        run = Run(ranks.returncode, ranks.output, output_dir)
+        report = ranks.report()
+        if ranks.timed_out:
+            pytest.fail(f"training timed out after {timeout} s:\n{report}")
+    if check and run.returncode != 0:
+        pytest.fail(f"training failed ({run.returncode}):\n{report}")
     return run
+
+
+@pytest.fixture(scope="session")
+def single_process_run(tmp_path_factory):
+    """`get(recipe, overrides)`: a one-process reference run, launched once per session (per pytest-xdist worker)
+    however many modules compare against it."""
+    runs = {}
+
+    def get(recipe: Path, overrides: list[str]) -> Run:
+        key = (str(recipe), tuple(overrides))
+        if key not in runs:
+            runs[key] = launch(1, overrides, tmp_path_factory.mktemp(f"single-{recipe.parent.name}"), recipe=recipe)
+        return runs[key]
+
+    return get
 
 
 def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
                    **extra) -> list[str]:
     """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare. No hf/ export (it costs
-    ~2 s per run) unless a test asks for one with export="true"."""
+    ~2 s per run) unless a test asks for one with export="true"; MFU against a given CPU peak instead of each
+    rank's 0.5 s matmul probe (test_speed checks the probe; `make gptj-tp` end to end runs it)."""
     base = {"size": "tiny", "task": task, "data_dir": sst2, "cache_dir": cache_dir, "precision": "fp32",
             "max_steps": 6, "batch_size": 16, "max_length": 64 if task == "classification" else 32,
-            "eval_batch_size": 128, "log_every": 1, "export": "false"}
+            "eval_batch_size": 128, "log_every": 1, "export": "false", "peak_tflops": 0.1}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
 from parallel_finetune.checkpoint import resolve_resume
 
-from conftest import FAMILIES, REPO, launch, recipe, subprocess_env, tiny_overrides
+from conftest import FAMILIES, REPO, launch, python, recipe, tiny_overrides
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
@@ -116,8 +115,7 @@ def test_export_from_a_checkpoint_equals_the_run_export(family, sst2, cache_dir,
     run = launch(2, tiny_overrides(sst2, cache_dir, family=family, max_steps=2, export="true")
                  + ["tensor_parallel_degree=2"], tmp_path / "run", recipe=recipe(family))
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(run.output_dir / "checkpoints"), str(out)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = python("scripts/export_hf.py", str(run.output_dir / "checkpoints"), str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, theirs = load_file(run.output_dir / "hf" / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
@@ -146,9 +144,8 @@ def test_a_checkpoint_of_another_model_is_refused(reference, sst2, cache_dir, tm
 
 
 def test_resume_path_must_exist(sst2):
-    proc = subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"),
-                           "size=tiny", f"data_dir={sst2}", "resume=/no/such/checkpoint"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = python("-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "size=tiny",
+                  f"data_dir={sst2}", "resume=/no/such/checkpoint", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: resume='/no/such/checkpoint': no such checkpoint folder (valid: auto, none, "
                                    "or a step-… folder)")

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from parallel_finetune.precision import cpu_has_bf16
 
-from conftest import REPO, RECIPE, launch, subprocess_env, tiny_overrides
+from conftest import REPO, RECIPE, launch, make_commands, python, subprocess_env, tiny_overrides
 
 
 def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc),
-                           str(RECIPE), *overrides], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    return python("-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(RECIPE), *overrides)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -67,11 +65,11 @@ def test_existing_output_dir_is_refused_and_untouched(sst2, cache_dir, tmp_path)
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert_one_line_error(check("size=tiny", f"output_dir={out}"), "already holds files")
-    # The same refusal from a real torchrun launch: rank 0 says it once, every rank exits non-zero.
+    # The same refusal from a 2-rank launch: rank 0 says it once, every rank exits non-zero.
     run = launch(2, tiny_overrides(sst2, cache_dir), out, check=False)
     assert run.returncode != 0
     assert run.output.count("error: output_dir=") == 1
-    assert "parallel_finetune/" not in run.output, "no traceback through our code, only torchrun's own report"
+    assert "parallel_finetune/" not in run.output, "no traceback through our code"
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
@@ -105,7 +103,7 @@ def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     assert "step 5/5" in proc.stderr + proc.stdout
 
 
-def test_bad_data_under_torchrun_is_one_line_and_leaves_no_run_folder(cache_dir, tmp_path):
+def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, tmp_path):
     bad = tmp_path / "sst2"
     bad.mkdir()
     (bad / "train.tsv").write_text("sentence\tlabel\na fine film\t1\na dull one\t3\n")
@@ -120,11 +118,18 @@ def test_bad_data_under_torchrun_is_one_line_and_leaves_no_run_folder(cache_dir,
 
 @pytest.mark.parametrize("target", ["gpt2-tp", "gptneo-tp", "bert-tp"])
 def test_make_family_targets(target, sst2, cache_dir, tmp_path):
+    """The commands each target runs, run forked (test_make_gptj_tp_end_to_end runs make and torchrun for real)."""
+    recipe = f"recipes/{target.split('-')[0]}/tp.yaml"
+    check_command, train_command = make_commands(target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
+                                                  f"ARGS=max_steps=3 cache_dir={cache_dir}")
+    overrides = ["size=tiny", f"data_dir={sst2}", "max_steps=3", f"cache_dir={cache_dir}"]
+    assert check_command == [".venv/bin/python", "-m", "parallel_finetune.train", "--check", "--nproc", "2", recipe,
+                             *overrides]
+    assert train_command == [".venv/bin/torchrun", "--nproc_per_node", "2", "scripts/train.py", recipe, *overrides]
+    checked = python(*check_command[1:])
+    assert checked.returncode == 0, checked.stderr
     out = tmp_path / target
-    proc = subprocess.run(["make", target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                           f"ARGS=max_steps=3 output_dir={out} cache_dir={cache_dir}"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(2, overrides, out, recipe=REPO / recipe)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["family"] == target.split("-")[0] and summary["steps"] == 3
     assert summary["layout"]["tensor_parallel"] == 2

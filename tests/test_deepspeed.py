@@ -1,6 +1,6 @@
 """engine=deepspeed: ZeRO 1/2/3 trains like one process, its config comes from the recipe, bad input is one line.
 
-The parity rows launch torchrun as a user would (2 ranks, tiny models, real SST-2, 6 steps) and compare with the
+The parity rows launch 2 ranks as torchrun would (tiny models, real SST-2, 6 steps) and compare with the
 single-process engine=torch run of test_parity; everything else starts no process (or one `--check`)."""
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def test_fp16_on_this_cpu_is_one_line_at_check(sst2):
 
 
 @NO_FP16
-def test_fp16_on_this_cpu_is_one_line_from_torchrun(sst2, cache_dir, tmp_path):
+def test_fp16_on_this_cpu_is_one_line_from_two_ranks(sst2, cache_dir, tmp_path):
     run = launch(2, tiny_overrides(sst2, cache_dir) + ["engine=deepspeed", "precision=fp16"], tmp_path / "run",
                  check=False)
     assert run.returncode != 0

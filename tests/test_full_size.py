@@ -73,7 +73,7 @@ def checkpoint(sst2):
 def overrides(family: str, folder: Path, data: Path, cache_dir: Path, **extra) -> list[str]:
     values = {"size": "full", "model": folder, "task": TASK[family], "data_dir": data, "cache_dir": cache_dir,
               "precision": "fp32", "max_steps": 3, "batch_size": 16, "max_length": 64, "eval_batch_size": 64,
-              "lr": 1e-4, "warmup_ratio": 0, "log_every": 1, "export": "false", **extra}
+              "lr": 1e-4, "warmup_ratio": 0, "log_every": 1, "export": "false", "peak_tflops": 0.1, **extra}
     return [f"{key}={value}" for key, value in values.items()]
 
 
@@ -239,7 +239,7 @@ def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2,
         (repo / "refs" / revision).write_text(commit)
     run = launch(2, overrides("gpt2", "testorg/small-gpt2", small_sst2, cache_dir, revision="float16")
                  + LAYOUTS["tp2"][1], tmp_path / "run", script=WORKER, recipe=recipe("gpt2"),
-                 env={"HF_HUB_CACHE": str(hub)})
+                 env={"HF_HUB_CACHE": str(hub)}, torchrun=True)  # the Hub client reads HF_HUB_CACHE at import
     assert "(float16)" in run.output and "b" * 40 in run.output
     compare_with_file(load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"),
                       "transformer")

@@ -52,17 +52,12 @@ CASES += [pytest.param("gpt2", "full_dp2_tp2", 4, ["tensor_parallel_degree=2", "
                        id="gpt2-full_dp2_tp2")]
 
 
-@pytest.fixture(scope="module")
-def single_process(sst2, cache_dir, tmp_path_factory):
-    runs = {}
-
+@pytest.fixture
+def single_process(single_process_run, sst2, cache_dir):
     def get(family: str, task: str, model: tuple):
-        key = (family, task, model)
-        if key not in runs:
-            # Exported: test_deepspeed compares its exports with these weights.
-            runs[key] = launch(1, tiny_overrides(sst2, cache_dir, task, family, export="true") + list(model),
-                               tmp_path_factory.mktemp(f"single-{family}-{task}"), recipe=recipe(family))
-        return runs[key]
+        # Exported: test_deepspeed compares its exports with these weights.
+        return single_process_run(recipe(family), tiny_overrides(sst2, cache_dir, task, family, export="true")
+                                  + list(model))
 
     return get
 

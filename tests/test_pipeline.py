@@ -40,16 +40,10 @@ def run_overrides(sst2, cache_dir, family: str, task: str, model: list[str]) -> 
     return tiny_overrides(sst2, cache_dir, task, family, max_steps=5) + model
 
 
-@pytest.fixture(scope="module")
-def single_process(sst2, cache_dir, tmp_path_factory):
-    runs = {}
-
+@pytest.fixture
+def single_process(single_process_run, sst2, cache_dir):
     def get(family: str, task: str, model: tuple[str, ...]):
-        if (family, task, model) not in runs:
-            runs[family, task, model] = launch(1, run_overrides(sst2, cache_dir, family, task, list(model)),
-                                               tmp_path_factory.mktemp(f"single-{family}-{task}"),
-                                               recipe=recipe(family))
-        return runs[family, task, model]
+        return single_process_run(recipe(family), run_overrides(sst2, cache_dir, family, task, list(model)))
 
     return get
 

@@ -4,13 +4,11 @@ models allocate (one process, and TP=2 DTensor shards on a fake process group), 
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import FAMILIES, REPO, fake_tp_mesh, subprocess_env
+from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
@@ -190,15 +188,15 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, args, message):
 
 
 def test_make_plan_prints_the_table_and_the_recommendation():
-    # -o: never let a test rebuild .venv (pip); PY: the interpreter running these tests.
-    make = ["make", "-s", "-o", ".venv/.installed", f"PY={sys.executable}", "plan"]
-    proc = subprocess.run(make + ["INSTANCE=ml.p4d.24xlarge"], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+    (command,) = make_commands("plan", "INSTANCE=ml.p4d.24xlarge")
+    assert command == ["HF_HUB_OFFLINE=1", ".venv/bin/python", "scripts/plan.py", "--instance", "ml.p4d.24xlarge"]
+    proc = python(*command[2:], env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "EleutherAI/gpt-j-6b (gptj, classification): 5,844,402,176 parameters" in proc.stdout
     assert "recommended: tp=8 pp=1 dp=1" in proc.stdout and "GB = 1e9 bytes" in proc.stdout
-    proc = subprocess.run(make + ["MODEL=gpt2-xl", "GPUS=4", "GPU_MEM_GB=24", "NODES=2", "ARGS=--all"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    (command,) = make_commands("plan", "MODEL=gpt2-xl", "GPUS=4", "GPU_MEM_GB=24", "NODES=2", "ARGS=--all")
+    assert command[2:] == ["scripts/plan.py", "gpt2-xl", "--gpus", "4", "--gpu-mem-gb", "24", "--nodes", "2", "--all"]
+    proc = python(*command[2:], env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "2 node(s) x 4 A10G-24GB" in proc.stdout and " hybrid " in proc.stdout and "more layouts" not in proc.stdout
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, python, subprocess_env
 
 ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
 BUCKET = "recipes-bucket"
@@ -129,8 +129,7 @@ def aws(emulator, monkeypatch):
 
 
 def launch_script(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "launch_sagemaker.py"), *args],
-                          capture_output=True, text=True, timeout=900, env=dict(subprocess_env(), **env))
+    return python(str(REPO / "scripts" / "launch_sagemaker.py"), *args, timeout=900, env=env)
 
 
 def channels(request: dict) -> dict[str, str]:
