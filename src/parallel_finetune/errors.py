@@ -6,3 +6,15 @@ class UserError(Exception):
 
     The message names the file, key or value at fault and what would be valid.
     """
+
+
+class RankError(UserError):
+    """A problem one rank found alone (a collective that timed out): every rank that meets it prints it, since the
+    others may be the ones that stopped."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line; an OSError as its reason and path ("No space left on device: /x/y")."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"

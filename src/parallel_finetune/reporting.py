@@ -18,6 +18,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .errors import UserError
+from .runfolder import LOCK
 
 RUNS_DIR = Path("runs")
 
@@ -38,7 +39,7 @@ def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, conti
     path = Path(requested).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"output_dir={requested!r} is a file, not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (overwrite or continuing):
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()) and not (overwrite or continuing):
         raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
                         "or pass overwrite=true to write into it")
     return path
