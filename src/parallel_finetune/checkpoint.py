@@ -147,6 +147,17 @@ def _quiet(*args) -> None:
     pass
 
 
+def check_resume(config, root: Path) -> None:
+    """For --check: the checkpoint the run would continue from is complete, intact in structure (the sizes and
+    metadata; hashing is the run's job, spread over its ranks) and of compatible settings."""
+    def problem_of(folder: Path) -> str | None:
+        return _complete(folder) or integrity.verify(folder, contents=False)
+
+    folder = _pick(effective_resume(config), root, problem_of)
+    if folder is not None:
+        check_continuation(folder, config)
+
+
 def check_continuation(folder: Path, config) -> None:
     """A run continues with the settings it was trained with; only its length, cadences, outputs and layout
     (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""

@@ -9,6 +9,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +44,20 @@ def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, conti
         raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
                         "or pass overwrite=true to write into it")
     return path
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path`, a folder that may not exist yet, can be created and written; else a one-line error naming `key`.
+    A probe file in the nearest existing folder finds read-only mounts too (root ignores permission bits)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{key}={str(path)!r}: {existing} is a file, not a folder")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise UserError(f"{key}={str(path)!r} cannot be written ({exc.strerror}: {existing})") from None
 
 
 class PhaseTimer:
