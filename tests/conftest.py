@@ -3,8 +3,10 @@ training under torchrun exactly as a user would and returns what it wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -86,6 +88,13 @@ def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | 
     return run
 
 
+def check(*overrides: str, nproc: int = 2, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
+    """`python -m parallel_finetune.train --check`: what make runs before torchrun."""
+    return subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc),
+                           str(recipe), *overrides], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
 def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
                    **extra) -> list[str]:
     """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare. No hf/ export (it costs
@@ -110,3 +119,40 @@ def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1
     assert run.summary[metric] == pytest.approx(reference.summary[metric], rel=1e-5)
     assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance)
     return max(differences)
+
+
+class Payload:
+    """What an attacker pickles into a checkpoint's .metadata: a call that runs while it is unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_payload(checkpoint: Path, marker: Path) -> None:
+    """Rewrite a DCP .metadata so that unpickling it runs `touch marker` and still returns the real metadata, and
+    rewrite the manifest to match, as an attacker who can write the folder would: only the unpickler is left."""
+    from parallel_finetune import integrity
+
+    with open(checkpoint / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # our own file, written by the test
+    metadata.__dict__["extra"] = Payload(marker)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    if (checkpoint / integrity.MANIFEST).exists():
+        integrity.write_manifest(checkpoint, integrity.describe(checkpoint, integrity.files_in(checkpoint)))
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, options: str):
+    """A tmpfs mounted on `folder` (e.g. "size=30m", "ro,size=1m"), or the test skipped where mounting is not
+    allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)])

@@ -10,12 +10,7 @@ import pytest
 
 from parallel_finetune.precision import cpu_has_bf16
 
-from conftest import REPO, RECIPE, launch, subprocess_env, tiny_overrides
-
-
-def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc),
-                           str(RECIPE), *overrides], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+from conftest import REPO, RECIPE, check, launch, subprocess_env, tiny_overrides, tmpfs
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -165,13 +160,8 @@ def test_check_of_a_wrongly_typed_model_config_is_one_line():  # it crashed --ch
 
 @pytest.fixture
 def read_only_folder(tmp_path):
-    folder = tmp_path / "read-only"
-    folder.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)])
+    with tmpfs(tmp_path / "read-only", "ro,size=1m") as folder:
+        yield folder
 
 
 def test_a_read_only_output_dir_is_refused_by_check_and_by_the_run(read_only_folder, sst2, cache_dir):

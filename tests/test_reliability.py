@@ -24,25 +24,7 @@ from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
 from parallel_finetune.runfolder import LOCK, RunLock
 
-from conftest import REPO
-
-
-class Payload:
-    """What an attacker pickles into .metadata: a call that runs while it is unpickled."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def plant_payload(metadata_file, marker) -> None:
-    """Rewrite a DCP .metadata so that loading it runs `touch marker` and still returns the real metadata."""
-    with open(metadata_file, "rb") as handle:
-        metadata = pickle.load(handle)  # our own file, written a moment ago
-    metadata.__dict__["extra"] = Payload(marker)
-    metadata_file.write_bytes(pickle.dumps(metadata))
+from conftest import REPO, plant_payload
 
 
 @pytest.fixture
@@ -59,7 +41,7 @@ def checkpoint(tmp_path):
 def test_metadata_with_a_payload_is_refused_and_never_runs(checkpoint, tmp_path):
     assert integrity.read_metadata(checkpoint / ".metadata").storage_data  # DCP's own metadata loads
     marker = tmp_path / "payload-ran"
-    plant_payload(checkpoint / ".metadata", marker)
+    plant_payload(checkpoint, marker)
     with pytest.raises(UserError, match=r"\.metadata asks to load posix\.system, which DCP metadata never holds"):
         integrity.read_metadata(checkpoint / ".metadata")
     with pytest.raises(CheckpointException, match="asks to load posix.system"), warnings.catch_warnings():

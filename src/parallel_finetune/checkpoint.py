@@ -201,7 +201,7 @@ def save(trainer, root: Path) -> Path | None:
                 action()
             # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one
             except (Exception, CheckpointException) as exc:
-                error.append(describe_failure(exc))
+                error.append(describe_failure(exc, partial if partial.exists() else root))
         flag = torch.tensor([1.0 if error else 0.0], device=layout.device)
         dist.all_reduce(flag)
         if flag.item() and not error:
@@ -262,12 +262,12 @@ def save(trainer, root: Path) -> Path | None:
     return final
 
 
-def describe_failure(exc: BaseException) -> str:
+def describe_failure(exc: BaseException, folder: Path) -> str:
     """One short line: DCP wraps each rank's error as (exception, stack) in `failures`."""
     if isinstance(exc, CheckpointException) and exc.failures:
         failure = next(iter(exc.failures.values()))
         exc = failure[0] if isinstance(failure, tuple) else failure
-    return one_line(exc)
+    return one_line(exc, folder)
 
 
 def replace_folder(new: Path, final: Path) -> None:

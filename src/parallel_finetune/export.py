@@ -63,5 +63,6 @@ def write_folder(out: Path, write: Callable[[Path], object]) -> None:
             os.replace(new, out / new.name)
         staging.rmdir()
     except Exception as exc:  # OSError, or safetensors' own error wrapping one
+        reason = one_line(exc, staging if staging.exists() else out.parent)
         shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"export to {out} failed ({one_line(exc)}); nothing was written there") from None
+        raise UserError(f"export to {out} failed ({reason}); nothing was written there") from None

@@ -66,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         return 0
     except UserError as exc:
-        # Agreed errors are said once, by rank 0; a rank's own discovery (RankError) by the rank that made it.
-        if os.environ.get("RANK", "0") == "0" or isinstance(exc, RankError):
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc)
+
+
+def report(exc: UserError) -> int:
+    """Print the one `error:` line and return the exit code. Agreed errors are said once, by rank 0; a rank's own
+    discovery (RankError) by the rank that made it."""
+    if os.environ.get("RANK", "0") == "0" or isinstance(exc, RankError):
+        print(f"error: {exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

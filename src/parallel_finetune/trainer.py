@@ -115,6 +115,7 @@ class Trainer:
         self.tied: list[tuple[str, ...]] = []  # weights shared by the first and last stage (tied embeddings)
         self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
         self.run_lock: RunLock | None = None  # rank 0's hold on the run folders, taken in setup
+        self.reporter: Reporter | None = None  # set when training starts
 
     @property
     def microbatches(self) -> int:
@@ -421,6 +422,10 @@ class Trainer:
         return self.stop_agreed or self.step >= self.total_steps or bool(every and self.step % every == 0)
 
     def save_checkpoint(self) -> Path | None:
+        if self.nonfinite.bad_steps:  # weights that just gave a NaN/inf loss or gradient are not worth resuming
+            log.warning("checkpoint at step %d not written: the loss or gradient norm of step %d was not finite",
+                        self.step, self.nonfinite.bad_steps[-1])
+            return None
         with self.timer("checkpoint"):
             return checkpoint.save(self, self.checkpoint_root)
 
@@ -581,11 +586,13 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         shutdown()
         return summary
     except BaseException as exc:
+        if trainer.reporter is not None:
+            trainer.reporter.bar.close()  # ends the progress bar's line: the error gets a line of its own
         if dist.is_initialized():
             dist.destroy_process_group()
         timeout = timed_out(exc, config.collective_timeout_s)
         if timeout:  # one line naming the key, not a traceback from the collective
-            raise RankError(f"step {trainer.step}: {timeout}") from None
+            raise RankError(f"after step {trainer.step}: {timeout}") from None
         raise
     finally:
         if trainer.run_lock is not None:
