@@ -140,11 +140,7 @@ def choose_resume(config, root: Path, layout) -> Path | None:
         dist.all_gather_object(everyone, mine)
         return next((problem for problem in everyone if problem), None)
 
-    return _pick(effective_resume(config), root, problem_of, warn=log.warning if layout.is_main else _quiet)
-
-
-def _quiet(*args) -> None:
-    pass
+    return _pick(effective_resume(config), root, problem_of, warn=log.warning if layout.is_main else log.debug)
 
 
 def check_resume(config, root: Path) -> None:
@@ -163,9 +159,10 @@ def check_continuation(folder: Path, config) -> None:
     (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
     try:
         before = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-        assert isinstance(before, dict)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError, AssertionError):
-        raise UserError(f"checkpoint {folder}: {CONFIG_FILE} unreadable") from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        before = None
+    if not isinstance(before, dict):
+        raise UserError(f"checkpoint {folder}: {CONFIG_FILE} unreadable")
     now = config.to_dict()
     changed = [key for key in USER_KEYS
                if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != now[key]]
@@ -231,10 +228,10 @@ def save(trainer, root: Path) -> Path | None:
 
     def finish():
         trainer_state = {"step": trainer.step, "adam_step": trainer.adam_step,
-                 "scheduler": trainer.scheduler.state_dict(),
-                 "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
-                 "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
-                 "parameter_shapes": trainer.parameter_shapes}
+                         "scheduler": trainer.scheduler.state_dict(),
+                         "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
+                         "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
+                         "parameter_shapes": trainer.parameter_shapes}
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(trainer.config.to_dict(), sort_keys=False))
         trainer.data.tokenizer.save_pretrained(partial / "tokenizer")
