@@ -84,10 +84,14 @@ def check_model_config(config: Config):
     for key, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UserError(f"model_config: {family.name} {key}={size!r} must be a positive integer")
+    return hf_config
+
+
+def check_heads(hf_config) -> None:
+    """Attention splits the width into equal heads (checked after the layout, whose message names the degrees)."""
     if hf_config.hidden_size % hf_config.num_attention_heads:
         raise UserError(f"model_config: hidden size {hf_config.hidden_size} is not divisible by "
                         f"{hf_config.num_attention_heads} attention heads")
-    return hf_config
 
 
 def preflight(config: Config, nproc: int) -> str:
@@ -109,6 +113,7 @@ def preflight(config: Config, nproc: int) -> str:
         check_model_source(config.model or family.default_model)
     hf_config = check_model_config(config)
     degrees, pipeline = check_layout(config, hf_config, nproc, nproc)
+    check_heads(hf_config)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch

@@ -43,7 +43,7 @@ from .parallel.pipeline import (PAD_MULTIPLE, Pipeline, check_microbatches, cut_
                                 stage_costs, sync_tied_gradients, tied_parameters)
 from .parallel.sharding import DataParallelAdamW, ZeroAdamW, apply_fsdp
 from .parallel.tensor import apply_tp
-from .preflight import check_model_config
+from .preflight import check_heads, check_model_config
 from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .throughput import achieved, device_peak_tflops, model_flops
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
@@ -138,7 +138,7 @@ class Trainer:
             self.peak_tflops, source = device_peak_tflops(layout.device, compute_dtype, config.peak_tflops)
             log.info("MFU is measured against %.3g TFLOP/s per device (%s)", self.peak_tflops, source)
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
-            check_model_config(config)  # a bad model_config value: one line, not a traceback from every rank
+            check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
             if layout.pp > 1:
                 check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps),
                                    self.microbatches)
