@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import integrity
 from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
+from .runfolder import restarted
 
 log = logging.getLogger("parallel_finetune")
 
@@ -53,11 +54,6 @@ def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
     if "SM_TRAINING_ENV" in os.environ:  # a SageMaker training job
         return SAGEMAKER_CHECKPOINTS
     return output_dir / "checkpoints"
-
-
-def restarted() -> bool:
-    """Whether this process is a torchrun restart (--max-restarts) of a run that already started in its folder."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
 def effective_resume(config) -> str:

@@ -149,6 +149,7 @@ CONTINUATION_MAY_CHANGE = (
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
 assert set(USER_KEYS) == set(_FIELDS) - {"recipe", "lr_note"}, "every Config field belongs to exactly one section"
+assert set(CONTINUATION_MAY_CHANGE) <= set(USER_KEYS), "continuation rules name config keys"
 
 
 def _unknown_key(key: str, where: str) -> UserError:

@@ -31,6 +31,11 @@ RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "de
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting
 
 
+def restarted() -> bool:
+    """Whether this process is a torchrun restart (--max-restarts) of a run that already started in its folder."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
 def _holder() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -72,8 +77,7 @@ class RunLock:
         self.created: list[Path] = []  # folders this run created, removed again if it fails to start
 
     def acquire(self) -> None:
-        deadline = time.monotonic() + (RESTART_WAIT_S if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-                                       else 0)
+        deadline = time.monotonic() + (RESTART_WAIT_S if restarted() else 0)
         for folder in self.folders:
             while True:
                 try:

@@ -48,7 +48,7 @@ from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .throughput import achieved, device_peak_tflops, model_flops
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
                         write_yaml)
-from .runfolder import RunLock, replace_previous_run, run_folders
+from .runfolder import RunLock, replace_previous_run, restarted, run_folders
 
 log = logging.getLogger("parallel_finetune")
 IGNORE = -100
@@ -165,7 +165,7 @@ class Trainer:
                 self.resumed_from = resume_from
         # Only now, with every input accepted, is the run folder written (a failed start leaves nothing).
         if layout.is_main:
-            if config.overwrite and not checkpoint.restarted():
+            if config.overwrite and not restarted():
                 replace_previous_run(self.output_dir, self.checkpoint_root)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_yaml(self.output_dir / "config.yaml", config.to_dict())
