@@ -150,6 +150,15 @@ def test_a_checkpoint_of_another_model_is_refused(reference, sst2, cache_dir, tm
     assert "holds another model: parameter 'transformer.h.0.mlp.fc_in.weight' is [512, 128] there, [256, 128] here" in run.output
 
 
+def test_check_refuses_resuming_into_another_model(reference, sst2, cache_dir):
+    """What the run above refuses after building the model, `--check` refuses first, from the checkpoint's config."""
+    step5 = reference.output_dir / "checkpoints" / "step-00000005"
+    checked = check(*overrides(sst2, cache_dir, f"resume={step5}", "model_config.n_inner=256"), nproc=1)
+    assert checked.returncode == 2 and checked.stderr.count("\n") == 1, checked.stderr
+    assert (f"error: checkpoint {step5} was trained with other settings: model_config {{}} -> {{'n_inner': 256}}"
+            in checked.stderr)
+
+
 def test_resume_path_must_exist(sst2):
     proc = subprocess.run([sys.executable, "-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"),
                            "size=tiny", f"data_dir={sst2}", "resume=/no/such/checkpoint"],

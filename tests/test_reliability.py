@@ -75,6 +75,20 @@ def test_hashing_is_shared_between_ranks(checkpoint):
     assert sum(problem is not None for problem in found) == 1, found  # exactly one rank hashed the shard
 
 
+def test_a_checkpoint_of_the_same_step_is_replaced_not_refused(tmp_path):
+    """Resuming from an older checkpoint of the same folder writes its later steps again: the rename used to fail
+    with "Directory not empty" and leave the old trajectory's checkpoint in place."""
+    from parallel_finetune.checkpoint import replace_folder
+
+    old, new = tmp_path / "step-00000010", tmp_path / ".tmp-step-00000010"
+    for folder, text in ((old, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(text)
+    replace_folder(new, old)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000010"]
+    assert (old / "trainer_state.json").read_text() == "new"
+
+
 def test_a_busy_folder_is_refused_naming_its_holder(tmp_path):
     first = RunLock([tmp_path / "run"])
     first.acquire()
