@@ -2,7 +2,8 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCHRUN := $(VENV)/bin/torchrun
+# torchrun without its ChildFailedError wall: a rank's one-line error is the last thing shown (see launch.py)
+TORCHRUN := $(PY) -m parallel_finetune.launch
 
 # GPUs decide the defaults: all of them for one tensor-parallel job at full size; on a CPU, 2 processes
 # at tiny size. Override any of them: make gptj-tp NPROC=4 SIZE=tiny DATA=../shared/data/sst2 ARGS="max_steps=50"

@@ -2,15 +2,16 @@
 """Write a Hugging Face model folder from a training checkpoint of any layout (one process, no GPU needed).
 
 python scripts/export_hf.py CHECKPOINT OUT [--dtype float32|bfloat16|float16]
-CHECKPOINT: a step-… folder (or a checkpoint folder: its newest complete checkpoint). OUT: a new or empty folder;
-`AutoModelForSequenceClassification.from_pretrained(OUT)` (or ForCausalLM) loads it.
+CHECKPOINT: a step-… folder (or a checkpoint folder: its newest checkpoint that verifies). OUT: a new or empty
+folder; `AutoModelForSequenceClassification.from_pretrained(OUT)` (or ForCausalLM) loads it. The checkpoint is
+verified against its manifest (sizes and sha256) before anything is read.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from parallel_finetune.checkpoint import export_checkpoint, resolve_resume
+from parallel_finetune.checkpoint import export_checkpoint
 from parallel_finetune.errors import UserError
 
 
@@ -21,8 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     try:
-        folder = resolve_resume(args.checkpoint, Path(args.checkpoint))
-        print(export_checkpoint(folder, Path(args.out), args.dtype))
+        print(export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

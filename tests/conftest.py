@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shlex
 import subprocess
 import sys
@@ -141,6 +142,12 @@ def single_process_run(tmp_path_factory):
     return get
 
 
+def check(*overrides: str, nproc: int = 2, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
+    """`python -m parallel_finetune.train --check`: what make runs before torchrun."""
+    return python("-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe), *overrides,
+                  timeout=300)
+
+
 def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
                    **extra) -> list[str]:
     """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare. No hf/ export (it costs
@@ -181,3 +188,40 @@ def fake_tp_mesh(world_size: int, rank: int):
         yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
+
+
+class Payload:
+    """What an attacker pickles into a checkpoint's .metadata: a call that runs while it is unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_payload(checkpoint: Path, marker: Path) -> None:
+    """Rewrite a DCP .metadata so that unpickling it runs `touch marker` and still returns the real metadata, and
+    rewrite the manifest to match, as an attacker who can write the folder would: only the unpickler is left."""
+    from parallel_finetune import integrity
+
+    with open(checkpoint / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # our own file, written by the test
+    metadata.__dict__["extra"] = Payload(marker)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    if (checkpoint / integrity.MANIFEST).exists():
+        integrity.write_manifest(checkpoint, integrity.describe(checkpoint, integrity.files_in(checkpoint)))
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, options: str):
+    """A tmpfs mounted on `folder` (e.g. "size=30m", "ro,size=1m"), or the test skipped where mounting is not
+    allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)])

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, resharding across layouts, SIGTERM and torchrun restarts, export, and faults.
+"""Checkpoints: exact resume, resharding across layouts, SIGTERM and torchrun restarts, export, and faults: code in
+a checkpoint, corruption, divergence, run folders shared by two runs or by two settings, full disks, stopped ranks.
 
 The reference is one uninterrupted TP=2 run of 10 fp32 steps that checkpoints every 5; every other run must
 reproduce its losses."""
@@ -6,15 +7,19 @@ reproduce its losses."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
 import pytest
 from safetensors.torch import load_file
 
+from parallel_finetune import integrity
 from parallel_finetune.checkpoint import resolve_resume
+from parallel_finetune.runfolder import RunLock
 
-from conftest import FAMILIES, REPO, launch, python, recipe, tiny_overrides
+from conftest import (FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides,
+                      tmpfs)
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
@@ -143,6 +148,15 @@ def test_a_checkpoint_of_another_model_is_refused(reference, sst2, cache_dir, tm
     assert "holds another model: parameter 'transformer.h.0.mlp.fc_in.weight' is [512, 128] there, [256, 128] here" in run.output
 
 
+def test_check_refuses_resuming_into_another_model(reference, sst2, cache_dir):
+    """What the run above refuses after building the model, `--check` refuses first, from the checkpoint's config."""
+    step5 = reference.output_dir / "checkpoints" / "step-00000005"
+    checked = check(*overrides(sst2, cache_dir, f"resume={step5}", "model_config.n_inner=256"), nproc=1)
+    assert checked.returncode == 2 and checked.stderr.count("\n") == 1, checked.stderr
+    assert (f"error: checkpoint {step5} was trained with other settings: model_config {{}} -> {{'n_inner': 256}}"
+            in checked.stderr)
+
+
 def test_resume_path_must_exist(sst2):
     proc = python("-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "size=tiny",
                   f"data_dir={sst2}", "resume=/no/such/checkpoint", timeout=120)
@@ -154,21 +168,181 @@ def test_resume_path_must_exist(sst2):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 30 MB file system: room for one tiny GPT-J checkpoint (17 MB of shards), not for a second."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)], capture_output=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)])
+    with tmpfs(tmp_path / "small", "size=30m") as mount:
+        yield mount
 
 
 def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk, reference, sst2, cache_dir,
                                                                        tmp_path):
     run = launch(1, overrides(sst2, cache_dir, "checkpoint_every=5", f"checkpoint_dir={small_disk}"), tmp_path / "run")
-    assert "checkpoint at step 10 not written" in run.output
+    line = next(line for line in run.output.splitlines() if "checkpoint at step 10 not written" in line)
+    warning = line[line.index("checkpoint at step 10"):]  # after the progress bar's last redraw
+    assert warning.startswith("checkpoint at step 10 not written (No space left on device (0 bytes free under ")
+    assert len(warning) < 400, warning  # not 1,400 characters of tuples
     assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000005"]
     assert resolve_resume("auto", small_disk) == small_disk / "step-00000005"
     assert len(run.losses) == 10  # training went on
     state = json.loads((small_disk / "step-00000005" / "trainer_state.json").read_text())
     assert state["step"] == 5
+
+
+def export_hf(checkpoint, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+
+
+def assert_one_error(output: str, message: str) -> None:
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], output[-3000:]
+    assert "parallel_finetune/" not in output, "no traceback through our code, only torchrun's own report"
+
+
+def copy_step5(reference, folder):
+    return shutil.copytree(reference.output_dir / "checkpoints" / "step-00000005", folder / "step-00000005")
+
+
+@pytest.fixture
+def copied_run(reference, tmp_path):
+    """The reference run's folder (checkpoints at steps 5 and 10, metrics, config) to continue or damage."""
+    return shutil.copytree(reference.output_dir, tmp_path / "run")
+
+
+def test_a_checkpoint_whose_metadata_runs_code_is_refused(reference, sst2, cache_dir, tmp_path):
+    """A .metadata pickle that runs a payload (and then returns the real metadata), with a manifest to match."""
+    step5 = copy_step5(reference, tmp_path)
+    marker = tmp_path / "payload-ran"
+    plant_payload(step5, marker)
+    message = "asks to load posix.system, which DCP metadata never holds; refusing to read it"
+    run = launch(2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2"), tmp_path / "run",
+                 check=False)
+    assert run.returncode != 0
+    assert_one_error(run.output, message)
+    exported = export_hf(step5, tmp_path / "hf")
+    assert exported.returncode == 2 and exported.stderr.count("\n") == 1 and message in exported.stderr
+    assert not marker.exists(), "the payload ran"
+    assert not (tmp_path / "hf").exists()
+
+
+def overwrite_inside(checkpoint, prefix: str) -> str:
+    """4 KiB of 0xff (NaN as fp32) in the middle of the largest tensor whose name starts with `prefix`: the
+    file keeps its size, only its content changes."""
+    metadata = integrity.read_metadata(checkpoint / ".metadata")
+    index, where = max(((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(prefix)),
+                       key=lambda pair: pair[1].length)
+    with open(checkpoint / where.relative_path, "r+b") as handle:
+        handle.seek(where.offset + where.length // 2)
+        handle.write(b"\xff" * 4096)
+    return where.relative_path
+
+
+def test_flipped_bytes_in_weights_or_moments_are_found_at_resume_and_export(reference, sst2, cache_dir, tmp_path):
+    weights, moments = copy_step5(reference, tmp_path / "weights"), copy_step5(reference, tmp_path / "moments")
+    damaged = {folder: overwrite_inside(folder, prefix) for folder, prefix in
+               [(weights, "model.transformer.wte"), (moments, "optimizer.transformer.h.0.mlp.fc_in.weight.exp_avg")]}
+    for folder, shard in damaged.items():
+        exported = export_hf(folder, tmp_path / f"hf-{folder.parent.name}")
+        assert exported.returncode == 2, exported.stderr[-2000:]
+        assert exported.stderr.strip() == (f"error: checkpoint '{folder}' is not a usable checkpoint: {shard} does not "
+                                           "match its sha256 in the manifest (corrupted or modified)")
+    run = launch(2, overrides(sst2, cache_dir, f"resume={moments}", "tensor_parallel_degree=2"), tmp_path / "run",
+                 check=False)
+    assert run.returncode != 0
+    assert_one_error(run.output, f"resume='{moments}' is not a usable checkpoint: {damaged[moments]} does not match "
+                                 "its sha256")
+    assert not (tmp_path / "run" / "checkpoints").exists(), "nothing trained from the damaged moments"
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(copied_run, reference, sst2, cache_dir):
+    shard = copied_run / "checkpoints" / "step-00000010" / "__1_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "checkpoint_every=5"), copied_run)
+    skipped = [line for line in run.output.splitlines() if line.startswith("skipping checkpoint")]
+    assert skipped == [f"skipping checkpoint {copied_run / 'checkpoints' / 'step-00000010'}: __1_0.distcp is "
+                       f"{size // 2:,} bytes, the manifest says {size:,} (truncated or overwritten); trying the one "
+                       "before"], run.output[-3000:]
+    assert run.summary["resumed_from"] == str(copied_run / "checkpoints" / "step-00000005")
+    assert run.losses == reference.losses  # steps 6-10 again, exactly
+
+
+def test_a_diverging_run_stops_and_writes_no_nan(sst2, cache_dir, tmp_path):
+    """lr=inf is refused by the config (tests/test_cli.py); a finite but absurd one diverges: weights ~1e30 after
+    step 2, a NaN loss from step 3."""
+    run = launch(1, overrides(sst2, cache_dir, "lr=1e30", "checkpoint_every=1", "max_nonfinite_steps=2",
+                              "export=true"), tmp_path / "run", check=False)
+    assert run.returncode != 0
+    assert_one_error(run.output, "training diverged: loss nan, grad_norm nan at step 4, non-finite for 2 steps in a "
+                                 "row (steps 3-4; max_nonfinite_steps=2)")
+    assert "checkpoint at step 3 not written: the loss or gradient norm of step 3 was not finite" in run.output
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001",
+                                                                                  "step-00000002"]
+    assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "summary.json").exists()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, False, True]  # step 4 stopped the run before its record
+
+
+def test_a_second_run_into_a_busy_folder_is_refused(sst2, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    first = RunLock([out])
+    first.acquire()  # a run in progress, as far as the folder can tell
+    try:
+        refusal = f"{out} is in use by another run (pid {os.getpid()} on "
+        checked = check("size=tiny", f"output_dir={out}")
+        assert checked.returncode == 2 and checked.stderr.startswith(f"error: {refusal}"), checked.stderr
+        run = launch(2, overrides(sst2, cache_dir), out, check=False)
+        assert run.returncode != 0
+        assert_one_error(run.output, refusal)
+        assert sorted(p.name for p in out.iterdir()) == [".run.lock"], "the second run wrote nothing"
+    finally:
+        first.release()
+
+
+def test_continuing_with_another_lr_is_refused(copied_run, sst2, cache_dir):
+    config = (copied_run / "config.yaml").read_text()
+    step10 = copied_run / "checkpoints" / "step-00000010"
+    message = f"checkpoint {step10} was trained with other settings: lr 0.001 -> 0.002, seed 42 -> 7; a continued run"
+    checked = check(*overrides(sst2, cache_dir, "lr=2e-3", "seed=7"), f"output_dir={copied_run}", nproc=1)
+    assert checked.returncode == 2 and message in checked.stderr, checked.stderr
+    run = launch(1, overrides(sst2, cache_dir, "lr=2e-3", "seed=7"), copied_run, check=False)
+    assert run.returncode != 0
+    assert_one_error(run.output, message)
+    assert (copied_run / "config.yaml").read_text() == config, "the old run's settings stay on record"
+    longer = check(*overrides(sst2, cache_dir, "max_steps=20", "log_every=5"), f"output_dir={copied_run}", nproc=1)
+    assert longer.returncode == 0, longer.stderr  # more steps and another cadence: a continuation
+
+
+def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
+    (copied_run / "notes.txt").write_text("mine")
+    run = launch(1, overrides(sst2, cache_dir, "overwrite=true", "resume=none", "max_steps=3"), copied_run)
+    assert (f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
+            f"tensorboard, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}") in run.output
+    assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == ["step-00000003"]
+    assert [r["step"] for r in run.records] == [1, 2, 3] and run.summary["steps"] == 3
+    assert (copied_run / "notes.txt").read_text() == "mine"
+
+
+def test_export_to_a_full_disk_leaves_no_partial_hf(sst2, cache_dir, tmp_path):
+    with tmpfs(tmp_path / "full", "size=4m") as out:  # room for the logs, not for 23 MB of weights
+        run = launch(1, overrides(sst2, cache_dir, "max_steps=2", "export=true",
+                                  f"checkpoint_dir={tmp_path / 'checkpoints'}"), out, check=False)
+        assert run.returncode != 0
+        assert_one_error(run.output, f"export to {out / 'hf'} failed (")
+        assert "No space left on device" in run.output
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "eval.jsonl", "metrics.jsonl", "tensorboard"]
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()  # the trained model is safe in its checkpoint
+
+
+def test_export_hf_names_its_own_argument(tmp_path):
+    proc = export_hf(tmp_path / "no-such", tmp_path / "out")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: checkpoint '{tmp_path / 'no-such'}': no such checkpoint folder (valid: a "
+                                   "step-… folder, or a folder of them)")
+
+
+def test_a_stopped_rank_ends_the_run_after_collective_timeout_s(sst2, cache_dir, tmp_path):
+    env = {"SIGNAL_NAME": "SIGSTOP", "SIGNAL_RANK": "1", "SIGNAL_STEP": "3"}
+    run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "collective_timeout_s=10"),
+                 tmp_path / "run", script=SIGNAL_WORKER, env=env, check=False, timeout=300)
+    assert run.returncode != 0
+    assert_one_error(run.output, "error: after step 2: rank 0 waited collective_timeout_s=10 s in a collective for "
+                                 "another rank that never came")

@@ -9,11 +9,7 @@ import pytest
 
 from parallel_finetune.precision import cpu_has_bf16
 
-from conftest import REPO, RECIPE, launch, make_commands, python, subprocess_env, tiny_overrides
-
-
-def check(*overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return python("-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(RECIPE), *overrides)
+from conftest import REPO, RECIPE, check, launch, make_commands, python, subprocess_env, tiny_overrides, tmpfs
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -125,7 +121,8 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     overrides = ["size=tiny", f"data_dir={sst2}", "max_steps=3", f"cache_dir={cache_dir}"]
     assert check_command == [".venv/bin/python", "-m", "parallel_finetune.train", "--check", "--nproc", "2", recipe,
                              *overrides]
-    assert train_command == [".venv/bin/torchrun", "--nproc_per_node", "2", "scripts/train.py", recipe, *overrides]
+    assert train_command == [".venv/bin/python", "-m", "parallel_finetune.launch", "--nproc_per_node", "2", "scripts/train.py",
+                             recipe, *overrides]
     checked = python(*check_command[1:])
     assert checked.returncode == 0, checked.stderr
     out = tmp_path / target
@@ -134,3 +131,67 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     assert summary["family"] == target.split("-")[0] and summary["steps"] == 3
     assert summary["layout"]["tensor_parallel"] == 2
     assert (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["seed=-1"], "seed=-1 must be in [0, 4294967295]"),
+    (["lr=nan"], "lr=nan must be a finite number"),
+    (["lr=.inf"], "lr=inf must be a finite number"),
+    (["epochs=nan"], "epochs=nan must be a finite number"),
+    (["adam_eps=-1"], "adam_eps=-1.0 must be positive"),
+    (["model_config.n_head=-2"], "model_config: gptj n_head=-2 must be a positive integer"),
+    (["model_config.n_layer=abc"], "model_config.n_layer='abc' is not valid; GPTJConfig.n_layer is an integer"),
+    (["model_config.n_head=3"], "model_config: hidden size 128 is not divisible by 3 attention heads"),
+    (["lr_scheduler=bogus"], "lr_scheduler='bogus' is not valid; expected one of linear|cosine|"),
+    (["cache_dir=/etc/hostname"], "cache_dir='/etc/hostname': /etc/hostname is a file, not a folder"),
+    (["batch_size=67350", "tensor_parallel_degree=1", "gradient_accumulation_steps=67350"],
+     "batch_size=67350 is larger than the training split (67349 rows)"),
+    (["device=cuda"], "device='cuda' but no CUDA device is visible"),
+])
+def test_check_refuses_what_the_run_would(overrides, message, sst2):
+    """`--check` runs load_config + preflight: each of these got "ok" from it, then a traceback from every rank."""
+    from parallel_finetune.config import load_config
+    from parallel_finetune.errors import UserError
+    from parallel_finetune.preflight import preflight
+
+    if "device=cuda" in overrides and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError) as error:
+        preflight(load_config(RECIPE, ["size=tiny", f"data_dir={sst2}", *overrides]), 1)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_check_of_a_wrongly_typed_model_config_is_one_line():  # it crashed --check itself
+    assert_one_line_error(check("size=tiny", "model_config.n_layer=abc"), "GPTJConfig.n_layer is an integer")
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    with tmpfs(tmp_path / "read-only", "ro,size=1m") as folder:
+        yield folder
+
+
+def test_a_read_only_output_dir_is_refused_by_check_and_by_the_run(read_only_folder, sst2, cache_dir):
+    out = read_only_folder / "run"
+    assert_one_line_error(check("size=tiny", f"output_dir={out}"), "output_dir=")
+    run = launch(1, tiny_overrides(sst2, cache_dir), out, check=False)
+    assert run.returncode != 0 and run.output.count("error: ") == 1, run.output[-3000:]
+    assert f"error: {out} cannot be written (Read-only file system)" in run.output
+
+
+def test_a_rank_error_under_the_launcher_is_one_line_and_exit_2(cache_dir, tmp_path):
+    """What `make` shows when only the ranks can find the problem: their one line, not torchrun's wall."""
+    bad = tmp_path / "sst2"
+    bad.mkdir()
+    (bad / "train.tsv").write_text("sentence\tlabel\na fine film\t1\n")
+    (bad / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+    proc = subprocess.run([sys.executable, "-m", "parallel_finetune.launch", "--standalone", "--nproc_per_node=2",
+                           "scripts/train.py", str(RECIPE), "size=tiny", f"data_dir={bad}", f"cache_dir={cache_dir}",
+                           "tokenizer_vocab_size=300", f"output_dir={tmp_path / 'run'}"],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "error: batch_size=32 is larger than the training split (1 rows)", proc.stderr[-3000:]
+    assert sum(line.startswith("error") for line in lines) == 1
+    assert not any(wall in proc.stderr for wall in ("Traceback", "ChildFailedError", "exitcode", "SIGTERM"))
+    assert "TORCHRUN := $(PY) -m parallel_finetune.launch" in (REPO / "Makefile").read_text()  # what make runs

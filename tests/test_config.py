@@ -134,3 +134,37 @@ def test_checkpoint_keys_are_validated():
     with pytest.raises(UserError, match="checkpoint_every=5 is not supported with engine=deepspeed yet"):
         load_config(RECIPE, ["engine=deepspeed", "checkpoint_every=5"])
     assert load_config(RECIPE, ["checkpoint.resume=none"]).resume == "none"
+
+
+def test_a_child_recipe_value_wins_over_the_parents_tiny_section(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {RECIPE}\ntraining:\n  lr: 2.0e-4\n  seed: 7\n")
+    tiny = load_config(child, ["size=tiny"])
+    assert tiny.lr == 2e-4  # tp.yaml's tiny: lr 1e-3 no longer overrides the child's own lr
+    assert tiny.warmup_ratio == 0.02  # what the child leaves alone still comes from the parent's tiny:
+    child.write_text(f"extends: {RECIPE}\ntraining:\n  lr: 2.0e-4\ntiny:\n  lr: 3.0e-4\n")
+    assert load_config(child, ["size=tiny"]).lr == 3e-4  # the child's own tiny: wins
+    assert load_config(child).lr == 2e-4
+
+
+@pytest.mark.parametrize("text,message", [
+    ("family: gptj\ntraining:\n  lr: 1.0e-4\n  lr: 2.0e-4\n",
+     "dup.yaml line 4: key 'lr' is given twice (first at line 3)"),
+    ("family: gptj\ntraining:\n  lr: 1.0e-4\ntraining:\n  seed: 3\n",
+     "dup.yaml line 4: key 'training' is given twice (first at line 2)"),
+    ("family: gptj\nlr: 1.0e-4\ntraining:\n  lr: 2.0e-4\n",
+     "dup.yaml: lr is set twice (lr at line 2, training.lr at line 4)"),
+    ("family: gptj\ntiny:\n  lr: 1.0e-4\n  training:\n    lr: 2.0e-4\n",
+     "dup.yaml (tiny): lr is set twice (lr at line 3, training.lr at line 5)"),
+])
+def test_duplicate_keys_are_errors_naming_the_line(tmp_path, text, message):
+    (tmp_path / "dup.yaml").write_text(text)
+    with pytest.raises(UserError) as error:
+        load_config(tmp_path / "dup.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_duplicate_keys_in_an_override_are_errors():
+    with pytest.raises(UserError, match=r"override 'model_config=\{n_layer: 2, n_layer: 4\}': line 1: key 'n_layer' "
+                                        "is given twice"):
+        load_config(RECIPE, ["model_config={n_layer: 2, n_layer: 4}"])

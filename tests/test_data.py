@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import Counter
 
 import pytest
@@ -139,3 +141,40 @@ def test_collate_pads_dynamically_both_sides():
     left = data.collate([[5, 6, 7], [8]], pad_id=0, padding_side="left")
     assert left["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert data.collate([[1, 2, 3]], 0, "right", pad_to_multiple_of=8)["input_ids"].shape == (1, 8)
+
+
+def test_a_byte_order_mark_and_any_line_ending_are_accepted(tmp_path):
+    rows = ["sentence\tlabel", "a good film\t1", "a bad film\t0"]
+    for name, text in [("bom", "\ufeff" + "\n".join(rows) + "\n"), ("cr", "\r".join(rows) + "\r"),
+                       ("crlf", "\r\n".join(rows) + "\r\n")]:
+        path = write(tmp_path / name, "train.tsv", text)
+        assert data.read_glue_tsv(path, "train") == {"sentence": ["a good film", "a bad film"], "label": [1, 0]}
+    cr = write(tmp_path / "cr-bad", "train.tsv", "sentence\tlabel\rfine\t1\rawful\t2\r")
+    with pytest.raises(UserError, match=r"train.tsv:3: label '2' is not 0 or 1"):  # line 3, not the whole file
+        data.read_glue_tsv(cr, "train")
+
+
+def test_rows_with_an_empty_sentence_are_dropped_and_counted(tmp_path, caplog):
+    path = write(tmp_path, "train.tsv", "sentence\tlabel\na good film\t1\n\t0\n   \t1\nbad\t0\n")
+    with caplog.at_level(logging.WARNING):
+        assert data.read_glue_tsv(path, "train") == {"sentence": ["a good film", "bad"], "label": [1, 0]}
+    assert "train.tsv: dropped 2 row(s) with an empty sentence (lines 3, 4)" in caplog.text
+
+
+def test_a_fifo_is_refused_instead_of_hanging(tmp_path):
+    write(tmp_path, "dev.tsv", GOOD)
+    os.mkfifo(tmp_path / "train.tsv")
+    with pytest.raises(UserError, match=r"train.tsv: not a regular file \(a FIFO, socket or device\)"):
+        data.read_glue_dir(tmp_path)
+
+
+def test_an_unreachable_hub_is_one_line_without_retries(monkeypatch, caplog):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        raw, source = data.load_raw(None)
+    assert source.kind == "sample" and time.monotonic() - started < 5
+    assert len(caplog.records) == 1 and "THE HUGGING FACE HUB IS UNREACHABLE (URLError" in caplog.text

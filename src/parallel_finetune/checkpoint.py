@@ -10,9 +10,13 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
   are a function of the seed and the step.
 
+- `manifest.json` (rank 0, last): the size and sha256 of every other file (see integrity.py).
+
 It is written to `.tmp-step-…/` and renamed when every rank has finished, so a folder named `step-…` is
-complete; the newest `keep_checkpoints` are kept. Nothing here unpickles objects: DCP, JSON, and
-`torch.load(weights_only=True)` for the RNG tensors.
+complete; the newest `keep_checkpoints` are kept. Only finite weights and moments are written. Loading verifies
+the manifest first (every rank hashing a share of the files) and reads DCP's `.metadata` with an unpickler that
+admits only DCP's metadata classes; the rest is JSON, YAML and `torch.load(weights_only=True)` for the RNG
+tensors, so nothing in a checkpoint can run code.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -30,7 +35,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .errors import UserError
+from . import integrity
+from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
+from .errors import UserError, one_line
+from .runfolder import restarted
 
 log = logging.getLogger("parallel_finetune")
 
@@ -48,15 +56,30 @@ def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
+def effective_resume(config) -> str:
+    """overwrite=true replaces the run in output_dir, so `auto` has nothing to continue, except in a torchrun
+    restart: the first attempt did the replacing, and the restart continues the new run."""
+    if config.resume == "auto" and config.overwrite and not restarted():
+        return "none"
+    return config.resume
+
+
 def continuing_run(config) -> bool:
     """Whether this run continues one in its output folder (so the folder may already hold files)."""
-    if config.resume == "none" or not config.output_dir:
+    if effective_resume(config) == "none" or not config.output_dir:
         return False
-    return newest_checkpoint(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())) is not None
+    return bool(_step_folders(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())))
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """The `step-…` folders under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)
 
 
 def _complete(folder: Path) -> str | None:
-    """Why `folder` is not a usable checkpoint, or None when it is."""
+    """Why `folder` is not a usable checkpoint by a cheap look (no hashing), or None."""
     if not (folder / ".metadata").is_file():
         return "no DCP .metadata"
     try:
@@ -68,33 +91,83 @@ def _complete(folder: Path) -> str | None:
     return None
 
 
-def newest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`; incomplete or corrupt ones are skipped with a warning."""
-    if not root.is_dir():
+def _pick(resume: str, root: Path, problem_of: Callable[[Path], str | None], label: str = "resume",
+          warn: Callable = log.warning) -> Path | None:
+    """`resume` as a verified checkpoint folder. auto (or a folder of checkpoints): the newest one that verifies,
+    saying which were skipped and why; a step-… folder: that one, or a one-line error."""
+    if resume == "none":
         return None
-    for folder in sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True):
-        problem = _complete(folder)
+    named = f"resume={resume!r}" if label == "resume" else f"{label} {resume!r}"
+    if resume == "auto":
+        folders, explicit = _step_folders(root), False
+    else:
+        path = Path(resume).expanduser()
+        if not path.is_dir():
+            valid = "auto, none, or a step-… folder" if label == "resume" else "a step-… folder, or a folder of them"
+            raise UserError(f"{named}: no such checkpoint folder (valid: {valid})")
+        explicit = NAME.match(path.name) is not None or not _step_folders(path)
+        folders = [path] if explicit else _step_folders(path)
+    problems = []
+    for folder in folders:
+        problem = problem_of(folder)
         if problem is None:
             return folder
-        log.warning("skipping checkpoint %s: %s; trying the one before", folder, problem)
+        if explicit:
+            raise UserError(f"{named} is not a usable checkpoint: {problem}")
+        warn("skipping checkpoint %s: %s; trying the one before", folder, problem)
+        problems.append(f"{folder.name}: {problem}")
+    if problems:
+        raise UserError(f"no checkpoint in {folders[0].parent} verifies ({'; '.join(problems)}); resume=none "
+                        "starts fresh")
     return None
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """`resume` as a checkpoint folder: auto = the newest complete one (or none), none, or a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return newest_checkpoint(root)
-    path = Path(resume).expanduser()
-    if not path.is_dir():
-        raise UserError(f"resume={resume!r}: no such checkpoint folder (valid: auto, none, or a step-… folder)")
-    if NAME.match(path.name) is None and newest_checkpoint(path) is not None:
-        return newest_checkpoint(path)  # a checkpoint folder's parent: its newest checkpoint
-    problem = _complete(path)
-    if problem is not None:
-        raise UserError(f"resume={resume!r} is not a complete checkpoint: {problem}")
-    return path
+def resolve_resume(resume: str, root: Path, label: str = "resume") -> Path | None:
+    """`resume` as a checkpoint folder, verified in this one process (preflight, export_hf.py)."""
+    return _pick(resume, root, lambda folder: _complete(folder) or integrity.verify(folder), label)
+
+
+def choose_resume(config, root: Path, layout) -> Path | None:
+    """What every rank of a run resumes from: its checkpoint verified by all ranks together (each hashes a share
+    of the files) and agreed (the same answer, or the same UserError, everywhere)."""
+    def problem_of(folder: Path) -> str | None:
+        mine = _complete(folder) or integrity.verify(folder, (layout.rank, layout.world_size))
+        everyone: list = [None] * layout.world_size
+        dist.all_gather_object(everyone, mine)
+        return next((problem for problem in everyone if problem), None)
+
+    return _pick(effective_resume(config), root, problem_of, warn=log.warning if layout.is_main else log.debug)
+
+
+def check_resume(config, root: Path) -> None:
+    """For --check: the checkpoint the run would continue from is complete, intact in structure (the sizes and
+    metadata; hashing is the run's job, spread over its ranks) and of compatible settings."""
+    def problem_of(folder: Path) -> str | None:
+        return _complete(folder) or integrity.verify(folder, contents=False)
+
+    folder = _pick(effective_resume(config), root, problem_of)
+    if folder is not None:
+        check_continuation(folder, config)
+
+
+def check_continuation(folder: Path, config) -> None:
+    """A run continues with the settings it was trained with; only its length, cadences, outputs and layout
+    (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
+    try:
+        before = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        before = None
+    if not isinstance(before, dict):
+        raise UserError(f"checkpoint {folder}: {CONFIG_FILE} unreadable")
+    now = config.to_dict()
+    changed = [key for key in USER_KEYS
+               if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != now[key]]
+    if changed:
+        raise UserError(f"checkpoint {folder} was trained with other settings: "
+                        + ", ".join(f"{key} {before[key]!r} -> {now[key]!r}" for key in changed)
+                        + "; a continued run may change only its length, cadences, outputs and layout: use the "
+                          "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
+                          "another output_dir")
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -104,11 +177,14 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 
 def save(trainer, root: Path) -> Path | None:
     """Write a checkpoint of `trainer` at its current step; every rank calls this. A failure (full disk, a
-    read-only folder) is a warning: the previous checkpoints stay as they were, and training goes on."""
+    read-only folder, non-finite weights) is a warning: the previous checkpoints stay as they were, and training
+    goes on."""
     layout = trainer.layout
     final = root / f"step-{trainer.step:08d}"
     partial = root / f".tmp-step-{trainer.step:08d}"
     error: list[str] = []
+    state: dict = {}
+    hashed: dict[str, dict] = {}  # this rank's files -> manifest entries
 
     def stage(action, everywhere: bool = True) -> bool:
         """Run `action` (on every rank, or rank 0 only) unless a stage failed; all ranks agree on the outcome,
@@ -118,14 +194,18 @@ def save(trainer, root: Path) -> Path | None:
                 action()
             # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one
             except (Exception, CheckpointException) as exc:
-                if isinstance(exc, CheckpointException) and exc.failures:  # the rank's own error says what
-                    exc = next(iter(exc.failures.values()))
-                error.append(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+                error.append(describe_failure(exc, partial if partial.exists() else root))
         flag = torch.tensor([1.0 if error else 0.0], device=layout.device)
         dist.all_reduce(flag)
         if flag.item() and not error:
             error.append("another rank failed")
         return not error
+
+    def gather_state():
+        state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.moments(trainer.model))
+        bad = integrity.nonfinite(state)
+        if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
+            raise ValueError(f"{bad} holds NaN or inf")
 
     def make_folder():
         shutil.rmtree(partial, ignore_errors=True)
@@ -136,26 +216,35 @@ def save(trainer, root: Path) -> Path | None:
         torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, partial / "rng" / f"rank{layout.rank}.pt")
 
     def write_shards():
-        dcp.save({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.moments(trainer.model)},
-                 checkpoint_id=partial)
+        dcp.save(state, checkpoint_id=partial)
+
+    def hash_own_files():  # every rank hashes what it wrote (DCP names a rank's shards __<rank>_…)
+        mine = [f"rng/rank{layout.rank}.pt", *(p.name for p in partial.glob(f"__{layout.rank}_*.distcp"))]
+        hashed.update(integrity.describe(partial, mine))
 
     def finish():
-        state = {"step": trainer.step, "adam_step": trainer.adam_step,
-                 "scheduler": trainer.scheduler.state_dict(),
-                 "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
-                 "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
-                 "parameter_shapes": trainer.parameter_shapes}
+        trainer_state = {"step": trainer.step, "adam_step": trainer.adam_step,
+                         "scheduler": trainer.scheduler.state_dict(),
+                         "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
+                         "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
+                         "parameter_shapes": trainer.parameter_shapes}
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(trainer.config.to_dict(), sort_keys=False))
         trainer.data.tokenizer.save_pretrained(partial / "tokenizer")
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        os.replace(partial, final)  # atomic: a folder named step-… is complete
-        for old in sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)[
-                trainer.config.keep_checkpoints:]:
+        (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+        entries = {name: entry for part in everyone for name, entry in part.items()}
+        entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
+        integrity.write_manifest(partial, entries)
+        replace_folder(partial, final)  # atomic: a folder named step-… is complete
+        for old in _step_folders(root)[trainer.config.keep_checkpoints:]:
             shutil.rmtree(old, ignore_errors=True)
 
-    done = (stage(make_folder, everywhere=False) and stage(write_rng) and stage(write_shards)
-            and stage(finish, everywhere=False))
+    everyone: list = [None] * layout.world_size
+    done = (stage(gather_state) and stage(make_folder, everywhere=False) and stage(write_rng)
+            and stage(write_shards) and stage(hash_own_files))
+    if done:
+        dist.all_gather_object(everyone, hashed)
+        done = stage(finish, everywhere=False)
     if not done:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -164,6 +253,28 @@ def save(trainer, root: Path) -> Path | None:
         return None
     log.info("checkpoint %s", final)
     return final
+
+
+def describe_failure(exc: BaseException, folder: Path) -> str:
+    """One short line: DCP wraps each rank's error as (exception, stack) in `failures`."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure
+    return one_line(exc, folder)
+
+
+def replace_folder(new: Path, final: Path) -> None:
+    """Rename `new` to `final`; an existing `final` (the same step written before, e.g. after resuming from an
+    older checkpoint of this folder) is replaced, not left to fail the rename with "Directory not empty"."""
+    if final.exists():
+        old = final.with_name(f".replaced-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(new, final)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("replaced the earlier %s", final)
+        return
+    os.replace(new, final)
 
 
 def check_same_model(folder: Path, state: dict, family: str, task: str, shapes: dict[str, list[int]]) -> None:
@@ -183,9 +294,11 @@ def load(trainer, folder: Path) -> None:
     """Restore `trainer` from `folder`, whatever layout wrote it."""
     state = json.loads((folder / STATE_FILE).read_text())
     check_same_model(folder, state, trainer.family.name, trainer.config.task, trainer.parameter_shapes)
+    check_continuation(folder, trainer.config)
     moments = trainer.optimizer.moments(trainer.model)  # placeholders with this layout's shapes and placements
     target = {"model": trainer.model.state_dict(), "optimizer": moments}
-    dcp.load(target, checkpoint_id=folder)  # in place, resharding from the writer's layout
+    # in place, resharding from the writer's layout; the folder was verified (choose_resume)
+    dcp.load(target, storage_reader=integrity.SafeReader(folder))
     trainer.optimizer.load_moments(trainer.model, target["optimizer"], state["adam_step"])
     trainer.adam_step = state["adam_step"]
     # Layouts group parameters differently (DTensor and plain tensors apart, ZeRO buckets), but every group
@@ -212,7 +325,8 @@ def load(trainer, folder: Path) -> None:
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
-    """A Hugging Face model folder from any layout's checkpoint, in one process (no process group)."""
+    """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
+    that verifies), in one process (no process group)."""
     from transformers import AutoTokenizer
 
     from .config import Config
@@ -221,10 +335,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     from .families.base import download_model
     from .weights import materialize
 
-    folder = Path(folder)
-    problem = _complete(folder) if folder.is_dir() else "no such folder"
-    if problem is not None:
-        raise UserError(f"checkpoint {str(folder)!r} is not a complete checkpoint: {problem}")
+    folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
     if dtype not in DTYPES:
         raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(DTYPES)}")
     if out.exists() and any(out.iterdir()):
@@ -239,7 +350,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
     materialize(model, torch.device("cpu"))
     state = model.state_dict()
-    dcp.load({"model": state}, checkpoint_id=folder)
+    dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -52,7 +53,9 @@ class Config:
     weight_decay: float = 0.01
     adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
-    lr_scheduler: str = "linear"  # any name transformers.get_scheduler knows
+    # the transformers.get_scheduler schedules that need nothing but the warm-up and total steps
+    lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "inverse_sqrt"] = "linear"
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float | None = 1.0  # None or 0 = no clipping
@@ -66,9 +69,16 @@ class Config:
     lr_scaling: Literal["none", "linear"] = "none"
     compile: bool = False  # torch.compile each transformer block (regional: one small graph, compiled once)
     peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, or measured (CPU)
+    # A step whose loss or gradient norm is NaN/inf is skipped, never applied; this many in a row stop the run with
+    # an error (a diverged run only wastes compute). fp16 overflows count only once the loss scale is down to 1,
+    # where halving it again cannot help (DeepSpeed's min_loss_scale rule).
+    max_nonfinite_steps: int = 3
     # --- parallel ---
     tensor_parallel_degree: int | Literal["auto"] = "auto"  # auto = every process of one node
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How long a rank waits in a collective for the others (a stopped, hung or dead peer) before it gives up with
+    # an error naming this key. Long enough for rank 0 to tokenize SST-2 or write a checkpoint while others wait.
+    collective_timeout_s: float = 600.0
     # How the data-parallel ranks hold the training state: none = every rank a full copy; optimizer = AdamW
     # state sharded (ZeRO-1); full = parameters, gradients and optimizer state sharded (FSDP2); hybrid = sharded
     # inside groups of `shard_group_size` ranks, replicated across groups (MiCS / HSDP).
@@ -117,9 +127,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",
         "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
         "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every", "lr_scaling",
-        "compile", "peak_tflops",
+        "compile", "peak_tflops", "max_nonfinite_steps",
     ),
-    "parallel": ("tensor_parallel_degree", "device", "sharding", "shard_group_size", "engine", "zero_stage",
+    "parallel": ("tensor_parallel_degree", "device", "collective_timeout_s", "sharding", "shard_group_size", "engine", "zero_stage",
                  "mics_shard_size", "deepspeed_config", "pipeline_parallel_degree", "microbatches", "pipeline_schedule",
                  "virtual_stages", "partition"),
     "memory": ("activation_checkpointing", "offload_activations"),
@@ -127,9 +137,20 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
 }
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
+# What may differ when a run continues from a checkpoint: its length, cadences, where outputs go, and the layout
+# (checkpoints reshard on load). Anything else (model, data, optimizer, schedule, seed, precision) would mix two
+# runs' settings in one trajectory, so continuing with another value is refused.
+CONTINUATION_MAY_CHANGE = (
+    "epochs", "max_steps", "eval_every", "log_every", "eval_batch_size", "checkpoint_every", "keep_checkpoints",
+    "resume", "checkpoint_dir", "output_dir", "overwrite", "export", "export_dtype", "cache_dir", "peak_tflops",
+    "max_nonfinite_steps", "collective_timeout_s", "device", "tensor_parallel_degree", "pipeline_parallel_degree",
+    "sharding", "shard_group_size", "gradient_accumulation_steps", "microbatches", "pipeline_schedule",
+    "virtual_stages", "partition", "activation_checkpointing", "offload_activations", "compile",
+)
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
 assert set(USER_KEYS) == set(_FIELDS) - {"recipe", "lr_note"}, "every Config field belongs to exactly one section"
+assert set(CONTINUATION_MAY_CHANGE) <= set(USER_KEYS), "continuation rules name config keys"
 
 
 def _unknown_key(key: str, where: str) -> UserError:
@@ -192,10 +213,73 @@ def _describe(option: Any) -> str:
             dict: "a mapping", list: "a list"}[option]
 
 
+class _Lined(dict):
+    """A YAML mapping that remembers the line of each key, so errors can name it."""
+    lines: dict
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int, first: int):
+        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first}); YAML would silently "
+                         "keep the last one, so say it once")
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping and records each key's line."""
+
+
+def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> _Lined:
+    loader.flatten_mapping(node)
+    lines: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in lines:
+                raise _DuplicateKey(key, line, lines[key])
+        except TypeError:  # an unhashable key: construct_mapping's own error names it
+            continue
+        lines[key] = line
+    mapping = _Lined(loader.construct_mapping(node, deep=True))
+    mapping.lines = lines
+    return mapping
+
+
+_RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _yaml(text: str):
+    """yaml.safe_load, refusing duplicate keys (raises yaml.YAMLError or _DuplicateKey)."""
+    return yaml.load(text, Loader=_RecipeLoader)
+
+
+def _plain(value: Any) -> Any:
+    """A parsed value without line bookkeeping (plain dicts: what yaml.safe_dump writes back)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
-    """Split a recipe mapping into (flat keys, tiny-size overrides), accepting section nesting."""
+    """Split a recipe mapping into (flat keys, tiny-size overrides), accepting section nesting. A key set both
+    flat and in its section (or in two places) is an error naming both lines."""
     flat: dict = {}
     tiny: dict = {}
+    set_at: dict[str, str] = {}  # key -> where it was set, for the error on a second setting
+
+    def line(mapping, key) -> str:
+        number = getattr(mapping, "lines", {}).get(key)
+        return f"line {number}" if number else "another place"
+
+    def put(key: str, value, mapping, spelled: str) -> None:
+        here = f"{spelled} at {line(mapping, key)}"
+        if key in set_at:
+            raise UserError(f"{where}: {key} is set twice ({set_at[key]}, {here}); say it once")
+        set_at[key] = here
+        flat[key] = _plain(value)
+
     for key, value in data.items():
         if key == "tiny":
             if not isinstance(value, dict):
@@ -205,9 +289,9 @@ def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
             for sub_key, sub_value in value.items():
                 if sub_key not in SECTIONS[key]:
                     raise _unknown_key(sub_key, f"{where} section '{key}'")
-                flat[sub_key] = sub_value
+                put(sub_key, sub_value, value, f"{key}.{sub_key}")
         elif key in USER_KEYS:
-            flat[key] = value
+            put(key, value, data, key)
         else:
             raise _unknown_key(key, where)
     return flat, tiny
@@ -220,9 +304,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _plain(_yaml(raw)) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    except _DuplicateKey as exc:
+        raise UserError(f"override '{text}': {exc}") from None
     parts = key.split(".")
     if parts[0] in SECTIONS and len(parts) > 1:
         if parts[1] not in SECTIONS[parts[0]]:
@@ -250,6 +336,20 @@ def _merge(base: dict, key: str, value: Any) -> None:
         base[key] = value
 
 
+def _forget(tiny: dict, key: str, value: Any) -> None:
+    """Drop what a child recipe sets itself from the size=tiny overrides it inherited (a mapping key by key), so
+    the parent's tiny value of it no longer wins over the child's own."""
+    if isinstance(value, dict) and isinstance(tiny.get(key), dict):
+        rest = dict(tiny[key])
+        for sub_key, sub_value in value.items():
+            _forget(rest, sub_key, sub_value)
+        tiny[key] = rest
+        if not rest:
+            del tiny[key]
+    else:
+        tiny.pop(key, None)
+
+
 def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     """(flat keys, tiny-size overrides) of a recipe file, after those of the recipe it `extends`."""
     if not path.is_file():
@@ -258,10 +358,12 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     if path.resolve() in chain:
         raise UserError(f"recipe {path}: extends itself through {' -> '.join(str(p) for p in chain)}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = _yaml(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0]
         raise UserError(f"recipe {path}: not valid YAML ({first})") from None
+    except _DuplicateKey as exc:
+        raise UserError(f"recipe {path} {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"recipe {path}: must be a mapping of keys to values")
     values: dict = {}
@@ -274,6 +376,7 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     own_values, own_tiny = _flatten_recipe(data, f"recipe {path}")
     for key, value in own_values.items():
         _merge(values, key, value)
+        _forget(tiny, key, value)  # inherited tiny values yield to the child's own (its own tiny: wins again)
     for key, value in own_tiny.items():
         _merge(tiny, key, value)
     return values, tiny
@@ -333,6 +436,19 @@ def validate(config: Config, where: str = "config") -> None:
 
     if config.family not in FAMILIES:
         raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
+    for key in USER_KEYS:  # nan passes every range check below (all comparisons are false), inf most of them
+        if isinstance(getattr(config, key), float) and not math.isfinite(getattr(config, key)):
+            raise bad(key, "must be a finite number")
+    if not 0 <= config.seed < 2**32:
+        raise bad("seed", "must be in [0, 4294967295] (the range numpy and torch seed from)")
+    if config.adam_eps <= 0:
+        raise bad("adam_eps", "must be positive (it keeps AdamW's division finite), e.g. 1e-8")
+    if config.weight_decay < 0:
+        raise bad("weight_decay", "must be >= 0")
+    if config.max_nonfinite_steps < 1:
+        raise bad("max_nonfinite_steps", "must be at least 1")
+    if config.collective_timeout_s <= 0:
+        raise bad("collective_timeout_s", "must be a positive number of seconds")
     for key in ("batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size", "log_every",
                 "tokenizer_vocab_size", "loss_scale_growth_interval", "keep_checkpoints"):
         if getattr(config, key) < 1:

@@ -7,12 +7,16 @@ Batches are padded per batch, never to a fixed length: SST-2 sentences average ~
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import stat
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .errors import UserError
+from .reporting import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +47,23 @@ class Source:
 # ----------------------------------------------------------------------------------------------- reading
 
 def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
-    """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line)."""
+    """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line). A UTF-8 byte
+    order mark and any line ending (LF, CRLF, CR) are accepted; rows with an empty sentence are dropped and
+    counted (a 0-token row has nothing to classify)."""
     try:
+        kind = path.stat().st_mode
+        if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):  # a FIFO or device would block the read, or never end
+            raise UserError(f"{path}: not a regular file (a FIFO, socket or device); give a file of GLUE SST-2 rows")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file (a GLUE SST-2 folder holds train.tsv and dev.tsv)") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot be read ({exc.strerror})") from None
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
+    lines = raw.removeprefix(codecs.BOM_UTF8).splitlines()
     text_lines = []
     for number, line in enumerate(lines, start=1):
         try:
-            text_lines.append(line.decode("utf-8").rstrip("\r"))
+            text_lines.append(line.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
     if not text_lines:
@@ -70,18 +78,26 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
     label_at = header.index("label") if "label" in header else None
     if label_at is not None:
         columns["label"] = []
+    empty: list[int] = []
     for number, line in enumerate(text_lines[1:], start=2):
         if not line.strip():
             continue
         fields = line.split("\t")
         if len(fields) != len(header):
             raise UserError(f"{path}:{number}: {len(fields)} tab-separated fields, the header has {len(header)}")
-        columns["sentence"].append(fields[sentence_at].strip())
         if label_at is not None:
             label = fields[label_at].strip()
             if label not in ("0", "1"):
                 raise UserError(f"{path}:{number}: label {label!r} is not 0 or 1")
+        if not fields[sentence_at].strip():
+            empty.append(number)
+            continue
+        columns["sentence"].append(fields[sentence_at].strip())
+        if label_at is not None:
             columns["label"].append(int(label))
+    if empty:
+        log.warning("%s: dropped %d row(s) with an empty sentence (line%s %s)", path, len(empty),
+                    "s" if len(empty) > 1 else "", ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""))
     if not columns["sentence"]:
         raise UserError(f"{path}: no data rows (the {split} split is empty)")
     return columns
@@ -118,20 +134,40 @@ def _file_fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot serve SST-2, found with one quick request (the datasets client retries each file five
+    times, ~25 s of warnings from each process, before giving up), or None. With HF_HUB_OFFLINE=1 nothing is
+    asked: the local Hub cache decides."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    from huggingface_hub import constants
+
+    request = urllib.request.Request(f"{constants.ENDPOINT}/api/datasets/{HUB_DATASET[0]}", method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "10"))).close()
+    except urllib.error.HTTPError:
+        return None  # it answered: anything else (a rate limit, a gated repo) is for datasets to report
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+    return None
+
+
 def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
     """The SST-2 splits (train, validation[, test]) with columns sentence[, label], and where they came from."""
     if data_dir:
         raw = read_glue_dir(data_dir)
         folder = Path(data_dir).expanduser().resolve()
         return raw, Source("tsv", str(folder), "tsv-" + _file_fingerprint(folder))
-    try:
-        hub = datasets.load_dataset(*HUB_DATASET)
-    except Exception as exc:  # offline, blocked, or rate-limited: all leave only the sample
-        log.warning("=" * 100)
-        log.warning("THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON SST-2.",
-                    type(exc).__name__, SAMPLE_DIR)
-        log.warning("Pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set.")
-        log.warning("=" * 100)
+    problem = hub_unreachable()
+    if problem is None:
+        try:
+            hub = datasets.load_dataset(*HUB_DATASET)
+        except Exception as exc:  # offline, blocked, or rate-limited: all leave only the sample
+            problem = type(exc).__name__
+    if problem is not None:
+        log.warning("THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON "
+                    "SST-2; pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set",
+                    problem, SAMPLE_DIR)
         return read_glue_dir(SAMPLE_DIR), Source("sample", str(SAMPLE_DIR), "sample-" + _file_fingerprint(SAMPLE_DIR))
     raw = datasets.DatasetDict({split: hub[split].select_columns(["sentence", "label"]) for split in hub})
     return raw, Source("hub", "/".join(HUB_DATASET), f"hub-{hub['train']._fingerprint}")
@@ -255,6 +291,7 @@ def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: 
             size: str, model_name: str, tokenizer_vocab_size: int, tiny_tokenizer: str = "bpe") -> PreparedData:
     """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
     cache_dir = Path(cache_dir)
+    check_writable(cache_dir, "cache_dir")
     raw, source = load_raw(data_dir)
     tokenizer = load_tokenizer(tokenizer_name, size, model_name, tiny_tokenizer, tokenizer_vocab_size,
                                column(raw["train"], "sentence"), source, cache_dir)

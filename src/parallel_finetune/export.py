@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from .errors import UserError, one_line
+from .integrity import nonfinite
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,11 +30,39 @@ def gather_full_state_dict(model: nn.Module, dtype: torch.dtype, keep: bool) -> 
 
 
 def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
-    """Write a folder that `from_pretrained` loads, built from a fresh, unsharded copy of the model."""
+    """Write a folder that `from_pretrained` loads, built from a fresh, unsharded copy of the model. Weights
+    holding NaN/inf are refused; a failed write (a full disk) leaves `out` as it was."""
+    bad = nonfinite(state)
+    if bad:
+        raise UserError(f"not exporting to {out}: {bad} holds NaN or inf (the run diverged; lower lr)")
     with torch.device("meta"):
         clean = type(model)(model.config)
     clean.load_state_dict(state, assign=True, strict=True)
     clean.tie_weights()  # assign=True replaced tied parameters one by one; tie them again (GPT-2, GPT-Neo)
     clean.config.dtype = next(iter(state.values())).dtype
-    clean.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    write_folder(out, lambda folder: (clean.save_pretrained(folder), tokenizer.save_pretrained(folder)))
+
+
+def write_folder(out: Path, write: Callable[[Path], object]) -> None:
+    """`write` into a staging folder, then move the result into `out`: a new `out` appears whole in one rename;
+    an existing one (a mount point such as SageMaker's model folder, or an earlier export) keeps its old contents
+    until the new ones are complete. On failure the staging folder goes and one line says why."""
+    existing = out.is_dir()
+    staging = out / f".export-{os.getpid()}" if existing else out.with_name(f".{out.name}.export-{os.getpid()}")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write(staging)
+        if not existing:
+            os.replace(staging, out)
+            return
+        for old in out.iterdir():
+            if old != staging:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for new in staging.iterdir():
+            os.replace(new, out / new.name)
+        staging.rmdir()
+    except Exception as exc:  # OSError, or safetensors' own error wrapping one
+        reason = one_line(exc, staging if staging.exists() else out.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"export to {out} failed ({reason}); nothing was written there") from None

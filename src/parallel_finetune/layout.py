@@ -154,7 +154,7 @@ def _free_port() -> int:
 
 
 def init_distributed(device_choice: str, tp_requested: int | str, sharding: str = "none",
-                     shard_group_size: int | None = None, pp: int = 1) -> Layout:
+                     shard_group_size: int | None = None, pp: int = 1, timeout_s: float = 600.0) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -173,15 +173,15 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        _init_process_group(backend, device if device_type == "cuda" else None)
+        _init_process_group(backend, device if device_type == "cuda" else None, timeout_s)
     mesh = init_device_mesh(device_type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp),
                             mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)
 
 
-def _init_process_group(backend: str, device_id: torch.device | None) -> None:
-    timeout = datetime.timedelta(minutes=30)
+def _init_process_group(backend: str, device_id: torch.device | None, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
@@ -191,6 +191,16 @@ def _init_process_group(backend: str, device_id: torch.device | None) -> None:
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt-{attempt}/", store), rank=rank,
                             world_size=world_size, timeout=timeout, device_id=device_id)
+
+
+def timed_out(exc: BaseException, timeout_s: float) -> str | None:
+    """What to tell the user when `exc` is a collective that gave up waiting (gloo: "Timed out waiting ...ms"),
+    or None for any other exception."""
+    if not isinstance(exc, RuntimeError) or "timed out" not in str(exc).lower():
+        return None
+    return (f"rank {os.environ.get('RANK', '0')} waited collective_timeout_s={timeout_s:g} s in a collective for "
+            "another rank that never came (stopped, hung or died: its own log says which); raise "
+            "collective_timeout_s if a phase legitimately takes longer")
 
 
 def shutdown() -> None:

@@ -54,7 +54,7 @@ def launch_local(recipe: str | Path, overrides: list[str], nproc: int, check: bo
     if check:
         stream([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe),
                 *overrides])
-    stream([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    stream([sys.executable, "-m", "parallel_finetune.launch", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "parallel_finetune.train", str(recipe), *overrides])
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from .checkpoint import continuing_run, resolve_resume
+from .checkpoint import check_resume, checkpoint_root, continuing_run
 from .config import Config
 from .data import read_glue_dir
+from .errors import UserError
 from .families import get_family
 from .families.base import check_model_source
-from .layout import resolve_degrees
-from .reporting import choose_output_dir
+from .layout import resolve_degrees, resolve_device
+from .reporting import check_writable, choose_output_dir
+from .runfolder import check_free, run_folders
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -35,23 +38,85 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
     return degrees, pipeline
 
 
+def _expected(value, default) -> str | None:
+    """What `value` must be to replace `default` in a transformers config, or None when it is that."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return None if number and isinstance(value, int) else "an integer"
+    if isinstance(default, float):
+        return None if number else "a number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def check_model_config(config: Config, model_path: str | None = None):
+    """`model_config` values of the types the transformers config holds, giving sizes a model can have; returns
+    the resulting transformers config (tiny: with the vocabulary a learned tokenizer of tokenizer_vocab_size
+    gets; full: read from `model_path`, else `config.model`)."""
+    family = get_family(config.family)
+
+    def build(overrides: dict):
+        return family.config_for(dataclasses.replace(config, model_config=overrides), config.tokenizer_vocab_size,
+                                 model_path=model_path)
+
+    defaults = build({})
+    name = type(defaults).__name__
+    for key, value in config.model_config.items():
+        expected = _expected(value, getattr(defaults, key, None))
+        if expected:
+            raise UserError(f"model_config.{key}={value!r} is not valid; {name}.{key} is {expected} "
+                            f"(default {getattr(defaults, key)!r})")
+    try:
+        hf_config = build(config.model_config)  # an unknown attribute is its own one-line error
+    except UserError:
+        raise
+    except Exception as exc:  # transformers' typed configs refuse a value of another type
+        raise UserError(f"model_config {config.model_config}: {name} refuses it "
+                        f"({(str(exc).strip().splitlines() or [''])[-1].strip()})") from None
+    try:
+        sizes = {**family.tp_dimensions(hf_config), "num_hidden_layers": hf_config.num_hidden_layers}
+    except TypeError as exc:
+        raise UserError(f"model_config {config.model_config}: not a model {name} can build ({exc})") from None
+    for key, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise UserError(f"model_config: {family.name} {key}={size!r} must be a positive integer")
+    return hf_config
+
+
+def check_heads(hf_config) -> None:
+    """Attention splits the width into equal heads (checked after the layout, whose message names the degrees)."""
+    if hf_config.hidden_size % hf_config.num_attention_heads:
+        raise UserError(f"model_config: hidden size {hf_config.hidden_size} is not divisible by "
+                        f"{hf_config.num_attention_heads} attention heads")
+
+
 def preflight(config: Config, nproc: int) -> str:
     """Raise UserError on the first problem; return a one-line description of what will run."""
     family = get_family(config.family)
+    resolve_device(config.device)
     if config.data_dir:
-        read_glue_dir(config.data_dir)
-    choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
-    if config.resume not in ("auto", "none"):
-        resolve_resume(config.resume, Path(config.resume))
+        raw = read_glue_dir(config.data_dir)
+        if config.task == "classification" and len(raw["train"]) < config.batch_size:
+            raise UserError(f"batch_size={config.batch_size} is larger than the training split "
+                            f"({len(raw['train'])} rows)")
+    check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
+    output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
+    check_writable(output_dir, "output_dir")
+    root = checkpoint_root(config.checkpoint_dir, output_dir)
+    check_free(run_folders(output_dir, root))
+    check_resume(config, root)  # the checkpoint it would continue: intact, and of compatible settings
     if config.size == "full":
         check_model_source(config.model or family.default_model)
-    hf_config = family.config_for(config, config.tokenizer_vocab_size)
+    hf_config = check_model_config(config)
     degrees, pipeline = check_layout(config, hf_config, nproc, nproc)
+    check_heads(hf_config)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch
 
-        from .layout import resolve_device
         from .parallel import deepspeed_engine
         from .precision import resolve_precision
 

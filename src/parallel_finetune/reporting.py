@@ -9,6 +9,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .errors import UserError
+from .runfolder import LOCK
 
 RUNS_DIR = Path("runs")
 
@@ -38,10 +40,24 @@ def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, conti
     path = Path(requested).expanduser()
     if path.exists() and not path.is_dir():
         raise UserError(f"output_dir={requested!r} is a file, not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (overwrite or continuing):
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()) and not (overwrite or continuing):
         raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
                         "or pass overwrite=true to write into it")
     return path
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path`, a folder that may not exist yet, can be created and written; else a one-line error naming `key`.
+    A probe file in the nearest existing folder finds read-only mounts too (root ignores permission bits)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{key}={str(path)!r}: {existing} is a file, not a folder")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise UserError(f"{key}={str(path)!r} cannot be written ({exc.strerror}: {existing})") from None
 
 
 class PhaseTimer:

@@ -85,12 +85,12 @@ class JobSettings:
         for name, value, env in (("role", role, "SAGEMAKER_ROLE"), ("region", region, "AWS_REGION"),
                                  ("bucket", bucket, "SAGEMAKER_BUCKET")):
             if not value:
-                raise UserError(f"no SageMaker {name}: pass {name}=... or set ${env}"
+                raise UserError(f"no SageMaker {name}: pass --{name} (in a notebook: {name.upper()}) or set ${env}"
                                 + (" (an IAM role ARN SageMaker can assume)" if name == "role" else ""))
         if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/\S+", role):
             raise UserError(f"role={role!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
         if bucket.startswith("s3://") or "/" in bucket:
-            raise UserError(f"bucket={bucket!r} must be a bucket name, without s3:// or a path (use prefix=)")
+            raise UserError(f"bucket={bucket!r} must be a bucket name, without s3:// or a path (use --prefix)")
         return JobSettings(self.instance_type, self.instance_count, role, region, bucket, self.prefix.strip("/"),
                            self.image_uri, self.checkpoint_s3_uri, self.volume_gb, self.max_run_hours,
                            self.job_name)
@@ -289,7 +289,7 @@ def _check_aws(settings: JobSettings):
         code = exc.response.get("Error", {}).get("Code", "?")
         why = "does not exist" if code in ("404", "NoSuchBucket") else f"is not accessible ({code})"
         raise UserError(f"bucket={settings.bucket!r} {why}; create it in {settings.region} or pass another "
-                        "bucket=") from None
+                        "--bucket (in a notebook: BUCKET)") from None
     except botocore.exceptions.BotoCoreError as exc:
         raise UserError(f"cannot reach S3 in {settings.region}: {exc}") from None
     return session

@@ -15,7 +15,7 @@ import os
 import sys
 
 from .config import USER_KEYS, load_config
-from .errors import UserError
+from .errors import RankError, UserError
 
 
 def sagemaker_arguments(argv: list[str]) -> list[str]:
@@ -66,9 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
         return 0
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc)
+
+
+def report(exc: UserError) -> int:
+    """Print the one `error:` line and return the exit code. Agreed errors are said once, by rank 0; a rank's own
+    discovery (RankError) by the rank that made it."""
+    if os.environ.get("RANK", "0") == "0" or isinstance(exc, RankError):
+        print(f"error: {exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ from . import checkpoint
 from . import data as data_module
 from .config import Config
 from .checkpoint import continuing_run
-from .errors import UserError
+from .divergence import NonFiniteGuard
+from .errors import RankError, UserError
 from .export import DTYPES as EXPORT_DTYPES
 from .export import gather_full_state_dict, save_hf
 from .families import get_family
 from .families.base import download_model
-from .layout import Layout, init_distributed, shutdown
+from .layout import Layout, init_distributed, shutdown, timed_out
 from .metrics import load_metric
 from .parallel import parallelize
 from .parallel.gradients import reduce_norm_and_loss, scale_gradients
@@ -43,10 +44,12 @@ from .parallel.memory import measure_state_bytes, offload_context
 from .parallel.pipeline import PAD_MULTIPLE, Pipeline, check_microbatches, stage_costs, sync_tied_gradients
 from .parallel.sharding import DataParallelAdamW, ZeroAdamW
 from .parallel.tensor import keep_gradients_sharded
+from .preflight import check_heads, check_model_config
 from .precision import DTYPES, DynamicLossScaler, autocast, resolve_precision
 from .throughput import achieved, device_peak_tflops, model_flops
 from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib,
                         write_json, write_yaml)
+from .runfolder import RunLock, replace_previous_run, restarted, run_folders
 from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, shard_box, tied_aliases,
                       weights_source)
 
@@ -95,6 +98,7 @@ class Trainer:
         self.config = config
         self.family = get_family(config.family)
         self.after_backward = after_backward  # test hook: runs after each step's backward, before the sync
+        self.nonfinite = NonFiniteGuard(config.max_nonfinite_steps, config.lr)
         self.timer = PhaseTimer()
         self.step = 0
         self.history: list[dict] = []
@@ -107,6 +111,8 @@ class Trainer:
         self.pipeline: Pipeline | None = None  # pipeline_parallel_degree > 1: this rank's stages and schedules
         self.tied: list[tuple[str, ...]] = []  # weights shared by the first and last stage (tied embeddings)
         self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
+        self.run_lock: RunLock | None = None  # rank 0's hold on the run folders, taken in setup
+        self.reporter: Reporter | None = None  # set when training starts
 
     @property
     def microbatches(self) -> int:
@@ -117,7 +123,8 @@ class Trainer:
         config = self.config
         with self.timer("setup"):
             self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree, config.sharding,
-                                                    config.shard_group_size, config.pipeline_parallel_degree)
+                                                    config.shard_group_size, config.pipeline_parallel_degree,
+                                                    config.collective_timeout_s)
             logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
                                 force=True)
             transformers.logging.set_verbosity_error()
@@ -128,6 +135,8 @@ class Trainer:
             self.peak_tflops, source = device_peak_tflops(layout.device, compute_dtype, config.peak_tflops)
             log.info("MFU is measured against %.3g TFLOP/s per device (%s)", self.peak_tflops, source)
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
+            if config.size == "tiny":  # (full size: once the model is fetched, in _build_model)
+                check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
             if layout.pp > 1:
                 check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps),
                                    self.microbatches)
@@ -139,6 +148,8 @@ class Trainer:
             self.output_dir = Path(rank0_decides(layout, lambda: str(choose_output_dir(
                 config.output_dir, config.recipe, config.overwrite, continuing_run(config)))))
             self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
+            self.run_lock = RunLock(run_folders(self.output_dir, self.checkpoint_root))
+            rank0_decides(layout, self.run_lock.acquire)  # a second run into these folders stops here
             self.model_path = self._fetch_model() if config.size == "full" else None
         with self.timer("data"):
             self.data = self._prepare_data()
@@ -146,15 +157,16 @@ class Trainer:
             self.model = self._build_model()
             self._build_optimizer()
         if config.engine == "torch":
-            # Rank 0 picks (and warns about skipped ones) once; every rank loads the same folder.
-            resume_from = rank0_decides(layout, lambda: str(checkpoint.resolve_resume(config.resume,
-                                                                                        self.checkpoint_root) or ""))
+            # The newest checkpoint that all ranks together verify (skipped ones said once, by rank 0).
+            resume_from = checkpoint.choose_resume(config, self.checkpoint_root, layout)
             if resume_from:
                 with self.timer("resume"):
-                    checkpoint.load(self, Path(resume_from))
-                self.resumed_from = Path(resume_from)
-        # Only now, with every input accepted, does the run folder appear (a failed start leaves nothing).
+                    checkpoint.load(self, resume_from)
+                self.resumed_from = resume_from
+        # Only now, with every input accepted, is the run folder written (a failed start leaves nothing).
         if layout.is_main:
+            if config.overwrite and not restarted():
+                replace_previous_run(self.output_dir, self.checkpoint_root)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_yaml(self.output_dir / "config.yaml", config.to_dict())
             if self.deepspeed is not None:
@@ -203,6 +215,8 @@ class Trainer:
         """Built on `meta`, split by `parallelize`, then each rank allocates and loads only its own shards."""
         config, layout, family = self.config, self.layout, self.family
         tokenizer = self.data.tokenizer
+        if config.size == "full":
+            check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
         seed_everything(config.seed)  # identical initialisation on every rank and in every layout
@@ -361,6 +375,9 @@ class Trainer:
         if engine is not None:  # DeepSpeed reduces, unscales, clips, updates (or skips) and zeroes the gradients
             grad_norm, skipped = engine.step()
             _, loss, stop = reduce_norm_and_loss([], local_loss, layout.tp, layout.world_size, self.stop_requested)
+            # DeepSpeed has applied the step already: the guard can only stop a diverged run here
+            self.nonfinite.skip(self.step + 1, loss, math.nan if grad_norm is None else grad_norm,
+                                scale if skipped else None)
             if self.state_bytes is None:
                 self.state_bytes = engine.state_bytes()
         else:
@@ -372,6 +389,9 @@ class Trainer:
                                                          self.stop_requested)
             grad_norm /= scale
             skipped = self.scaler.update(not math.isfinite(grad_norm))
+            # Never apply a NaN/inf step, in any precision; max_nonfinite_steps of them in a row stop the run.
+            skipped = self.nonfinite.skip(self.step + 1, loss, grad_norm,
+                                          scale if self.scaler.enabled else None) or skipped
             if not skipped:
                 clip = config.max_grad_norm
                 coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
@@ -437,6 +457,10 @@ class Trainer:
         return self.stop_agreed or self.step >= self.total_steps or bool(every and self.step % every == 0)
 
     def save_checkpoint(self) -> Path | None:
+        if self.nonfinite.bad_steps:  # weights that just gave a NaN/inf loss or gradient are not worth resuming
+            log.warning("checkpoint at step %d not written: the loss or gradient norm of step %d was not finite",
+                        self.step, self.nonfinite.bad_steps[-1])
+            return None
         with self.timer("checkpoint"):
             return checkpoint.save(self, self.checkpoint_root)
 
@@ -513,9 +537,10 @@ class Trainer:
                 model, state = self.model, {k: v for piece in parts or [] for k, v in piece.items()}
             else:
                 model, state = self.model, gather_full_state_dict(self.model, dtype, keep)
-            if self.layout.is_main:
-                save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out)
-                log.info("exported a Hugging Face model to %s", out)
+            # rank 0 writes; its failure (NaN weights, a full disk) is every rank's one-line error
+            rank0_decides(self.layout, lambda: save_hf(model, self.family.to_hf_state_dict(state, model.config),
+                                                       self.data.tokenizer, out))
+            log.info("exported a Hugging Face model to %s", out)
         return out
 
     def summary(self, results: dict) -> dict:
@@ -593,7 +618,15 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
             log.info("outputs in %s", trainer.output_dir)
         shutdown()
         return summary
-    except BaseException:
+    except BaseException as exc:
+        if trainer.reporter is not None:
+            trainer.reporter.bar.close()  # ends the progress bar's line: the error gets a line of its own
         if dist.is_initialized():
             dist.destroy_process_group()
+        timeout = timed_out(exc, config.collective_timeout_s)
+        if timeout:  # one line naming the key, not a traceback from the collective
+            raise RankError(f"after step {trainer.step}: {timeout}") from None
         raise
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()

@@ -1,6 +1,6 @@
 """Trains like scripts/train.py, but one rank signals itself at one step (after that step's backward).
 
-torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGKILL, SIGNAL_RANK, SIGNAL_STEP;
+torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGKILL|SIGSTOP, SIGNAL_RANK, SIGNAL_STEP;
 SIGKILL only in torchrun's first attempt, so a restarted run goes through; in a restarted attempt rank LATE_RANK
 starts LATE_BY_S seconds late, so its peers look for it in the store first)"""
 
@@ -10,6 +10,8 @@ import sys
 import time
 
 from parallel_finetune.config import load_config
+from parallel_finetune.errors import UserError
+from parallel_finetune.train import report
 from parallel_finetune.trainer import run
 
 SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])
@@ -25,4 +27,7 @@ def send(trainer, step: int) -> None:
 if __name__ == "__main__":
     if not FIRST_ATTEMPT and os.environ["RANK"] == os.environ.get("LATE_RANK"):
         time.sleep(float(os.environ["LATE_BY_S"]))
-    run(load_config(sys.argv[1], sys.argv[2:]), after_backward=send)
+    try:
+        run(load_config(sys.argv[1], sys.argv[2:]), after_backward=send)
+    except UserError as exc:  # as scripts/train.py ends
+        sys.exit(report(exc))
