@@ -9,6 +9,7 @@ of our optimizer (`parallel/deepspeed_engine.py`); everything else is this same 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -55,6 +56,7 @@ from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_
 
 log = logging.getLogger("parallel_finetune")
 IGNORE = -100
+DOWNLOAD_WAIT_S = 6 * 3600  # a checkpoint of tens of GB over a slow link
 
 
 def seed_everything(seed: int) -> None:
@@ -178,6 +180,9 @@ class Trainer:
         while the others wait; then all read the same cache. A local folder or SageMaker channel is used as is."""
         config, layout = self.config, self.layout
         name = config.model or self.family.default_model
+        # Waiting for a download is no hung collective: this wait has its own limit, not collective_timeout_s.
+        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(
+            config.collective_timeout_s, DOWNLOAD_WAIT_S)))
         problem = ""
         if layout.local_rank == 0:
             try:
@@ -185,7 +190,8 @@ class Trainer:
             except UserError as exc:
                 problem = str(exc)
         problems: list = [None] * layout.world_size
-        dist.all_gather_object(problems, problem)  # also the barrier: no rank reads a half-downloaded cache
+        dist.all_gather_object(problems, problem, group=waiting)  # no rank reads a half-downloaded cache
+        dist.destroy_process_group(waiting)
         if any(problems):
             raise UserError(next(p for p in problems if p))
         return download_model(name, config.revision, local_only=True)
