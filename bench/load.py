@@ -39,7 +39,8 @@ def worker(mode: str, folder: str, out: str, overrides: list[str]) -> None:
     if mode == "after":
         trainer = Trainer(config)
         trainer.setup()
-        before, after, seconds = trainer.memory_before_load_mib, trainer.load_peak_mib, trainer.load_seconds
+        ready = trainer.ready
+        before, after, seconds = ready.memory_before_load_mib, ready.load_peak_mib, ready.load_seconds
         layout = trainer.layout
     else:
         from transformers import AutoModelForSequenceClassification

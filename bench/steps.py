@@ -31,7 +31,7 @@ def worker(argv: list[str]) -> None:
     config = load_config(RECIPE, argv)
 
     class FixedLengthTrainer(Trainer):
-        def micro_batch(self, indices, ids=None, labels=None):
+        def batch_of(self, indices, ids=None, labels=None):
             generator = torch.Generator().manual_seed(len(indices))
             rows = len(indices)
             batch = {"input_ids": torch.randint(1, 1000, (rows, length), generator=generator),

@@ -33,7 +33,8 @@ from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
 from parallel_finetune.families.base import download_model  # noqa: E402
-from parallel_finetune.trainer import padding_fraction, seed_everything  # noqa: E402
+from parallel_finetune.model import seed_everything  # noqa: E402
+from parallel_finetune.trainer import padding_fraction  # noqa: E402
 from parallel_finetune.weights import build_and_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -128,7 +128,7 @@ def test_group_by_length_reduces_padding():
 
 def test_micro_batches_partition_the_global_batch():
     batch = list(range(24))
-    shares = [data.local_micro_batches(batch, rank, 3, 2) for rank in range(3)]
+    shares = [data.accumulation_slices(batch, rank, 3, 2) for rank in range(3)]
     assert sorted(i for share in shares for micro in share for i in micro) == batch
     assert all(len(micro) == 4 for share in shares for micro in share)
 

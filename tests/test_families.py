@@ -9,7 +9,7 @@ from conftest import FAMILIES
 from parallel_finetune.data import collate
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
-from parallel_finetune.trainer import model_inputs
+from parallel_finetune.runner import model_inputs
 from parallel_finetune.weights import build_and_load
 
 

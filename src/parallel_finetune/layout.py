@@ -14,6 +14,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -207,3 +208,25 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()  # without it, a fast rank tearing down can abort a slow one mid-collective
         dist.destroy_process_group()
+
+
+def check_batch_split(batch_size: int, dp: int, accumulation: int) -> None:
+    if batch_size % (dp * accumulation):
+        raise UserError(f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
+                        f"gradient_accumulation_steps={accumulation}")
+
+
+def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:
+    """Run `decide` on rank 0 only and hand its result, or its UserError, to every rank."""
+    box: list = [None]
+    if layout.is_main:
+        try:
+            box[0] = ("ok", decide())
+        except UserError as exc:
+            box[0] = ("error", str(exc))
+    if layout.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise UserError(value)
+    return value

@@ -39,7 +39,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 from torch.distributed.tensor.parallel import RowwiseParallel
 from transformers import AutoConfig, PretrainedConfig

@@ -11,7 +11,10 @@ from .errors import UserError
 
 log = logging.getLogger("parallel_finetune")
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The one dtype table: by the `precision` key's names and by torch's (export_dtype, checkpoint files).
+DTYPES = {name: dtype for names, dtype in ((("fp32", "float32"), torch.float32), (("bf16", "bfloat16"), torch.bfloat16),
+                                           (("fp16", "float16"), torch.float16)) for name in names}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cpu_has_bf16() -> bool:

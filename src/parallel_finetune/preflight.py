@@ -11,7 +11,7 @@ from .data import read_glue_dir
 from .errors import UserError
 from .families import get_family
 from .families.base import check_model_source
-from .layout import resolve_degrees, resolve_device
+from .layout import check_batch_split, resolve_degrees, resolve_device
 from .reporting import check_writable, choose_output_dir
 from .runfolder import check_free, run_folders
 
@@ -19,8 +19,6 @@ from .runfolder import check_free, run_folders
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
     """Degrees for `world_size` processes (`local_world_size` per node) that divide the model and the batch;
     returns them and a description of the pipeline part ("" without one)."""
-    from .trainer import check_batch_split
-
     family = get_family(config.family)
     degrees = resolve_degrees(world_size, local_world_size, config.tensor_parallel_degree, config.sharding,
                               config.shard_group_size, config.pipeline_parallel_degree)

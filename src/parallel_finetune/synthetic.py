@@ -16,8 +16,7 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, GP
                           GPTNeoConfig, GPTNeoForCausalLM)
 
 from .families import get_family
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .precision import DTYPES
 
 
 def model_config(family: str, vocab_size: int, hidden: int, layers: int, heads: int, positions: int = 256):

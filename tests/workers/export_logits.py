@@ -22,7 +22,7 @@ def main() -> None:
     batch = data.collate(ids, trainer.data.tokenizer.pad_token_id, trainer.data.tokenizer.padding_side)
     trainer.model.eval()
     with torch.no_grad():
-        logits = trainer.forward(batch)
+        logits = trainer.runner.forward({k: v.to(trainer.layout.device) for k, v in batch.items()})
     layout = trainer.layout  # under pipeline parallelism only the last stage has logits
     if logits is not None and layout.dp_rank == 0 and layout.tp_rank == 0:
         torch.save({"batch": batch, "logits": logits}, Path(config.output_dir) / "trained_logits.pt")

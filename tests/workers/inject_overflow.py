@@ -39,7 +39,7 @@ def main() -> None:
             unchanged = all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())
     out = Path(config.output_dir) / f"rank{trainer.layout.rank}.json"
     out.write_text(json.dumps({"history": history, "params_unchanged_at_injected_step": unchanged,
-                               "final_scale": trainer.scaler.scale}))
+                               "final_scale": trainer.updates.loss_scale}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

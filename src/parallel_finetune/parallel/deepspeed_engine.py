@@ -292,11 +292,14 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
-class DeepSpeedEngine:
-    """The trainer's handle on a DeepSpeed engine: what its train_step, evaluation and export need."""
+class DeepSpeedUpdates:
+    """`updates.py`'s interface over a DeepSpeed engine: ZeRO reduces, unscales, clips and updates (or skips).
+    Forwards go through `engine` (ZeRO-3 gathers parameters there)."""
+    checkpointable = False  # config.validate refuses checkpoint keys with engine=deepspeed
 
     def __init__(self, model: nn.Module, config, layout, precision: str):
         self.config = preflight(config, layout.dp, layout.device.type, precision)
+        self.layout = layout
         self.dp = layout.dp
         self.precision = precision
         self.zero_stage = self.config["zero_optimization"]["stage"]
@@ -312,16 +315,11 @@ class DeepSpeedEngine:
         except (DeepSpeedConfigError, ValidationError) as exc:
             raise UserError(f"engine=deepspeed: DeepSpeed rejected the config: {_one_line(exc)}") from None
         self.module = self.engine.module
+        self.measured: dict[str, int] | None = None
         log.info("deepspeed %s: ZeRO stage %d, %s, %d data-parallel processes (deepspeed_config.json in the run "
                  "folder)", metadata.version("deepspeed"), self.zero_stage, precision, self.dp)
         # The torch AdamW DeepSpeed steps on this rank's fp32 partitions: the lr schedule sets its lr.
         self.optimizer = self.engine.basic_optimizer
-
-    @property
-    def forward_is_collective(self) -> bool:
-        """ZeRO-3 all-gathers a layer's parameters in a forward whenever it released them: all ranks must run as
-        many forwards (as transformers' `synced_gpus` does for generation)."""
-        return self.zero_stage == 3
 
     @property
     def loss_scale(self) -> float:
@@ -335,15 +333,27 @@ class DeepSpeedEngine:
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # counts the micro-step only; the update waits for the boundary
 
-    def step(self) -> tuple[float | None, bool]:
-        """The update at the accumulation boundary: (global gradient norm before clipping, skipped)."""
+    def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule):
+        """The update at the accumulation boundary, then the step's one reduction of the loss and stop flag.
+        DeepSpeed has applied (or skipped) the update already: `skip_rule` can only stop a diverged run here."""
+        from ..updates import StepOutcome
+        from .gradients import reduce_norm_and_loss
+
+        scale = self.loss_scale
         self.engine.step()
         skipped = not self.engine.was_step_applied()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        return (None if skipped or norm is None or not math.isfinite(norm) else norm), skipped
+        norm = float(norm) if norm is not None else math.nan
+        _, loss, stop = reduce_norm_and_loss([], local_loss, self.layout.tp, self.layout.world_size, stop_requested)
+        skip_rule(loss, norm, scale if skipped else None)
+        if self.measured is None:
+            self.measured = self._state_bytes()
+        return StepOutcome(loss, None if skipped or not math.isfinite(norm) else norm, skipped, stop, scale)
 
-    def state_bytes(self) -> dict[str, int]:
+    def state_bytes(self) -> dict[str, int] | None:
+        return self.measured
+
+    def _state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model parameters (the ZeRO-3 partition), fp32 master partition and AdamW state
         (DeepSpeed's gradient buffers are internal to it: not counted)."""
         params = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
@@ -355,9 +365,10 @@ class DeepSpeedEngine:
         return {"params": params, "master_params": sum(p.numel() * p.element_size() for p in master),
                 "optimizer": sum(t.numel() * t.element_size() for t in state)}
 
-    def full_state_dict(self, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The trained weights from the fp32 master copies (not the bf16/fp16 working copies), assembled from
-        every rank's partition (a collective: all ranks call it); `keep` ranks get CPU tensors."""
+        every rank's partition (a collective: all ranks call it); rank 0 gets CPU tensors, the others nothing."""
+        keep = self.layout.is_main
         from deepspeed.utils import safe_get_full_fp32_param
 
         full: dict[int, torch.Tensor] = {}

@@ -23,17 +23,16 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..errors import UserError
 from ..families.base import Family, has_module
+from ..loss import summed_loss, targets
 
 log = logging.getLogger("parallel_finetune")
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 PAD_MULTIPLE = 8
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -164,12 +163,15 @@ class StageForward(nn.Module):
 
 
 class Pipeline:
-    """This rank's stages and the schedules that run them, one per (rows, sequence length, training)."""
+    """This rank's stages and the schedules that run them, one per (rows, sequence length, training): the pipeline
+    implementation of a micro-batch's forward and backward (`runner.WholeModel` is the other)."""
+    pad_multiple = PAD_MULTIPLE  # a schedule per shape: fewer distinct lengths, fewer schedules
 
     def __init__(self, model: nn.Module, family: Family, stages: list[Stage], layout, schedule: str,
-                 microbatches: int, autocast: Callable):
+                 microbatches: int, autocast: Callable, task: str, loss_scale: Callable[[], float]):
         self.layout, self.schedule_name, self.microbatches = layout, schedule, microbatches
         self.autocast = autocast  # () -> the precision's autocast context
+        self.task, self.loss_scale = task, loss_scale  # loss_scale: () -> the fp16 scale of this step
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
         self.modules = [StageForward(model, family, stage) for stage in self.mine]
@@ -179,12 +181,7 @@ class Pipeline:
         self._schedules: dict[tuple, object] = {}
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if target.ndim == 1:  # classification labels
-            loss = F.cross_entropy(logits.float(), target, reduction="sum")
-        else:  # next-token targets, already shifted and IGNORE-masked
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE,
-                                   reduction="sum")
-        return loss * self.loss_factor
+        return summed_loss(logits, target) * self.loss_factor
 
     def _schedule(self, rows: int, length: int, training: bool):
         key = (rows, length, training)
@@ -236,12 +233,15 @@ class Pipeline:
         mask = batch["attention_mask"]
         return batch["input_ids"], mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
-    def train(self, batch: dict[str, torch.Tensor], target: torch.Tensor | None, loss_factor: float) -> float:
-        """Forward and backward of one batch over all stages; returns this rank's summed (scaled) loss, which is
-        nonzero on the last stage only. Gradients accumulate in the parameters' .grad."""
+    def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
+        """Forward and backward of one batch over all stages; returns this rank's share of the loss (summed over
+        the batch, divided by the global `count`), nonzero on the last stage only. Gradients accumulate in the
+        parameters' .grad (every micro-batch of the pipeline; `last` changes nothing here)."""
         rows, length = batch["input_ids"].shape
         schedule = self._schedule(rows, length, training=True)
-        self.loss_factor = loss_factor
+        scale = self.loss_scale()
+        self.loss_factor = scale / count
+        target = targets(batch, self.task)
         losses: list[torch.Tensor] = []
         with self.autocast():
             if self.is_first:
@@ -250,7 +250,8 @@ class Pipeline:
                 schedule.step(target=target, losses=losses)
             else:
                 schedule.step()
-        return float(sum(loss.detach().double() for loss in losses)) if losses else 0.0
+        total = float(sum(loss.detach().double() for loss in losses)) if losses else 0.0
+        return torch.tensor(total / scale, device=self.layout.device)
 
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -1,0 +1,39 @@
+"""The loss, in one place: what the logits are compared with, summed (not averaged) in fp32, and what a global
+batch's loss is divided by. Each micro-batch's sum is divided by the *global* count, so summing over micro-batches
+and data-parallel ranks gives exactly the single-process mean, whatever the layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # target of a padded position: no loss
+
+
+def targets(batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
+    """Labels, or (causal_lm) each next token, padding ignored."""
+    if task == "classification":
+        return batch["labels"]
+    return batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+
+
+def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the micro-batch, in fp32; `target` from `targets` (1-D: classification)."""
+    if target.ndim == 1:
+        return F.cross_entropy(logits.float(), target, reduction="sum")
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def loss_count(lengths: list[int], task: str) -> int:
+    """What the loss of a global batch (rows of these lengths) is averaged over: samples, or predicted tokens."""
+    if task == "classification":
+        return len(lengths)
+    return sum(length - 1 for length in lengths)
+
+
+def scored_count(batch: dict[str, torch.Tensor], task: str) -> int:
+    """The same count for one collated batch (evaluation)."""
+    if task == "classification":
+        return len(batch["labels"])
+    return int(batch["attention_mask"][:, 1:].sum())

@@ -1,0 +1,100 @@
+"""From a run's config to the model this rank trains: built on `meta`, split by `parallelize`, then only this
+rank's shards allocated and loaded (weights.py). Returns everything the loop needs to know of the model."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .families.base import Family
+from .layout import Layout
+from .parallel import Parallelized, parallelize
+from .parallel.pipeline import stage_costs
+from .parallel.sharding import ZeroAdamW
+from .parallel.tensor import keep_gradients_sharded
+from .precision import DTYPES
+from .reporting import peak_memory_mib
+from .throughput import ModelFlops, model_flops
+from .updates import zero_adamw
+from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, shard_box, tied_aliases,
+                      weights_source)
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def parameter_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Global (unsplit) shapes by name: what identifies a model whatever the layout."""
+    return {name: list(param.shape) for name, param in model.named_parameters()}
+
+
+@dataclass
+class ReadyModel:
+    model: nn.Module
+    parallel: Parallelized
+    parameter_shapes: dict[str, list[int]]  # of the unsplit model: layout-neutral (checkpoints check them)
+    flops: ModelFlops
+    zero_adamw: ZeroAdamW | None  # sharding=optimizer: made first, its flat buffers hold the parameters
+    load_seconds: float
+    memory_before_load_mib: float
+    load_peak_mib: float  # when the model is ready: no gradients, no optimizer state yet
+
+
+def ready_model(config, family: Family, layout: Layout, hf_config, model_path: str | None, precision: str,
+                deepspeed_config: dict | None = None) -> ReadyModel:
+    seed_everything(config.seed)  # identical initialisation on every rank and in every layout
+    started, before = time.perf_counter(), peak_memory_mib(layout.device)
+    weights = weights_source(family, config.task, hf_config, model_path)
+    model = family.build(config.task, hf_config)
+    aliases = tied_aliases(model)
+    whole_plan = plan_load(model, family, weights, aliases)  # of the unsplit model
+    new = NewWeights(model, list(whole_plan.new), config.seed)
+    total = sum(p.numel() for p in model.parameters())
+    if config.size == "tiny":
+        log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
+                 ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()), total / 1e6)
+    shapes = parameter_shapes(model)
+    flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
+    box_of, write = shard_box, None
+    if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
+        from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
+
+        # Built again, partitioned as it is built: the meta model above gave the names, shapes and new weights.
+        model = family.build(config.task, hf_config, zero3_init(deepspeed_config, layout.device.type))
+        box_of, write = zero3_box, zero3_write
+    parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
+    adamw = None
+    if config.engine == "torch" and config.sharding == "optimizer":
+        adamw = zero_adamw(model, layout, config, parallel)  # the model's only allocation
+    materialize(model, layout.device)
+    load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
+    weights.close()
+    keep_gradients_sharded(model)
+    if config.offload_activations and layout.device.type == "cpu":
+        log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
+                    "memory (the offload still runs, so the code path is the one GPUs use)")
+    ready = ReadyModel(model, parallel, shapes, flops, adamw, time.perf_counter() - started, before,
+                       peak_memory_mib(layout.device))
+    if config.size == "full":
+        mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
+        log.info("model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
+                 config.model or family.default_model, total / 1e9, mine / 1e9, weights.description,
+                 "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())), ready.load_seconds,
+                 ready.load_peak_mib)
+        if new.templates:
+            log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed,
+                     ", ".join(sorted(new.templates)))
+        if whole_plan.unused:
+            log.info("not used (this task's model has no such weight): %s", ", ".join(whole_plan.unused))
+    return ready
