@@ -186,6 +186,8 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
     for key, value in request["HyperParameters"].items():
         value = value.replace("/opt/ml/input/data/sst2", str(data_dir))
         arguments += [f"--{key}", value]
+    # SageMaker's /opt/ml/checkpoints would be this host's real folder: the job writes its checkpoints here instead.
+    arguments += ["--checkpoint_dir", str(tmp_path / "checkpoints")]
     env = dict(subprocess_env(), SM_TRAINING_ENV="{}", SM_OUTPUT_DATA_DIR=str(tmp_path / "output"),
                SM_MODEL_DIR=str(tmp_path / "model"), PYTHONPATH="")
     shipped = subprocess.run([sys.executable, "-c", "import parallel_finetune; print(parallel_finetune.__file__)"],
