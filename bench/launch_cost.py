@@ -43,9 +43,11 @@ def main() -> None:
             outside[name].append(walls[name][-1] - sum(run.summary["seconds"].values()))
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; median of {args.repeats}:")
     for name in walls:
-        print(f"  {name:8s} {statistics.median(walls[name]):5.1f} s per launch, of which "
-              f"{statistics.median(outside[name]):4.1f} s outside the run's phases "
-              f"(all: {', '.join(f'{w:.1f}' for w in walls[name])})")
+        print(
+            f"  {name:8s} {statistics.median(walls[name]):5.1f} s per launch, of which "
+            f"{statistics.median(outside[name]):4.1f} s outside the run's phases "
+            f"(all: {', '.join(f'{w:.1f}' for w in walls[name])})"
+        )
 
 
 if __name__ == "__main__":

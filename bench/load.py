@@ -22,8 +22,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = {"1 process": (1, []), "TP=2": (2, ["tensor_parallel_degree=2"]),
-           "PP=2": (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"])}
+LAYOUTS = {
+    "1 process": (1, []),
+    "TP=2": (2, ["tensor_parallel_degree=2"]),
+    "PP=2": (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
+}
 
 
 def worker(mode: str, folder: str, out: str, overrides: list[str]) -> None:
@@ -34,8 +37,20 @@ def worker(mode: str, folder: str, out: str, overrides: list[str]) -> None:
     from parallel_finetune.reporting import peak_memory_mib
     from parallel_finetune.trainer import Trainer
 
-    config = load_config(None, ["family=gptj", "size=full", f"model={folder}", "precision=fp32", "export=false",
-                                f"output_dir={out}", "overwrite=true", "resume=none", *overrides])
+    config = load_config(
+        None,
+        [
+            "family=gptj",
+            "size=full",
+            f"model={folder}",
+            "precision=fp32",
+            "export=false",
+            f"output_dir={out}",
+            "overwrite=true",
+            "resume=none",
+            *overrides,
+        ],
+    )
     if mode == "after":
         trainer = Trainer(config)
         trainer.setup()
@@ -72,9 +87,21 @@ def measure(mode: str, layout: str, folder: Path, work: Path) -> list[dict]:
     nproc, overrides = LAYOUTS[layout]
     out = work / f"{mode}-{layout.replace(' ', '').replace('=', '')}"
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-               "--worker", mode, str(folder), str(out), *overrides,
-               f"data_dir={REPO / 'src' / 'parallel_finetune' / 'sample_data'}", f"cache_dir={work / 'cache'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        "--worker",
+        mode,
+        str(folder),
+        str(out),
+        *overrides,
+        f"data_dir={REPO / 'src' / 'parallel_finetune' / 'sample_data'}",
+        f"cache_dir={work / 'cache'}",
+    ]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:
         sys.exit(f"{mode} {layout} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -98,19 +125,25 @@ def main() -> int:
     if not (folder / "config.json").is_file():
         print(f"writing {folder} ...", flush=True)
         sentences = column(read_glue_dir(REPO / "src" / "parallel_finetune" / "sample_data")["train"], "sentence")
-        write_checkpoint(folder, "gptj", sentences, hidden=args.hidden, layers=args.layers, heads=16,
-                         dtype="float16", vocab_size=512)
+        write_checkpoint(
+            folder, "gptj", sentences, hidden=args.hidden, layers=args.layers, heads=16, dtype="float16", vocab_size=512
+        )
     whole = 4 * model_shape(str(folder), "classification").total
-    print(f"GPT-J {model_shape(str(folder)).total / 1e9:.2f}B parameters, fp16 files "
-          f"({sum(f.stat().st_size for f in folder.glob('*.safetensors')) / 2**30:.2f} GiB), "
-          f"{whole / 2**30:.2f} GiB as fp32 master weights\n")
+    print(
+        f"GPT-J {model_shape(str(folder)).total / 1e9:.2f}B parameters, fp16 files "
+        f"({sum(f.stat().st_size for f in folder.glob('*.safetensors')) / 2**30:.2f} GiB), "
+        f"{whole / 2**30:.2f} GiB as fp32 master weights\n"
+    )
     print(f"{'layout':<10} {'loading':<7} {'seconds':>8} {'peak extra per rank (MiB)':>28} {'x model':>8}")
     for layout in LAYOUTS:
         for mode in ("before", "after"):
             ranks = measure(mode, layout, folder, args.work)
             extra = [rank["extra_mib"] for rank in ranks]
-            print(f"{layout:<10} {mode:<7} {max(r['seconds'] for r in ranks):>8.1f} "
-                  f"{', '.join(f'{e:,.0f}' for e in extra):>28} {max(extra) * 2**20 / whole:>8.2f}", flush=True)
+            print(
+                f"{layout:<10} {mode:<7} {max(r['seconds'] for r in ranks):>8.1f} "
+                f"{', '.join(f'{e:,.0f}' for e in extra):>28} {max(extra) * 2**20 / whole:>8.2f}",
+                flush=True,
+            )
     return 0
 
 

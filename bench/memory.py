@@ -26,8 +26,7 @@ LAYOUTS = [
     ("TP=2", 2, ["tensor_parallel_degree=2"], Candidate(2, 1, 1, "none", False, 1)),
     ("sharding=optimizer, DP=2", 2, ["sharding=optimizer"], Candidate(1, 1, 2, "optimizer", False, 1, 2)),
     ("sharding=full, DP=2", 2, ["sharding=full"], Candidate(1, 1, 2, "full", False, 1, 2)),
-    ("sharding=hybrid, 2 x 2", 4, ["sharding=hybrid", "shard_group_size=2"],
-     Candidate(1, 1, 4, "hybrid", False, 1, 2)),
+    ("sharding=hybrid, 2 x 2", 4, ["sharding=hybrid", "shard_group_size=2"], Candidate(1, 1, 4, "hybrid", False, 1, 2)),
     ("sharding=full x TP=2", 4, ["sharding=full", "tensor_parallel_degree=2"], Candidate(2, 1, 2, "full", False, 1, 2)),
 ]
 PARTS = ("params", "grads", "optimizer")
@@ -35,10 +34,27 @@ PARTS = ("params", "grads", "optimizer")
 
 def measure(name: str, nproc: int, overrides: list[str], data_dir: str, out: Path) -> dict:
     folder = out / name.replace(" ", "").replace(",", "_").replace("=", "")
-    defaults = ["size=tiny", "precision=fp32", "max_steps=1", "export=false", "tensor_parallel_degree=1",
-                f"data_dir={data_dir}", f"output_dir={folder}", "overwrite=true"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "scripts" / "train.py"), str(REPO / "recipes" / "gptj" / "tp.yaml"), *defaults, *overrides]
+    defaults = [
+        "size=tiny",
+        "precision=fp32",
+        "max_steps=1",
+        "export=false",
+        "tensor_parallel_degree=1",
+        f"data_dir={data_dir}",
+        f"output_dir={folder}",
+        "overwrite=true",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "scripts" / "train.py"),
+        str(REPO / "recipes" / "gptj" / "tp.yaml"),
+        *defaults,
+        *overrides,
+    ]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -50,8 +66,10 @@ def activation_peaks() -> dict[str, int]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_memory import train_step_under_tracker  # the test's measurement, so both report the same thing
 
-    return {label: train_step_under_tracker("gptj", every)[0]
-            for label, every in (("off", False), ("every 2nd block", 2), ("every block", True))}
+    return {
+        label: train_step_under_tracker("gptj", every)[0]
+        for label, every in (("off", False), ("every 2nd block", 2), ("every block", True))
+    }
 
 
 def main() -> int:

@@ -27,9 +27,10 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. lr=5e-5")
     args = parser.parse_args()
     out = REPO / "runs" / "bench" / "minilm-epoch"
-    config = load_config(REPO / "recipes" / "bert" / "minilm.yaml", [
-        f"data_dir={args.data_dir}", "eval_every=400", f"output_dir={out}", "overwrite=true",
-        *args.overrides])
+    config = load_config(
+        REPO / "recipes" / "bert" / "minilm.yaml",
+        [f"data_dir={args.data_dir}", "eval_every=400", f"output_dir={out}", "overwrite=true", *args.overrides],
+    )
     started = time.perf_counter()
     summary = run(config)
     wall = time.perf_counter() - started
@@ -37,10 +38,12 @@ def main() -> int:
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     print(f"\n{'step':>6} {'train s':>8} {'dev accuracy':>13}")
     for evaluation in evals:
-        seconds = sum(r["step_time_s"] for r in steps[:evaluation["step"]])
+        seconds = sum(r["step_time_s"] for r in steps[: evaluation["step"]])
         print(f"{evaluation['step']:>6} {seconds:>8.1f} {evaluation['accuracy']:>13.4f}")
-    print(f"one epoch: dev accuracy {summary['accuracy']:.4f}, wall {wall:.1f} s "
-          f"(train {summary['seconds']['train']:.1f} s, {summary['train_samples_per_s']:.1f} samples/s)")
+    print(
+        f"one epoch: dev accuracy {summary['accuracy']:.4f}, wall {wall:.1f} s "
+        f"(train {summary['seconds']['train']:.1f} s, {summary['train_samples_per_s']:.1f} samples/s)"
+    )
     return 0
 
 

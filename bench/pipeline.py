@@ -43,27 +43,63 @@ def main() -> int:
         for m in args.micro_batches:
             batch = batch_of(m)
             if batch not in single:
-                single[batch] = measure(1, 1, batch, LENGTH, ["precision=fp32", *MODEL], args.data_dir,
-                                        out / f"single-b{batch}", args.warmup, args.steps)["step_s"]
+                single[batch] = measure(
+                    1,
+                    1,
+                    batch,
+                    LENGTH,
+                    ["precision=fp32", *MODEL],
+                    args.data_dir,
+                    out / f"single-b{batch}",
+                    args.warmup,
+                    args.steps,
+                )["step_s"]
             ideal = single[batch] / STAGES * (m + STAGES - 1) / m
             for schedule in ("gpipe", "1f1b"):
                 if (batch, m, schedule) not in pipelined:
                     pipelined[batch, m, schedule] = measure(
-                        STAGES, 1, batch, LENGTH, ["precision=fp32", *MODEL, f"pipeline_parallel_degree={STAGES}",
-                                                   f"microbatches={m}", f"pipeline_schedule={schedule}"],
-                        args.data_dir, out / f"pp{STAGES}-{schedule}-b{batch}-m{m}", args.warmup,
-                        args.steps)["step_s"]
+                        STAGES,
+                        1,
+                        batch,
+                        LENGTH,
+                        [
+                            "precision=fp32",
+                            *MODEL,
+                            f"pipeline_parallel_degree={STAGES}",
+                            f"microbatches={m}",
+                            f"pipeline_schedule={schedule}",
+                        ],
+                        args.data_dir,
+                        out / f"pp{STAGES}-{schedule}-b{batch}-m{m}",
+                        args.warmup,
+                        args.steps,
+                    )["step_s"]
                 seconds = pipelined[batch, m, schedule]
-                rows.append({"view": view, "batch": batch, "microbatches": m, "rows_per_microbatch": batch // m,
-                             "schedule": schedule, "t1_s": single[batch], "pp_s": seconds, "ideal_s": ideal,
-                             "efficiency": ideal / seconds})
-                print(f"{view:<26} batch {batch:>3} m={m} {schedule:<5} t1 {single[batch]:.3f} s  "
-                      f"PP=2 {seconds:.3f} s  ideal {ideal:.3f} s  efficiency {ideal / seconds:.2f}", flush=True)
-    print(f"\n| view | batch | m | rows/micro | schedule | t1 (s) | PP=2 (s) | ideal (s) | efficiency |")
+                rows.append(
+                    {
+                        "view": view,
+                        "batch": batch,
+                        "microbatches": m,
+                        "rows_per_microbatch": batch // m,
+                        "schedule": schedule,
+                        "t1_s": single[batch],
+                        "pp_s": seconds,
+                        "ideal_s": ideal,
+                        "efficiency": ideal / seconds,
+                    }
+                )
+                print(
+                    f"{view:<26} batch {batch:>3} m={m} {schedule:<5} t1 {single[batch]:.3f} s  "
+                    f"PP=2 {seconds:.3f} s  ideal {ideal:.3f} s  efficiency {ideal / seconds:.2f}",
+                    flush=True,
+                )
+    print("\n| view | batch | m | rows/micro | schedule | t1 (s) | PP=2 (s) | ideal (s) | efficiency |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['view']} | {r['batch']} | {r['microbatches']} | {r['rows_per_microbatch']} | {r['schedule']} | "
-              f"{r['t1_s']:.3f} | {r['pp_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.2f} |")
+        print(
+            f"| {r['view']} | {r['batch']} | {r['microbatches']} | {r['rows_per_microbatch']} | {r['schedule']} | "
+            f"{r['t1_s']:.3f} | {r['pp_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.2f} |"
+        )
     (out / "pipeline.json").write_text(json.dumps({"model": MODEL, "length": LENGTH, "rows": rows}, indent=1))
     return 0
 

@@ -2,7 +2,8 @@
 
 `make bench-speed DATA=../shared/data/sst2` (also part of `make bench`). Every figure is whole training steps of
 the real trainer (bench/steps.py: fixed 64-token sequences, batch 16, median of 6 steps after 2 warm-up steps),
-GPT-J config with 4 blocks (64-wide heads, MLP 4 x hidden) and the SST-2 BPE vocabulary (8192), precision as `auto` picks it on this CPU:
+GPT-J config with 4 blocks (64-wide heads, MLP 4 x hidden) and the SST-2 BPE vocabulary (8192), precision as
+`auto` picks it on this CPU:
   tp        TP=2 (two processes, one thread each) vs one process with two threads, at hidden 512 and 1024:
             throughput ratio = one-process step time / TP=2 step time (1.0 = as fast as one process)
   mfu       the one-process run's model FLOP rate as a fraction of the measured matmul peak (2 threads)
@@ -25,8 +26,12 @@ BATCH, LENGTH = 16, 64
 
 
 def model(hidden: int) -> list[str]:
-    return [f"model_config.n_embd={hidden}", f"model_config.n_head={hidden // 64}", f"model_config.n_inner={4 * hidden}",
-            "model_config.n_layer=4"]
+    return [
+        f"model_config.n_embd={hidden}",
+        f"model_config.n_head={hidden // 64}",
+        f"model_config.n_inner={4 * hidden}",
+        "model_config.n_layer=4",
+    ]
 
 
 def main() -> int:
@@ -39,23 +44,38 @@ def main() -> int:
     results: dict = {"tp": {}, "compile": {}}
     for hidden in args.hidden:
         single = measure(1, 2, BATCH, LENGTH, model(hidden), args.data_dir, out / f"single-h{hidden}")
-        tp = measure(2, 1, BATCH, LENGTH, model(hidden) + ["tensor_parallel_degree=2"], args.data_dir,
-                     out / f"tp2-h{hidden}")
-        results["tp"][hidden] = {"single_2_threads": single, "tp2_1_thread_each": tp,
-                                 "throughput_ratio": single["step_s"] / tp["step_s"]}
-        print(f"hidden {hidden}: one process x 2 threads {single['step_s']:.3f} s/step (MFU {single['mfu']:.1%} of "
-              f"{single['peak_tflops'] * 1e3:.1f} GFLOP/s), TP=2 x 1 thread {tp['step_s']:.3f} s/step: "
-              f"ratio {single['step_s'] / tp['step_s']:.2f}", flush=True)
+        tp = measure(
+            2, 1, BATCH, LENGTH, model(hidden) + ["tensor_parallel_degree=2"], args.data_dir, out / f"tp2-h{hidden}"
+        )
+        results["tp"][hidden] = {
+            "single_2_threads": single,
+            "tp2_1_thread_each": tp,
+            "throughput_ratio": single["step_s"] / tp["step_s"],
+        }
+        print(
+            f"hidden {hidden}: one process x 2 threads {single['step_s']:.3f} s/step (MFU {single['mfu']:.1%} of "
+            f"{single['peak_tflops'] * 1e3:.1f} GFLOP/s), TP=2 x 1 thread {tp['step_s']:.3f} s/step: "
+            f"ratio {single['step_s'] / tp['step_s']:.2f}",
+            flush=True,
+        )
     hidden = args.hidden[0]
     eager = results["tp"][hidden]["single_2_threads"]
-    compiled = measure(1, 2, BATCH, LENGTH, model(hidden) + ["compile=true"], args.data_dir,
-                       out / f"compiled-h{hidden}")
-    results["compile"] = {"hidden": hidden, "eager": eager, "compiled": compiled,
-                          "speedup": eager["step_s"] / compiled["step_s"],
-                          "compile_s": sum(compiled["warmup_s"]) - sum(eager["warmup_s"])}
-    print(f"compile (hidden {hidden}): eager {eager['step_s']:.3f} s/step, compiled {compiled['step_s']:.3f} s/step "
-          f"({eager['step_s'] / compiled['step_s']:.2f}x); warm-up steps {sum(compiled['warmup_s']):.1f} s vs "
-          f"{sum(eager['warmup_s']):.1f} s eager", flush=True)
+    compiled = measure(
+        1, 2, BATCH, LENGTH, model(hidden) + ["compile=true"], args.data_dir, out / f"compiled-h{hidden}"
+    )
+    results["compile"] = {
+        "hidden": hidden,
+        "eager": eager,
+        "compiled": compiled,
+        "speedup": eager["step_s"] / compiled["step_s"],
+        "compile_s": sum(compiled["warmup_s"]) - sum(eager["warmup_s"]),
+    }
+    print(
+        f"compile (hidden {hidden}): eager {eager['step_s']:.3f} s/step, compiled {compiled['step_s']:.3f} s/step "
+        f"({eager['step_s'] / compiled['step_s']:.2f}x); warm-up steps {sum(compiled['warmup_s']):.1f} s vs "
+        f"{sum(eager['warmup_s']):.1f} s eager",
+        flush=True,
+    )
     (out / "speed.json").write_text(json.dumps(results, indent=1))
     return 0
 

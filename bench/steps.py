@@ -34,9 +34,11 @@ def worker(argv: list[str]) -> None:
         def batch_of(self, indices, ids=None, labels=None):
             generator = torch.Generator().manual_seed(len(indices))
             rows = len(indices)
-            batch = {"input_ids": torch.randint(1, 1000, (rows, length), generator=generator),
-                     "attention_mask": torch.ones(rows, length, dtype=torch.long),
-                     "labels": torch.randint(0, 2, (rows,), generator=generator)}
+            batch = {
+                "input_ids": torch.randint(1, 1000, (rows, length), generator=generator),
+                "attention_mask": torch.ones(rows, length, dtype=torch.long),
+                "labels": torch.randint(0, 2, (rows,), generator=generator),
+            }
             return {k: v.to(self.layout.device) for k, v in batch.items()}
 
     trainer = FixedLengthTrainer(config)
@@ -45,32 +47,67 @@ def worker(argv: list[str]) -> None:
     trainer.model.train()
     records = [trainer.train_step(list(range(config.batch_size))) for _ in range(warmup + steps)]
     if trainer.layout.is_main:
-        (Path(config.output_dir) / "step_records.json").write_text(json.dumps(
-            {"records": records, "peak_tflops": trainer.peak_tflops, "warmup": warmup}))
+        (Path(config.output_dir) / "step_records.json").write_text(
+            json.dumps({"records": records, "peak_tflops": trainer.peak_tflops, "warmup": warmup})
+        )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def measure(nproc: int, threads: int, batch: int, length: int, overrides: list[str], data_dir: str, folder: Path,
-            warmup: int = 2, steps: int = 6) -> dict:
+def measure(
+    nproc: int,
+    threads: int,
+    batch: int,
+    length: int,
+    overrides: list[str],
+    data_dir: str,
+    folder: Path,
+    warmup: int = 2,
+    steps: int = 6,
+) -> dict:
     """Median step seconds and MFU of the timed steps, plus the warm-up steps' seconds (compile time shows there)."""
-    settings = ["size=tiny", f"batch_size={batch}", f"max_length={length}", "export=false",
-                "tensor_parallel_degree=1", f"max_steps={warmup + steps}", f"data_dir={data_dir}",
-                f"output_dir={folder}", "overwrite=true", "log_every=1000", *overrides]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               __file__, "--worker", *settings]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), BENCH_WARMUP=str(warmup), BENCH_STEPS=str(steps),
-               BENCH_LENGTH=str(length))
+    settings = [
+        "size=tiny",
+        f"batch_size={batch}",
+        f"max_length={length}",
+        "export=false",
+        "tensor_parallel_degree=1",
+        f"max_steps={warmup + steps}",
+        f"data_dir={data_dir}",
+        f"output_dir={folder}",
+        "overwrite=true",
+        "log_every=1000",
+        *overrides,
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        "--worker",
+        *settings,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        BENCH_WARMUP=str(warmup),
+        BENCH_STEPS=str(steps),
+        BENCH_LENGTH=str(length),
+    )
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{folder.name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads((folder / "step_records.json").read_text())
     timed = result["records"][warmup:]
-    return {"step_s": statistics.median(r["step_time_s"] for r in timed),
-            "mfu": statistics.median(r["mfu"] for r in timed),
-            "tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
-            "peak_tflops": result["peak_tflops"],
-            "warmup_s": [r["step_time_s"] for r in result["records"][:warmup]]}
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed),
+        "tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
+        "peak_tflops": result["peak_tflops"],
+        "warmup_s": [r["step_time_s"] for r in result["records"][:warmup]],
+    }
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

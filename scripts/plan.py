@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Memory per GPU and time per SST-2 epoch for every parallel layout of a model, best first. Nothing is downloaded.
 
-    python scripts/plan.py EleutherAI/gpt-j-6b --instance ml.p4d.24xlarge
-    python scripts/plan.py gpt2-xl --gpus 8 --gpu-mem-gb 24 --nodes 2 --all
+python scripts/plan.py EleutherAI/gpt-j-6b --instance ml.p4d.24xlarge
+python scripts/plan.py gpt2-xl --gpus 8 --gpu-mem-gb 24 --nodes 2 --all
 """
 
 import argparse
@@ -21,8 +21,12 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrors(prog="plan.py", description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="EleutherAI/gpt-j-6b",
-                        help=f"one of {', '.join(KNOWN_MODELS)}; a local folder; package:MODULE; tiny:FAMILY")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="EleutherAI/gpt-j-6b",
+        help=f"one of {', '.join(KNOWN_MODELS)}; a local folder; package:MODULE; tiny:FAMILY",
+    )
     parser.add_argument("--gpus", help="GPUs per node (default with --instance: all of its GPUs)")
     parser.add_argument("--gpu-mem-gb", help="memory per GPU in GB (1e9 bytes); required without --instance")
     parser.add_argument("--instance", help=f"SageMaker instance: {', '.join(INSTANCES)}")
@@ -31,19 +35,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", default="classification", choices=["classification", "causal_lm"])
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence for memory (default 128)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch (default 32, the recipes')")
-    parser.add_argument("--tokens-per-sample", type=float, default=13.4,
-                        help="tokens per SST-2 sentence after dynamic padding, for time (default 13.4)")
+    parser.add_argument(
+        "--tokens-per-sample",
+        type=float,
+        default=13.4,
+        help="tokens per SST-2 sentence after dynamic padding, for time (default 13.4)",
+    )
     parser.add_argument("--padded", action="store_true", help="time with every sentence padded to --max-length")
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation (default 0.35)")
-    parser.add_argument("--runs-today", action="store_true",
-                        help="only layouts the trainer runs now (all but pipeline stages with FSDP)")
+    parser.add_argument(
+        "--runs-today",
+        action="store_true",
+        help="only layouts the trainer runs now (all but pipeline stages with FSDP)",
+    )
     parser.add_argument("--all", action="store_true", help="print every layout, not the best 15")
     args = parser.parse_args(argv)
     try:
-        result = plan(args.model, args.gpus, args.gpu_mem_gb, args.instance, nodes=args.nodes, gpu=args.gpu,
-                      task=args.task, seq_len=args.max_length, batch_size=args.batch_size,
-                      tokens_per_sample=args.tokens_per_sample, padded=args.padded, mfu=args.mfu,
-                      runs_today=args.runs_today)
+        result = plan(
+            args.model,
+            args.gpus,
+            args.gpu_mem_gb,
+            args.instance,
+            nodes=args.nodes,
+            gpu=args.gpu,
+            task=args.task,
+            seq_len=args.max_length,
+            batch_size=args.batch_size,
+            tokens_per_sample=args.tokens_per_sample,
+            padded=args.padded,
+            mfu=args.mfu,
+            runs_today=args.runs_today,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,8 +8,8 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
-from parallel_finetune.data import prepare_for_config
 from parallel_finetune.config import load_config
+from parallel_finetune.data import prepare_for_config
 from parallel_finetune.errors import UserError
 
 
@@ -24,8 +24,11 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{prepared.cache_path}  ({prepared.source.description}; "
-          + ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()) + ")")
+    print(
+        f"{prepared.cache_path}  ({prepared.source.description}; "
+        + ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items())
+        + ")"
+    )
     return 0
 
 

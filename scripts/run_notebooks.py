@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help=", ".join(NOTEBOOKS) + " (default: all)")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
-    parser.add_argument("--no-check", action="store_true", help="do not require the plot and accuracy outputs "
-                                                                "(e.g. LAUNCH sagemaker with WAIT false)")
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not require the plot and accuracy outputs (e.g. LAUNCH sagemaker with WAIT false)",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in NOTEBOOKS]
     if unknown:
@@ -62,15 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         executed = out / f"{name}.ipynb"
         print(f">>> notebooks/{name}.ipynb {parameters}", flush=True)
         try:
-            papermill.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(executed),
-                                       parameters=parameters, cwd=str(REPO / "notebooks"), kernel_name="python3",
-                                       log_output=True, progress_bar=False)
+            papermill.execute_notebook(
+                str(REPO / "notebooks" / f"{name}.ipynb"),
+                str(executed),
+                parameters=parameters,
+                cwd=str(REPO / "notebooks"),
+                kernel_name="python3",
+                log_output=True,
+                progress_bar=False,
+            )
             problems = [] if args.no_check else check(executed)
         except papermill.PapermillExecutionError as exc:
             problems = [f"cell {exc.exec_count} raised {exc.ename}: {exc.evalue}"]
         seconds = time.perf_counter() - started
-        print(f"<<< notebooks/{name}.ipynb: {'ok' if not problems else '; '.join(problems)} in {seconds:.0f} s "
-              f"(executed copy: {executed.relative_to(REPO)})", flush=True)
+        print(
+            f"<<< notebooks/{name}.ipynb: {'ok' if not problems else '; '.join(problems)} in {seconds:.0f} s "
+            f"(executed copy: {executed.relative_to(REPO)})",
+            flush=True,
+        )
         if problems:
             failed.append(name)
     if failed:

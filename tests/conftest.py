@@ -14,9 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import harness
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
@@ -28,8 +27,10 @@ def recipe(family: str) -> Path:
 
 
 # Dropout draws different random numbers on differently sharded tensors; parity runs switch it off.
-NO_DROPOUT = {"bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"],
-              "gpt2": ["model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"]}
+NO_DROPOUT = {
+    "bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"],
+    "gpt2": ["model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"],
+}
 
 
 def find_sst2() -> Path | None:
@@ -94,16 +95,32 @@ def make_commands(target: str, *variables: str) -> list[list[str]]:
     (a leading NAME=value is a word too). The tests run them forked; test_make_gptj_tp_end_to_end runs make."""
     # as typed in a shell, not nested in `make test` (which would add "make[1]: Entering directory" lines)
     env = {k: v for k, v in subprocess_env().items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", target, *variables],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.replace("\\\n", " ").splitlines()
     return [shlex.split(line) for line in lines if line.strip() and not line.startswith("echo ")]
 
 
-def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | None = None,
-           recipe: Path = RECIPE, check: bool = True, timeout: int = 600, torchrun: bool = False,
-           torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Run:
+def launch(
+    nproc: int,
+    overrides: list[str],
+    output_dir: Path,
+    *,
+    script: str | None = None,
+    recipe: Path = RECIPE,
+    check: bool = True,
+    timeout: int = 600,
+    torchrun: bool = False,
+    torchrun_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Run:
     """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=...
 
     The ranks are forked from the harness's pre-warmed zygote (tests/harness.py), the same script under the same
@@ -111,8 +128,15 @@ def launch(nproc: int, overrides: list[str], output_dir: Path, *, script: str | 
     argv = [script or str(REPO / "scripts" / "train.py"), str(recipe), *overrides, f"output_dir={output_dir}"]
     env = {**subprocess_env(), **(env or {})}
     if torchrun or torchrun_args:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *torchrun_args, *argv]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *torchrun_args,
+            *argv,
+        ]
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
         report = run.output[-6000:]
@@ -142,20 +166,45 @@ def single_process_run(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def single_process(single_process_run, sst2, cache_dir):
+    """The one-process reference run of a tiny recipe, exported (test_deepspeed compares its exported weights)."""
+
+    def get(family: str, task: str, model: tuple):
+        return single_process_run(
+            recipe(family), tiny_overrides(sst2, cache_dir, task, family, export="true") + list(model)
+        )
+
+    return get
+
+
 def check(*overrides: str, nproc: int = 2, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     """`python -m parallel_finetune.train --check`: what make runs before torchrun."""
-    return python("-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe), *overrides,
-                  timeout=300)
+    return python(
+        "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe), *overrides, timeout=300
+    )
 
 
-def tiny_overrides(sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj",
-                   **extra) -> list[str]:
+def tiny_overrides(
+    sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj", **extra
+) -> list[str]:
     """A short fp32 run of a family's tiny model on real SST-2: what parity tests compare. No hf/ export (it costs
     ~2 s per run) unless a test asks for one with export="true"; MFU against a given CPU peak instead of each
     rank's 0.5 s matmul probe (test_speed checks the probe; `make gptj-tp` end to end runs it)."""
-    base = {"size": "tiny", "task": task, "data_dir": sst2, "cache_dir": cache_dir, "precision": "fp32",
-            "max_steps": 6, "batch_size": 16, "max_length": 64 if task == "classification" else 32,
-            "eval_batch_size": 128, "log_every": 1, "export": "false", "peak_tflops": 0.1}
+    base = {
+        "size": "tiny",
+        "task": task,
+        "data_dir": sst2,
+        "cache_dir": cache_dir,
+        "precision": "fp32",
+        "max_steps": 6,
+        "batch_size": 16,
+        "max_length": 64 if task == "classification" else 32,
+        "eval_batch_size": 128,
+        "log_every": 1,
+        "export": "false",
+        "peak_tflops": 0.1,
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])
 

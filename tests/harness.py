@@ -71,16 +71,21 @@ class Ranks:
         for rank in self.failed:
             parts.append(f"===== {rank.status()}")
             for name, text in (("stderr", rank.stderr), ("stdout", rank.stdout)):
-                parts.append(f"----- rank {rank.rank} {name} (last {REPORT_CHARS} characters)\n"
-                             f"{text[-REPORT_CHARS:]}")
+                parts.append(f"----- rank {rank.rank} {name} (last {REPORT_CHARS} characters)\n{text[-REPORT_CHARS:]}")
         return "\n".join(parts)
 
 
 class Zygote:
     def __init__(self, env: dict[str, str], cwd: Path):
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=cwd)
+        self.process = subprocess.Popen(
+            [sys.executable, str(ZYGOTE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=cwd,
+        )
         self.reply(START_TIMEOUT_S)
 
     def alive(self) -> bool:
@@ -92,8 +97,10 @@ class Zygote:
         if not line:
             self.close()
             self.log.seek(0)
-            raise RuntimeError(f"the harness's zygote ended or gave no answer within {timeout_s:g} s; its log:\n"
-                               f"{self.log.read()[-REPORT_CHARS:]}")
+            raise RuntimeError(
+                f"the harness's zygote ended or gave no answer within {timeout_s:g} s; its log:\n"
+                f"{self.log.read()[-REPORT_CHARS:]}"
+            )
         return json.loads(line)
 
     def launch(self, request: dict) -> dict:
@@ -140,13 +147,27 @@ def python(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 6
 def _fork(argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
     log_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
-        request = {"argv": argv, "ranks": ranks, "env": env, "cwd": str(cwd), "log_dir": str(log_dir),
-                   "timeout_s": timeout_s}
+        request = {
+            "argv": argv,
+            "ranks": ranks,
+            "env": env,
+            "cwd": str(cwd),
+            "log_dir": str(log_dir),
+            "timeout_s": timeout_s,
+        }
         reply = zygote(env, cwd).launch(request)
         if "refused" in reply:
             raise RuntimeError(f"the harness's zygote refused to fork: {reply['refused']}")
-        processes = [Rank(r, code, read(log_dir / f"rank{r}.stdout"), read(log_dir / f"rank{r}.stderr"),
-                          reply["killed"].get(str(r))) for r, code in enumerate(reply["returncodes"])]
+        processes = [
+            Rank(
+                r,
+                code,
+                read(log_dir / f"rank{r}.stdout"),
+                read(log_dir / f"rank{r}.stderr"),
+                reply["killed"].get(str(r)),
+            )
+            for r, code in enumerate(reply["returncodes"])
+        ]
         return Ranks(processes, reply["exit_order"], reply["timed_out"])
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -13,14 +13,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides, tmpfs
 from safetensors.torch import load_file
 
 from parallel_finetune import integrity
 from parallel_finetune.checkpoint import resolve_resume
 from parallel_finetune.runfolder import RunLock
-
-from conftest import (FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides,
-                      tmpfs)
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
@@ -40,31 +38,35 @@ def reference(sst2, cache_dir, tmp_path_factory):
 def sharded_writer(sst2, cache_dir, tmp_path_factory):
     """The same run under FSDP over 2 ranks, checkpointing at step 5."""
     out = tmp_path_factory.mktemp("fsdp-writer")
-    return launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=1", "sharding=full", "checkpoint_every=5"),
-                  out)
+    return launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=1", "sharding=full", "checkpoint_every=5"), out)
 
 
 def assert_same_losses(run, reference, first_step: int) -> None:
     records = run.records
     assert [r["step"] for r in records] == list(range(first_step, 11))
-    expected = reference.losses[first_step - 1:]
+    expected = reference.losses[first_step - 1 :]
     differences = [abs(a - b) for a, b in zip(run.losses, expected)]
     assert max(differences) < TOLERANCE, differences
 
 
 def test_reference_keeps_the_newest_checkpoints(reference):
-    assert sorted(p.name for p in (reference.output_dir / "checkpoints").iterdir()) == ["step-00000005",
-                                                                                       "step-00000010"]
+    assert sorted(p.name for p in (reference.output_dir / "checkpoints").iterdir()) == [
+        "step-00000005",
+        "step-00000010",
+    ]
     assert reference.losses[0] != reference.losses[-1]
 
 
-@pytest.mark.parametrize("name,nproc,layout", [
-    ("tp2", 2, ["tensor_parallel_degree=2"]),
-    ("single_process", 1, []),
-    ("optimizer_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
-    ("full_dp2_tp2", 4, ["tensor_parallel_degree=2", "sharding=full"]),
-    ("pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
-])
+@pytest.mark.parametrize(
+    "name,nproc,layout",
+    [
+        ("tp2", 2, ["tensor_parallel_degree=2"]),
+        ("single_process", 1, []),
+        ("optimizer_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
+        ("full_dp2_tp2", 4, ["tensor_parallel_degree=2", "sharding=full"]),
+        ("pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
+    ],
+)
 def test_resume_from_tp2_checkpoint_under_any_layout(name, nproc, layout, reference, sst2, cache_dir, tmp_path):
     step5 = reference.output_dir / "checkpoints" / "step-00000005"
     run = launch(nproc, overrides(sst2, cache_dir, f"resume={step5}", *layout), tmp_path / name)
@@ -86,12 +88,27 @@ def test_pipeline_checkpoint_resumes_under_tp2(family, task, sst2, cache_dir, tm
     """Stages write their own blocks under the unsplit names (GPT-2's tied embedding from both ends): a checkpoint
     of a PP=2 run is an ordinary checkpoint that TP=2 continues."""
     model = ["model_config.n_layer=4", f"task={task}"]
-    pipeline = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=1", "pipeline_parallel_degree=2",
-                                   "checkpoint_every=5", *model, family=family), tmp_path / "pp2",
-                      recipe=recipe(family))
+    pipeline = launch(
+        2,
+        overrides(
+            sst2,
+            cache_dir,
+            "tensor_parallel_degree=1",
+            "pipeline_parallel_degree=2",
+            "checkpoint_every=5",
+            *model,
+            family=family,
+        ),
+        tmp_path / "pp2",
+        recipe=recipe(family),
+    )
     step5 = pipeline.output_dir / "checkpoints" / "step-00000005"
-    run = launch(2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2", *model, family=family),
-                 tmp_path / "tp2", recipe=recipe(family))
+    run = launch(
+        2,
+        overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2", *model, family=family),
+        tmp_path / "tp2",
+        recipe=recipe(family),
+    )
     assert_same_losses(run, pipeline, 6)
 
 
@@ -109,8 +126,14 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(reference, sst2, cac
 def test_killed_rank_restarts_from_the_last_checkpoint(reference, sst2, cache_dir, tmp_path):
     # the late restart: torchrun keeps its store across attempts, so peers must not find the dead rank's address
     env = {"SIGNAL_NAME": "SIGKILL", "SIGNAL_RANK": "1", "SIGNAL_STEP": "7", "LATE_RANK": "1", "LATE_BY_S": "5"}
-    run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "checkpoint_every=3"), tmp_path / "run",
-                 script=SIGNAL_WORKER, env=env, torchrun_args=("--max-restarts=1",))
+    run = launch(
+        2,
+        overrides(sst2, cache_dir, "tensor_parallel_degree=2", "checkpoint_every=3"),
+        tmp_path / "run",
+        script=SIGNAL_WORKER,
+        env=env,
+        torchrun_args=("--max-restarts=1",),
+    )
     assert "resumed from" in run.output and "step-00000006" in run.output
     assert run.losses == reference.losses
     assert run.summary["final_loss"] == reference.summary["final_loss"]
@@ -118,8 +141,12 @@ def test_killed_rank_restarts_from_the_last_checkpoint(reference, sst2, cache_di
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_from_a_checkpoint_equals_the_run_export(family, sst2, cache_dir, tmp_path):
-    run = launch(2, tiny_overrides(sst2, cache_dir, family=family, max_steps=2, export="true")
-                 + ["tensor_parallel_degree=2"], tmp_path / "run", recipe=recipe(family))
+    run = launch(
+        2,
+        tiny_overrides(sst2, cache_dir, family=family, max_steps=2, export="true") + ["tensor_parallel_degree=2"],
+        tmp_path / "run",
+        recipe=recipe(family),
+    )
     out = tmp_path / "exported"
     proc = python("scripts/export_hf.py", str(run.output_dir / "checkpoints"), str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -134,7 +161,7 @@ def test_incomplete_or_corrupt_checkpoints_are_skipped(reference, tmp_path, capl
     shutil.copytree(reference.output_dir / "checkpoints", root)
     shutil.copytree(root / "step-00000010", root / "step-00000011")
     (root / "step-00000011" / ".metadata").unlink()  # the shards never finished
-    (root / "step-00000010" / "trainer_state.json").write_text("{\"ste")  # a torn write
+    (root / "step-00000010" / "trainer_state.json").write_text('{"ste')  # a torn write
     assert resolve_resume("auto", root) == root / "step-00000005"
     assert "skipping checkpoint" in caplog.text and "step-00000011: no DCP .metadata" in caplog.text
     assert "step-00000010: trainer_state.json unreadable" in caplog.text
@@ -142,11 +169,15 @@ def test_incomplete_or_corrupt_checkpoints_are_skipped(reference, tmp_path, capl
 
 def test_a_checkpoint_of_another_model_is_refused(reference, sst2, cache_dir, tmp_path):
     step5 = reference.output_dir / "checkpoints" / "step-00000005"
-    run = launch(1, overrides(sst2, cache_dir, f"resume={step5}", "model_config.n_inner=256"), tmp_path / "run",
-                 check=False)
+    run = launch(
+        1, overrides(sst2, cache_dir, f"resume={step5}", "model_config.n_inner=256"), tmp_path / "run", check=False
+    )
     assert run.returncode != 0
     assert run.output.count("error: checkpoint ") == 1
-    assert "holds another model: parameter 'transformer.h.0.mlp.fc_in.weight' is [512, 128] there, [256, 128] here" in run.output
+    assert (
+        "holds another model: parameter 'transformer.h.0.mlp.fc_in.weight' is [512, 128] there, [256, 128] here"
+        in run.output
+    )
 
 
 def test_check_refuses_resuming_into_another_model(reference, sst2, cache_dir):
@@ -154,16 +185,27 @@ def test_check_refuses_resuming_into_another_model(reference, sst2, cache_dir):
     step5 = reference.output_dir / "checkpoints" / "step-00000005"
     checked = check(*overrides(sst2, cache_dir, f"resume={step5}", "model_config.n_inner=256"), nproc=1)
     assert checked.returncode == 2 and checked.stderr.count("\n") == 1, checked.stderr
-    assert (f"error: checkpoint {step5} was trained with other settings: model_config {{}} -> {{'n_inner': 256}}"
-            in checked.stderr)
+    assert (
+        f"error: checkpoint {step5} was trained with other settings: model_config {{}} -> {{'n_inner': 256}}"
+        in checked.stderr
+    )
 
 
 def test_resume_path_must_exist(sst2):
-    proc = python("-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "size=tiny",
-                  f"data_dir={sst2}", "resume=/no/such/checkpoint", timeout=120)
+    proc = python(
+        "-m",
+        "parallel_finetune.train",
+        "--check",
+        str(REPO / "recipes" / "gptj" / "tp.yaml"),
+        "size=tiny",
+        f"data_dir={sst2}",
+        "resume=/no/such/checkpoint",
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: resume='/no/such/checkpoint': no such checkpoint folder (valid: auto, none, "
-                                   "or a step-… folder)")
+    assert proc.stderr.strip() == (
+        "error: resume='/no/such/checkpoint': no such checkpoint folder (valid: auto, none, or a step-… folder)"
+    )
 
 
 @pytest.fixture
@@ -173,11 +215,10 @@ def small_disk(tmp_path):
         yield mount
 
 
-def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk, reference, sst2, cache_dir,
-                                                                       tmp_path):
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk, reference, sst2, cache_dir, tmp_path):
     run = launch(1, overrides(sst2, cache_dir, "checkpoint_every=5", f"checkpoint_dir={small_disk}"), tmp_path / "run")
     line = next(line for line in run.output.splitlines() if "checkpoint at step 10 not written" in line)
-    warning = line[line.index("checkpoint at step 10"):]  # after the progress bar's last redraw
+    warning = line[line.index("checkpoint at step 10") :]  # after the progress bar's last redraw
     assert warning.startswith("checkpoint at step 10 not written (No space left on device (0 bytes free under ")
     assert len(warning) < 400, warning  # not 1,400 characters of tuples
     assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000005"]
@@ -188,8 +229,14 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk
 
 
 def export_hf(checkpoint, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_one_error(output: str, message: str) -> None:
@@ -214,8 +261,9 @@ def test_a_checkpoint_whose_metadata_runs_code_is_refused(reference, sst2, cache
     marker = tmp_path / "payload-ran"
     plant_payload(step5, marker)
     message = "asks to load posix.system, which DCP metadata never holds; refusing to read it"
-    run = launch(2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2"), tmp_path / "run",
-                 check=False)
+    run = launch(
+        2, overrides(sst2, cache_dir, f"resume={step5}", "tensor_parallel_degree=2"), tmp_path / "run", check=False
+    )
     assert run.returncode != 0
     assert_one_error(run.output, message)
     exported = export_hf(step5, tmp_path / "hf")
@@ -228,8 +276,9 @@ def overwrite_inside(checkpoint, prefix: str) -> str:
     """4 KiB of 0xff (NaN as fp32) in the middle of the largest tensor whose name starts with `prefix`: the
     file keeps its size, only its content changes."""
     metadata = integrity.read_metadata(checkpoint / ".metadata")
-    index, where = max(((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(prefix)),
-                       key=lambda pair: pair[1].length)
+    index, where = max(
+        ((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(prefix)), key=lambda pair: pair[1].length
+    )
     with open(checkpoint / where.relative_path, "r+b") as handle:
         handle.seek(where.offset + where.length // 2)
         handle.write(b"\xff" * 4096)
@@ -238,18 +287,27 @@ def overwrite_inside(checkpoint, prefix: str) -> str:
 
 def test_flipped_bytes_in_weights_or_moments_are_found_at_resume_and_export(reference, sst2, cache_dir, tmp_path):
     weights, moments = copy_step5(reference, tmp_path / "weights"), copy_step5(reference, tmp_path / "moments")
-    damaged = {folder: overwrite_inside(folder, prefix) for folder, prefix in
-               [(weights, "model.transformer.wte"), (moments, "optimizer.transformer.h.0.mlp.fc_in.weight.exp_avg")]}
+    damaged = {
+        folder: overwrite_inside(folder, prefix)
+        for folder, prefix in [
+            (weights, "model.transformer.wte"),
+            (moments, "optimizer.transformer.h.0.mlp.fc_in.weight.exp_avg"),
+        ]
+    }
     for folder, shard in damaged.items():
         exported = export_hf(folder, tmp_path / f"hf-{folder.parent.name}")
         assert exported.returncode == 2, exported.stderr[-2000:]
-        assert exported.stderr.strip() == (f"error: checkpoint '{folder}' is not a usable checkpoint: {shard} does not "
-                                           "match its sha256 in the manifest (corrupted or modified)")
-    run = launch(2, overrides(sst2, cache_dir, f"resume={moments}", "tensor_parallel_degree=2"), tmp_path / "run",
-                 check=False)
+        assert exported.stderr.strip() == (
+            f"error: checkpoint '{folder}' is not a usable checkpoint: {shard} does not "
+            "match its sha256 in the manifest (corrupted or modified)"
+        )
+    run = launch(
+        2, overrides(sst2, cache_dir, f"resume={moments}", "tensor_parallel_degree=2"), tmp_path / "run", check=False
+    )
     assert run.returncode != 0
-    assert_one_error(run.output, f"resume='{moments}' is not a usable checkpoint: {damaged[moments]} does not match "
-                                 "its sha256")
+    assert_one_error(
+        run.output, f"resume='{moments}' is not a usable checkpoint: {damaged[moments]} does not match its sha256"
+    )
     assert not (tmp_path / "run" / "checkpoints").exists(), "nothing trained from the damaged moments"
 
 
@@ -259,9 +317,11 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(copied_run, 
     os.truncate(shard, size // 2)
     run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "checkpoint_every=5"), copied_run)
     skipped = [line for line in run.output.splitlines() if line.startswith("skipping checkpoint")]
-    assert skipped == [f"skipping checkpoint {copied_run / 'checkpoints' / 'step-00000010'}: __1_0.distcp is "
-                       f"{size // 2:,} bytes, the manifest says {size:,} (truncated or overwritten); trying the one "
-                       "before"], run.output[-3000:]
+    assert skipped == [
+        f"skipping checkpoint {copied_run / 'checkpoints' / 'step-00000010'}: __1_0.distcp is "
+        f"{size // 2:,} bytes, the manifest says {size:,} (truncated or overwritten); trying the one "
+        "before"
+    ], run.output[-3000:]
     assert run.summary["resumed_from"] == str(copied_run / "checkpoints" / "step-00000005")
     assert run.losses == reference.losses  # steps 6-10 again, exactly
 
@@ -269,14 +329,20 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(copied_run, 
 def test_a_diverging_run_stops_and_writes_no_nan(sst2, cache_dir, tmp_path):
     """lr=inf is refused by the config (tests/test_cli.py); a finite but absurd one diverges: weights ~1e30 after
     step 2, a NaN loss from step 3."""
-    run = launch(1, overrides(sst2, cache_dir, "lr=1e30", "checkpoint_every=1", "max_nonfinite_steps=2",
-                              "export=true"), tmp_path / "run", check=False)
+    run = launch(
+        1,
+        overrides(sst2, cache_dir, "lr=1e30", "checkpoint_every=1", "max_nonfinite_steps=2", "export=true"),
+        tmp_path / "run",
+        check=False,
+    )
     assert run.returncode != 0
-    assert_one_error(run.output, "training diverged: loss nan, grad_norm nan at step 4, non-finite for 2 steps in a "
-                                 "row (steps 3-4; max_nonfinite_steps=2)")
+    assert_one_error(
+        run.output,
+        "training diverged: loss nan, grad_norm nan at step 4, non-finite for 2 steps in a "
+        "row (steps 3-4; max_nonfinite_steps=2)",
+    )
     assert "checkpoint at step 3 not written: the loss or gradient norm of step 3 was not finite" in run.output
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001",
-                                                                                  "step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
     assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "summary.json").exists()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True]  # step 4 stopped the run before its record
@@ -315,8 +381,10 @@ def test_continuing_with_another_lr_is_refused(copied_run, sst2, cache_dir):
 def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
     (copied_run / "notes.txt").write_text("mine")
     run = launch(1, overrides(sst2, cache_dir, "overwrite=true", "resume=none", "max_steps=3"), copied_run)
-    assert (f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
-            f"tensorboard, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}") in run.output
+    assert (
+        f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
+        f"tensorboard, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
+    ) in run.output
     assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == ["step-00000003"]
     assert [r["step"] for r in run.records] == [1, 2, 3] and run.summary["steps"] == 3
     assert (copied_run / "notes.txt").read_text() == "mine"
@@ -324,8 +392,12 @@ def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
 
 def test_export_to_a_full_disk_leaves_no_partial_hf(sst2, cache_dir, tmp_path):
     with tmpfs(tmp_path / "full", "size=4m") as out:  # room for the logs, not for 23 MB of weights
-        run = launch(1, overrides(sst2, cache_dir, "max_steps=2", "export=true",
-                                  f"checkpoint_dir={tmp_path / 'checkpoints'}"), out, check=False)
+        run = launch(
+            1,
+            overrides(sst2, cache_dir, "max_steps=2", "export=true", f"checkpoint_dir={tmp_path / 'checkpoints'}"),
+            out,
+            check=False,
+        )
         assert run.returncode != 0
         assert_one_error(run.output, f"export to {out / 'hf'} failed (")
         assert "No space left on device" in run.output
@@ -336,14 +408,25 @@ def test_export_to_a_full_disk_leaves_no_partial_hf(sst2, cache_dir, tmp_path):
 def test_export_hf_names_its_own_argument(tmp_path):
     proc = export_hf(tmp_path / "no-such", tmp_path / "out")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: checkpoint '{tmp_path / 'no-such'}': no such checkpoint folder (valid: a "
-                                   "step-… folder, or a folder of them)")
+    assert proc.stderr.strip() == (
+        f"error: checkpoint '{tmp_path / 'no-such'}': no such checkpoint folder (valid: a "
+        "step-… folder, or a folder of them)"
+    )
 
 
 def test_a_stopped_rank_ends_the_run_after_collective_timeout_s(sst2, cache_dir, tmp_path):
     env = {"SIGNAL_NAME": "SIGSTOP", "SIGNAL_RANK": "1", "SIGNAL_STEP": "3"}
-    run = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2", "collective_timeout_s=10"),
-                 tmp_path / "run", script=SIGNAL_WORKER, env=env, check=False, timeout=300)
+    run = launch(
+        2,
+        overrides(sst2, cache_dir, "tensor_parallel_degree=2", "collective_timeout_s=10"),
+        tmp_path / "run",
+        script=SIGNAL_WORKER,
+        env=env,
+        check=False,
+        timeout=300,
+    )
     assert run.returncode != 0
-    assert_one_error(run.output, "error: after step 2: rank 0 waited collective_timeout_s=10 s in a collective for "
-                                 "another rank that never came")
+    assert_one_error(
+        run.output,
+        "error: after step 2: rank 0 waited collective_timeout_s=10 s in a collective for another rank that never came",
+    )

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import RECIPE, REPO, check, launch, make_commands, python, subprocess_env, tiny_overrides, tmpfs
 
 from parallel_finetune.precision import cpu_has_bf16
-
-from conftest import REPO, RECIPE, check, launch, make_commands, python, subprocess_env, tiny_overrides, tmpfs
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -26,33 +25,64 @@ def test_check_accepts_a_good_run(sst2):
     assert "2 processes = 1 data-parallel x 2 tensor-parallel" in proc.stdout
 
 
-@pytest.mark.parametrize("overrides,nproc,message", [
-    (["size=tiny", "tensor_parallel_degree=3"], 3, "tensor_parallel_degree=3 does not divide gptj n_head=4; valid degrees: 1, 2, 4"),
-    (["size=tiny", "model_config.n_head=6", "tensor_parallel_degree=4"], 4, "does not divide gptj n_head=6"),
-    (["size=tiny", "tensor_parallel_degree=2"], 3, "tensor_parallel_degree=2 does not divide the 3 processes"),
-    (["size=full", "model=./no/such/model"], 2, "model='./no/such/model': no such folder"),
-    (["size=tiny", "data_dir=/no/such/dir"], 2, "data_dir='/no/such/dir': no such folder"),
-    (["size=tiny", "max_stepz=3"], 2, "unknown key 'max_stepz'; did you mean 'max_steps'?"),
-    (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),
-    (["size=tiny", "tensor_parallel_degree=1", "batch_size=9"], 2,
-     "batch_size=9 must be divisible by data-parallel degree 2 x gradient_accumulation_steps=1"),
-    (["size=tiny", "tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=3"], 4,
-     "sharding=hybrid: shard_group_size=3 does not divide the data-parallel degree 4; valid: 1, 2, 4"),
-    # pipeline layouts (tiny GPT-J: 2 blocks, batch_size 32)
-    (["size=tiny", "pipeline_parallel_degree=3"], 4, "pipeline_parallel_degree=3 does not divide the 4 processes"),
-    (["size=tiny", "pipeline_parallel_degree=4", "tensor_parallel_degree=1"], 4,
-     "pipeline_parallel_degree=4 = 4 stages for a model of 2 blocks: at most one stage per block"),
-    (["size=tiny", "pipeline_parallel_degree=2", "pipeline_schedule=interleaved", "virtual_stages=2"], 2,
-     "pipeline_parallel_degree=2 x virtual_stages=2 = 4 stages for a model of 2 blocks"),
-    (["size=tiny", "pipeline_parallel_degree=2", "partition=[2,1]"], 2,
-     "partition=[2, 1]: needs 2 entries (one per stage) adding up to the model's 2 blocks, e.g. [1, 1]"),
-    (["size=tiny", "pipeline_parallel_degree=2", "microbatches=3"], 2,
-     "microbatches=3 does not divide the 32 sequences each pipeline step gets"),
-    (["size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", "sharding=full"], 4,
-     "pipeline_parallel_degree=2 does not combine with sharding=full yet"),
-    (["size=tiny", "pipeline_parallel_degree=2", "engine=deepspeed"], 2,
-     "pipeline_parallel_degree=2 does not combine with engine=deepspeed"),
-])
+@pytest.mark.parametrize(
+    "overrides,nproc,message",
+    [
+        (
+            ["size=tiny", "tensor_parallel_degree=3"],
+            3,
+            "tensor_parallel_degree=3 does not divide gptj n_head=4; valid degrees: 1, 2, 4",
+        ),
+        (["size=tiny", "model_config.n_head=6", "tensor_parallel_degree=4"], 4, "does not divide gptj n_head=6"),
+        (["size=tiny", "tensor_parallel_degree=2"], 3, "tensor_parallel_degree=2 does not divide the 3 processes"),
+        (["size=full", "model=./no/such/model"], 2, "model='./no/such/model': no such folder"),
+        (["size=tiny", "data_dir=/no/such/dir"], 2, "data_dir='/no/such/dir': no such folder"),
+        (["size=tiny", "max_stepz=3"], 2, "unknown key 'max_stepz'; did you mean 'max_steps'?"),
+        (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),
+        (
+            ["size=tiny", "tensor_parallel_degree=1", "batch_size=9"],
+            2,
+            "batch_size=9 must be divisible by data-parallel degree 2 x gradient_accumulation_steps=1",
+        ),
+        (
+            ["size=tiny", "tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=3"],
+            4,
+            "sharding=hybrid: shard_group_size=3 does not divide the data-parallel degree 4; valid: 1, 2, 4",
+        ),
+        # pipeline layouts (tiny GPT-J: 2 blocks, batch_size 32)
+        (["size=tiny", "pipeline_parallel_degree=3"], 4, "pipeline_parallel_degree=3 does not divide the 4 processes"),
+        (
+            ["size=tiny", "pipeline_parallel_degree=4", "tensor_parallel_degree=1"],
+            4,
+            "pipeline_parallel_degree=4 = 4 stages for a model of 2 blocks: at most one stage per block",
+        ),
+        (
+            ["size=tiny", "pipeline_parallel_degree=2", "pipeline_schedule=interleaved", "virtual_stages=2"],
+            2,
+            "pipeline_parallel_degree=2 x virtual_stages=2 = 4 stages for a model of 2 blocks",
+        ),
+        (
+            ["size=tiny", "pipeline_parallel_degree=2", "partition=[2,1]"],
+            2,
+            "partition=[2, 1]: needs 2 entries (one per stage) adding up to the model's 2 blocks, e.g. [1, 1]",
+        ),
+        (
+            ["size=tiny", "pipeline_parallel_degree=2", "microbatches=3"],
+            2,
+            "microbatches=3 does not divide the 32 sequences each pipeline step gets",
+        ),
+        (
+            ["size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", "sharding=full"],
+            4,
+            "pipeline_parallel_degree=2 does not combine with sharding=full yet",
+        ),
+        (
+            ["size=tiny", "pipeline_parallel_degree=2", "engine=deepspeed"],
+            2,
+            "pipeline_parallel_degree=2 does not combine with engine=deepspeed",
+        ),
+    ],
+)
 def test_bad_input_one_line(overrides, nproc, message):
     assert_one_line_error(check(*overrides, nproc=nproc), message)
 
@@ -72,19 +102,49 @@ def test_existing_output_dir_is_refused_and_untouched(sst2, cache_dir, tmp_path)
 
 def test_make_gptj_tp_end_to_end(sst2, tmp_path):
     out = tmp_path / "make-run"
-    proc = subprocess.run(["make", "gptj-tp", "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                           f"ARGS=max_steps=5 output_dir={out} log_every=1 eval_every=2 cache_dir={tmp_path / 'cache'}"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            "make",
+            "gptj-tp",
+            "SIZE=tiny",
+            f"DATA={sst2}",
+            "NPROC=2",
+            f"ARGS=max_steps=5 output_dir={out} log_every=1 eval_every=2 cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    for key in ("step", "epoch", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s",
-                "tflops_per_device", "mfu"):
+    for key in (
+        "step",
+        "epoch",
+        "loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "samples_per_s",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+    ):
         assert all(isinstance(r[key], (int, float)) for r in records), key
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["accuracy"] <= 1
-    assert summary["layout"] == {"world_size": 2, "pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 2, "sharding": "none",
-                                 "shard_group_size": 1, "device": "cpu", "backend": "gloo"}
+    assert summary["layout"] == {
+        "world_size": 2,
+        "pipeline_parallel": 1,
+        "data_parallel": 1,
+        "tensor_parallel": 2,
+        "sharding": "none",
+        "shard_group_size": 1,
+        "device": "cpu",
+        "backend": "gloo",
+    }
     assert summary["precision"] == ("bf16" if cpu_has_bf16() else "fp32")  # the CPU default
     assert set(summary["seconds"]) >= {"setup", "data", "model", "train", "eval", "export"}
     assert 0 < summary["padding_fraction"] < 0.5 and summary["mfu"] > 0
@@ -117,13 +177,30 @@ def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, t
 def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     """The commands each target runs, run forked (test_make_gptj_tp_end_to_end runs make and torchrun for real)."""
     recipe = f"recipes/{target.split('-')[0]}/tp.yaml"
-    check_command, train_command = make_commands(target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2",
-                                                  f"ARGS=max_steps=3 cache_dir={cache_dir}")
+    check_command, train_command = make_commands(
+        target, "SIZE=tiny", f"DATA={sst2}", "NPROC=2", f"ARGS=max_steps=3 cache_dir={cache_dir}"
+    )
     overrides = ["size=tiny", f"data_dir={sst2}", "max_steps=3", f"cache_dir={cache_dir}"]
-    assert check_command == [".venv/bin/python", "-m", "parallel_finetune.train", "--check", "--nproc", "2", recipe,
-                             *overrides]
-    assert train_command == [".venv/bin/python", "-m", "parallel_finetune.launch", "--nproc_per_node", "2", "scripts/train.py",
-                             recipe, *overrides]
+    assert check_command == [
+        ".venv/bin/python",
+        "-m",
+        "parallel_finetune.train",
+        "--check",
+        "--nproc",
+        "2",
+        recipe,
+        *overrides,
+    ]
+    assert train_command == [
+        ".venv/bin/python",
+        "-m",
+        "parallel_finetune.launch",
+        "--nproc_per_node",
+        "2",
+        "scripts/train.py",
+        recipe,
+        *overrides,
+    ]
     checked = python(*check_command[1:])
     assert checked.returncode == 0, checked.stderr
     out = tmp_path / target
@@ -134,21 +211,26 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     assert (out / "hf" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["seed=-1"], "seed=-1 must be in [0, 4294967295]"),
-    (["lr=nan"], "lr=nan must be a finite number"),
-    (["lr=.inf"], "lr=inf must be a finite number"),
-    (["epochs=nan"], "epochs=nan must be a finite number"),
-    (["adam_eps=-1"], "adam_eps=-1.0 must be positive"),
-    (["model_config.n_head=-2"], "model_config: gptj n_head=-2 must be a positive integer"),
-    (["model_config.n_layer=abc"], "model_config.n_layer='abc' is not valid; GPTJConfig.n_layer is an integer"),
-    (["model_config.n_head=3"], "model_config: hidden size 128 is not divisible by 3 attention heads"),
-    (["lr_scheduler=bogus"], "lr_scheduler='bogus' is not valid; expected one of linear|cosine|"),
-    (["cache_dir=/etc/hostname"], "cache_dir='/etc/hostname': /etc/hostname is a file, not a folder"),
-    (["batch_size=67350", "tensor_parallel_degree=1", "gradient_accumulation_steps=67350"],
-     "batch_size=67350 is larger than the training split (67349 rows)"),
-    (["device=cuda"], "device='cuda' but no CUDA device is visible"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["seed=-1"], "seed=-1 must be in [0, 4294967295]"),
+        (["lr=nan"], "lr=nan must be a finite number"),
+        (["lr=.inf"], "lr=inf must be a finite number"),
+        (["epochs=nan"], "epochs=nan must be a finite number"),
+        (["adam_eps=-1"], "adam_eps=-1.0 must be positive"),
+        (["model_config.n_head=-2"], "model_config: gptj n_head=-2 must be a positive integer"),
+        (["model_config.n_layer=abc"], "model_config.n_layer='abc' is not valid; GPTJConfig.n_layer is an integer"),
+        (["model_config.n_head=3"], "model_config: hidden size 128 is not divisible by 3 attention heads"),
+        (["lr_scheduler=bogus"], "lr_scheduler='bogus' is not valid; expected one of linear|cosine|"),
+        (["cache_dir=/etc/hostname"], "cache_dir='/etc/hostname': /etc/hostname is a file, not a folder"),
+        (
+            ["batch_size=67350", "tensor_parallel_degree=1", "gradient_accumulation_steps=67350"],
+            "batch_size=67350 is larger than the training split (67349 rows)",
+        ),
+        (["device=cuda"], "device='cuda' but no CUDA device is visible"),
+    ],
+)
 def test_check_refuses_what_the_run_would(overrides, message, sst2):
     """`--check` runs load_config + preflight: each of these got "ok" from it, then a traceback from every rank."""
     from parallel_finetune.config import load_config
@@ -186,10 +268,27 @@ def test_a_rank_error_under_the_launcher_is_one_line_and_exit_2(cache_dir, tmp_p
     bad.mkdir()
     (bad / "train.tsv").write_text("sentence\tlabel\na fine film\t1\n")
     (bad / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
-    proc = subprocess.run([sys.executable, "-m", "parallel_finetune.launch", "--standalone", "--nproc_per_node=2",
-                           "scripts/train.py", str(RECIPE), "size=tiny", f"data_dir={bad}", f"cache_dir={cache_dir}",
-                           "tokenizer_vocab_size=300", f"output_dir={tmp_path / 'run'}"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parallel_finetune.launch",
+            "--standalone",
+            "--nproc_per_node=2",
+            "scripts/train.py",
+            str(RECIPE),
+            "size=tiny",
+            f"data_dir={bad}",
+            f"cache_dir={cache_dir}",
+            "tokenizer_vocab_size=300",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1] == "error: batch_size=32 is larger than the training split (1 rows)", proc.stderr[-3000:]

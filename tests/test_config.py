@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import RECIPE
+
 from parallel_finetune.config import USER_KEYS, load_config
 from parallel_finetune.errors import UserError
 
@@ -18,47 +18,64 @@ def test_recipe_sections_and_tiny_overrides():
     assert load_config(RECIPE, ["size=tiny", "lr=2e-4"]).lr == 2e-4  # the command line wins
 
 
-@pytest.mark.parametrize("override,key,value", [
-    ("max_steps=5", "max_steps", 5),
-    ("lr=1e-4", "lr", 1e-4),  # YAML reads 1e-4 as a string; the float field takes it
-    ("training.lr=3e-5", "lr", 3e-5),
-    ("precision=fp16", "precision", "fp16"),
-    ("tensor_parallel_degree=2", "tensor_parallel_degree", 2),
-    ("tensor_parallel_degree=auto", "tensor_parallel_degree", "auto"),
-    ("data_dir=../shared/data/sst2", "data_dir", "../shared/data/sst2"),
-    ("epochs=2", "epochs", 2.0),
-    ("seed=7", "seed", 7),
-    ("group_by_length=false", "group_by_length", False),
-    ("max_grad_norm=null", "max_grad_norm", None),
-    ("model_config.n_layer=4", "model_config", {"n_layer": 4}),
-    ("model_config={n_layer: 4, n_embd: 256}", "model_config", {"n_layer": 4, "n_embd": 256}),
-])
+@pytest.mark.parametrize(
+    "override,key,value",
+    [
+        ("max_steps=5", "max_steps", 5),
+        ("lr=1e-4", "lr", 1e-4),  # YAML reads 1e-4 as a string; the float field takes it
+        ("training.lr=3e-5", "lr", 3e-5),
+        ("precision=fp16", "precision", "fp16"),
+        ("tensor_parallel_degree=2", "tensor_parallel_degree", 2),
+        ("tensor_parallel_degree=auto", "tensor_parallel_degree", "auto"),
+        ("data_dir=../shared/data/sst2", "data_dir", "../shared/data/sst2"),
+        ("epochs=2", "epochs", 2.0),
+        ("seed=7", "seed", 7),
+        ("group_by_length=false", "group_by_length", False),
+        ("max_grad_norm=null", "max_grad_norm", None),
+        ("model_config.n_layer=4", "model_config", {"n_layer": 4}),
+        ("model_config={n_layer: 4, n_embd: 256}", "model_config", {"n_layer": 4, "n_embd": 256}),
+    ],
+)
 def test_overrides(override, key, value):
     assert getattr(load_config(RECIPE, [override]), key) == value
 
 
 def test_every_issue_spelling_is_a_key():
-    for key in ("size", "data_dir", "output_dir", "task", "max_steps", "epochs", "precision", "seed",
-                "tensor_parallel_degree", "batch_size", "lr"):
+    for key in (
+        "size",
+        "data_dir",
+        "output_dir",
+        "task",
+        "max_steps",
+        "epochs",
+        "precision",
+        "seed",
+        "tensor_parallel_degree",
+        "batch_size",
+        "lr",
+    ):
         assert key in USER_KEYS
 
 
-@pytest.mark.parametrize("override,message", [
-    ("learning_rate=1e-4", "unknown key 'learning_rate'"),
-    ("batchsize=8", "did you mean 'batch_size'?"),
-    ("precision=fp8", "precision='fp8' is not valid; expected one of auto|fp16|bf16|fp32"),
-    ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
-    ("batch_size=0", "batch_size=0 must be at least 1"),
-    ("task=translation", "task='translation' is not valid"),
-    ("family=llama", "family='llama' is not known; valid: bert, gpt2, gptj, gptneo"),
-    ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
-    ("lr", "must look like key=value"),
-    ("training.nope=1", "unknown key 'nope'"),
-    ("sharding=zero", "sharding='zero' is not valid; expected one of none|optimizer|full|hybrid"),
-    ("shard_group_size=2", "shard_group_size=2 only applies to sharding=hybrid, not sharding=none"),
-    ("activation_checkpointing=-1", "activation_checkpointing=-1 must be true, false or N >= 1"),
-    ("activation_checkpointing=maybe", "activation_checkpointing='maybe' is not valid; expected true|false"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("learning_rate=1e-4", "unknown key 'learning_rate'"),
+        ("batchsize=8", "did you mean 'batch_size'?"),
+        ("precision=fp8", "precision='fp8' is not valid; expected one of auto|fp16|bf16|fp32"),
+        ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
+        ("batch_size=0", "batch_size=0 must be at least 1"),
+        ("task=translation", "task='translation' is not valid"),
+        ("family=llama", "family='llama' is not known; valid: bert, gpt2, gptj, gptneo"),
+        ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
+        ("lr", "must look like key=value"),
+        ("training.nope=1", "unknown key 'nope'"),
+        ("sharding=zero", "sharding='zero' is not valid; expected one of none|optimizer|full|hybrid"),
+        ("shard_group_size=2", "shard_group_size=2 only applies to sharding=hybrid, not sharding=none"),
+        ("activation_checkpointing=-1", "activation_checkpointing=-1 must be true, false or N >= 1"),
+        ("activation_checkpointing=maybe", "activation_checkpointing='maybe' is not valid; expected true|false"),
+    ],
+)
 def test_bad_overrides_are_one_line_errors(override, message):
     with pytest.raises(UserError) as error:
         load_config(RECIPE, [override])
@@ -101,8 +118,12 @@ def test_a_recipe_extends_another(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text(f"extends: {RECIPE}\nmodel_config: {{n_layer: 4}}\ntiny:\n  training:\n    lr: 5.0e-4\n")
     config = load_config(child, ["size=tiny"])
-    assert (config.family, config.lr, config.model_config, config.recipe) == ("gptj", 5e-4, {"n_layer": 4},
-                                                                           "gptj-child")
+    assert (config.family, config.lr, config.model_config, config.recipe) == (
+        "gptj",
+        5e-4,
+        {"n_layer": 4},
+        "gptj-child",
+    )
     child.write_text("extends: nowhere.yaml\n")
     with pytest.raises(UserError, match=r"child.yaml: extends .*nowhere.yaml: no such file"):
         load_config(child)
@@ -111,7 +132,9 @@ def test_a_recipe_extends_another(tmp_path):
         load_config(child)
 
 
-@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(RECIPE.parents[1])) for p in RECIPE.parents[1].glob("*/*.yaml")))
+@pytest.mark.parametrize(
+    "recipe", sorted(str(p.relative_to(RECIPE.parents[1])) for p in RECIPE.parents[1].glob("*/*.yaml"))
+)
 def test_every_shipped_recipe_loads_at_both_sizes(recipe):
     for size in ("full", "tiny"):
         assert load_config(RECIPE.parents[1] / recipe, [f"size={size}"]).family == recipe.split("/")[0]
@@ -147,16 +170,27 @@ def test_a_child_recipe_value_wins_over_the_parents_tiny_section(tmp_path):
     assert load_config(child).lr == 2e-4
 
 
-@pytest.mark.parametrize("text,message", [
-    ("family: gptj\ntraining:\n  lr: 1.0e-4\n  lr: 2.0e-4\n",
-     "dup.yaml line 4: key 'lr' is given twice (first at line 3)"),
-    ("family: gptj\ntraining:\n  lr: 1.0e-4\ntraining:\n  seed: 3\n",
-     "dup.yaml line 4: key 'training' is given twice (first at line 2)"),
-    ("family: gptj\nlr: 1.0e-4\ntraining:\n  lr: 2.0e-4\n",
-     "dup.yaml: lr is set twice (lr at line 2, training.lr at line 4)"),
-    ("family: gptj\ntiny:\n  lr: 1.0e-4\n  training:\n    lr: 2.0e-4\n",
-     "dup.yaml (tiny): lr is set twice (lr at line 3, training.lr at line 5)"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "family: gptj\ntraining:\n  lr: 1.0e-4\n  lr: 2.0e-4\n",
+            "dup.yaml line 4: key 'lr' is given twice (first at line 3)",
+        ),
+        (
+            "family: gptj\ntraining:\n  lr: 1.0e-4\ntraining:\n  seed: 3\n",
+            "dup.yaml line 4: key 'training' is given twice (first at line 2)",
+        ),
+        (
+            "family: gptj\nlr: 1.0e-4\ntraining:\n  lr: 2.0e-4\n",
+            "dup.yaml: lr is set twice (lr at line 2, training.lr at line 4)",
+        ),
+        (
+            "family: gptj\ntiny:\n  lr: 1.0e-4\n  training:\n    lr: 2.0e-4\n",
+            "dup.yaml (tiny): lr is set twice (lr at line 3, training.lr at line 5)",
+        ),
+    ],
+)
 def test_duplicate_keys_are_errors_naming_the_line(tmp_path, text, message):
     (tmp_path / "dup.yaml").write_text(text)
     with pytest.raises(UserError) as error:
@@ -165,6 +199,9 @@ def test_duplicate_keys_are_errors_naming_the_line(tmp_path, text, message):
 
 
 def test_duplicate_keys_in_an_override_are_errors():
-    with pytest.raises(UserError, match=r"override 'model_config=\{n_layer: 2, n_layer: 4\}': line 1: key 'n_layer' "
-                                        "is given twice"):
+    with pytest.raises(
+        UserError,
+        match=r"override 'model_config=\{n_layer: 2, n_layer: 4\}': line 1: key 'n_layer' "
+        "is given twice",
+    ):
         load_config(RECIPE, ["model_config={n_layer: 2, n_layer: 4}"])

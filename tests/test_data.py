@@ -32,18 +32,21 @@ def write(folder, name, text: str | bytes):
 GOOD = "sentence\tlabel\na good film \t1\na bad film \t0\n"
 
 
-@pytest.mark.parametrize("train,dev,message", [
-    (None, GOOD, "train.tsv: no such file"),
-    (GOOD, None, "dev.tsv: no such file"),
-    ("sentence\tscore\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) label (found: sentence, score"),
-    ("text\tlabel\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) sentence"),
-    (GOOD, "sentence\tlabel\nfine\t1\nawful\t2\n", "dev.tsv:3: label '2' is not 0 or 1"),
-    (GOOD, "sentence\tlabel\nfine\tpositive\n", "dev.tsv:2: label 'positive' is not 0 or 1"),
-    ("sentence\tlabel\nfine\t1\n".encode() + b"caf\xe9\t1\n", GOOD, "train.tsv:3: not UTF-8 text (byte 0xe9"),
-    ("sentence\tlabel\n", GOOD, "train.tsv: no data rows (the train split is empty)"),
-    ("", GOOD, "train.tsv: empty file"),
-    (GOOD, "sentence\tlabel\nfine\t1\textra\n", "dev.tsv:2: 3 tab-separated fields, the header has 2"),
-])
+@pytest.mark.parametrize(
+    "train,dev,message",
+    [
+        (None, GOOD, "train.tsv: no such file"),
+        (GOOD, None, "dev.tsv: no such file"),
+        ("sentence\tscore\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) label (found: sentence, score"),
+        ("text\tlabel\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) sentence"),
+        (GOOD, "sentence\tlabel\nfine\t1\nawful\t2\n", "dev.tsv:3: label '2' is not 0 or 1"),
+        (GOOD, "sentence\tlabel\nfine\tpositive\n", "dev.tsv:2: label 'positive' is not 0 or 1"),
+        (b"sentence\tlabel\nfine\t1\n" + b"caf\xe9\t1\n", GOOD, "train.tsv:3: not UTF-8 text (byte 0xe9"),
+        ("sentence\tlabel\n", GOOD, "train.tsv: no data rows (the train split is empty)"),
+        ("", GOOD, "train.tsv: empty file"),
+        (GOOD, "sentence\tlabel\nfine\t1\textra\n", "dev.tsv:2: 3 tab-separated fields, the header has 2"),
+    ],
+)
 def test_bad_input_is_one_line_naming_file_and_line(tmp_path, train, dev, message):
     if train is not None:
         write(tmp_path, "train.tsv", train)
@@ -145,8 +148,11 @@ def test_collate_pads_dynamically_both_sides():
 
 def test_a_byte_order_mark_and_any_line_ending_are_accepted(tmp_path):
     rows = ["sentence\tlabel", "a good film\t1", "a bad film\t0"]
-    for name, text in [("bom", "\ufeff" + "\n".join(rows) + "\n"), ("cr", "\r".join(rows) + "\r"),
-                       ("crlf", "\r\n".join(rows) + "\r\n")]:
+    for name, text in [
+        ("bom", "\ufeff" + "\n".join(rows) + "\n"),
+        ("cr", "\r".join(rows) + "\r"),
+        ("crlf", "\r\n".join(rows) + "\r\n"),
+    ]:
         path = write(tmp_path / name, "train.tsv", text)
         assert data.read_glue_tsv(path, "train") == {"sentence": ["a good film", "a bad film"], "label": [1, 0]}
     cr = write(tmp_path / "cr-bad", "train.tsv", "sentence\tlabel\rfine\t1\rawful\t2\r")

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import RECIPE, launch, recipe, tiny_overrides
+from safetensors.torch import load_file
+from test_cli import assert_one_line_error, check
+from test_parity import _value
+
 from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.parallel import deepspeed_engine
 from parallel_finetune.parallel.deepspeed_engine import deepspeed_config
 from parallel_finetune.preflight import preflight
-from test_cli import assert_one_line_error, check
-from test_parity import _value, single_process  # noqa: F401 (single_process is a fixture)
 
 # Tolerances, from measured runs of these rows (tiny GPT-J, 6 steps, 2 ranks against 1 process):
 # - fp32: the largest loss difference was 6.0e-8 for ZeRO 1, 2 and 3 alike, the largest relative gradient-norm
@@ -33,14 +33,21 @@ FP32 = {"loss": 1e-5, "norm": 1e-5, "weights": 1e-5}
 BF16 = {"loss": 5e-3, "norm": 1e-2, "weights": None}  # weights: Adam's sign-like first steps amplify bf16 noise
 
 # A user's JSON as the base: its stage and a setting no recipe key has; "auto" filled from the recipe.
-USER_JSON = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "train_batch_size": "auto",
-             "communication_data_type": "fp32"}
+USER_JSON = {
+    "zero_optimization": {"stage": 2, "contiguous_gradients": False},
+    "train_batch_size": "auto",
+    "communication_data_type": "fp32",
+}
 ROWS = [
     # (id, family, overrides, tolerances)
     ("gptj-zero1-accumulation2", "gptj", ["zero_stage=1", "gradient_accumulation_steps=2"], FP32),
     ("gptj-zero2-user_json", "gptj", ["deepspeed_config=USER_JSON"], FP32),
-    ("gptj-zero3-checkpointing-offload", "gptj", ["zero_stage=3", "activation_checkpointing=true",
-                                                   "offload_activations=true"], FP32),
+    (
+        "gptj-zero3-checkpointing-offload",
+        "gptj",
+        ["zero_stage=3", "activation_checkpointing=true", "offload_activations=true"],
+        FP32,
+    ),
     ("gptj-zero2-bf16", "gptj", ["zero_stage=2", "precision=bf16"], BF16),
     ("bert-zero3", "bert", ["zero_stage=3"], FP32),
 ]
@@ -52,8 +59,12 @@ def test_zero_matches_single_process(family, overrides, tolerance, single_proces
     reference = single_process(family, "classification", ())
     (tmp_path / "user.json").write_text(json.dumps(USER_JSON))
     overrides = [o.replace("USER_JSON", str(tmp_path / "user.json")) for o in overrides]
-    run = launch(2, tiny_overrides(sst2, cache_dir, family=family, export="true") + ["engine=deepspeed", *overrides],
-                 tmp_path / "run", recipe=recipe(family))
+    run = launch(
+        2,
+        tiny_overrides(sst2, cache_dir, family=family, export="true") + ["engine=deepspeed", *overrides],
+        tmp_path / "run",
+        recipe=recipe(family),
+    )
     assert len(run.losses) == len(reference.losses) >= 5
     losses = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
     assert max(losses) < tolerance["loss"], f"loss differences {losses}"
@@ -76,8 +87,9 @@ def test_zero_matches_single_process(family, overrides, tolerance, single_proces
         assert written["zero_optimization"] == USER_JSON["zero_optimization"]
         assert written["communication_data_type"] == "fp32"
     assert (written["train_batch_size"], written["train_micro_batch_size_per_gpu"]) == (16, 8 // accumulation)
-    _check_state_bytes(stage, summary["precision"], summary["state_bytes_per_rank"],
-                       reference.summary["state_bytes_per_rank"][0])
+    _check_state_bytes(
+        stage, summary["precision"], summary["state_bytes_per_rank"], reference.summary["state_bytes_per_rank"][0]
+    )
     # Export: the trained weights, gathered from DeepSpeed's fp32 partitions, under transformers' own names.
     exported = load_file(run.output_dir / "hf" / "model.safetensors")
     expected = load_file(reference.output_dir / "hf" / "model.safetensors")
@@ -104,8 +116,16 @@ def tiny(*overrides: str):
 
 
 def test_config_from_the_recipe():
-    config = tiny("zero_stage=3", "batch_size=32", "gradient_accumulation_steps=2", "max_grad_norm=0.5", "lr=2e-4",
-                  "weight_decay=0.1", "adam_betas=[0.8, 0.99]", "adam_eps=1e-6")
+    config = tiny(
+        "zero_stage=3",
+        "batch_size=32",
+        "gradient_accumulation_steps=2",
+        "max_grad_norm=0.5",
+        "lr=2e-4",
+        "weight_decay=0.1",
+        "adam_betas=[0.8, 0.99]",
+        "adam_eps=1e-6",
+    )
     assert config.tensor_parallel_degree == 1  # the recipe's `auto`: DeepSpeed runs data parallel only
     generated = deepspeed_config(config, 4, "bf16")
     assert generated["train_batch_size"] == 32
@@ -114,21 +134,31 @@ def test_config_from_the_recipe():
     assert generated["gradient_clipping"] == 0.5
     assert generated["zero_optimization"] == {"stage": 3}
     assert generated["bf16"] == {"enabled": True} and generated["fp16"] == {"enabled": False}
-    assert generated["optimizer"] == {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6,
-                                                                  "weight_decay": 0.1, "torch_adam": True}}
+    assert generated["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True},
+    }
     assert "scheduler" not in generated  # the recipe's lr_scheduler runs in the trainer
     assert deepspeed_config(tiny("max_grad_norm=null"), 2, "fp32")["gradient_clipping"] == 0.0
     assert deepspeed_config(tiny(), 2, "fp32")["zero_optimization"]["stage"] == deepspeed_engine.DEFAULT_ZERO_STAGE
     assert deepspeed_config(tiny("zero_stage=3", "mics_shard_size=2"), 4, "fp32")["zero_optimization"] == {
-        "stage": 3, "mics_shard_size": 2}
+        "stage": 3,
+        "mics_shard_size": 2,
+    }
 
 
 def test_fp16_section_is_dynamic_loss_scaling():
     generated = deepspeed_config(tiny("initial_loss_scale=1024", "loss_scale_growth_interval=500"), 2, "fp16")
     # loss_scale 0 = dynamic; halve on every overflow (hysteresis 1) and double after 500 clean steps, as
     # engine=torch's own scaler does.
-    assert generated["fp16"] == {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 500,
-                                 "loss_scale": 0, "hysteresis": 1, "min_loss_scale": 1}
+    assert generated["fp16"] == {
+        "enabled": True,
+        "initial_scale_power": 10,
+        "loss_scale_window": 500,
+        "loss_scale": 0,
+        "hysteresis": 1,
+        "min_loss_scale": 1,
+    }
     assert generated["bf16"] == {"enabled": False}
     assert deepspeed_config(tiny(), 2, "fp16")["fp16"]["initial_scale_power"] == 16  # the default 65536
 
@@ -140,9 +170,13 @@ def write(tmp_path, data) -> str:
 
 
 def test_user_json_is_the_base(tmp_path):
-    user = {"zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_max_live_parameters": 1000},
-            "train_batch_size": "auto", "gradient_clipping": 1.0, "communication_data_type": "fp32",
-            "optimizer": {"params": {"torch_adam": False}}}
+    user = {
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_max_live_parameters": 1000},
+        "train_batch_size": "auto",
+        "gradient_clipping": 1.0,
+        "communication_data_type": "fp32",
+        "optimizer": {"params": {"torch_adam": False}},
+    }
     generated = deepspeed_config(tiny(f"deepspeed_config={write(tmp_path, user)}"), 2, "fp32")
     assert generated["zero_optimization"] == user["zero_optimization"]  # its stage: the recipe sets none
     assert generated["train_batch_size"] == 32  # "auto" is filled from the recipe's batch_size
@@ -151,15 +185,26 @@ def test_user_json_is_the_base(tmp_path):
     assert generated["optimizer"]["params"]["lr"] == 1e-3
 
 
-@pytest.mark.parametrize("user,overrides,message", [
-    ({"train_batch_size": 64}, [], "train_batch_size=64 conflicts with batch_size=32 (which means train_batch_size=32)"),
-    ({"zero_optimization": {"stage": 2}}, ["zero_stage=3"], "zero_optimization.stage=2 conflicts with zero_stage=3"),
-    ({"gradient_clipping": 0.5}, [], "gradient_clipping=0.5 conflicts with max_grad_norm=1.0"),
-    ({"bf16": {"enabled": True}}, ["precision=fp32"], "bf16.enabled=true conflicts with precision=fp32"),
-    ({"optimizer": {"type": "Lamb"}}, [], "optimizer.type=\"Lamb\" conflicts with the trainer's optimizer (AdamW"),
-    ({"optimizer": {"params": {"lr": 0.1}}}, [], "optimizer.params.lr=0.1 conflicts with lr=0.001"),
-    ({"scheduler": {"type": "WarmupLR"}}, [], "has a 'scheduler' section, but the recipe's lr_scheduler='linear'"),
-])
+@pytest.mark.parametrize(
+    "user,overrides,message",
+    [
+        (
+            {"train_batch_size": 64},
+            [],
+            "train_batch_size=64 conflicts with batch_size=32 (which means train_batch_size=32)",
+        ),
+        (
+            {"zero_optimization": {"stage": 2}},
+            ["zero_stage=3"],
+            "zero_optimization.stage=2 conflicts with zero_stage=3",
+        ),
+        ({"gradient_clipping": 0.5}, [], "gradient_clipping=0.5 conflicts with max_grad_norm=1.0"),
+        ({"bf16": {"enabled": True}}, ["precision=fp32"], "bf16.enabled=true conflicts with precision=fp32"),
+        ({"optimizer": {"type": "Lamb"}}, [], 'optimizer.type="Lamb" conflicts with the trainer\'s optimizer (AdamW'),
+        ({"optimizer": {"params": {"lr": 0.1}}}, [], "optimizer.params.lr=0.1 conflicts with lr=0.001"),
+        ({"scheduler": {"type": "WarmupLR"}}, [], "has a 'scheduler' section, but the recipe's lr_scheduler='linear'"),
+    ],
+)
 def test_user_json_conflicts_name_both(user, overrides, message, tmp_path):
     config = tiny(f"deepspeed_config={write(tmp_path, user)}", *overrides)
     with pytest.raises(UserError) as error:
@@ -169,18 +214,26 @@ def test_user_json_conflicts_name_both(user, overrides, message, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- one-line errors
-@pytest.mark.parametrize("overrides,message", [
-    (["tensor_parallel_degree=2"], "engine=deepspeed with tensor_parallel_degree=2 is not supported"),
-    (["sharding=full"], "engine=deepspeed with sharding=full is not supported; DeepSpeed shards by zero_stage=1|2|3"),
-    (["sharding=optimizer"], "engine=deepspeed with sharding=optimizer is not supported"),
-    (["zero_stage=4"], "zero_stage=4 is not valid; expected one of 1|2|3 or null"),
-    (["engine=megatron"], "engine='megatron' is not valid; expected one of torch|deepspeed"),
-    (["mics_shard_size=2"], "mics_shard_size=2 requires zero_stage=3, not zero_stage=2"),
-    (["zero_stage=1", "mics_shard_size=2"], "mics_shard_size=2 requires zero_stage=3, not zero_stage=1"),
-    (["initial_loss_scale=1000"], "initial_loss_scale=1000 must be a power of two (DeepSpeed takes "
-                                  "initial_scale_power), e.g. 1024"),
-    (["deepspeed_config=/no/such.json"], "deepspeed_config='/no/such.json': no such file"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["tensor_parallel_degree=2"], "engine=deepspeed with tensor_parallel_degree=2 is not supported"),
+        (
+            ["sharding=full"],
+            "engine=deepspeed with sharding=full is not supported; DeepSpeed shards by zero_stage=1|2|3",
+        ),
+        (["sharding=optimizer"], "engine=deepspeed with sharding=optimizer is not supported"),
+        (["zero_stage=4"], "zero_stage=4 is not valid; expected one of 1|2|3 or null"),
+        (["engine=megatron"], "engine='megatron' is not valid; expected one of torch|deepspeed"),
+        (["mics_shard_size=2"], "mics_shard_size=2 requires zero_stage=3, not zero_stage=2"),
+        (["zero_stage=1", "mics_shard_size=2"], "mics_shard_size=2 requires zero_stage=3, not zero_stage=1"),
+        (
+            ["initial_loss_scale=1000"],
+            "initial_loss_scale=1000 must be a power of two (DeepSpeed takes initial_scale_power), e.g. 1024",
+        ),
+        (["deepspeed_config=/no/such.json"], "deepspeed_config='/no/such.json': no such file"),
+    ],
+)
 def test_bad_combinations_are_one_line_errors(overrides, message):
     with pytest.raises(UserError) as error:
         tiny(*overrides)
@@ -205,8 +258,11 @@ def test_mics(monkeypatch, sst2):
     # on every rank. Ours is one line, at --check, pointing to the same scheme on engine=torch.
     config = tiny("zero_stage=3", "mics_shard_size=2", f"data_dir={sst2}")
     monkeypatch.setattr(deepspeed_engine, "deepspeed_version", lambda: (0, 19, 8))
-    with pytest.raises(UserError, match=r"mics_shard_size=2: DeepSpeed 0.19.8 has no MiCS \(removed in 0.19.7.*"
-                                        r"use engine=torch sharding=hybrid shard_group_size=2"):
+    with pytest.raises(
+        UserError,
+        match=r"mics_shard_size=2: DeepSpeed 0.19.8 has no MiCS \(removed in 0.19.7.*"
+        r"use engine=torch sharding=hybrid shard_group_size=2",
+    ):
         preflight(config, 4)
     monkeypatch.setattr(deepspeed_engine, "deepspeed_version", lambda: (0, 19, 6))  # one that still had it
     assert "deepspeed ZeRO-3" in preflight(config, 4)
@@ -219,15 +275,18 @@ NO_FP16 = pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_fp16_supported(), reaso
 
 @NO_FP16
 def test_fp16_on_this_cpu_is_one_line_at_check(sst2):
-    assert_one_line_error(check("size=tiny", f"data_dir={sst2}", "engine=deepspeed", "precision=fp16"),
-                          "engine=deepspeed: DeepSpeed refuses fp16 on this CPU (no fp16 arithmetic units); use "
-                          "precision=bf16 or precision=fp32, or run on a GPU")
+    assert_one_line_error(
+        check("size=tiny", f"data_dir={sst2}", "engine=deepspeed", "precision=fp16"),
+        "engine=deepspeed: DeepSpeed refuses fp16 on this CPU (no fp16 arithmetic units); use "
+        "precision=bf16 or precision=fp32, or run on a GPU",
+    )
 
 
 @NO_FP16
 def test_fp16_on_this_cpu_is_one_line_from_two_ranks(sst2, cache_dir, tmp_path):
-    run = launch(2, tiny_overrides(sst2, cache_dir) + ["engine=deepspeed", "precision=fp16"], tmp_path / "run",
-                 check=False)
+    run = launch(
+        2, tiny_overrides(sst2, cache_dir) + ["engine=deepspeed", "precision=fp16"], tmp_path / "run", check=False
+    )
     assert run.returncode != 0
     assert run.output.count("error: engine=deepspeed: DeepSpeed refuses fp16 on this CPU") == 1
     assert "Type fp16 is not supported" not in run.output  # DeepSpeed's own traceback never comes

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import REPO, launch, recipe, tiny_overrides
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-from conftest import REPO, launch, recipe, tiny_overrides
 
 WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
 LOADERS = {"classification": AutoModelForSequenceClassification, "causal_lm": AutoModelForCausalLM}
@@ -17,15 +16,29 @@ TP2 = ["tensor_parallel_degree=2"]
 PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
 
 
-@pytest.mark.parametrize("family,task,layout", [
-    ("gptj", "classification", TP2), ("gptj", "causal_lm", TP2), ("gpt2", "classification", TP2),
-    ("gpt2", "causal_lm", TP2), ("gptneo", "classification", TP2), ("bert", "classification", TP2),
-    # stages on two ranks, the tied GPT-2 embedding / LM head on both: the export writes one model
-    ("gpt2", "causal_lm", PP2), ("bert", "classification", PP2)],
-    ids=lambda value: "pp2" if value == PP2 else "tp2" if value == TP2 else None)
+@pytest.mark.parametrize(
+    "family,task,layout",
+    [
+        ("gptj", "classification", TP2),
+        ("gptj", "causal_lm", TP2),
+        ("gpt2", "classification", TP2),
+        ("gpt2", "causal_lm", TP2),
+        ("gptneo", "classification", TP2),
+        ("bert", "classification", TP2),
+        # stages on two ranks, the tied GPT-2 embedding / LM head on both: the export writes one model
+        ("gpt2", "causal_lm", PP2),
+        ("bert", "classification", PP2),
+    ],
+    ids=lambda value: "pp2" if value == PP2 else "tp2" if value == TP2 else None,
+)
 def test_export_reloads_with_same_logits(family, task, layout, sst2, cache_dir, tmp_path):
-    launch(2, tiny_overrides(sst2, cache_dir, task, family, max_steps=3, export="true") + layout, tmp_path,
-           script=WORKER, recipe=recipe(family))
+    launch(
+        2,
+        tiny_overrides(sst2, cache_dir, task, family, max_steps=3, export="true") + layout,
+        tmp_path,
+        script=WORKER,
+        recipe=recipe(family),
+    )
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     model = LOADERS[task].from_pretrained(tmp_path / "hf")
     model.eval()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAMILIES
+
 from parallel_finetune.data import collate
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
@@ -57,8 +57,19 @@ def test_gpt2_surgery_keeps_outputs_and_exports_the_original_layout():
 def test_minilm_real_checkpoint_loads_offline_and_learns(sst2, cache_dir, tmp_path):
     from conftest import REPO, launch
 
-    run = launch(1, [f"data_dir={sst2}", f"cache_dir={cache_dir}", "max_steps=30", "log_every=10",
-                     "eval_batch_size=128", "warmup_ratio=0"], tmp_path, recipe=REPO / "recipes" / "bert" / "minilm.yaml")
+    run = launch(
+        1,
+        [
+            f"data_dir={sst2}",
+            f"cache_dir={cache_dir}",
+            "max_steps=30",
+            "log_every=10",
+            "eval_batch_size=128",
+            "warmup_ratio=0",
+        ],
+        tmp_path,
+        recipe=REPO / "recipes" / "bert" / "minilm.yaml",
+    )
     losses = run.losses
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
     assert run.summary["accuracy"] > 0.6  # chance is 0.51; the pretrained encoder learns SST-2 in a few steps

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, fake_tp_mesh, launch, recipe
 from safetensors.torch import load_file
 
-from conftest import REPO, fake_tp_mesh, launch, recipe
 from parallel_finetune import synthetic
 from parallel_finetune.data import column, read_glue_dir
 from parallel_finetune.families import get_family
@@ -25,23 +25,41 @@ from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan
 WORKER = str(REPO / "tests" / "workers" / "export_loaded.py")
 TASK = {"gptj": "classification", "gpt2": "causal_lm", "gptneo": "causal_lm", "bert": "classification"}
 # GPT-J ~100M parameters (400 MB in fp32): big enough that its bytes dominate a process's memory; the others small.
-SIZES = {"gptj": dict(hidden=1024, layers=8, heads=16), "gpt2": dict(hidden=256, layers=4, heads=8),
-         "gptneo": dict(hidden=256, layers=4, heads=8), "bert": dict(hidden=256, layers=4, heads=8)}
-LAYOUTS = {"one": (1, []), "tp2": (2, ["tensor_parallel_degree=2"]),
-           "pp2": (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
-           "fsdp2": (2, ["tensor_parallel_degree=1", "sharding=full"]),
-           "pp2_tp2": (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
-           "zero3": (2, ["tensor_parallel_degree=1", "engine=deepspeed", "zero_stage=3"])}
+SIZES = {
+    "gptj": dict(hidden=1024, layers=8, heads=16),
+    "gpt2": dict(hidden=256, layers=4, heads=8),
+    "gptneo": dict(hidden=256, layers=4, heads=8),
+    "bert": dict(hidden=256, layers=4, heads=8),
+}
+LAYOUTS = {
+    "one": (1, []),
+    "tp2": (2, ["tensor_parallel_degree=2"]),
+    "pp2": (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
+    "fsdp2": (2, ["tensor_parallel_degree=1", "sharding=full"]),
+    "pp2_tp2": (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
+    "zero3": (2, ["tensor_parallel_degree=1", "engine=deepspeed", "zero_stage=3"]),
+}
 # (family, layout, file dtype). Every family loads fp16 and fp32 files (BERT bf16 too); runs compared with one
 # process load fp32 files.
-CASES = [("gptj", "tp2", "float32"), ("gptj", "pp2", "float16"), ("gptj", "fsdp2", "float16"),
-         ("gptj", "pp2_tp2", "float32"), ("gptj", "zero3", "float32"),
-         ("gpt2", "tp2", "float16"), ("gpt2", "pp2", "float32"), ("gpt2", "fsdp2", "float16"),
-         ("gpt2", "pp2_tp2", "float32"),
-         ("gptneo", "tp2", "float16"), ("gptneo", "pp2", "float16"), ("gptneo", "fsdp2", "float16"),
-         ("gptneo", "pp2_tp2", "float32"),
-         ("bert", "tp2", "float16"), ("bert", "pp2", "bfloat16"), ("bert", "fsdp2", "float16"),
-         ("bert", "pp2_tp2", "float32")]
+CASES = [
+    ("gptj", "tp2", "float32"),
+    ("gptj", "pp2", "float16"),
+    ("gptj", "fsdp2", "float16"),
+    ("gptj", "pp2_tp2", "float32"),
+    ("gptj", "zero3", "float32"),
+    ("gpt2", "tp2", "float16"),
+    ("gpt2", "pp2", "float32"),
+    ("gpt2", "fsdp2", "float16"),
+    ("gpt2", "pp2_tp2", "float32"),
+    ("gptneo", "tp2", "float16"),
+    ("gptneo", "pp2", "float16"),
+    ("gptneo", "fsdp2", "float16"),
+    ("gptneo", "pp2_tp2", "float32"),
+    ("bert", "tp2", "float16"),
+    ("bert", "pp2", "bfloat16"),
+    ("bert", "fsdp2", "float16"),
+    ("bert", "pp2_tp2", "float32"),
+]
 COMPARED_WITH_ONE_PROCESS = {("gptj", "tp2"), ("gptj", "pp2_tp2"), ("gpt2", "pp2"), ("gpt2", "pp2_tp2")}
 CACHE = REPO / ".cache" / "test-checkpoints-v1"
 
@@ -71,9 +89,24 @@ def checkpoint(sst2):
 
 
 def overrides(family: str, folder: Path, data: Path, cache_dir: Path, **extra) -> list[str]:
-    values = {"size": "full", "model": folder, "task": TASK[family], "data_dir": data, "cache_dir": cache_dir,
-              "precision": "fp32", "max_steps": 3, "batch_size": 16, "max_length": 64, "eval_batch_size": 64,
-              "lr": 1e-4, "warmup_ratio": 0, "log_every": 1, "export": "false", "peak_tflops": 0.1, **extra}
+    values = {
+        "size": "full",
+        "model": folder,
+        "task": TASK[family],
+        "data_dir": data,
+        "cache_dir": cache_dir,
+        "precision": "fp32",
+        "max_steps": 3,
+        "batch_size": 16,
+        "max_length": 64,
+        "eval_batch_size": 64,
+        "lr": 1e-4,
+        "warmup_ratio": 0,
+        "log_every": 1,
+        "export": "false",
+        "peak_tflops": 0.1,
+        **extra,
+    }
     return [f"{key}={value}" for key, value in values.items()]
 
 
@@ -89,8 +122,13 @@ def runs(checkpoint, small_sst2, cache_dir, tmp_path_factory):
             folder = checkpoint(family, dtype)
             extra = {"size": "tiny", "model": None} if size == "tiny" else {}
             out = tmp_path_factory.mktemp(f"{family}-{layout}-{dtype}-{size}")
-            done[key] = launch(nproc, overrides(family, folder, small_sst2, cache_dir, **extra) + layout_overrides,
-                               out, script=WORKER if size == "full" else None, recipe=recipe(family))
+            done[key] = launch(
+                nproc,
+                overrides(family, folder, small_sst2, cache_dir, **extra) + layout_overrides,
+                out,
+                script=WORKER if size == "full" else None,
+                recipe=recipe(family),
+            )
         return done[key]
 
     return get
@@ -110,7 +148,7 @@ def compare_with_file(exported: dict[str, torch.Tensor], folder: Path, prefix: s
     return set(exported) - matched
 
 
-@pytest.mark.parametrize("family,layout,dtype", CASES, ids=[f"{f}-{l}-{d}" for f, l, d in CASES])
+@pytest.mark.parametrize("family,layout,dtype", CASES, ids=["-".join(case) for case in CASES])
 def test_loaded_shards_equal_the_checkpoint(family, layout, dtype, runs, checkpoint):
     run = runs(family, layout, dtype)
     exported = load_file(run.output_dir / "loaded" / "model.safetensors")
@@ -147,19 +185,24 @@ def test_load_peak_memory_per_rank(layout, runs, checkpoint):
     run, tiny = runs("gptj", layout, dtype), runs("gptj", layout, "float32", size="tiny")
     folder = checkpoint("gptj", dtype)
     whole = model_bytes(folder, "classification")
-    extra = [(big - small) * 2**20 for big, small in zip(run.summary["load_peak_mib_per_rank"],
-                                                          tiny.summary["load_peak_mib_per_rank"])]
+    extra = [
+        (big - small) * 2**20
+        for big, small in zip(run.summary["load_peak_mib_per_rank"], tiny.summary["load_peak_mib_per_rank"])
+    ]
     ratios = [e / whole for e in extra]
-    print(f"gptj {layout} ({dtype} file, {whole / 2**20:.0f} MiB in fp32): extra per rank "
-          f"{[round(e / 2**20) for e in extra]} MiB = {[round(r, 3) for r in ratios]} x the model; "
-          f"load {run.summary['load_seconds']} s")
+    print(
+        f"gptj {layout} ({dtype} file, {whole / 2**20:.0f} MiB in fp32): extra per rank "
+        f"{[round(e / 2**20) for e in extra]} MiB = {[round(r, 3) for r in ratios]} x the model; "
+        f"load {run.summary['load_seconds']} s"
+    )
     if layout == "one":
         assert 0.9 <= ratios[0] <= 1.15, ratios  # no double copy
     else:
         assert max(ratios) <= 0.6, ratios
     tp, pp = (2, 1) if layout == "tp2" else (1, 2) if layout == "pp2" else (1, 1)
-    planned = memory_per_gpu(model_shape(str(folder), "classification"), Candidate(tp, pp, 1, "none", False, 1),
-                             64, 16)["load"]
+    planned = memory_per_gpu(
+        model_shape(str(folder), "classification"), Candidate(tp, pp, 1, "none", False, 1), 64, 16
+    )["load"]
     assert max(extra) == pytest.approx(planned, rel=0.15), (max(extra), planned)
 
 
@@ -199,15 +242,19 @@ def test_gptj_6b_tp8_load_plan_reads_only_the_shards(fake_world_of_eight):
     source = _MetaBlocks({name: tuple(p.shape) for name, p in causal.named_parameters()}, "transformer")  # the Hub file
     apply_tp(model, family, fake_world_of_eight["tp"])
     plan = plan_load(model, family, source)
-    local = {name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
-             for name, param in model.named_parameters()}
+    local = {
+        name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+        for name, param in model.named_parameters()
+    }
     assert {read.name: read.numel for read in plan.reads} == {n: local[n] for n in local if n != "score.weight"}
     assert list(plan.new) == ["score.weight"] and plan.unused == ["lm_head.bias", "lm_head.weight"]
     load_weights(model, plan, source, new, write=lambda param, block: None)
     assert source.most_alive == 1
     mine = sum(local.values())
-    print(f"GPT-J 6B TP=8 rank 3: holds {mine * 4 / 1e9:.2f} GB of {whole * 4 / 1e9:.1f} GB (fp32); largest block "
-          f"{max(source.read_elements) * 2 / 1e6:.1f} MB (fp16)")
+    print(
+        f"GPT-J 6B TP=8 rank 3: holds {mine * 4 / 1e9:.2f} GB of {whole * 4 / 1e9:.1f} GB (fp32); largest block "
+        f"{max(source.read_elements) * 2 / 1e6:.1f} MB (fp16)"
+    )
     assert mine < 0.13 * whole  # 1/8 plus the replicated LayerNorms and score
     assert max(source.read_elements) == max(n for name, n in local.items() if name != "score.weight")
 
@@ -237,9 +284,16 @@ def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2,
             (snapshot / file.name).symlink_to(file)
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / revision).write_text(commit)
-    run = launch(2, overrides("gpt2", "testorg/small-gpt2", small_sst2, cache_dir, revision="float16")
-                 + LAYOUTS["tp2"][1], tmp_path / "run", script=WORKER, recipe=recipe("gpt2"),
-                 env={"HF_HUB_CACHE": str(hub)}, torchrun=True)  # the Hub client reads HF_HUB_CACHE at import
+    run = launch(
+        2,
+        overrides("gpt2", "testorg/small-gpt2", small_sst2, cache_dir, revision="float16") + LAYOUTS["tp2"][1],
+        tmp_path / "run",
+        script=WORKER,
+        recipe=recipe("gpt2"),
+        env={"HF_HUB_CACHE": str(hub)},
+        torchrun=True,
+    )  # the Hub client reads HF_HUB_CACHE at import
     assert "(float16)" in run.output and "b" * 40 in run.output
-    compare_with_file(load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"),
-                      "transformer")
+    compare_with_file(
+        load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"), "transformer"
+    )

@@ -10,7 +10,6 @@ import sys
 import threading
 
 import pytest
-
 from conftest import REPO, launch, python, subprocess_env, tiny_overrides
 from zygote import fork_hazards
 
@@ -36,8 +35,7 @@ def test_ranks_see_what_torchrun_workers_see_but_its_agent(tmp_path):
         # one intra-op thread (OMP_NUM_THREADS=1), the interpreter's signal handlers, a working gloo group
         view = {k: v for k, v in ours.items() if k not in ("env", "argv")}
         assert view == {k: v for k, v in theirs.items() if k not in ("env", "argv")}
-        assert view == {"cwd": str(REPO), "threads": 1, "sigterm_default": True, "sigint_raises": True,
-                        "rank_sum": 1}
+        assert view == {"cwd": str(REPO), "threads": 1, "sigterm_default": True, "sigint_raises": True, "rank_sum": 1}
 
 
 def test_forked_ranks_train_bit_identically_to_torchrun(sst2, cache_dir, tmp_path):
@@ -46,8 +44,10 @@ def test_forked_ranks_train_bit_identically_to_torchrun(sst2, cache_dir, tmp_pat
     torchrun = launch(2, overrides, tmp_path / "torchrun", torchrun=True)
     assert forked.losses == torchrun.losses and forked.losses[0] != forked.losses[-1]
     assert [r["grad_norm"] for r in forked.records] == [r["grad_norm"] for r in torchrun.records]
-    assert (forked.summary["eval_loss"], forked.summary["accuracy"]) == (torchrun.summary["eval_loss"],
-                                                                        torchrun.summary["accuracy"])
+    assert (forked.summary["eval_loss"], forked.summary["accuracy"]) == (
+        torchrun.summary["eval_loss"],
+        torchrun.summary["accuracy"],
+    )
 
 
 def test_a_failing_rank_reports_its_traceback_and_exit_code(tmp_path):
@@ -65,8 +65,9 @@ def test_a_failing_rank_reports_its_traceback_and_exit_code(tmp_path):
 def test_the_peers_of_a_failed_rank_are_stopped(tmp_path):
     run, _ = probe(tmp_path / "run", check=False, PROBE_RANK="1", PROBE_DOES="fail", PROBE_PEERS="hang")
     assert run.returncode == 1  # the root cause, not the peer's SIGKILL
-    assert run.output.endswith("rank 1: exit code 1\nrank 0: killed by SIGKILL (the harness killed it: still running "
-                               "10 s after rank 1 failed)")
+    assert run.output.endswith(
+        "rank 1: exit code 1\nrank 0: killed by SIGKILL (the harness killed it: still running 10 s after rank 1 failed)"
+    )
 
 
 def test_a_rank_killed_by_a_signal_is_reported_as_such(tmp_path):
@@ -84,10 +85,14 @@ def test_a_hung_rank_is_killed_at_the_timeout_with_its_output(tmp_path):
     assert "rank 1 will hang" in report
 
 
-@pytest.mark.parametrize("args", [
-    ["-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "max_stepz=3"],
-    [PROBE, "no_output_dir=here"],  # a traceback from the script's own frame on
-], ids=["module_one_line_error", "script_traceback"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "parallel_finetune.train", "--check", str(REPO / "recipes" / "gptj" / "tp.yaml"), "max_stepz=3"],
+        [PROBE, "no_output_dir=here"],  # a traceback from the script's own frame on
+    ],
+    ids=["module_one_line_error", "script_traceback"],
+)
 def test_a_forked_python_exits_and_prints_as_a_fresh_one(args):
     fresh = subprocess.run([sys.executable, *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
     forked = python(*args)

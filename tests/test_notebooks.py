@@ -9,7 +9,6 @@ import re
 
 import papermill
 import pytest
-
 from conftest import FAMILIES, REPO
 
 REQUIRED = {"LAUNCH", "SIZE", "DATA", "MAX_STEPS", "NPROC", "RECIPE", "ARGS", "INSTANCE_TYPE", "INSTANCE_COUNT"}

@@ -9,18 +9,37 @@ import sys
 import zipfile
 
 import yaml
-
 from conftest import REPO, subprocess_env
 
 
 def test_pip_wheel_builds_with_the_package_data(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("parallel_finetune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"parallel_finetune/train.py", "parallel_finetune/sagemaker_job.py", "parallel_finetune/notebook.py",
-            "parallel_finetune/families/gptj.py", "parallel_finetune/metrics/accuracy.py"} <= names
+    assert {
+        "parallel_finetune/train.py",
+        "parallel_finetune/sagemaker_job.py",
+        "parallel_finetune/notebook.py",
+        "parallel_finetune/families/gptj.py",
+        "parallel_finetune/metrics/accuracy.py",
+    } <= names
     assert any(name.startswith("parallel_finetune/sample_data/") for name in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "parallel-finetune = parallel_finetune.train:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -42,12 +61,25 @@ def test_recipes_hold_no_paths_into_the_repository():
 def test_copied_recipe_runs_from_another_folder(tmp_path, sst2, cache_dir):
     project = tmp_path / "my-project"
     shutil.copytree(REPO / "recipes" / "gptj", project / "recipes" / "gptj")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "parallel_finetune.train", "recipes/gptj/tp.yaml", "size=tiny", "max_steps=3",
-               f"data_dir={sst2}", f"cache_dir={cache_dir}", "output_dir=runs/copied"]
-    done = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600,
-                          env=dict(subprocess_env(), PYTHONPATH=""))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "parallel_finetune.train",
+        "recipes/gptj/tp.yaml",
+        "size=tiny",
+        "max_steps=3",
+        f"data_dir={sst2}",
+        f"cache_dir={cache_dir}",
+        "output_dir=runs/copied",
+    ]
+    done = subprocess.run(
+        command, cwd=project, capture_output=True, text=True, timeout=600, env=dict(subprocess_env(), PYTHONPATH="")
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    summary = (project / "runs" / "copied" / "summary.json")
+    summary = project / "runs" / "copied" / "summary.json"
     assert summary.is_file() and (project / "runs" / "copied" / "hf" / "config.json").is_file()
     assert not (REPO / "runs" / "copied").exists()

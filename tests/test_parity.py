@@ -6,10 +6,9 @@ fp32, tiny models, real SST-2."""
 from __future__ import annotations
 
 import pytest
+from conftest import assert_trains_like, launch, recipe, tiny_overrides
 
 from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
-
-from conftest import assert_trains_like, launch, recipe, tiny_overrides
 
 TOLERANCE = 1e-5
 
@@ -25,56 +24,94 @@ GPTJ_LAYOUTS = [
 MEMORY_LAYOUTS = [
     ("optimizer_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
     ("full_dp2_checkpointing", 2, ["tensor_parallel_degree=1", "sharding=full", "activation_checkpointing=true"]),
-    ("hybrid_2x2_offload", 4, ["tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=2",
-                               "offload_activations=true"]),
-    ("full_dp2_tp2_checkpointing_every2", 4, ["tensor_parallel_degree=2", "sharding=full",
-                                              "activation_checkpointing=2"]),
+    (
+        "hybrid_2x2_offload",
+        4,
+        ["tensor_parallel_degree=1", "sharding=hybrid", "shard_group_size=2", "offload_activations=true"],
+    ),
+    (
+        "full_dp2_tp2_checkpointing_every2",
+        4,
+        ["tensor_parallel_degree=2", "sharding=full", "activation_checkpointing=2"],
+    ),
 ]
-TASKS = {"gptj": ("classification", "causal_lm"), "gpt2": ("classification", "causal_lm"),
-         "gptneo": ("classification", "causal_lm"), "bert": ("classification",)}
+TASKS = {
+    "gptj": ("classification", "causal_lm"),
+    "gpt2": ("classification", "causal_lm"),
+    "gptneo": ("classification", "causal_lm"),
+    "bert": ("classification",),
+}
 # 6 heads on TP=2 leaves 3 heads per rank: an odd count exposes any head-count bookkeeping error.
 SIX_HEADS = {
     "gptj": ["model_config.n_head=6", "model_config.n_embd=192"],
     "gpt2": ["model_config.n_head=6", "model_config.n_embd=192"],
     "gptneo": ["model_config.num_heads=6", "model_config.hidden_size=192"],
-    "bert": ["model_config.num_attention_heads=6", "model_config.hidden_size=192", "model_config.intermediate_size=384"],
+    "bert": [
+        "model_config.num_attention_heads=6",
+        "model_config.hidden_size=192",
+        "model_config.intermediate_size=384",
+    ],
 }
 
-CASES = [pytest.param("gptj", name, nproc, overrides, task, (), id=f"gptj-{name}-{task}")
-         for name, nproc, overrides, tasks in GPTJ_LAYOUTS for task in tasks]
-CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], task, (), id=f"{family}-tp2-{task}")
-          for family in ("gpt2", "gptneo", "bert") for task in TASKS[family]]
-CASES += [pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], "classification", tuple(SIX_HEADS[family]),
-                       id=f"{family}-tp2-3_heads_per_rank") for family in SIX_HEADS]
-CASES += [pytest.param(family, name, nproc, overrides, "classification", (), id=f"{family}-{name}")
-          for family in ("gptj", "bert") for name, nproc, overrides in MEMORY_LAYOUTS]
-CASES += [pytest.param("gpt2", "full_dp2_tp2", 4, ["tensor_parallel_degree=2", "sharding=full"], "classification", (),
-                       id="gpt2-full_dp2_tp2")]
-
-
-@pytest.fixture
-def single_process(single_process_run, sst2, cache_dir):
-    def get(family: str, task: str, model: tuple):
-        # Exported: test_deepspeed compares its exports with these weights.
-        return single_process_run(recipe(family), tiny_overrides(sst2, cache_dir, task, family, export="true")
-                                  + list(model))
-
-    return get
+CASES = [
+    pytest.param("gptj", name, nproc, overrides, task, (), id=f"gptj-{name}-{task}")
+    for name, nproc, overrides, tasks in GPTJ_LAYOUTS
+    for task in tasks
+]
+CASES += [
+    pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], task, (), id=f"{family}-tp2-{task}")
+    for family in ("gpt2", "gptneo", "bert")
+    for task in TASKS[family]
+]
+CASES += [
+    pytest.param(
+        family,
+        "tp2",
+        2,
+        ["tensor_parallel_degree=2"],
+        "classification",
+        tuple(SIX_HEADS[family]),
+        id=f"{family}-tp2-3_heads_per_rank",
+    )
+    for family in SIX_HEADS
+]
+CASES += [
+    pytest.param(family, name, nproc, overrides, "classification", (), id=f"{family}-{name}")
+    for family in ("gptj", "bert")
+    for name, nproc, overrides in MEMORY_LAYOUTS
+]
+CASES += [
+    pytest.param(
+        "gpt2",
+        "full_dp2_tp2",
+        4,
+        ["tensor_parallel_degree=2", "sharding=full"],
+        "classification",
+        (),
+        id="gpt2-full_dp2_tp2",
+    )
+]
 
 
 @pytest.mark.parametrize("family,name,nproc,overrides,task,model", CASES)
-def test_layout_matches_single_process(family, name, nproc, overrides, task, model, single_process, sst2,
-                                       cache_dir, tmp_path):
+def test_layout_matches_single_process(
+    family, name, nproc, overrides, task, model, single_process, sst2, cache_dir, tmp_path
+):
     reference = single_process(family, task, model)
-    run = launch(nproc, tiny_overrides(sst2, cache_dir, task, family) + list(model) + overrides, tmp_path / name,
-                 recipe=recipe(family))
+    run = launch(
+        nproc,
+        tiny_overrides(sst2, cache_dir, task, family) + list(model) + overrides,
+        tmp_path / name,
+        recipe=recipe(family),
+    )
     assert_trains_like(run, reference, task, TOLERANCE)
     layout = run.summary["layout"]
     assert layout["world_size"] == nproc
     assert layout["data_parallel"] * layout["tensor_parallel"] == nproc
     assert layout["sharding"] == _value(overrides, "sharding", "none")
-    _check_state_bytes(family, overrides, run.summary["state_bytes_per_rank"],
-                       reference.summary["state_bytes_per_rank"][0])
+    _check_state_bytes(
+        family, overrides, run.summary["state_bytes_per_rank"], reference.summary["state_bytes_per_rank"][0]
+    )
     if not model:  # the planner knows the default tiny configs
         _check_planner_estimate(family, task, overrides, layout, run.summary["state_bytes_per_rank"])
 
@@ -86,10 +123,21 @@ def _value(overrides: list[str], key: str, default: str) -> str:
 def _check_planner_estimate(family: str, task: str, overrides: list[str], layout: dict, per_rank: list[dict]) -> None:
     """The planner's parameter, gradient and optimizer bytes for this layout, against the measured ones."""
     sharding = layout["sharding"]
-    shard_degree = {"none": 1, "optimizer": layout["data_parallel"], "full": layout["data_parallel"],
-                    "hybrid": layout["shard_group_size"]}[sharding]
-    candidate = Candidate(layout["tensor_parallel"], 1, layout["data_parallel"], sharding,
-                          _value(overrides, "activation_checkpointing", "false") != "false", 1, shard_degree)
+    shard_degree = {
+        "none": 1,
+        "optimizer": layout["data_parallel"],
+        "full": layout["data_parallel"],
+        "hybrid": layout["shard_group_size"],
+    }[sharding]
+    candidate = Candidate(
+        layout["tensor_parallel"],
+        1,
+        layout["data_parallel"],
+        sharding,
+        _value(overrides, "activation_checkpointing", "false") != "false",
+        1,
+        shard_degree,
+    )
     estimate = memory_per_gpu(model_shape(f"tiny:{family}", task), candidate, seq_len=64, batch_size=16)
     for category, planned in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer")):
         measured = max(rank[category] for rank in per_rank)

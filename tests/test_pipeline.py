@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_trains_like, launch, recipe, tiny_overrides
 
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import balanced_partition, plan_stages
-
-from conftest import assert_trains_like, launch, recipe, tiny_overrides
 
 TOLERANCE = 1e-5
 FOUR_BLOCKS = {
@@ -27,13 +26,23 @@ LAYOUTS = [
     ("pp2_tp2", 4, ["pipeline_parallel_degree=2", "tensor_parallel_degree=2"]),
     ("pp2_dp2", 4, ["pipeline_parallel_degree=2", "tensor_parallel_degree=1"]),
 ]
-CASES = [pytest.param(family, "classification", name, nproc, overrides, id=f"{family}-{name}")
-         for family in FOUR_BLOCKS for name, nproc, overrides in LAYOUTS]
+CASES = [
+    pytest.param(family, "classification", name, nproc, overrides, id=f"{family}-{name}")
+    for family in FOUR_BLOCKS
+    for name, nproc, overrides in LAYOUTS
+]
 # GPT-2 and GPT-Neo tie the LM head to the token embedding: the first and the last stage both hold it.
-CASES += [pytest.param("gpt2", "causal_lm", "1f1b", 2, ["pipeline_parallel_degree=2"], id="gpt2-1f1b-causal_lm_tied"),
-          pytest.param("gptneo", "causal_lm", "interleaved_2x2", 2,
-                       ["pipeline_parallel_degree=2", "pipeline_schedule=interleaved"],
-                       id="gptneo-interleaved-causal_lm_tied")]
+CASES += [
+    pytest.param("gpt2", "causal_lm", "1f1b", 2, ["pipeline_parallel_degree=2"], id="gpt2-1f1b-causal_lm_tied"),
+    pytest.param(
+        "gptneo",
+        "causal_lm",
+        "interleaved_2x2",
+        2,
+        ["pipeline_parallel_degree=2", "pipeline_schedule=interleaved"],
+        id="gptneo-interleaved-causal_lm_tied",
+    ),
+]
 
 
 def run_overrides(sst2, cache_dir, family: str, task: str, model: list[str]) -> list[str]:
@@ -49,12 +58,17 @@ def single_process(single_process_run, sst2, cache_dir):
 
 
 @pytest.mark.parametrize("family,task,name,nproc,overrides", CASES)
-def test_pipeline_matches_single_process(family, task, name, nproc, overrides, single_process, sst2, cache_dir,
-                                         tmp_path):
+def test_pipeline_matches_single_process(
+    family, task, name, nproc, overrides, single_process, sst2, cache_dir, tmp_path
+):
     model = tuple(FOUR_BLOCKS[family])
     reference = single_process(family, task, model)
-    run = launch(nproc, run_overrides(sst2, cache_dir, family, task, list(model)) + overrides, tmp_path / name,
-                 recipe=recipe(family))
+    run = launch(
+        nproc,
+        run_overrides(sst2, cache_dir, family, task, list(model)) + overrides,
+        tmp_path / name,
+        recipe=recipe(family),
+    )
     assert_trains_like(run, reference, task, TOLERANCE)
     layout = run.summary["layout"]
     assert layout["pipeline_parallel"] == 2
@@ -65,8 +79,13 @@ def test_pipeline_matches_single_process(family, task, name, nproc, overrides, s
 def test_uneven_split_three_blocks_on_two_stages(single_process, sst2, cache_dir, tmp_path):
     model = ("model_config.n_layer=3",)
     reference = single_process("gptj", "classification", model)
-    run = launch(2, run_overrides(sst2, cache_dir, "gptj", "classification", list(model))
-                 + ["pipeline_parallel_degree=2", "partition=[2,1]"], tmp_path, recipe=recipe("gptj"))
+    run = launch(
+        2,
+        run_overrides(sst2, cache_dir, "gptj", "classification", list(model))
+        + ["pipeline_parallel_degree=2", "partition=[2,1]"],
+        tmp_path,
+        recipe=recipe("gptj"),
+    )
     assert_trains_like(run, reference, "classification", TOLERANCE)
     assert "stage 0 (rank 0): embeddings + blocks 0-1; stage 1 (rank 1): block 2 + head" in run.output
 

@@ -7,16 +7,15 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
+
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
-from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
+from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.sharding import optimizer_groups
-from parallel_finetune.planner import (GB, Candidate, memory_per_gpu, model_shape, plan,
-                                       step_seconds)
-from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
+from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
+from parallel_finetune.planner import GB, Candidate, memory_per_gpu, model_shape, plan, step_seconds
 from parallel_finetune.runner import model_inputs
 from parallel_finetune.weights import build_and_load
 
@@ -46,14 +45,20 @@ def test_gptj_6b_on_p4d_needs_tensor_parallelism_or_sharding():
     assert "recommended: tp=8 pp=1 dp=1 sharding=none ac=off" in str(result)
 
 
-@pytest.mark.parametrize("model,task,published", [
-    ("gpt2", "causal_lm", 124_439_808), ("gpt2-medium", "causal_lm", 354_823_168),
-    ("gpt2-large", "causal_lm", 774_030_080), ("gpt2-xl", "causal_lm", 1_557_611_200),
-    ("EleutherAI/gpt-neo-125m", "causal_lm", 125_198_592), ("EleutherAI/gpt-neo-1.3B", "causal_lm", 1_315_575_808),
-    ("EleutherAI/gpt-neo-2.7B", "causal_lm", 2_651_307_520),
-    ("bert-base-uncased", "classification", 109_482_240 + 768 * 2 + 2),  # BertModel + the 2-way classifier
-    ("bert-large-uncased", "classification", 335_141_888 + 1024 * 2 + 2),
-])
+@pytest.mark.parametrize(
+    "model,task,published",
+    [
+        ("gpt2", "causal_lm", 124_439_808),
+        ("gpt2-medium", "causal_lm", 354_823_168),
+        ("gpt2-large", "causal_lm", 774_030_080),
+        ("gpt2-xl", "causal_lm", 1_557_611_200),
+        ("EleutherAI/gpt-neo-125m", "causal_lm", 125_198_592),
+        ("EleutherAI/gpt-neo-1.3B", "causal_lm", 1_315_575_808),
+        ("EleutherAI/gpt-neo-2.7B", "causal_lm", 2_651_307_520),
+        ("bert-base-uncased", "classification", 109_482_240 + 768 * 2 + 2),  # BertModel + the 2-way classifier
+        ("bert-large-uncased", "classification", 335_141_888 + 1024 * 2 + 2),
+    ],
+)
 def test_offline_config_table_gives_the_published_parameter_counts(model, task, published):
     assert model_shape(model, task).total == published
 
@@ -64,8 +69,7 @@ def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
     assert {r.layout.tp for r in result.rows} == {1}
     assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, batch_size=40).rows} == {1, 5}  # dp=5 must divide it
     today = plan("gpt2-xl", 8, 40, runs_today=True)
-    assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8), (1, 2, 4), (1, 4, 2),
-                                                                             (1, 8, 1)}
+    assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1)}
     assert not any(r.layout.pp > 1 and r.layout.sharding in ("full", "hybrid") for r in today.rows)
 
 
@@ -79,20 +83,37 @@ def test_memory_and_time_arithmetic_by_hand():
     per_rank = (2 * 197_120 + 1_048_576) / 2 + 2 * 384 + 512  # tp=2
     sbh = 128 * 16 * 128  # max_length 128, 32 / dp 2 = 16 sequences, hidden 128
     layer = sbh * (10 + 24 / 2 + 5 * 4 * 128 / (128 * 2))
-    memory = memory_per_gpu(shape, Candidate(tp=2, pp=1, dp=2, sharding="optimizer", ac=False, microbatches=1,
-                                          shard_degree=2), seq_len=128, batch_size=32)
-    expected = {"params": 4 * per_rank, "gathered": 0, "grads": 4 * per_rank, "optimizer": 8 * per_rank / 2,
-                "activations": 2 * layer}
+    memory = memory_per_gpu(
+        shape,
+        Candidate(tp=2, pp=1, dp=2, sharding="optimizer", ac=False, microbatches=1, shard_degree=2),
+        seq_len=128,
+        batch_size=32,
+    )
+    expected = {
+        "params": 4 * per_rank,
+        "gathered": 0,
+        "grads": 4 * per_rank,
+        "optimizer": 8 * per_rank / 2,
+        "activations": 2 * layer,
+    }
     total = 1.1 * sum(expected.values()) + 1.5 * GB
     # Loading: the rank's fp32 shards plus the largest block, its half of the 8192x128 embedding.
     load = 4 * per_rank + 4 * 1_048_576 / 2
-    assert memory == pytest.approx({**expected, "total": total, "load": load, "load_total": 1.1 * load + 1.5 * GB,
-                                    "peak": max(total, 1.1 * load + 1.5 * GB)})
+    assert memory == pytest.approx(
+        {
+            **expected,
+            "total": total,
+            "load": load,
+            "load_total": 1.1 * load + 1.5 * GB,
+            "peak": max(total, 1.1 * load + 1.5 * GB),
+        }
+    )
 
     # Two stages of one block each, 8 micro-batches of 4 with checkpointing: the first stage (embedding, two
     # micro-batches in flight) is the fuller one.
-    memory = memory_per_gpu(shape, Candidate(tp=1, pp=2, dp=1, sharding="none", ac=True, microbatches=8),
-                            seq_len=128, batch_size=32)
+    memory = memory_per_gpu(
+        shape, Candidate(tp=1, pp=2, dp=1, sharding="none", ac=True, microbatches=8), seq_len=128, batch_size=32
+    )
     first_stage = 197_504 + 1_048_576
     sbh = 128 * 4 * 128
     assert memory["params"] == 4 * first_stage and memory["optimizer"] == 8 * first_stage
@@ -102,11 +123,12 @@ def test_memory_and_time_arithmetic_by_hand():
     assert shape.matmul == 2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 2
     flops = 32 * 13.4 * (6 * shape.matmul + 12 * 2 * 13.4 * 128)
     assert step_seconds(shape, one_gpu, Candidate(1, 1, 1, "none", False, 1), 32, 13.4, 0.35) == pytest.approx(
-        flops / (312e12 * 0.35))
+        flops / (312e12 * 0.35)
+    )
 
 
 def real_model(model: str, task: str):
-    family = get_family(model[len("tiny:"):]) if model.startswith("tiny:") else get_family("bert")
+    family = get_family(model[len("tiny:") :]) if model.startswith("tiny:") else get_family("bert")
     size = "tiny" if model.startswith("tiny:") else "full"
     torch.manual_seed(0)
     model_path = None if size == "tiny" else resolve_model_path(model)
@@ -166,20 +188,27 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["no-such/model", "--gpus", "8", "--gpu-mem-gb", "40"],
-     "model='no-such/model' is not known offline; known: EleutherAI/gpt-j-6b, gpt2, "),
-    (["--instance", "ml.p9.huge"], "instance='ml.p9.huge' is not known; known: ml.p4d.24xlarge, "),
-    (["--gpus", "0", "--gpu-mem-gb", "40"], "gpus='0' is not valid; expected a positive integer"),
-    (["--gpus", "eight", "--gpu-mem-gb", "40"], "gpus='eight' is not valid; expected a positive integer"),
-    (["--gpus", "8"], "gpu_mem_gb is missing; with gpus=8 give GPU_MEM_GB"),
-    ([], "gpus is missing; give GPUS (per node) and GPU_MEM_GB, or INSTANCE (one of ml.p4d.24xlarge"),
-    (["--gpus", "8", "--gpu-mem-gb", "lots"], "gpu_mem_gb='lots' is not valid; expected a positive number"),
-    (["bert-large-uncased", "--gpus", "8", "--gpu-mem-gb", "40", "--task", "causal_lm"],
-     "task='causal_lm' is not supported by family bert; valid: classification"),
-    (["--instance", "ml.p4d.24xlarge", "--nodes", "-1"], "nodes='-1' is not valid"),
-    (["--instance", "ml.p4d.24xlarge", "--mfu", "x"], "argument --mfu: invalid float value: 'x'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["no-such/model", "--gpus", "8", "--gpu-mem-gb", "40"],
+            "model='no-such/model' is not known offline; known: EleutherAI/gpt-j-6b, gpt2, ",
+        ),
+        (["--instance", "ml.p9.huge"], "instance='ml.p9.huge' is not known; known: ml.p4d.24xlarge, "),
+        (["--gpus", "0", "--gpu-mem-gb", "40"], "gpus='0' is not valid; expected a positive integer"),
+        (["--gpus", "eight", "--gpu-mem-gb", "40"], "gpus='eight' is not valid; expected a positive integer"),
+        (["--gpus", "8"], "gpu_mem_gb is missing; with gpus=8 give GPU_MEM_GB"),
+        ([], "gpus is missing; give GPUS (per node) and GPU_MEM_GB, or INSTANCE (one of ml.p4d.24xlarge"),
+        (["--gpus", "8", "--gpu-mem-gb", "lots"], "gpu_mem_gb='lots' is not valid; expected a positive number"),
+        (
+            ["bert-large-uncased", "--gpus", "8", "--gpu-mem-gb", "40", "--task", "causal_lm"],
+            "task='causal_lm' is not supported by family bert; valid: classification",
+        ),
+        (["--instance", "ml.p4d.24xlarge", "--nodes", "-1"], "nodes='-1' is not valid"),
+        (["--instance", "ml.p4d.24xlarge", "--mfu", "x"], "argument --mfu: invalid float value: 'x'"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
     lines = [line for line in err.splitlines() if line.strip()]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO, launch, tiny_overrides
 
 WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
@@ -13,17 +12,31 @@ WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
 
 # The planted inf sits in the final LayerNorm's gradient of the last rank: under pipeline parallelism that rank
 # holds the last stage, and the others must learn of the overflow across the pipeline (and tensor) groups.
-@pytest.mark.parametrize("nproc,layout", [
-    (2, ["tensor_parallel_degree=2"]), (2, ["tensor_parallel_degree=1"]),
-    (2, ["tensor_parallel_degree=1", "sharding=optimizer"]), (2, ["tensor_parallel_degree=1", "sharding=full"]),
-    (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
-    (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"])],
-    ids=["tp2", "dp2", "optimizer_dp2", "full_dp2", "pp2_last_stage", "pp2_tp2_last_stage"])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (2, ["tensor_parallel_degree=2"]),
+        (2, ["tensor_parallel_degree=1"]),
+        (2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
+        (2, ["tensor_parallel_degree=1", "sharding=full"]),
+        (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
+        (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
+    ],
+    ids=["tp2", "dp2", "optimizer_dp2", "full_dp2", "pp2_last_stage", "pp2_tp2_last_stage"],
+)
 def test_overflow_on_one_rank_skips_everywhere(nproc, layout, sst2, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("INJECT_RANK", str(nproc - 1))
     monkeypatch.setenv("INJECT_STEP", "3")
-    overrides = tiny_overrides(sst2, cache_dir, precision="fp16", max_steps=5, batch_size=8, max_length=32,
-                               initial_loss_scale=1024, loss_scale_growth_interval=100)
+    overrides = tiny_overrides(
+        sst2,
+        cache_dir,
+        precision="fp16",
+        max_steps=5,
+        batch_size=8,
+        max_length=32,
+        initial_loss_scale=1024,
+        loss_scale_growth_interval=100,
+    )
     launch(nproc, overrides + layout, tmp_path, script=WORKER)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     for rank in ranks:
@@ -43,8 +56,18 @@ def test_overflow_on_one_rank_skips_everywhere(nproc, layout, sst2, cache_dir, t
 def test_fp16_loss_scaling_runs_for_every_family(family, sst2, cache_dir, tmp_path):
     from conftest import recipe
 
-    overrides = tiny_overrides(sst2, cache_dir, "classification", family, precision="fp16", max_steps=6,
-                               batch_size=8, max_length=32, initial_loss_scale=1024, loss_scale_growth_interval=2)
+    overrides = tiny_overrides(
+        sst2,
+        cache_dir,
+        "classification",
+        family,
+        precision="fp16",
+        max_steps=6,
+        batch_size=8,
+        max_length=32,
+        initial_loss_scale=1024,
+        loss_scale_growth_interval=2,
+    )
     run = launch(2, overrides + ["tensor_parallel_degree=2"], tmp_path, recipe=recipe(family))
     scale, clean = 1024.0, 0
     for record in run.records:

@@ -17,14 +17,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO, plant_payload
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel_finetune import integrity
 from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
 from parallel_finetune.runfolder import LOCK, RunLock
-
-from conftest import REPO, plant_payload
 
 
 @pytest.fixture
@@ -59,7 +58,10 @@ def test_manifest_catches_flipped_truncated_and_added_files(checkpoint):
     data[100:104] = b"\xff\xff\xff\xff"
     shard.write_bytes(bytes(data))
     assert integrity.verify(checkpoint, contents=False) is None  # same size: only the hash can tell
-    assert integrity.verify(checkpoint) == f"{shard.name} does not match its sha256 in the manifest (corrupted or modified)"
+    assert (
+        integrity.verify(checkpoint)
+        == f"{shard.name} does not match its sha256 in the manifest (corrupted or modified)"
+    )
     shard.write_bytes(bytes(data[:1000]))
     assert "is 1,000 bytes, the manifest says" in integrity.verify(checkpoint, contents=False)
     (checkpoint / "extra.bin").write_bytes(b"x")
@@ -92,8 +94,11 @@ def test_a_checkpoint_of_the_same_step_is_replaced_not_refused(tmp_path):
 def test_a_busy_folder_is_refused_naming_its_holder(tmp_path):
     first = RunLock([tmp_path / "run"])
     first.acquire()
-    with pytest.raises(UserError, match=rf"run is in use by another run \(pid {os.getpid()} on .*started .*\); "
-                                        "wait for it to end, or choose another output_dir"):
+    with pytest.raises(
+        UserError,
+        match=rf"run is in use by another run \(pid {os.getpid()} on .*started .*\); "
+        "wait for it to end, or choose another output_dir",
+    ):
         RunLock([tmp_path / "run"]).acquire()
     first.release()
     assert not (tmp_path / "run").exists(), "a run that wrote nothing leaves no folder"
@@ -101,10 +106,19 @@ def test_a_busy_folder_is_refused_naming_its_holder(tmp_path):
 
 
 def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from "
-                               "parallel_finetune.runfolder import RunLock; lock = RunLock([Path(sys.argv[1])]); "
-                               "lock.acquire(); print('held', flush=True); time.sleep(600)", str(tmp_path / "run")],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from "
+            "parallel_finetune.runfolder import RunLock; lock = RunLock([Path(sys.argv[1])]); "
+            "lock.acquire(); print('held', flush=True); time.sleep(600)",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(UserError, match="in use by another run"):
         RunLock([tmp_path / "run"]).acquire()
@@ -143,8 +157,11 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run():
     assert guard.skip(3, 0.7, float("inf"), None) is True
     assert guard.skip(4, 0.7, 2.0, None) is False  # a finite step resets the count
     assert guard.skip(5, float("nan"), 1.0, None) and guard.skip(6, float("nan"), 1.0, None)
-    with pytest.raises(UserError, match=r"training diverged: loss nan, grad_norm 1 at step 7, non-finite for 3 "
-                                        r"steps in a row \(steps 5-7; max_nonfinite_steps=3\).*lr \(now 1e\+30\)"):
+    with pytest.raises(
+        UserError,
+        match=r"training diverged: loss nan, grad_norm 1 at step 7, non-finite for 3 "
+        r"steps in a row \(steps 5-7; max_nonfinite_steps=3\).*lr \(now 1e\+30\)",
+    ):
         guard.skip(7, float("nan"), 1.0, None)
 
 
@@ -165,6 +182,9 @@ def test_sagemaker_settings_name_the_flags(monkeypatch):
     for name in ("SAGEMAKER_ROLE", "SAGEMAKER_BUCKET"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_REGION", "us-east-1")
-    with pytest.raises(UserError, match=r"no SageMaker role: pass --role \(in a notebook: ROLE\) or set "
-                                        r"\$SAGEMAKER_ROLE"):
+    with pytest.raises(
+        UserError,
+        match=r"no SageMaker role: pass --role \(in a notebook: ROLE\) or set "
+        r"\$SAGEMAKER_ROLE",
+    ):
         JobSettings().resolve()

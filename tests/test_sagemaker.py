@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, python, subprocess_env
 
 ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
@@ -32,22 +31,33 @@ class Emulator:
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         server = Path(sys.executable).parent / "moto_server"
-        self.process = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(self.port)], cwd=folder,
-                                        env=dict(os.environ, MOTO_RECORDER_FILEPATH=str(folder / "recording")),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [str(server), "-H", "127.0.0.1", "-p", str(self.port)],
+            cwd=folder,
+            env=dict(os.environ, MOTO_RECORDER_FILEPATH=str(folder / "recording")),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2)
                 break
-            except OSError:
+            except OSError as error:
                 if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
+                    raise RuntimeError("moto_server did not start") from error
                 time.sleep(0.2)
-        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                    "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION,
-                    "SAGEMAKER_VALIDATE_ROLE": "false", "AWS_CONFIG_FILE": os.devnull,
-                    "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "SAGEMAKER_VALIDATE_ROLE": "false",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
 
     def reset(self):
         self._post("/moto-api/reset")
@@ -87,17 +97,25 @@ class Emulator:
     def s3(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url, region_name=REGION, aws_access_key_id="testing",
-                            aws_secret_access_key="testing")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name=REGION,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
 
     def objects(self, uri: str) -> dict[str, bytes]:
         """Every object under an S3 URI, by key relative to it."""
-        bucket, prefix = uri[len("s3://"):].split("/", 1)
+        bucket, prefix = uri[len("s3://") :].split("/", 1)
         prefix = prefix.rstrip("/") + "/"
         s3 = self.s3()
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", [])]
-        return {key[len(prefix):]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}
+        keys = [
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+        ]
+        return {key[len(prefix) :]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}
 
     def download(self, uri: str, folder: Path) -> Path:
         for relative, body in self.objects(uri).items():
@@ -113,6 +131,7 @@ class Emulator:
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     import moto  # noqa: F401  (requirements.txt pins it: a missing emulator fails, never skips)
+
     server = Emulator(tmp_path_factory.mktemp("moto"))
     yield server
     server.close()
@@ -138,10 +157,30 @@ def channels(request: dict) -> dict[str, str]:
 
 def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, cache_dir, tmp_path):
     # A tiny GPT-J has 4 heads: TP=2 on each 8-GPU node (8 replicas over two nodes).
-    overrides = ["size=tiny", "max_steps=3", "lr=5e-4", "log_every=1", "tensor_parallel_degree=2",
-                 f"data_dir={sst2}", f"cache_dir={cache_dir}"]
-    done = launch_script(["recipes/gptj/tp.yaml", *overrides, "--instance-type", "ml.p4d.24xlarge",
-                          "--instance-count", "2", "--role", ROLE, "--bucket", BUCKET], aws.env)
+    overrides = [
+        "size=tiny",
+        "max_steps=3",
+        "lr=5e-4",
+        "log_every=1",
+        "tensor_parallel_degree=2",
+        f"data_dir={sst2}",
+        f"cache_dir={cache_dir}",
+    ]
+    done = launch_script(
+        [
+            "recipes/gptj/tp.yaml",
+            *overrides,
+            "--instance-type",
+            "ml.p4d.24xlarge",
+            "--instance-count",
+            "2",
+            "--role",
+            ROLE,
+            "--bucket",
+            BUCKET,
+        ],
+        aws.env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (request,) = aws.calls("SageMaker.CreateTrainingJob")
     assert request["TrainingJobName"] in done.stdout and "console.aws.amazon.com/sagemaker" in done.stdout
@@ -151,8 +190,15 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
     assert "pytorch-training:2.10.0-gpu-py313" in request["AlgorithmSpecification"]["TrainingImage"]
     # The overrides as written; local paths become the job's channel paths.
     assert request["HyperParameters"] == {
-        "recipe": "recipe/tp.yaml", "size": "tiny", "max_steps": "3", "lr": "5e-4", "log_every": "1",
-        "tensor_parallel_degree": "2", "data_dir": "/opt/ml/input/data/sst2", "cache_dir": "/opt/ml/input/data/sst2/cache"}
+        "recipe": "recipe/tp.yaml",
+        "size": "tiny",
+        "max_steps": "3",
+        "lr": "5e-4",
+        "log_every": "1",
+        "tensor_parallel_degree": "2",
+        "data_dir": "/opt/ml/input/data/sst2",
+        "cache_dir": "/opt/ml/input/data/sst2/cache",
+    }
     # Two p4d nodes: AWS's EFA/NCCL settings.
     assert request["Environment"]["FI_PROVIDER"] == "efa"
     assert request["Environment"]["FI_EFA_USE_DEVICE_RDMA"] == "1"
@@ -167,8 +213,14 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
 
     code = aws.objects(uris["code"])
     assert "from parallel_finetune.train import main" in code["train.py"].decode()
-    assert {"parallel_finetune/train.py", "parallel_finetune/trainer.py", "parallel_finetune/families/gptj.py",
-            "recipe/tp.yaml", "recipe/pp.yaml", "requirements.txt"} <= set(code)
+    assert {
+        "parallel_finetune/train.py",
+        "parallel_finetune/trainer.py",
+        "parallel_finetune/families/gptj.py",
+        "recipe/tp.yaml",
+        "recipe/pp.yaml",
+        "requirements.txt",
+    } <= set(code)
     requirements = code["requirements.txt"].decode().split()
     assert any(r.startswith("torch==") and "+" not in r for r in requirements)
     assert any(r.startswith("transformers==") for r in requirements)
@@ -188,14 +240,29 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
         arguments += [f"--{key}", value]
     # SageMaker's /opt/ml/checkpoints would be this host's real folder: the job writes its checkpoints here instead.
     arguments += ["--checkpoint_dir", str(tmp_path / "checkpoints")]
-    env = dict(subprocess_env(), SM_TRAINING_ENV="{}", SM_OUTPUT_DATA_DIR=str(tmp_path / "output"),
-               SM_MODEL_DIR=str(tmp_path / "model"), PYTHONPATH="")
-    shipped = subprocess.run([sys.executable, "-c", "import parallel_finetune; print(parallel_finetune.__file__)"],
-                             cwd=code_dir, capture_output=True, text=True, env=env)
+    env = dict(
+        subprocess_env(),
+        SM_TRAINING_ENV="{}",
+        SM_OUTPUT_DATA_DIR=str(tmp_path / "output"),
+        SM_MODEL_DIR=str(tmp_path / "model"),
+        PYTHONPATH="",
+    )
+    shipped = subprocess.run(
+        [sys.executable, "-c", "import parallel_finetune; print(parallel_finetune.__file__)"],
+        cwd=code_dir,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert shipped.stdout.strip() == str(code_dir / "parallel_finetune" / "__init__.py")
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *arguments], cwd=code_dir, capture_output=True, text=True, timeout=600,
-                         env=env)
+    job = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *arguments],
+        cwd=code_dir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-3000:]
     assert "tokenizing SST-2" not in log
@@ -206,18 +273,39 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
 
 def test_notebook_with_launch_sagemaker_submits_the_same_job(aws, sst2, tmp_path):
     import papermill
+
     executed = tmp_path / "gptj.ipynb"
-    parameters = {"LAUNCH": "sagemaker", "SIZE": "tiny", "DATA": str(sst2), "MAX_STEPS": 5, "ARGS": ["lr=2e-4"],
-                  "INSTANCE_TYPE": "ml.g5.12xlarge", "INSTANCE_COUNT": 1, "ROLE": ROLE, "BUCKET": BUCKET,
-                  "REGION": REGION, "WAIT": False}
-    papermill.execute_notebook(str(REPO / "notebooks" / "gptj.ipynb"), str(executed), parameters=parameters,
-                               cwd=str(REPO / "notebooks"), kernel_name="python3", progress_bar=False)
+    parameters = {
+        "LAUNCH": "sagemaker",
+        "SIZE": "tiny",
+        "DATA": str(sst2),
+        "MAX_STEPS": 5,
+        "ARGS": ["lr=2e-4"],
+        "INSTANCE_TYPE": "ml.g5.12xlarge",
+        "INSTANCE_COUNT": 1,
+        "ROLE": ROLE,
+        "BUCKET": BUCKET,
+        "REGION": REGION,
+        "WAIT": False,
+    }
+    papermill.execute_notebook(
+        str(REPO / "notebooks" / "gptj.ipynb"),
+        str(executed),
+        parameters=parameters,
+        cwd=str(REPO / "notebooks"),
+        kernel_name="python3",
+        progress_bar=False,
+    )
     (request,) = aws.calls("SageMaker.CreateTrainingJob")
-    assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 1,
-                                         "VolumeSizeInGB": 500}
+    assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 1, "VolumeSizeInGB": 500}
     assert request["HyperParameters"] == {
-        "recipe": "recipe/tp.yaml", "size": "tiny", "max_steps": "5", "lr": "2e-4",
-        "data_dir": "/opt/ml/input/data/sst2", "cache_dir": "/opt/ml/input/data/sst2/cache"}
+        "recipe": "recipe/tp.yaml",
+        "size": "tiny",
+        "max_steps": "5",
+        "lr": "2e-4",
+        "data_dir": "/opt/ml/input/data/sst2",
+        "cache_dir": "/opt/ml/input/data/sst2/cache",
+    }
     assert "FI_PROVIDER" not in request["Environment"]  # one node: no inter-node fabric settings
     uris = channels(request)
     assert json.loads(aws.objects(uris["sm_drivers"])["distributed.json"])["process_count_per_node"] == 4
@@ -235,9 +323,22 @@ def test_pretrained_weights_from_s3_become_an_input_channel(aws, sst2, cache_dir
         if path.is_file():
             s3.upload_file(str(path), BUCKET, f"models/minilm/{path.name}")
     aws.record_from_now()  # what the launch does, not the test's own upload
-    done = launch_script(["recipes/bert/minilm.yaml", f"model=s3://{BUCKET}/models/minilm", "max_steps=2",
-                          f"data_dir={sst2}", f"cache_dir={cache_dir}", "--instance-type", "ml.g5.12xlarge",
-                          "--role", ROLE, "--bucket", BUCKET], aws.env)
+    done = launch_script(
+        [
+            "recipes/bert/minilm.yaml",
+            f"model=s3://{BUCKET}/models/minilm",
+            "max_steps=2",
+            f"data_dir={sst2}",
+            f"cache_dir={cache_dir}",
+            "--instance-type",
+            "ml.g5.12xlarge",
+            "--role",
+            ROLE,
+            "--bucket",
+            BUCKET,
+        ],
+        aws.env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (request,) = aws.calls("SageMaker.CreateTrainingJob")
     assert channels(request)["model"] == f"s3://{BUCKET}/models/minilm"
@@ -247,17 +348,22 @@ def test_pretrained_weights_from_s3_become_an_input_channel(aws, sst2, cache_dir
     assert not weights
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--instance-type", "ml.p9.mega", "--role", ROLE, "--bucket", BUCKET], "instance_type='ml.p9.mega'"),
-    (["--bucket", BUCKET], "no SageMaker role"),
-    (["--role", ROLE], "no SageMaker bucket"),
-    (["--role", "SageMakerRole", "--bucket", BUCKET], "is not an IAM role ARN"),
-    (["--role", ROLE, "--bucket", "no-such-bucket"], "bucket='no-such-bucket' does not exist"),
-    (["--role", ROLE, "--bucket", BUCKET, "--region", ""], None),
-    # GPT-2 XL has 25 heads: TP=8 on a p4d cannot split them; found here, not minutes into a paid job.
-    (["--role", ROLE, "--bucket", BUCKET, "--recipe-path", "recipes/gpt2/tp.yaml", "size=full"],
-     "tensor_parallel_degree=8 does not divide gpt2 n_head=25; valid degrees: 1, 5, 25"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--instance-type", "ml.p9.mega", "--role", ROLE, "--bucket", BUCKET], "instance_type='ml.p9.mega'"),
+        (["--bucket", BUCKET], "no SageMaker role"),
+        (["--role", ROLE], "no SageMaker bucket"),
+        (["--role", "SageMakerRole", "--bucket", BUCKET], "is not an IAM role ARN"),
+        (["--role", ROLE, "--bucket", "no-such-bucket"], "bucket='no-such-bucket' does not exist"),
+        (["--role", ROLE, "--bucket", BUCKET, "--region", ""], None),
+        # GPT-2 XL has 25 heads: TP=8 on a p4d cannot split them; found here, not minutes into a paid job.
+        (
+            ["--role", ROLE, "--bucket", BUCKET, "--recipe-path", "recipes/gpt2/tp.yaml", "size=full"],
+            "tensor_parallel_degree=8 does not divide gpt2 n_head=25; valid degrees: 1, 5, 25",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_before_any_upload(aws, sst2, args, expected):
     env = dict(aws.env)
     if expected is None:  # no region anywhere
@@ -266,7 +372,7 @@ def test_bad_input_is_one_line_before_any_upload(aws, sst2, args, expected):
     recipe, overrides = "recipes/gptj/tp.yaml", ["size=tiny"]
     if "--recipe-path" in args:
         at = args.index("--recipe-path")
-        recipe, overrides, args = args[at + 1], args[at + 2:], args[:at]
+        recipe, overrides, args = args[at + 1], args[at + 2 :], args[:at]
     done = launch_script([recipe, *overrides, f"data_dir={sst2}", *args], env)
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and expected in done.stderr, done.stderr[-2000:]
@@ -279,7 +385,10 @@ def test_sagemaker_hyperparameters_become_recipe_overrides():
     from parallel_finetune.train import sagemaker_arguments
 
     assert sagemaker_arguments(["--recipe", "recipe/tp.yaml", "--lr", "2e-5", "--partition", "[3, 2]"]) == [
-        "recipe/tp.yaml", "lr=2e-5", "partition=[3, 2]"]
+        "recipe/tp.yaml",
+        "lr=2e-5",
+        "partition=[3, 2]",
+    ]
     assert sagemaker_arguments(["recipes/gptj/tp.yaml", "lr=1"]) == ["recipes/gptj/tp.yaml", "lr=1"]
     assert sagemaker_arguments(["--check", "--nproc", "2", "r.yaml"]) == ["--check", "--nproc", "2", "r.yaml"]
     with pytest.raises(UserError, match="lack `recipe`"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_trains_like, launch, tiny_overrides
 
 from parallel_finetune import data
 from parallel_finetune.families import get_family
@@ -12,11 +13,12 @@ from parallel_finetune.parallel.pipeline import stage_costs
 from parallel_finetune.throughput import achieved, gpu_peak_tflops, model_flops, probe_matmul_tflops
 from parallel_finetune.trainer import padding_fraction
 
-from conftest import assert_trains_like, launch, tiny_overrides
 
-
-@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["tensor_parallel_degree=2", "activation_checkpointing=true"])],
-                         ids=["single_process", "tp2_checkpointing"])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [(1, []), (2, ["tensor_parallel_degree=2", "activation_checkpointing=true"])],
+    ids=["single_process", "tp2_checkpointing"],
+)
 def test_compile_trains_like_eager(nproc, layout, sst2, cache_dir, tmp_path):
     overrides = tiny_overrides(sst2, cache_dir, max_steps=5) + layout
     eager = launch(nproc, overrides, tmp_path / "eager")

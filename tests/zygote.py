@@ -32,8 +32,13 @@ import traceback
 
 # What every training run imports (sys.modules after a run). Not deepspeed: a run without engine=deepspeed never
 # imports it, and must not run beside what its import sets up.
-PRELOAD = ("parallel_finetune.train", "parallel_finetune.trainer", "parallel_finetune.parallel.deepspeed_engine",
-           "torch.utils.tensorboard", "transformers.optimization")
+PRELOAD = (
+    "parallel_finetune.train",
+    "parallel_finetune.trainer",
+    "parallel_finetune.parallel.deepspeed_engine",
+    "torch.utils.tensorboard",
+    "transformers.optimization",
+)
 FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
 # After one rank fails, its peers get this long to end on their own (printing their side of the story) before
 # they are killed, as torchrun stops the rest of a group whose worker failed.
@@ -43,8 +48,11 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def foreign_threads() -> list[str]:
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")
-             if int(task) != os.getpid()]
+    names = [
+        open(f"/proc/self/task/{task}/comm").read().strip()
+        for task in os.listdir("/proc/self/task")
+        if int(task) != os.getpid()
+    ]
     return [name for name in names if name not in FORK_SAFE_THREADS]
 
 
@@ -72,9 +80,20 @@ def child_environment(request: dict, rank: int, port: int) -> dict[str, str]:
     if nproc is None:
         return env
     env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
-               MASTER_ADDR="localhost", MASTER_PORT=str(port), TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+    )
     return env
 
 
@@ -111,6 +130,7 @@ def run_main(argv: list[str]) -> int:
 
         def run():
             runpy.run_path(main_file, run_name="__main__")
+
     try:
         run()
         return 0
@@ -131,8 +151,11 @@ def run_child(request: dict, rank: int, port: int, reply_fd: int, zygote: int) -
             return
         os.close(reply_fd)
         log = os.path.join(request["log_dir"], f"rank{rank}")
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, log + ".stdout", os.O_WRONLY | os.O_CREAT),
-                                (2, log + ".stderr", os.O_WRONLY | os.O_CREAT)):
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, log + ".stdout", os.O_WRONLY | os.O_CREAT),
+            (2, log + ".stderr", os.O_WRONLY | os.O_CREAT),
+        ):
             opened = os.open(path, flags, 0o644)
             os.dup2(opened, fd)
             os.close(opened)
@@ -193,8 +216,12 @@ def wait_for(pids: list[int], timeout_s: float) -> dict:
                 killed[rank] = reason
                 kill_group(pid)
         time.sleep(0.02)
-    return {"returncodes": [returncodes[r] for r in range(len(pids))], "exit_order": exit_order,
-            "killed": {str(r): why for r, why in killed.items()}, "timed_out": timed_out}
+    return {
+        "returncodes": [returncodes[r] for r in range(len(pids))],
+        "exit_order": exit_order,
+        "killed": {str(r): why for r, why in killed.items()},
+        "timed_out": timed_out,
+    }
 
 
 def launch(request: dict, reply_fd: int) -> dict:

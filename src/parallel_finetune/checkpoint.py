@@ -26,14 +26,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-import yaml
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import integrity
@@ -41,7 +41,7 @@ from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
 from .runfolder import restarted
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -92,8 +92,13 @@ def _complete(folder: Path) -> str | None:
     return None
 
 
-def _pick(resume: str, root: Path, problem_of: Callable[[Path], str | None], label: str = "resume",
-          warn: Callable = log.warning) -> Path | None:
+def _pick(
+    resume: str,
+    root: Path,
+    problem_of: Callable[[Path], str | None],
+    label: str = "resume",
+    warn: Callable = log.warning,
+) -> Path | None:
     """`resume` as a verified checkpoint folder. auto (or a folder of checkpoints): the newest one that verifies,
     saying which were skipped and why; a step-… folder: that one, or a one-line error."""
     if resume == "none":
@@ -118,8 +123,9 @@ def _pick(resume: str, root: Path, problem_of: Callable[[Path], str | None], lab
         warn("skipping checkpoint %s: %s; trying the one before", folder, problem)
         problems.append(f"{folder.name}: {problem}")
     if problems:
-        raise UserError(f"no checkpoint in {folders[0].parent} verifies ({'; '.join(problems)}); resume=none "
-                        "starts fresh")
+        raise UserError(
+            f"no checkpoint in {folders[0].parent} verifies ({'; '.join(problems)}); resume=none starts fresh"
+        )
     return None
 
 
@@ -131,6 +137,7 @@ def resolve_resume(resume: str, root: Path, label: str = "resume") -> Path | Non
 def choose_resume(config, root: Path, layout) -> Path | None:
     """What every rank of a run resumes from: its checkpoint verified by all ranks together (each hashes a share
     of the files) and agreed (the same answer, or the same UserError, everywhere)."""
+
     def problem_of(folder: Path) -> str | None:
         mine = _complete(folder) or integrity.verify(folder, (layout.rank, layout.world_size))
         everyone: list = [None] * layout.world_size
@@ -143,6 +150,7 @@ def choose_resume(config, root: Path, layout) -> Path | None:
 def check_resume(config, root: Path) -> None:
     """For --check: the checkpoint the run would continue from is complete, intact in structure (the sizes and
     metadata; hashing is the run's job, spread over its ranks) and of compatible settings."""
+
     def problem_of(folder: Path) -> str | None:
         return _complete(folder) or integrity.verify(folder, contents=False)
 
@@ -161,14 +169,17 @@ def check_continuation(folder: Path, config) -> None:
     if not isinstance(before, dict):
         raise UserError(f"checkpoint {folder}: {CONFIG_FILE} unreadable")
     now = config.to_dict()
-    changed = [key for key in USER_KEYS
-               if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != now[key]]
+    changed = [
+        key for key in USER_KEYS if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != now[key]
+    ]
     if changed:
-        raise UserError(f"checkpoint {folder} was trained with other settings: "
-                        + ", ".join(f"{key} {before[key]!r} -> {now[key]!r}" for key in changed)
-                        + "; a continued run may change only its length, cadences, outputs and layout: use the "
-                          "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
-                          "another output_dir")
+        raise UserError(
+            f"checkpoint {folder} was trained with other settings: "
+            + ", ".join(f"{key} {before[key]!r} -> {now[key]!r}" for key in changed)
+            + "; a continued run may change only its length, cadences, outputs and layout: use the "
+            "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
+            "another output_dir"
+        )
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -180,6 +191,7 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 class TrainingState:
     """What a checkpoint writes and restores, passed explicitly: the model and its updates (AdamW moments, step
     counts, loss scale: `updates.TorchUpdates`), the lr schedule; what identifies the run; the layout."""
+
     step: int
     model: torch.nn.Module
     updates: object
@@ -238,9 +250,15 @@ def save(state: TrainingState, root: Path) -> Path | None:
         hashed.update(integrity.describe(partial, mine))
 
     def finish():
-        trainer_state = {"step": state.step, **state.updates.counters(), "scheduler": state.scheduler.state_dict(),
-                         "family": state.family, "task": state.config.task, "layout": layout.describe(),
-                         "parameter_shapes": state.parameter_shapes}
+        trainer_state = {
+            "step": state.step,
+            **state.updates.counters(),
+            "scheduler": state.scheduler.state_dict(),
+            "family": state.family,
+            "task": state.config.task,
+            "layout": layout.describe(),
+            "parameter_shapes": state.parameter_shapes,
+        }
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
         state.tokenizer.save_pretrained(partial / "tokenizer")
@@ -249,20 +267,24 @@ def save(state: TrainingState, root: Path) -> Path | None:
         entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
         integrity.write_manifest(partial, entries)
         replace_folder(partial, final)  # atomic: a folder named step-… is complete
-        for old in _step_folders(root)[state.config.keep_checkpoints:]:
+        for old in _step_folders(root)[state.config.keep_checkpoints :]:
             shutil.rmtree(old, ignore_errors=True)
 
     everyone: list = [None] * layout.world_size
-    done = (stage(gather_state) and stage(make_folder, everywhere=False) and stage(write_rng)
-            and stage(write_shards) and stage(hash_own_files))
+    done = (
+        stage(gather_state)
+        and stage(make_folder, everywhere=False)
+        and stage(write_rng)
+        and stage(write_shards)
+        and stage(hash_own_files)
+    )
     if done:
         dist.all_gather_object(everyone, hashed)
         done = stage(finish, everywhere=False)
     if not done:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", state.step,
-                    error[0])
+        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", state.step, error[0])
         return None
     log.info("checkpoint %s", final)
     return final
@@ -292,15 +314,19 @@ def replace_folder(new: Path, final: Path) -> None:
 
 def check_same_model(folder: Path, state: dict, family: str, task: str, shapes: dict[str, list[int]]) -> None:
     if (state.get("family"), state.get("task")) != (family, task):
-        raise UserError(f"checkpoint {folder} is a {state.get('family')} {state.get('task')} model, this run a "
-                        f"{family} {task} one; resume=none starts fresh")
+        raise UserError(
+            f"checkpoint {folder} is a {state.get('family')} {state.get('task')} model, this run a "
+            f"{family} {task} one; resume=none starts fresh"
+        )
     theirs = state.get("parameter_shapes", {})
     differences = sorted(set(theirs) ^ set(shapes)) or [n for n in shapes if theirs[n] != shapes[n]]
     if differences:
         name = differences[0]
-        raise UserError(f"checkpoint {folder} holds another model: parameter {name!r} is "
-                        f"{theirs.get(name, 'absent')} there, {shapes.get(name, 'absent')} here "
-                        f"({len(differences)} differences); resume=none starts fresh")
+        raise UserError(
+            f"checkpoint {folder} holds another model: parameter {name!r} is "
+            f"{theirs.get(name, 'absent')} there, {shapes.get(name, 'absent')} here "
+            f"({len(differences)} differences); resume=none starts fresh"
+        )
 
 
 def load(state: TrainingState, folder: Path) -> int:
@@ -318,8 +344,9 @@ def load(state: TrainingState, folder: Path) -> int:
     scheduler = state.scheduler
     saved, scheduler_state = written["scheduler"], scheduler.state_dict()
     groups = len(scheduler_state["base_lrs"])
-    scheduler_state.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],
-                           _last_lr=[saved["_last_lr"][0]] * groups)
+    scheduler_state.update(
+        last_epoch=saved["last_epoch"], _step_count=saved["_step_count"], _last_lr=[saved["_last_lr"][0]] * groups
+    )
     scheduler.load_state_dict(scheduler_state)
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
@@ -329,9 +356,16 @@ def load(state: TrainingState, folder: Path) -> int:
         torch.set_rng_state(rng["cpu"])
         if state.layout.device.type == "cuda" and rng["cuda"].numel():
             torch.cuda.set_rng_state(rng["cuda"])
-    log.info("resumed from %s (step %d, written by %s)", folder, written["step"],
-             ", ".join(f"{k}={v}" for k, v in written["layout"].items() if k in ("world_size", "data_parallel",
-                                                                                  "tensor_parallel", "sharding")))
+    log.info(
+        "resumed from %s (step %d, written by %s)",
+        folder,
+        written["step"],
+        ", ".join(
+            f"{k}={v}"
+            for k, v in written["layout"].items()
+            if k in ("world_size", "data_parallel", "tensor_parallel", "sharding")
+        ),
+    )
     return written["step"]
 
 
@@ -342,9 +376,9 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
 
     from .config import Config
     from .export import save_hf
-    from .precision import DTYPES, EXPORT_DTYPES
     from .families import get_family
     from .families.base import download_model
+    from .precision import DTYPES, EXPORT_DTYPES
     from .weights import materialize
 
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata

@@ -1,11 +1,11 @@
 """The run configuration: one flat, typed dataclass, read from a recipe YAML plus `key=value` overrides.
 
 A recipe may nest its keys under the section names below (`model:`, `data:`, `training:`, `parallel:`,
-`memory:`, `checkpoint:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied only when
-`size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one). `extends: tp.yaml`
-starts from another recipe (a path relative to this one) and changes only what it lists. Overrides on the
-command line win over everything and use the flat key (`lr=1e-4`) or the dotted one (`training.lr=1e-4`);
-dictionary keys take a dotted suffix (`model_config.n_layer=4`).
+`memory:`, `checkpoint:`, `output:`) or write them flat; both mean the same. A `tiny:` section holds overrides applied
+only when `size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one).
+`extends: tp.yaml` starts from another recipe (a path relative to this one) and changes only what it lists.
+Overrides on the command line win over everything and use the flat key (`lr=1e-4`) or the dotted one
+(`training.lr=1e-4`); dictionary keys take a dotted suffix (`model_config.n_layer=4`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ from typing import Any, Literal
 import yaml
 
 from .errors import UserError
-
-TASKS = ("classification", "causal_lm")
-PRECISIONS = ("auto", "fp16", "bf16", "fp32")
-
 
 @dataclass
 class Config:
@@ -54,8 +50,9 @@ class Config:
     adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     # the transformers.get_scheduler schedules that need nothing but the warm-up and total steps
-    lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                          "constant_with_warmup", "inverse_sqrt"] = "linear"
+    lr_scheduler: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+    ] = "linear"
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float | None = 1.0  # None or 0 = no clipping
@@ -124,14 +121,45 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("family", "model", "revision", "size", "task", "model_config", "tokenizer", "tokenizer_vocab_size"),
     "data": ("data_dir", "cache_dir", "max_length", "group_by_length", "eval_batch_size"),
     "training": (
-        "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "lr", "weight_decay", "adam_betas",
-        "adam_eps", "lr_scheduler", "warmup_steps", "warmup_ratio", "max_grad_norm", "precision",
-        "initial_loss_scale", "loss_scale_growth_interval", "seed", "eval_every", "log_every", "lr_scaling",
-        "compile", "peak_tflops", "max_nonfinite_steps",
+        "epochs",
+        "max_steps",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "lr",
+        "weight_decay",
+        "adam_betas",
+        "adam_eps",
+        "lr_scheduler",
+        "warmup_steps",
+        "warmup_ratio",
+        "max_grad_norm",
+        "precision",
+        "initial_loss_scale",
+        "loss_scale_growth_interval",
+        "seed",
+        "eval_every",
+        "log_every",
+        "lr_scaling",
+        "compile",
+        "peak_tflops",
+        "max_nonfinite_steps",
     ),
-    "parallel": ("tensor_parallel_degree", "device", "collective_timeout_s", "sharding", "shard_group_size", "engine", "zero_stage",
-                 "mics_shard_size", "deepspeed_config", "pipeline_parallel_degree", "microbatches", "pipeline_schedule",
-                 "virtual_stages", "partition"),
+    "parallel": (
+        "tensor_parallel_degree",
+        "device",
+        "collective_timeout_s",
+        "sharding",
+        "shard_group_size",
+        "engine",
+        "zero_stage",
+        "mics_shard_size",
+        "deepspeed_config",
+        "pipeline_parallel_degree",
+        "microbatches",
+        "pipeline_schedule",
+        "virtual_stages",
+        "partition",
+    ),
     "memory": ("activation_checkpointing", "offload_activations"),
     "checkpoint": ("checkpoint_every", "keep_checkpoints", "resume", "checkpoint_dir"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
@@ -141,11 +169,36 @@ USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
 # (checkpoints reshard on load). Anything else (model, data, optimizer, schedule, seed, precision) would mix two
 # runs' settings in one trajectory, so continuing with another value is refused.
 CONTINUATION_MAY_CHANGE = (
-    "epochs", "max_steps", "eval_every", "log_every", "eval_batch_size", "checkpoint_every", "keep_checkpoints",
-    "resume", "checkpoint_dir", "output_dir", "overwrite", "export", "export_dtype", "cache_dir", "peak_tflops",
-    "max_nonfinite_steps", "collective_timeout_s", "device", "tensor_parallel_degree", "pipeline_parallel_degree",
-    "sharding", "shard_group_size", "gradient_accumulation_steps", "microbatches", "pipeline_schedule",
-    "virtual_stages", "partition", "activation_checkpointing", "offload_activations", "compile",
+    "epochs",
+    "max_steps",
+    "eval_every",
+    "log_every",
+    "eval_batch_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "checkpoint_dir",
+    "output_dir",
+    "overwrite",
+    "export",
+    "export_dtype",
+    "cache_dir",
+    "peak_tflops",
+    "max_nonfinite_steps",
+    "collective_timeout_s",
+    "device",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "sharding",
+    "shard_group_size",
+    "gradient_accumulation_steps",
+    "microbatches",
+    "pipeline_schedule",
+    "virtual_stages",
+    "partition",
+    "activation_checkpointing",
+    "offload_activations",
+    "compile",
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
@@ -209,19 +262,28 @@ def _describe(option: Any) -> str:
         return "null"
     if typing.get_origin(option) is Literal:
         return "one of " + "|".join(str(a) for a in typing.get_args(option))
-    return {int: "an integer", float: "a number", bool: "true|false", str: "a string",
-            dict: "a mapping", list: "a list"}[option]
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true|false",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+    }[option]
 
 
 class _Lined(dict):
     """A YAML mapping that remembers the line of each key, so errors can name it."""
+
     lines: dict
 
 
 class _DuplicateKey(Exception):
     def __init__(self, key, line: int, first: int):
-        super().__init__(f"line {line}: key '{key}' is given twice (first at line {first}); YAML would silently "
-                         "keep the last one, so say it once")
+        super().__init__(
+            f"line {line}: key '{key}' is given twice (first at line {first}); YAML would silently "
+            "keep the last one, so say it once"
+        )
 
 
 class _RecipeLoader(yaml.SafeLoader):
@@ -300,7 +362,9 @@ def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
 def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` -> (flat key, YAML-parsed value). `model_config.n_layer=4` -> ('model_config', {'n_layer': 4})."""
     if "=" not in text:
-        raise UserError(f"override '{text}' must look like key=value (e.g. lr=1e-4); valid keys: {', '.join(USER_KEYS)}")
+        raise UserError(
+            f"override '{text}' must look like key=value (e.g. lr=1e-4); valid keys: {', '.join(USER_KEYS)}"
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     try:
@@ -406,8 +470,13 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     family = config.family or "unknown"
     config.recipe = f"{family}-{name}" if name else family
     if config.lr_scaling == "linear":
-        _scale_lr(config, where, _coerce("batch_size", recipe_batch, where), _coerce("lr", recipe_lr, where),
-                  lr_overridden=any(key == "lr" for key, _ in parsed))
+        _scale_lr(
+            config,
+            where,
+            _coerce("batch_size", recipe_batch, where),
+            _coerce("lr", recipe_lr, where),
+            lr_overridden=any(key == "lr" for key, _ in parsed),
+        )
     if config.engine == "deepspeed" and config.tensor_parallel_degree == "auto":
         config.tensor_parallel_degree = 1  # DeepSpeed runs data parallel only: every process is a replica
     validate(config, where)
@@ -420,15 +489,20 @@ def _scale_lr(config: Config, where: str, recipe_batch: int, recipe_lr: float, l
         config.lr_note = f"lr_scaling=linear: batch_size {config.batch_size} is the recipe's, lr {config.lr:g} kept"
         return
     if lr_overridden:
-        raise UserError(f"{where}: lr_scaling=linear scales the recipe's lr (tuned for batch_size={recipe_batch}) "
-                        f"to batch_size={config.batch_size}; drop the lr override or set lr_scaling=none")
+        raise UserError(
+            f"{where}: lr_scaling=linear scales the recipe's lr (tuned for batch_size={recipe_batch}) "
+            f"to batch_size={config.batch_size}; drop the lr override or set lr_scaling=none"
+        )
     config.lr = recipe_lr * config.batch_size / recipe_batch
-    config.lr_note = (f"lr_scaling=linear: lr {recipe_lr:g} x batch_size {config.batch_size} / recipe batch_size "
-                      f"{recipe_batch} = {config.lr:g}")
+    config.lr_note = (
+        f"lr_scaling=linear: lr {recipe_lr:g} x batch_size {config.batch_size} / recipe batch_size "
+        f"{recipe_batch} = {config.lr:g}"
+    )
 
 
 def validate(config: Config, where: str = "config") -> None:
     """Checks that need no model, data or processes: ranges and combinations of keys."""
+
     def bad(key: str, why: str) -> UserError:
         return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
 
@@ -449,16 +523,27 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("max_nonfinite_steps", "must be at least 1")
     if config.collective_timeout_s <= 0:
         raise bad("collective_timeout_s", "must be a positive number of seconds")
-    for key in ("batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size", "log_every",
-                "tokenizer_vocab_size", "loss_scale_growth_interval", "keep_checkpoints"):
+    for key in (
+        "batch_size",
+        "gradient_accumulation_steps",
+        "max_length",
+        "eval_batch_size",
+        "log_every",
+        "tokenizer_vocab_size",
+        "loss_scale_growth_interval",
+        "keep_checkpoints",
+    ):
         if getattr(config, key) < 1:
             raise bad(key, "must be at least 1")
     if config.max_steps is not None and config.max_steps < 1:
         raise bad("max_steps", "must be at least 1 (or null to train for `epochs`)")
     if config.engine == "deepspeed" and (config.checkpoint_every or config.resume not in ("auto", "none")):
         key = "checkpoint_every" if config.checkpoint_every else "resume"
-        raise bad(key, "is not supported with engine=deepspeed yet (checkpoints are engine=torch's); "
-                       "use engine=torch or drop the key")
+        raise bad(
+            key,
+            "is not supported with engine=deepspeed yet (checkpoints are engine=torch's); "
+            "use engine=torch or drop the key",
+        )
     if config.checkpoint_every is not None and config.checkpoint_every < 1:
         raise bad("checkpoint_every", "must be at least 1 (or null: a checkpoint at the end only)")
     if config.eval_every is not None and config.eval_every < 1:
@@ -487,30 +572,43 @@ def validate(config: Config, where: str = "config") -> None:
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
     if config.compile and config.engine == "deepspeed":
-        raise bad("compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false")
+        raise bad(
+            "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
+        )
     if config.pipeline_parallel_degree < 1:
         raise bad("pipeline_parallel_degree", "must be a positive integer")
     if config.microbatches is not None and config.microbatches < 1:
         raise bad("microbatches", "must be a positive integer (or null: 2 x the number of stages)")
     if config.virtual_stages < 1:
         raise bad("virtual_stages", "must be a positive integer")
-    if config.partition != "auto" and not (config.partition and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)):
+    if config.partition != "auto" and not (
+        config.partition and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)
+    ):
         raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
     if config.pipeline_parallel_degree > 1:
         if config.engine == "deepspeed":
-            raise bad("pipeline_parallel_degree", "does not combine with engine=deepspeed (its pipeline engine "
-                                                  "needs a PipelineModule); use engine=torch")
+            raise bad(
+                "pipeline_parallel_degree",
+                "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",
+            )
         if config.sharding in ("full", "hybrid"):
-            raise bad("pipeline_parallel_degree", f"does not combine with sharding={config.sharding} yet; use "
-                                                  "sharding=optimizer (ZeRO-1) or none with pipeline parallelism")
+            raise bad(
+                "pipeline_parallel_degree",
+                f"does not combine with sharding={config.sharding} yet; use "
+                "sharding=optimizer (ZeRO-1) or none with pipeline parallelism",
+            )
         if config.offload_activations:
-            raise bad("pipeline_parallel_degree", "does not combine with offload_activations=true (activations "
-                                                  "cross stages); use activation_checkpointing instead")
+            raise bad(
+                "pipeline_parallel_degree",
+                "does not combine with offload_activations=true (activations "
+                "cross stages); use activation_checkpointing instead",
+            )
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in FAMILIES[config.family].tasks:
-        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}")
+        raise bad(
+            "task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}"
+        )
     if config.size == "full" and config.model is None and not FAMILIES[config.family].default_model:
         raise bad("model", "must name a Hub model or a local folder")
     from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys

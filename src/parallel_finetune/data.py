@@ -46,6 +46,7 @@ class Source:
 
 # ----------------------------------------------------------------------------------------------- reading
 
+
 def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
     """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line). A UTF-8 byte
     order mark and any line ending (LF, CRLF, CR) are accepted; rows with an empty sentence are dropped and
@@ -65,14 +66,18 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
         try:
             text_lines.append(line.decode("utf-8"))
         except UnicodeDecodeError as exc:
-            raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})") from None
+            raise UserError(
+                f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})"
+            ) from None
     if not text_lines:
         raise UserError(f"{path}: empty file; expected a header line ({chr(9).join(REQUIRED_COLUMNS[split])}) and rows")
     header = text_lines[0].split("\t")
     missing = [c for c in REQUIRED_COLUMNS[split] if c not in header]
     if missing:
-        raise UserError(f"{path}: header lacks column(s) {', '.join(missing)} "
-                        f"(found: {', '.join(header) or 'nothing'}; GLUE SST-2 has sentence<TAB>label)")
+        raise UserError(
+            f"{path}: header lacks column(s) {', '.join(missing)} "
+            f"(found: {', '.join(header) or 'nothing'}; GLUE SST-2 has sentence<TAB>label)"
+        )
     columns: dict[str, list] = {"sentence": []}
     sentence_at = header.index("sentence")
     label_at = header.index("label") if "label" in header else None
@@ -96,8 +101,13 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
         if label_at is not None:
             columns["label"].append(int(label))
     if empty:
-        log.warning("%s: dropped %d row(s) with an empty sentence (line%s %s)", path, len(empty),
-                    "s" if len(empty) > 1 else "", ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""))
+        log.warning(
+            "%s: dropped %d row(s) with an empty sentence (line%s %s)",
+            path,
+            len(empty),
+            "s" if len(empty) > 1 else "",
+            ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""),
+        )
     if not columns["sentence"]:
         raise UserError(f"{path}: no data rows (the {split} split is empty)")
     return columns
@@ -165,9 +175,12 @@ def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
         except Exception as exc:  # offline, blocked, or rate-limited: all leave only the sample
             problem = type(exc).__name__
     if problem is not None:
-        log.warning("THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON "
-                    "SST-2; pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set",
-                    problem, SAMPLE_DIR)
+        log.warning(
+            "THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON "
+            "SST-2; pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set",
+            problem,
+            SAMPLE_DIR,
+        )
         return read_glue_dir(SAMPLE_DIR), Source("sample", str(SAMPLE_DIR), "sample-" + _file_fingerprint(SAMPLE_DIR))
     raw = datasets.DatasetDict({split: hub[split].select_columns(["sentence", "label"]) for split in hub})
     return raw, Source("hub", "/".join(HUB_DATASET), f"hub-{hub['train']._fingerprint}")
@@ -175,9 +188,12 @@ def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
 
 # ----------------------------------------------------------------------------------------------- tokenizer
 
+
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     """A short hash of everything that decides token ids, for cache keys."""
-    state = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    state = (
+        tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
     digest = hashlib.sha256(state.encode())
     digest.update(f"{tokenizer.padding_side}|{tokenizer.pad_token}".encode())
     return digest.hexdigest()[:16]
@@ -192,36 +208,66 @@ def train_tokenizer(kind: str, sentences: list[str], vocab_size: int, folder: Pa
         raw = Tokenizer(models.BPE())
         raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         raw.decoder = decoders.ByteLevel()
-        raw.train_from_iterator(sentences, trainers.BpeTrainer(
-            vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=EOS, bos_token=EOS, pad_token=EOS,
-                                            unk_token=EOS, padding_side="right")
+        raw.train_from_iterator(
+            sentences,
+            trainers.BpeTrainer(
+                vocab_size=vocab_size,
+                min_frequency=2,
+                special_tokens=[EOS],
+                show_progress=False,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            ),
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=raw, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS, padding_side="right"
+        )
     else:
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         raw = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         raw.normalizer = normalizers.BertNormalizer(lowercase=True)
         raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         raw.decoder = decoders.WordPiece()
-        raw.train_from_iterator(sentences, trainers.WordPieceTrainer(
-            vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+        raw.train_from_iterator(
+            sentences, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+        )
         cls, sep = raw.token_to_id("[CLS]"), raw.token_to_id("[SEP]")
-        raw.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]",
-                                            cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                            padding_side="right")
+        raw.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=raw,
+            pad_token="[PAD]",
+            unk_token="[UNK]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+            padding_side="right",
+        )
     _save_atomically(folder, tokenizer.save_pretrained)
     return tokenizer
 
 
-def load_tokenizer(name: str | None, size: str, model_name: str, tiny_kind: str, vocab_size: int,
-                   train_sentences: list[str], source: Source, cache_dir: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(
+    name: str | None,
+    size: str,
+    model_name: str,
+    tiny_kind: str,
+    vocab_size: int,
+    train_sentences: list[str],
+    source: Source,
+    cache_dir: Path,
+) -> PreTrainedTokenizerFast:
     if name is None and size == "tiny":
         folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-{source.fingerprint}"
         if folder.is_dir():
             return AutoTokenizer.from_pretrained(folder)
-        log.info("training a %s tokenizer (vocab %d) on %d sentences -> %s", tiny_kind, vocab_size,
-                 len(train_sentences), folder)
+        log.info(
+            "training a %s tokenizer (vocab %d) on %d sentences -> %s",
+            tiny_kind,
+            vocab_size,
+            len(train_sentences),
+            folder,
+        )
         return train_tokenizer(tiny_kind, train_sentences, vocab_size, folder)
     from .families.base import resolve_model_path
 
@@ -231,7 +277,9 @@ def load_tokenizer(name: str | None, size: str, model_name: str, tiny_kind: str,
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"tokenizer {where!r}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+        raise UserError(
+            f"tokenizer {where!r}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from None
     if tokenizer.pad_token is None:
         # GPT tokenizers have no pad token; padding positions are masked out, so any id works, EOS is customary.
         tokenizer.pad_token = tokenizer.eos_token
@@ -239,6 +287,7 @@ def load_tokenizer(name: str | None, size: str, model_name: str, tiny_kind: str,
 
 
 # ----------------------------------------------------------------------------------------------- tokenizing
+
 
 def tokenize_classification(split: datasets.Dataset, tokenizer, max_length: int, desc: str) -> datasets.Dataset:
     def encode(batch):
@@ -256,10 +305,12 @@ def tokenize_causal_lm(split: datasets.Dataset, tokenizer, block_size: int, desc
     for sentence in tqdm(ids, desc=desc, disable=not _show_progress()):
         stream.extend(sentence)
         stream.append(tokenizer.eos_token_id)
-    blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    blocks = [stream[i : i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
     if not blocks:
-        raise UserError(f"causal_lm: the {desc} split has {len(stream)} tokens, fewer than one block of "
-                        f"max_length={block_size}; lower max_length")
+        raise UserError(
+            f"causal_lm: the {desc} split has {len(stream)} tokens, fewer than one block of "
+            f"max_length={block_size}; lower max_length"
+        )
     return datasets.Dataset.from_dict({"input_ids": blocks, "length": [block_size] * len(blocks)})
 
 
@@ -287,14 +338,31 @@ class PreparedData:
     cache_path: Path
 
 
-def prepare(task: str, data_dir: str | None, cache_dir: str | Path, max_length: int, tokenizer_name: str | None,
-            size: str, model_name: str, tokenizer_vocab_size: int, tiny_tokenizer: str = "bpe") -> PreparedData:
+def prepare(
+    task: str,
+    data_dir: str | None,
+    cache_dir: str | Path,
+    max_length: int,
+    tokenizer_name: str | None,
+    size: str,
+    model_name: str,
+    tokenizer_vocab_size: int,
+    tiny_tokenizer: str = "bpe",
+) -> PreparedData:
     """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
     cache_dir = Path(cache_dir)
     check_writable(cache_dir, "cache_dir")
     raw, source = load_raw(data_dir)
-    tokenizer = load_tokenizer(tokenizer_name, size, model_name, tiny_tokenizer, tokenizer_vocab_size,
-                               column(raw["train"], "sentence"), source, cache_dir)
+    tokenizer = load_tokenizer(
+        tokenizer_name,
+        size,
+        model_name,
+        tiny_tokenizer,
+        tokenizer_vocab_size,
+        column(raw["train"], "sentence"),
+        source,
+        cache_dir,
+    )
     key = f"sst2-{source.fingerprint}-tok{tokenizer_identity(tokenizer)}-{task}-len{max_length}"
     path = cache_dir / key
     if path.is_dir():
@@ -322,18 +390,28 @@ def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
     from .families import get_family
 
     family = get_family(config.family)
-    return prepare(config.task, config.data_dir, config.cache_dir, config.max_length, config.tokenizer,
-                   config.size, model_path or config.model or family.default_model, config.tokenizer_vocab_size,
-                   family.tiny_tokenizer)
+    return prepare(
+        config.task,
+        config.data_dir,
+        config.cache_dir,
+        config.max_length,
+        config.tokenizer,
+        config.size,
+        model_path or config.model or family.default_model,
+        config.tokenizer_vocab_size,
+        family.tiny_tokenizer,
+    )
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:
     """A cache folder written by `prepare`."""
-    return PreparedData(datasets.load_from_disk(str(path)), AutoTokenizer.from_pretrained(path / "tokenizer"),
-                        source, path)
+    return PreparedData(
+        datasets.load_from_disk(str(path)), AutoTokenizer.from_pretrained(path / "tokenizer"), source, path
+    )
 
 
 # ----------------------------------------------------------------------------------------------- batching
+
 
 def column(split: datasets.Dataset, name: str) -> list:
     """A whole column as a Python list: per-row access to a `datasets` Column costs ~10 us, a list ~50 ns."""
@@ -368,20 +446,27 @@ class GlobalBatches:
         usable = len(self) * self.batch_size
         if self.group_by_length:
             window = self.batch_size * self.MEGA_BATCH
-            order = [i for start in range(0, len(order), window)
-                     for i in sorted(order[start:start + window], key=lambda i: -self.lengths[i])]
-            batches = [order[i:i + self.batch_size] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+            order = [
+                i
+                for start in range(0, len(order), window)
+                for i in sorted(order[start : start + window], key=lambda i: -self.lengths[i])
+            ]
+            batches = [
+                order[i : i + self.batch_size] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)
+            ]
             rng.shuffle(batches)
-            return batches[:len(self)]
-        return [order[i:i + self.batch_size] for i in range(0, usable, self.batch_size)]
+            return batches[: len(self)]
+        return [order[i : i + self.batch_size] for i in range(0, usable, self.batch_size)]
 
 
 def accumulation_slices(global_batch: list[int], dp_rank: int, dp_size: int, accumulation: int) -> list[list[int]]:
     """This rank's share of a global batch, cut into `accumulation` slices (gradient accumulation: one forward
     and backward each; a pipeline cuts a slice again into its `microbatches`)."""
     per_slice = len(global_batch) // (dp_size * accumulation)
-    return [global_batch[(step * dp_size + dp_rank) * per_slice:(step * dp_size + dp_rank + 1) * per_slice]
-            for step in range(accumulation)]
+    return [
+        global_batch[(step * dp_size + dp_rank) * per_slice : (step * dp_size + dp_rank + 1) * per_slice]
+        for step in range(accumulation)
+    ]
 
 
 def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulation: int, multiple: int = 1) -> int:
@@ -395,8 +480,13 @@ def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulati
     return slots
 
 
-def collate(input_ids: list[list[int]], pad_id: int, padding_side: str, labels: list[int] | None = None,
-            pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+def collate(
+    input_ids: list[list[int]],
+    pad_id: int,
+    padding_side: str,
+    labels: list[int] | None = None,
+    pad_to_multiple_of: int = 1,
+) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores)."""
     longest = max(len(ids) for ids in input_ids)
     longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of

@@ -35,5 +35,6 @@ class NonFiniteGuard:
             raise UserError(
                 f"training diverged: loss {loss:.4g}, grad_norm {grad_norm:.4g} at step {step}, non-finite for "
                 f"{self.limit} steps in a row (steps {first}-{step}; max_nonfinite_steps={self.limit}); stopped, and "
-                f"no checkpoint or export holds NaN/inf weights. Lower lr (now {self.lr:g}) or check the data")
+                f"no checkpoint or export holds NaN/inf weights. Lower lr (now {self.lr:g}) or check the data"
+            )
         return True

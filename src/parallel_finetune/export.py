@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .errors import UserError, one_line
 from .integrity import nonfinite
+
 
 def gather_full_state_dict(model: nn.Module, dtype: torch.dtype, layout) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0 (an empty dict elsewhere), by the unsplit model's names, in `dtype`.

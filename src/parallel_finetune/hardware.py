@@ -21,18 +21,26 @@ class GPU:
 
 
 GPUS = {
-    "A100-40GB": GPU(40, 312, 300), "A100-80GB": GPU(80, 312, 300), "H100-80GB": GPU(80, 989, 450),
+    "A100-40GB": GPU(40, 312, 300),
+    "A100-80GB": GPU(80, 312, 300),
+    "H100-80GB": GPU(80, 989, 450),
     "H200": GPU(141, 989, 450),
     "A10G-24GB": GPU(24, 70, 32),  # AWS's A10 variant trades tensor throughput (the A10 has 125) for CUDA cores
-    "V100-16GB": GPU(16, 125, 150), "V100-32GB": GPU(32, 125, 150),  # fp16 only: Volta has no bf16
-    "L4": GPU(24, 121, 32), "L40S": GPU(48, 362, 32),
+    "V100-16GB": GPU(16, 125, 150),
+    "V100-32GB": GPU(32, 125, 150),  # fp16 only: Volta has no bf16
+    "L4": GPU(24, 121, 32),
+    "L40S": GPU(48, 362, 32),
 }
 # SageMaker instance -> (GPU, GPUs per node, network between nodes in Gbit/s)
 INSTANCES = {
-    "ml.p4d.24xlarge": ("A100-40GB", 8, 400), "ml.p4de.24xlarge": ("A100-80GB", 8, 400),
-    "ml.p5.48xlarge": ("H100-80GB", 8, 3200), "ml.p5e.48xlarge": ("H200", 8, 3200),
-    "ml.g5.12xlarge": ("A10G-24GB", 4, 40), "ml.g5.48xlarge": ("A10G-24GB", 8, 100),
-    "ml.p3.16xlarge": ("V100-16GB", 8, 25), "ml.p3dn.24xlarge": ("V100-32GB", 8, 100),
+    "ml.p4d.24xlarge": ("A100-40GB", 8, 400),
+    "ml.p4de.24xlarge": ("A100-80GB", 8, 400),
+    "ml.p5.48xlarge": ("H100-80GB", 8, 3200),
+    "ml.p5e.48xlarge": ("H200", 8, 3200),
+    "ml.g5.12xlarge": ("A10G-24GB", 4, 40),
+    "ml.g5.48xlarge": ("A10G-24GB", 8, 100),
+    "ml.p3.16xlarge": ("V100-16GB", 8, 25),
+    "ml.p3dn.24xlarge": ("V100-32GB", 8, 100),
     "ml.g6.48xlarge": ("L4", 8, 100),
 }
 
@@ -71,8 +79,9 @@ def positive_number(name: str, value: object, example: str) -> float:
     return number
 
 
-def hardware_for(gpus: int | str | None, gpu_mem_gb: float | str | None, instance: str | None, gpu: str | None,
-                 nodes: int | str = 1) -> Hardware:
+def hardware_for(
+    gpus: int | str | None, gpu_mem_gb: float | str | None, instance: str | None, gpu: str | None, nodes: int | str = 1
+) -> Hardware:
     """An instance (its GPUs; `gpus` may use fewer of them), or GPUs per node with their memory and optional type."""
     nodes = positive_int("nodes", nodes)
     memory = None if gpu_mem_gb in (None, "") else positive_number("gpu_mem_gb", gpu_mem_gb, "40")
@@ -87,13 +96,16 @@ def hardware_for(gpus: int | str | None, gpu_mem_gb: float | str | None, instanc
             raise UserError(f"gpus={count} exceeds the {per_node} GPUs of {instance}; use nodes=N for more")
         return Hardware(gpu, memory or GPUS[gpu].memory_gb, count or per_node, nodes, gbits, instance)
     if count is None:
-        raise UserError(f"gpus is missing; give GPUS (per node) and GPU_MEM_GB, or INSTANCE "
-                        f"(one of {', '.join(INSTANCES)})")
+        raise UserError(
+            f"gpus is missing; give GPUS (per node) and GPU_MEM_GB, or INSTANCE (one of {', '.join(INSTANCES)})"
+        )
     if gpu is not None and gpu not in GPUS:
         raise UserError(f"gpu={gpu!r} is not known; known: {', '.join(GPUS)}")
     if memory is None and gpu is None:
-        raise UserError(f"gpu_mem_gb is missing; with gpus={count} give GPU_MEM_GB (e.g. 40) or INSTANCE "
-                        f"(one of {', '.join(INSTANCES)})")
+        raise UserError(
+            f"gpu_mem_gb is missing; with gpus={count} give GPU_MEM_GB (e.g. 40) or INSTANCE "
+            f"(one of {', '.join(INSTANCES)})"
+        )
     note = f"; {DEFAULT_INTERNODE_GBITS} Gbit/s between nodes assumed" if nodes > 1 else ""
     if gpu is None:  # the type only sets the speed: guess it from the memory, and say so
         gpu = next((name for name, spec in GPUS.items() if spec.memory_gb == memory), "A100-80GB")

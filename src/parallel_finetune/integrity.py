@@ -33,14 +33,23 @@ METADATA = ".metadata"
 CHUNK = 16 * 2**20
 
 _DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # looks a layout up by name, e.g. "torch.strided"
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # the writer's checkpoint_id
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),  # the writer's checkpoint_id
     ("collections", "OrderedDict"),
 }
 
@@ -51,11 +60,14 @@ class _Refused(Exception):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                               torch.dtype)):
+        if (module, name) in _DCP_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise _Refused(f"{METADATA} asks to load {module}.{name}, which DCP metadata never holds; refusing to "
-                       "read it (a pickle can run code): do not use this checkpoint")
+        raise _Refused(
+            f"{METADATA} asks to load {module}.{name}, which DCP metadata never holds; refusing to "
+            "read it (a pickle can run code): do not use this checkpoint"
+        )
 
 
 def _load_metadata(path: Path) -> Metadata:

@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            print(f"error: rank {rank} was ended by {name} (out of memory or killed from outside?); "
-                  "the other ranks were stopped", file=sys.stderr)
+            print(
+                f"error: rank {rank} was ended by {name} (out of memory or killed from outside?); "
+                "the other ranks were stopped",
+                file=sys.stderr,
+            )
             return 128 - code
         print(f"error: rank {rank} failed with exit code {code}; its output above says why", file=sys.stderr)
         return code

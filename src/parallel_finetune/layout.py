@@ -13,8 +13,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,20 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_degrees(world_size: int, local_world_size: int, tp_requested: int | str, sharding: str,
-                    shard_group_size: int | None, pp: int = 1) -> Degrees:
+def resolve_degrees(
+    world_size: int,
+    local_world_size: int,
+    tp_requested: int | str,
+    sharding: str,
+    shard_group_size: int | None,
+    pp: int = 1,
+) -> Degrees:
     """The one place that turns the config's parallel keys and the process count into degrees."""
     if world_size % pp:
-        raise UserError(f"pipeline_parallel_degree={pp} does not divide the {world_size} processes; "
-                        f"valid: {', '.join(map(str, divisors(world_size)))}")
+        raise UserError(
+            f"pipeline_parallel_degree={pp} does not divide the {world_size} processes; "
+            f"valid: {', '.join(map(str, divisors(world_size)))}"
+        )
     if tp_requested == "auto":  # the ranks of a node that its pipeline stages leave over
         nodes = max(1, world_size // local_world_size)
         stages_per_node = max(1, pp // nodes)
@@ -54,9 +62,11 @@ def resolve_degrees(world_size: int, local_world_size: int, tp_requested: int | 
     else:
         tp = int(tp_requested)
     if (world_size // pp) % tp:
-        raise UserError(f"tensor_parallel_degree={tp} does not divide the {world_size // pp} processes of a "
-                        f"pipeline stage ({world_size} processes / pipeline_parallel_degree={pp}); use a divisor "
-                        f"of {world_size // pp} (the rest become data-parallel replicas)")
+        raise UserError(
+            f"tensor_parallel_degree={tp} does not divide the {world_size // pp} processes of a "
+            f"pipeline stage ({world_size} processes / pipeline_parallel_degree={pp}); use a divisor "
+            f"of {world_size // pp} (the rest become data-parallel replicas)"
+        )
     dp = world_size // (tp * pp)
     if sharding == "full":
         return Degrees(1, dp, tp, pp)
@@ -64,8 +74,10 @@ def resolve_degrees(world_size: int, local_world_size: int, tp_requested: int | 
         return Degrees(dp, 1, tp, pp)
     group = shard_group_size or max(1, local_world_size // tp)
     if dp % group:
-        raise UserError(f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
-                        f"{dp}; valid: {', '.join(map(str, divisors(dp)))}")
+        raise UserError(
+            f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
+            f"{dp}; valid: {', '.join(map(str, divisors(dp)))}"
+        )
     return Degrees(dp // group, group, tp, pp)
 
 
@@ -134,10 +146,16 @@ class Layout:
         return self.rank == 0
 
     def describe(self) -> dict:
-        return {"world_size": self.world_size, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                "tensor_parallel": self.tp,
-                "sharding": self.sharding, "shard_group_size": self.degrees.dp_shard,
-                "device": self.device.type, "backend": dist.get_backend()}
+        return {
+            "world_size": self.world_size,
+            "pipeline_parallel": self.pp,
+            "data_parallel": self.dp,
+            "tensor_parallel": self.tp,
+            "sharding": self.sharding,
+            "shard_group_size": self.degrees.dp_shard,
+            "device": self.device.type,
+            "backend": dist.get_backend(),
+        }
 
 
 def resolve_device(choice: str) -> str:
@@ -154,12 +172,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_choice: str, tp_requested: int | str, sharding: str = "none",
-                     shard_group_size: int | None = None, pp: int = 1, timeout_s: float = 600.0) -> Layout:
+def init_distributed(
+    device_choice: str,
+    tp_requested: int | str,
+    sharding: str = "none",
+    shard_group_size: int | None = None,
+    pp: int = 1,
+    timeout_s: float = 600.0,
+) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -175,8 +205,9 @@ def init_distributed(device_choice: str, tp_requested: int | str, sharding: str 
         backend = "gloo"
     if not dist.is_initialized():
         _init_process_group(backend, device if device_type == "cuda" else None, timeout_s)
-    mesh = init_device_mesh(device_type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp),
-                            mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(
+        device_type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp), mesh_dim_names=MESH_DIMS
+    )
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)
 
@@ -190,8 +221,14 @@ def _init_process_group(backend: str, device_id: torch.device | None, timeout_s:
     # torchrun keeps one store across restarts (--max-restarts) and process-group keys carry no attempt number, so a
     # restarted rank could read a dead peer's address and fail with "Connection refused": each attempt gets its own keys
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt-{attempt}/", store), rank=rank,
-                            world_size=world_size, timeout=timeout, device_id=device_id)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"attempt-{attempt}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
 
 
 def timed_out(exc: BaseException, timeout_s: float) -> str | None:
@@ -199,9 +236,11 @@ def timed_out(exc: BaseException, timeout_s: float) -> str | None:
     or None for any other exception."""
     if not isinstance(exc, RuntimeError) or "timed out" not in str(exc).lower():
         return None
-    return (f"rank {os.environ.get('RANK', '0')} waited collective_timeout_s={timeout_s:g} s in a collective for "
-            "another rank that never came (stopped, hung or died: its own log says which); raise "
-            "collective_timeout_s if a phase legitimately takes longer")
+    return (
+        f"rank {os.environ.get('RANK', '0')} waited collective_timeout_s={timeout_s:g} s in a collective for "
+        "another rank that never came (stopped, hung or died: its own log says which); raise "
+        "collective_timeout_s if a phase legitimately takes longer"
+    )
 
 
 def shutdown() -> None:
@@ -212,8 +251,10 @@ def shutdown() -> None:
 
 def check_batch_split(batch_size: int, dp: int, accumulation: int) -> None:
     if batch_size % (dp * accumulation):
-        raise UserError(f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
-                        f"gradient_accumulation_steps={accumulation}")
+        raise UserError(
+            f"batch_size={batch_size} must be divisible by data-parallel degree {dp} x "
+            f"gradient_accumulation_steps={accumulation}"
+        )
 
 
 def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:

@@ -21,8 +21,7 @@ def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the micro-batch, in fp32; `target` from `targets` (1-D: classification)."""
     if target.ndim == 1:
         return F.cross_entropy(logits.float(), target, reduction="sum")
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def loss_count(lengths: list[int], task: str) -> int:

@@ -22,8 +22,16 @@ from .precision import DTYPES
 from .reporting import peak_memory_mib
 from .throughput import ModelFlops, model_flops
 from .updates import zero_adamw
-from .weights import (NewWeights, load_weights, local_tensor, materialize, plan_load, shard_box, tied_aliases,
-                      weights_source)
+from .weights import (
+    NewWeights,
+    load_weights,
+    local_tensor,
+    materialize,
+    plan_load,
+    shard_box,
+    tied_aliases,
+    weights_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +59,15 @@ class ReadyModel:
     load_peak_mib: float  # when the model is ready: no gradients, no optimizer state yet
 
 
-def ready_model(config, family: Family, layout: Layout, hf_config, model_path: str | None, precision: str,
-                deepspeed_config: dict | None = None) -> ReadyModel:
+def ready_model(
+    config,
+    family: Family,
+    layout: Layout,
+    hf_config,
+    model_path: str | None,
+    precision: str,
+    deepspeed_config: dict | None = None,
+) -> ReadyModel:
     seed_everything(config.seed)  # identical initialisation on every rank and in every layout
     started, before = time.perf_counter(), peak_memory_mib(layout.device)
     weights = weights_source(family, config.task, hf_config, model_path)
@@ -62,8 +77,12 @@ def ready_model(config, family: Family, layout: Layout, hf_config, model_path: s
     new = NewWeights(model, list(whole_plan.new), config.seed)
     total = sum(p.numel() for p in model.parameters())
     if config.size == "tiny":
-        log.info("model: tiny %s from config (%s), %.2fM parameters", family.name,
-                 ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()), total / 1e6)
+        log.info(
+            "model: tiny %s from config (%s), %.2fM parameters",
+            family.name,
+            ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
+            total / 1e6,
+        )
     shapes = parameter_shapes(model)
     flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
     box_of, write = shard_box, None
@@ -82,19 +101,31 @@ def ready_model(config, family: Family, layout: Layout, hf_config, model_path: s
     weights.close()
     keep_gradients_sharded(model)
     if config.offload_activations and layout.device.type == "cpu":
-        log.warning("offload_activations=true has no effect on a CPU run: activations already live in CPU "
-                    "memory (the offload still runs, so the code path is the one GPUs use)")
-    ready = ReadyModel(model, parallel, shapes, flops, adamw, time.perf_counter() - started, before,
-                       peak_memory_mib(layout.device))
+        log.warning(
+            "offload_activations=true has no effect on a CPU run: activations already live in CPU "
+            "memory (the offload still runs, so the code path is the one GPUs use)"
+        )
+    ready = ReadyModel(
+        model, parallel, shapes, flops, adamw, time.perf_counter() - started, before, peak_memory_mib(layout.device)
+    )
     if config.size == "full":
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
-        log.info("model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
-                 config.model or family.default_model, total / 1e9, mine / 1e9, weights.description,
-                 "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())), ready.load_seconds,
-                 ready.load_peak_mib)
+        log.info(
+            "model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
+            config.model or family.default_model,
+            total / 1e9,
+            mine / 1e9,
+            weights.description,
+            "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())),
+            ready.load_seconds,
+            ready.load_peak_mib,
+        )
         if new.templates:
-            log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed,
-                     ", ".join(sorted(new.templates)))
+            log.info(
+                "new (not in the checkpoint), initialised from seed %d: %s",
+                config.seed,
+                ", ".join(sorted(new.templates)),
+            )
         if whole_plan.unused:
             log.info("not used (this task's model has no such weight): %s", ", ".join(whole_plan.unused))
     return ready

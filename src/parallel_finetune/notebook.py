@@ -34,8 +34,9 @@ def default_nproc() -> int:
 def stream(command: list[str], cwd: str | Path | None = None) -> None:
     """Run a command, printing its output as it comes; one-line error if it fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, bufsize=1)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     for line in process.stdout:
         # tqdm redraws with carriage returns; keep the newest state of each line
         print(line.rstrip("\n").rsplit("\r", 1)[-1][-300:], flush=True)
@@ -52,10 +53,22 @@ def run_folder(recipe: str | Path, root: str | Path = "runs") -> Path:
 def launch_local(recipe: str | Path, overrides: list[str], nproc: int, check: bool = True) -> None:
     """Validate in one process (bad input = one line, no traceback from every rank), then torchrun."""
     if check:
-        stream([sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe),
-                *overrides])
-    stream([sys.executable, "-m", "parallel_finetune.launch", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "parallel_finetune.train", str(recipe), *overrides])
+        stream(
+            [sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(nproc), str(recipe), *overrides]
+        )
+    stream(
+        [
+            sys.executable,
+            "-m",
+            "parallel_finetune.launch",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "parallel_finetune.train",
+            str(recipe),
+            *overrides,
+        ]
+    )
 
 
 def read_metrics(folder: str | Path) -> list[dict]:
@@ -100,8 +113,16 @@ def report(folder: str | Path) -> dict:
         print(f"dev accuracy {summary['accuracy']:.4f} after {summary['steps']} steps")
     if "perplexity" in summary:
         print(f"dev perplexity {summary['perplexity']:.2f} after {summary['steps']} steps")
-    for key in ("layout", "precision", "train_samples_per_s", "train_tokens_per_s", "mfu", "padding_fraction",
-                "seconds", "peak_memory_mib_per_rank"):
+    for key in (
+        "layout",
+        "precision",
+        "train_samples_per_s",
+        "train_tokens_per_s",
+        "mfu",
+        "padding_fraction",
+        "seconds",
+        "peak_memory_mib_per_rank",
+    ):
         if key in summary:
             print(f"{key}: {summary[key]}")
     return summary
@@ -112,5 +133,4 @@ def classify(model_folder: str | Path, sentences: list[str]) -> list[tuple[str, 
     from transformers import pipeline
 
     classifier = pipeline("text-classification", model=str(model_folder), device=-1)
-    return [(result["label"], result["score"], sentence)
-            for result, sentence in zip(classifier(sentences), sentences)]
+    return [(result["label"], result["score"], sentence) for result, sentence in zip(classifier(sentences), sentences)]

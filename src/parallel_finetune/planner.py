@@ -60,28 +60,62 @@ _GPT2 = dict(vocab_size=50257, n_positions=1024)
 _BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 # Published config.json values of the Hub checkpoints, so planning needs no download.
 KNOWN_MODELS: dict[str, tuple[str, dict]] = {
-    "EleutherAI/gpt-j-6b": ("gptj", dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16,
-                                         n_inner=16384, rotary_dim=64)),
+    "EleutherAI/gpt-j-6b": (
+        "gptj",
+        dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16, n_inner=16384, rotary_dim=64),
+    ),
     "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_inner=3072)),
     "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_inner=4096)),
     "gpt2-large": ("gpt2", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20, n_inner=5120)),
     "gpt2-xl": ("gpt2", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25, n_inner=6400)),
-    "EleutherAI/gpt-neo-125m": ("gptneo", dict(_NEO, hidden_size=768, num_layers=12, num_heads=12,
-                                               intermediate_size=3072, attention_types=[[["global", "local"], 6]])),
-    "EleutherAI/gpt-neo-1.3B": ("gptneo", dict(_NEO, hidden_size=2048, num_layers=24, num_heads=16,
-                                               intermediate_size=8192, attention_types=[[["global", "local"], 12]])),
-    "EleutherAI/gpt-neo-2.7B": ("gptneo", dict(_NEO, hidden_size=2560, num_layers=32, num_heads=20,
-                                               intermediate_size=10240, attention_types=[[["global", "local"], 16]])),
-    "bert-base-uncased": ("bert", dict(_BERT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                                       intermediate_size=3072)),
-    "bert-large-uncased": ("bert", dict(_BERT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                        intermediate_size=4096)),
+    "EleutherAI/gpt-neo-125m": (
+        "gptneo",
+        dict(
+            _NEO,
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            intermediate_size=3072,
+            attention_types=[[["global", "local"], 6]],
+        ),
+    ),
+    "EleutherAI/gpt-neo-1.3B": (
+        "gptneo",
+        dict(
+            _NEO,
+            hidden_size=2048,
+            num_layers=24,
+            num_heads=16,
+            intermediate_size=8192,
+            attention_types=[[["global", "local"], 12]],
+        ),
+    ),
+    "EleutherAI/gpt-neo-2.7B": (
+        "gptneo",
+        dict(
+            _NEO,
+            hidden_size=2560,
+            num_layers=32,
+            num_heads=20,
+            intermediate_size=10240,
+            attention_types=[[["global", "local"], 16]],
+        ),
+    ),
+    "bert-base-uncased": (
+        "bert",
+        dict(_BERT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    ),
+    "bert-large-uncased": (
+        "bert",
+        dict(_BERT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    ),
 }
 
 
 @dataclass
 class ModelShape:
     """Parameter counts as (tensor-parallel-sharded, replicated) pairs, by where a pipeline puts them."""
+
     name: str
     family: Family
     hf_config: PretrainedConfig
@@ -106,20 +140,23 @@ def model_config(model: str) -> tuple[Family, PretrainedConfig]:
         family = FAMILIES[family_name]
         return family, family.config_class(**values)
     if model.startswith("tiny:"):
-        family = FAMILIES.get(model[len("tiny:"):])
+        family = FAMILIES.get(model[len("tiny:") :])
         if family is None:
             raise UserError(f"model={model!r}: no such family; valid: {', '.join('tiny:' + f for f in FAMILIES)}")
         return family, family.hf_config(None, "tiny", tiny_vocab_size(8192), 128, {})
     folder = resolve_model_path(model)
     if not (Path(folder) / "config.json").is_file():
-        raise UserError(f"model={model!r} is not known offline; known: {', '.join(KNOWN_MODELS)}, "
-                        f"a local folder with config.json, package:MODULE or tiny:FAMILY")
+        raise UserError(
+            f"model={model!r} is not known offline; known: {', '.join(KNOWN_MODELS)}, "
+            f"a local folder with config.json, package:MODULE or tiny:FAMILY"
+        )
     config = AutoConfig.from_pretrained(folder)
     for family in FAMILIES.values():
         if isinstance(config, family.config_class):
             return family, config
-    raise UserError(f"model={model!r} is a {type(config).__name__}; the planner knows the families "
-                    f"{', '.join(FAMILIES)}")
+    raise UserError(
+        f"model={model!r} is a {type(config).__name__}; the planner knows the families {', '.join(FAMILIES)}"
+    )
 
 
 def model_shape(model: str, task: str = "classification") -> ModelShape:
@@ -140,7 +177,7 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         style = plan.get(module)
         replicated = style is None or (isinstance(style, RowwiseParallel) and leaf == "bias")
         if name.startswith(prefix):
-            place, counts = "block", blocks[int(name[len(prefix):].split(".")[0])]
+            place, counts = "block", blocks[int(name[len(prefix) :].split(".")[0])]
             after_blocks = True
         elif after_blocks:
             place, counts = "head", head
@@ -154,8 +191,19 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         counts[replicated] += param.numel()
         largest[replicated] = max(largest[replicated], param.numel())
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
-    return ModelShape(model, family, hf_config, task, [tuple(b) for b in blocks], tuple(embedding), tuple(head),
-                      tuple(tied), sum(p.numel() for p in built.parameters()), matmul, tuple(largest))
+    return ModelShape(
+        model,
+        family,
+        hf_config,
+        task,
+        [tuple(b) for b in blocks],
+        tuple(embedding),
+        tuple(head),
+        tuple(tied),
+        sum(p.numel() for p in built.parameters()),
+        matmul,
+        tuple(largest),
+    )
 
 
 @dataclass(frozen=True)
@@ -169,8 +217,10 @@ class Candidate:
     shard_degree: int = 1  # ranks that share one copy of the sharded state
 
     def describe(self, batch_size: int) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} sharding={self.sharding} ac={'on' if self.ac else 'off'} "
-                f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}")
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} sharding={self.sharding} ac={'on' if self.ac else 'off'} "
+            f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}"
+        )
 
     # pipeline stages do not combine with FSDP in the trainer yet (config.validate says so)
     runs_today = property(lambda self: self.pp == 1 or self.sharding in ("none", "optimizer"))
@@ -183,8 +233,12 @@ def stages(shape: ModelShape, pp: int) -> list[tuple[int, list[tuple[int, int]]]
     result, start = [], 0
     for i, size in enumerate(sizes):
         first, last = i == 0, i == pp - 1
-        parts = (shape.blocks[start:start + size] + [shape.embedding] * first + [shape.head] * last
-                 + [shape.tied] * (last and not first))
+        parts = (
+            shape.blocks[start : start + size]
+            + [shape.embedding] * first
+            + [shape.head] * last
+            + [shape.tied] * (last and not first)
+        )
         result.append((size, parts))
         start += size
     return result
@@ -211,9 +265,13 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
         kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
         if i == layout.pp - 1 and shape.task == "causal_lm":
             kept += 10 * s * b * shape.hf_config.vocab_size
-        memory = {"params": 4 * elements / state_divisor, "gathered": 2 * max(per_part) if fsdp else 0,
-                  "grads": 4 * elements / state_divisor, "optimizer": 8 * elements / optimizer_divisor,
-                  "activations": kept}
+        memory = {
+            "params": 4 * elements / state_divisor,
+            "gathered": 2 * max(per_part) if fsdp else 0,
+            "grads": 4 * elements / state_divisor,
+            "optimizer": 8 * elements / optimizer_divisor,
+            "activations": kept,
+        }
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
         largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
@@ -225,8 +283,9 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
     return worst
 
 
-def step_seconds(shape: ModelShape, hardware: Hardware, layout: Candidate, batch_size: int,
-                 tokens_per_sample: float, mfu: float) -> float:
+def step_seconds(
+    shape: ModelShape, hardware: Hardware, layout: Candidate, batch_size: int, tokens_per_sample: float, mfu: float
+) -> float:
     s, h, L, recompute = tokens_per_sample, shape.hidden, shape.layers, int(layout.ac)
     m, pp, dp, t = layout.microbatches, layout.pp, layout.dp, layout.tp
     flops = batch_size * s * ((6 + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * h)
@@ -242,8 +301,7 @@ def step_seconds(shape: ModelShape, hardware: Hardware, layout: Candidate, batch
         data = (dp - 1) / dp * 8 * elements / dp_link
     else:  # hybrid: FSDP inside the node, then an all-reduce of each shard across the nodes
         shard, replicas = layout.shard_degree, dp // layout.shard_degree
-        data = ((shard - 1) / shard * 8 * elements / intra
-                + 2 * (replicas - 1) / replicas * 4 * elements / shard / inter)
+        data = (shard - 1) / shard * 8 * elements / intra + 2 * (replicas - 1) / replicas * 4 * elements / shard / inter
     return compute + tensor + data
 
 
@@ -277,8 +335,23 @@ class Row:
     fits: bool
 
 
-COLUMNS = ("tp", "pp", "dp", "sharding", "ac", "micro", "params", "grads", "optim", "activ", "total GB", "load GB", "fits",
-           "step s", "epoch min")
+COLUMNS = (
+    "tp",
+    "pp",
+    "dp",
+    "sharding",
+    "ac",
+    "micro",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "total GB",
+    "load GB",
+    "fits",
+    "step s",
+    "epoch min",
+)
 
 
 @dataclass
@@ -313,34 +386,56 @@ class Plan:
         micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
         sizes = [f"{(mem['params'] + mem['gathered']) / GB:.2f}"]
         sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer", "activations")]
-        return (str(lay.tp), str(lay.pp), str(lay.dp), lay.sharding, "on" if lay.ac else "off", micro, *sizes,
-                f"{mem['total'] / GB:.1f}", f"{mem['load_total'] / GB:.1f}", "yes" if row.fits else "no",
-                f"{row.step_s:.3f}", f"{row.epoch_min:.1f}")
+        return (
+            str(lay.tp),
+            str(lay.pp),
+            str(lay.dp),
+            lay.sharding,
+            "on" if lay.ac else "off",
+            micro,
+            *sizes,
+            f"{mem['total'] / GB:.1f}",
+            f"{mem['load_total'] / GB:.1f}",
+            "yes" if row.fits else "no",
+            f"{row.step_s:.3f}",
+            f"{row.epoch_min:.1f}",
+        )
 
     def _header(self) -> list[str]:
         shape, hw = self.shape, self.hardware
         where = f" ({hw.instance})" if hw.instance else ""
-        return [f"{shape.name} ({shape.family.name}, {shape.task}): {shape.total:,} parameters, {shape.layers} blocks, "
-                f"hidden {shape.hidden}, {shape.heads} heads; valid tp "
-                f"{', '.join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))}",
-                f"{hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu}{where}: {hw.memory_gb:g} GB each, "
-                f"{hw.spec.tflops:g} TFLOP/s 16-bit peak, {hw.spec.link_gb_s:g} GB/s GPU link"
-                + (f", {hw.internode_gbits:g} Gbit/s between nodes" if hw.nodes > 1 else "") + hw.note,
-                f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
-                f"of {self.batch_size}; memory at {self.seq_len} tokens per sequence, time at "
-                f"{self.tokens_per_sample:g} tokens per sample, MFU {self.mfu:g}", ""]
+        return [
+            f"{shape.name} ({shape.family.name}, {shape.task}): {shape.total:,} parameters, {shape.layers} blocks, "
+            f"hidden {shape.hidden}, {shape.heads} heads; valid tp "
+            f"{', '.join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))}",
+            f"{hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu}{where}: {hw.memory_gb:g} GB each, "
+            f"{hw.spec.tflops:g} TFLOP/s 16-bit peak, {hw.spec.link_gb_s:g} GB/s GPU link"
+            + (f", {hw.internode_gbits:g} Gbit/s between nodes" if hw.nodes > 1 else "")
+            + hw.note,
+            f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
+            f"of {self.batch_size}; memory at {self.seq_len} tokens per sequence, time at "
+            f"{self.tokens_per_sample:g} tokens per sample, MFU {self.mfu:g}",
+            "",
+        ]
 
     def _verdict(self) -> str:
         best = self.recommended
         if best is None:
             fitting = [row for row in self.rows if row.fits]
-            return (f"recommended: nothing fits with {HEADROOM:.0%} headroom; " + (
-                f"fastest that fits at all: {fitting[0].layout.describe(self.batch_size)}" if fitting
-                else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"))
-        today = ("the trainer runs this today" if best.layout.runs_today
-                 else "needs pipeline parallelism with FSDP, not in the trainer yet")
-        return (f"recommended: {best.layout.describe(self.batch_size)}: {best.memory['total'] / GB:.1f} of "
-                f"{self.hardware.memory_gb:g} GB per GPU, {best.epoch_min:.1f} min per epoch ({today})")
+            return f"recommended: nothing fits with {HEADROOM:.0%} headroom; " + (
+                f"fastest that fits at all: {fitting[0].layout.describe(self.batch_size)}"
+                if fitting
+                else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"
+            )
+        today = (
+            "the trainer runs this today"
+            if best.layout.runs_today
+            else "needs pipeline parallelism with FSDP, not in the trainer yet"
+        )
+        return (
+            f"recommended: {best.layout.describe(self.batch_size)}: {best.memory['total'] / GB:.1f} of "
+            f"{self.hardware.memory_gb:g} GB per GPU, {best.epoch_min:.1f} min per epoch ({today})"
+        )
 
     def _footer(self) -> list[str]:
         return [
@@ -360,10 +455,22 @@ class Plan:
         ]
 
 
-def plan(model: str, gpus: int | None = None, gpu_mem_gb: float | None = None, instance: str | None = None, *,
-         nodes: int = 1, gpu: str | None = None, task: str = "classification", seq_len: int = 128,
-         batch_size: int = 32, tokens_per_sample: float = 13.4, padded: bool = False, mfu: float = 0.35,
-         runs_today: bool = False) -> Plan:
+def plan(
+    model: str,
+    gpus: int | None = None,
+    gpu_mem_gb: float | None = None,
+    instance: str | None = None,
+    *,
+    nodes: int = 1,
+    gpu: str | None = None,
+    task: str = "classification",
+    seq_len: int = 128,
+    batch_size: int = 32,
+    tokens_per_sample: float = 13.4,
+    padded: bool = False,
+    mfu: float = 0.35,
+    runs_today: bool = False,
+) -> Plan:
     """Every layout of `model` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with `runs_today` only
     those the trainer runs now. See the module docstring for the assumptions."""
     hardware = hardware_for(gpus, gpu_mem_gb, instance, gpu, nodes)
@@ -383,8 +490,10 @@ def plan(model: str, gpus: int | None = None, gpu_mem_gb: float | None = None, i
         rows.append(Row(layout, memory, step, steps * step / 60, memory["peak"] <= hardware.memory_gb * GB))
     if not rows:
         degrees = ", ".join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))
-        raise UserError(f"batch_size={batch_size}: no layout of {model} on {hardware.world} GPUs splits it evenly "
-                        f"over its data-parallel ranks (valid tp: {degrees})")
+        raise UserError(
+            f"batch_size={batch_size}: no layout of {model} on {hardware.world} GPUs splits it evenly "
+            f"over its data-parallel ranks (valid tp: {degrees})"
+        )
     rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["peak"]))
     roomy = [row for row in rows if row.memory["peak"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
     return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu)

@@ -9,11 +9,18 @@ import torch
 
 from .errors import UserError
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 # The one dtype table: by the `precision` key's names and by torch's (export_dtype, checkpoint files).
-DTYPES = {name: dtype for names, dtype in ((("fp32", "float32"), torch.float32), (("bf16", "bfloat16"), torch.bfloat16),
-                                           (("fp16", "float16"), torch.float16)) for name in names}
+DTYPES = {
+    name: dtype
+    for names, dtype in (
+        (("fp32", "float32"), torch.float32),
+        (("bf16", "bfloat16"), torch.bfloat16),
+        (("fp16", "float16"), torch.float16),
+    )
+    for name in names
+}
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -23,8 +30,10 @@ def cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-FP16_ON_CPU = ("engine=deepspeed: DeepSpeed refuses fp16 on this CPU (no fp16 arithmetic units); "
-               "use precision=bf16 or precision=fp32, or run on a GPU")
+FP16_ON_CPU = (
+    "engine=deepspeed: DeepSpeed refuses fp16 on this CPU (no fp16 arithmetic units); "
+    "use precision=bf16 or precision=fp32, or run on a GPU"
+)
 
 
 def resolve_precision(precision: str, device: torch.device, engine: str = "torch") -> str:
@@ -40,8 +49,12 @@ def resolve_precision(precision: str, device: torch.device, engine: str = "torch
     if engine == "deepspeed" and precision == "fp16" and device.type == "cpu" and not native["fp16"]():
         raise UserError(FP16_ON_CPU)  # the very test DeepSpeed's CPU accelerator makes, before its traceback
     if device.type == "cpu" and precision in native and not native[precision]():
-        log.warning("precision=%s on a CPU without %s units: emulated, tens of times slower than fp32 "
-                    "(precision=auto picks the fastest)", precision, precision)
+        log.warning(
+            "precision=%s on a CPU without %s units: emulated, tens of times slower than fp32 "
+            "(precision=auto picks the fastest)",
+            precision,
+            precision,
+        )
     return precision
 
 
@@ -58,8 +71,9 @@ class DynamicLossScaler:
     holds the same scale. Halve on overflow; double after `growth_interval` clean steps (torch's defaults).
     """
 
-    def __init__(self, enabled: bool, initial_scale: float, growth_interval: int,
-                 backoff: float = 0.5, growth: float = 2.0):
+    def __init__(
+        self, enabled: bool, initial_scale: float, growth_interval: int, backoff: float = 0.5, growth: float = 2.0
+    ):
         self.enabled = enabled
         self.scale = initial_scale if enabled else 1.0
         self.growth_interval = growth_interval

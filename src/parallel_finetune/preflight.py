@@ -20,8 +20,14 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
     """Degrees for `world_size` processes (`local_world_size` per node) that divide the model and the batch;
     returns them and a description of the pipeline part ("" without one)."""
     family = get_family(config.family)
-    degrees = resolve_degrees(world_size, local_world_size, config.tensor_parallel_degree, config.sharding,
-                              config.shard_group_size, config.pipeline_parallel_degree)
+    degrees = resolve_degrees(
+        world_size,
+        local_world_size,
+        config.tensor_parallel_degree,
+        config.sharding,
+        config.shard_group_size,
+        config.pipeline_parallel_degree,
+    )
     family.check_tp(hf_config, degrees.tp)
     check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
     pipeline = ""
@@ -57,23 +63,28 @@ def check_model_config(config: Config, model_path: str | None = None):
     family = get_family(config.family)
 
     def build(overrides: dict):
-        return family.config_for(dataclasses.replace(config, model_config=overrides), config.tokenizer_vocab_size,
-                                 model_path=model_path)
+        return family.config_for(
+            dataclasses.replace(config, model_config=overrides), config.tokenizer_vocab_size, model_path=model_path
+        )
 
     defaults = build({})
     name = type(defaults).__name__
     for key, value in config.model_config.items():
         expected = _expected(value, getattr(defaults, key, None))
         if expected:
-            raise UserError(f"model_config.{key}={value!r} is not valid; {name}.{key} is {expected} "
-                            f"(default {getattr(defaults, key)!r})")
+            raise UserError(
+                f"model_config.{key}={value!r} is not valid; {name}.{key} is {expected} "
+                f"(default {getattr(defaults, key)!r})"
+            )
     try:
         hf_config = build(config.model_config)  # an unknown attribute is its own one-line error
     except UserError:
         raise
     except Exception as exc:  # transformers' typed configs refuse a value of another type
-        raise UserError(f"model_config {config.model_config}: {name} refuses it "
-                        f"({(str(exc).strip().splitlines() or [''])[-1].strip()})") from None
+        raise UserError(
+            f"model_config {config.model_config}: {name} refuses it "
+            f"({(str(exc).strip().splitlines() or [''])[-1].strip()})"
+        ) from None
     try:
         sizes = {**family.tp_dimensions(hf_config), "num_hidden_layers": hf_config.num_hidden_layers}
     except TypeError as exc:
@@ -87,8 +98,10 @@ def check_model_config(config: Config, model_path: str | None = None):
 def check_heads(hf_config) -> None:
     """Attention splits the width into equal heads (checked after the layout, whose message names the degrees)."""
     if hf_config.hidden_size % hf_config.num_attention_heads:
-        raise UserError(f"model_config: hidden size {hf_config.hidden_size} is not divisible by "
-                        f"{hf_config.num_attention_heads} attention heads")
+        raise UserError(
+            f"model_config: hidden size {hf_config.hidden_size} is not divisible by "
+            f"{hf_config.num_attention_heads} attention heads"
+        )
 
 
 def preflight(config: Config, nproc: int) -> str:
@@ -98,8 +111,9 @@ def preflight(config: Config, nproc: int) -> str:
     if config.data_dir:
         raw = read_glue_dir(config.data_dir)
         if config.task == "classification" and len(raw["train"]) < config.batch_size:
-            raise UserError(f"batch_size={config.batch_size} is larger than the training split "
-                            f"({len(raw['train'])} rows)")
+            raise UserError(
+                f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
+            )
     check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
     output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
     check_writable(output_dir, "output_dir")
@@ -119,11 +133,14 @@ def preflight(config: Config, nproc: int) -> str:
         from .precision import resolve_precision
 
         device = torch.device(resolve_device(config.device))
-        generated = deepspeed_engine.preflight(config, degrees.dp, device.type,
-                                               resolve_precision(config.precision, device, config.engine))
+        generated = deepspeed_engine.preflight(
+            config, degrees.dp, device.type, resolve_precision(config.precision, device, config.engine)
+        )
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
     if config.sharding == "hybrid":
         sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
-    return (f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
-            f"{pipeline}{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
-            f"data {config.data_dir or 'Hub (sample if offline)'}")
+    return (
+        f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
+        f"{pipeline}{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
+        f"data {config.data_dir or 'Hub (sample if offline)'}"
+    )

@@ -41,8 +41,10 @@ def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, conti
     if path.exists() and not path.is_dir():
         raise UserError(f"output_dir={requested!r} is a file, not a folder")
     if path.is_dir() and any(p.name != LOCK for p in path.iterdir()) and not (overwrite or continuing):
-        raise UserError(f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
-                        "or pass overwrite=true to write into it")
+        raise UserError(
+            f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
+            "or pass overwrite=true to write into it"
+        )
     return path
 
 
@@ -82,8 +84,16 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def package_versions() -> dict[str, str]:
-    names = ("parallel-finetune", "torch", "transformers", "datasets", "tokenizers", "evaluate", "accelerate",
-             "deepspeed")
+    names = (
+        "parallel-finetune",
+        "torch",
+        "transformers",
+        "datasets",
+        "tokenizers",
+        "evaluate",
+        "accelerate",
+        "deepspeed",
+    )
     versions = {"python": platform.python_version()}
     for name in names:
         try:
@@ -98,8 +108,11 @@ def _continue_jsonl(path: Path, resumed_at: int):
     the file reads as one uninterrupted run."""
     kept = []
     if resumed_at and path.is_file():
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resumed_at]
+        kept = [
+            line
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= resumed_at
+        ]
     handle = open(path, "w", encoding="utf-8")
     handle.writelines(line + "\n" for line in kept)
     handle.flush()
@@ -115,8 +128,16 @@ class Reporter:
         self.log_every = log_every
         self.total_steps = total_steps
         # In a log file (not a terminal) every redraw is a line of text: redraw every 30 s there.
-        self.bar = tqdm(total=total_steps, initial=resumed_at, desc="train", unit="step", disable=not enabled,
-                        dynamic_ncols=True, file=sys.stderr, mininterval=0.2 if sys.stderr.isatty() else 30)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=resumed_at,
+            desc="train",
+            unit="step",
+            disable=not enabled,
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0.2 if sys.stderr.isatty() else 30,
+        )
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -130,8 +151,16 @@ class Reporter:
             return
         self.metrics.write(json.dumps(finite_or_null(record)) + "\n")
         self.metrics.flush()
-        for key in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "tflops_per_device",
-                    "mfu"):
+        for key in (
+            "loss",
+            "lr",
+            "grad_norm",
+            "loss_scale",
+            "samples_per_s",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+        ):
             if record.get(key) is not None and math.isfinite(record[key]):
                 self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
         self.bar.update(1)
@@ -163,10 +192,12 @@ def finite_or_null(record: dict) -> dict:
 
 def format_step(record: dict, total_steps: int) -> str:
     norm = "-" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
-    line = (f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.2e} | grad_norm {norm} | loss_scale {record['loss_scale']:g} | "
-            f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s | "
-            f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {record['mfu']:.1%}")
+    line = (
+        f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
+        f"lr {record['lr']:.2e} | grad_norm {norm} | loss_scale {record['loss_scale']:g} | "
+        f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s | "
+        f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {record['mfu']:.1%}"
+    )
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
 
 

@@ -22,12 +22,19 @@ from pathlib import Path
 
 from .errors import UserError
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 LOCK = ".run.lock"
 # What a run writes into its output folder: what overwrite=true removes (anything else there is left alone).
-RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "deepspeed_config.json", "tensorboard",
-               "hf")
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "summary.json",
+    "config.yaml",
+    "deepspeed_config.json",
+    "tensorboard",
+    "hf",
+)
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting
 
 
@@ -103,8 +110,10 @@ class RunLock:
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 handle.close()
-                raise UserError(f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for it "
-                                "to end, or choose another output_dir") from None
+                raise UserError(
+                    f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for it "
+                    "to end, or choose another output_dir"
+                ) from None
             self._check_recorded_holder(folder, path, handle)
         if os.fstat(handle.fileno()).st_ino != os.stat(path).st_ino:  # released and deleted meanwhile: retry
             handle.close()
@@ -124,8 +133,10 @@ class RunLock:
             log.warning("taking over the stale lock %s (%s no longer runs)", path, _describe(holder))
             return
         handle.close()
-        raise UserError(f"{folder} is in use by another run ({_describe(holder)}; this file system has no flock, "
-                        f"so if that run is over, delete {path})")
+        raise UserError(
+            f"{folder} is in use by another run ({_describe(holder)}; this file system has no flock, "
+            f"so if that run is over, delete {path})"
+        )
 
     def release(self) -> None:
         """Give the folders back, and remove those this run created if it left nothing in them (a failed start
@@ -150,8 +161,10 @@ def check_free(folders: list[Path]) -> None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UserError(f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for "
-                                "it to end, or choose another output_dir") from None
+                raise UserError(
+                    f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for "
+                    "it to end, or choose another output_dir"
+                ) from None
             except OSError:
                 pass  # no flock here: the run itself judges the recorded pid
 

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,15 +25,26 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Positions count real tokens only, so a left-padded row sees the positions of its unpadded self
     (transformers would number the padding too); with right padding this equals 0, 1, 2, ..."""
     mask = batch["attention_mask"]
-    return {"input_ids": batch["input_ids"], "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "use_cache": False}
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "use_cache": False,
+    }
 
 
 class WholeModel:
     pad_multiple = 1
 
-    def __init__(self, model: nn.Module, task: str, autocast: Callable, backward: Callable[[torch.Tensor], None],
-                 offload_activations: bool, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        task: str,
+        autocast: Callable,
+        backward: Callable[[torch.Tensor], None],
+        offload_activations: bool,
+        device: torch.device,
+    ):
         self.model, self.task, self.autocast, self.backward = model, task, autocast, backward
         self.offload_activations, self.device = offload_activations, device
 

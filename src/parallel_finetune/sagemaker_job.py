@@ -41,11 +41,18 @@ CHANNELS = Path("/opt/ml/input/data")
 # requirements.txt (the one this package is tested with) when they differ.
 CONTAINER_PYTORCH, CONTAINER_PYTHON = "2.10.0", "py313"
 # Multi-node jobs on EFA instances: AWS's recommended NCCL/libfabric settings (p4d/p4de/p5/p5e).
-EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-                   "RDMAV_FORK_SAFE": "1", "NCCL_PROTO": "simple", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+EFA_ENVIRONMENT = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "RDMAV_FORK_SAFE": "1",
+    "NCCL_PROTO": "simple",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
 EFA_RDMA_INSTANCES = ("ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge")
 LOCAL_PATH_KEYS = ("data_dir", "cache_dir", "output_dir", "checkpoint_dir")
-ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs `torchrun ... train.py --recipe R --key value ...`."""
+ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs
+`torchrun ... train.py --recipe R --key value ...`."""
 import sys
 
 from parallel_finetune.train import main
@@ -60,6 +67,7 @@ JOB_EXTRAS = {"deepspeed": ("deepspeed",)}
 @dataclass
 class JobSettings:
     """Where and on what the job runs. None = from the environment (see `resolve`)."""
+
     instance_type: str = "ml.p4d.24xlarge"
     instance_count: int = 1
     role: str | None = None  # $SAGEMAKER_ROLE
@@ -72,28 +80,45 @@ class JobSettings:
     max_run_hours: float = 24.0
     job_name: str | None = None  # base name; SageMaker's job name adds a timestamp. None = the recipe's name
 
-    def resolve(self) -> "JobSettings":
+    def resolve(self) -> JobSettings:
         """Fill the blanks from the environment; a one-line error for anything still missing or invalid."""
         if self.instance_type not in INSTANCES:
-            raise UserError(f"instance_type={self.instance_type!r} is not a known GPU training instance; valid: "
-                            + ", ".join(INSTANCES))
+            raise UserError(
+                f"instance_type={self.instance_type!r} is not a known GPU training instance; valid: "
+                + ", ".join(INSTANCES)
+            )
         if not isinstance(self.instance_count, int) or self.instance_count < 1:
             raise UserError(f"instance_count={self.instance_count!r} must be a positive integer")
         role = self.role or os.environ.get("SAGEMAKER_ROLE")
         region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         bucket = self.bucket or os.environ.get("SAGEMAKER_BUCKET")
-        for name, value, env in (("role", role, "SAGEMAKER_ROLE"), ("region", region, "AWS_REGION"),
-                                 ("bucket", bucket, "SAGEMAKER_BUCKET")):
+        for name, value, env in (
+            ("role", role, "SAGEMAKER_ROLE"),
+            ("region", region, "AWS_REGION"),
+            ("bucket", bucket, "SAGEMAKER_BUCKET"),
+        ):
             if not value:
-                raise UserError(f"no SageMaker {name}: pass --{name} (in a notebook: {name.upper()}) or set ${env}"
-                                + (" (an IAM role ARN SageMaker can assume)" if name == "role" else ""))
+                raise UserError(
+                    f"no SageMaker {name}: pass --{name} (in a notebook: {name.upper()}) or set ${env}"
+                    + (" (an IAM role ARN SageMaker can assume)" if name == "role" else "")
+                )
         if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/\S+", role):
             raise UserError(f"role={role!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
         if bucket.startswith("s3://") or "/" in bucket:
             raise UserError(f"bucket={bucket!r} must be a bucket name, without s3:// or a path (use --prefix)")
-        return JobSettings(self.instance_type, self.instance_count, role, region, bucket, self.prefix.strip("/"),
-                           self.image_uri, self.checkpoint_s3_uri, self.volume_gb, self.max_run_hours,
-                           self.job_name)
+        return JobSettings(
+            self.instance_type,
+            self.instance_count,
+            role,
+            region,
+            bucket,
+            self.prefix.strip("/"),
+            self.image_uri,
+            self.checkpoint_s3_uri,
+            self.volume_gb,
+            self.max_run_hours,
+            self.job_name,
+        )
 
     @property
     def gpus_per_instance(self) -> int:
@@ -103,6 +128,7 @@ class JobSettings:
 @dataclass
 class Job:
     """A submitted job: its name, links and where its results land."""
+
     name: str
     region: str
     bucket: str
@@ -114,8 +140,7 @@ class Job:
 
     @property
     def console_url(self) -> str:
-        return (f"https://{self.region}.console.aws.amazon.com/sagemaker/home?region={self.region}"
-                f"#/jobs/{self.name}")
+        return f"https://{self.region}.console.aws.amazon.com/sagemaker/home?region={self.region}#/jobs/{self.name}"
 
     def status(self) -> str:
         return self._client().describe_training_job(TrainingJobName=self.name)["TrainingJobStatus"]
@@ -131,8 +156,10 @@ class Job:
         folder = Path(folder)
         description = self._client().describe_training_job(TrainingJobName=self.name)
         if description["TrainingJobStatus"] != "Completed":
-            raise UserError(f"job {self.name} is {description['TrainingJobStatus']}, not Completed: nothing to "
-                            f"download yet ({self.console_url})")
+            raise UserError(
+                f"job {self.name} is {description['TrainingJobStatus']}, not Completed: nothing to "
+                f"download yet ({self.console_url})"
+            )
         model_uri = description["ModelArtifacts"]["S3ModelArtifacts"]
         output_uri = model_uri.rsplit("/", 1)[0] + "/output.tar.gz"
         s3 = self._session().client("s3")
@@ -164,16 +191,22 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------------------------- staging
 
+
 def job_requirements(engine: str, model: str | None = None) -> list[str]:
     """This package's dependencies pinned to the versions installed here, so the job runs what was tested
     (plus DeepSpeed for engine=deepspeed, and the pip package behind a `model: package:MODULE`)."""
     try:
         declared = importlib.metadata.requires("parallel-finetune") or []
     except importlib.metadata.PackageNotFoundError:
-        raise UserError("the parallel-finetune package is not installed (pip install -e . or pip install "
-                        "git+<repository>); the job's requirements come from its metadata") from None
-    names = [re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in declared
-             if "extra ==" not in requirement]
+        raise UserError(
+            "the parallel-finetune package is not installed (pip install -e . or pip install "
+            "git+<repository>); the job's requirements come from its metadata"
+        ) from None
+    names = [
+        re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0]
+        for requirement in declared
+        if "extra ==" not in requirement
+    ]
     names += JOB_EXTRAS.get(engine, ())
     if model and model.startswith("package:"):
         module = model.split(":", 1)[1].split(".")[0]
@@ -183,16 +216,17 @@ def job_requirements(engine: str, model: str | None = None) -> list[str]:
         try:
             version = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            raise UserError(f"{name} is not installed here, so its version for the job is unknown; pip install "
-                            f"-r requirements.txt first") from None
+            raise UserError(
+                f"{name} is not installed here, so its version for the job is unknown; pip install "
+                f"-r requirements.txt first"
+            ) from None
         pinned.append(f"{name}=={version.split('+')[0]}")  # 2.13.0+cpu here -> the CUDA build of 2.13.0 there
     return pinned
 
 
 def stage_code(recipe: Path, config, folder: Path) -> str:
     """The code channel: package, recipe folder, requirements, entry script. Returns the recipe's path in it."""
-    shutil.copytree(PACKAGE_DIR, folder / "parallel_finetune",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(PACKAGE_DIR, folder / "parallel_finetune", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     # The whole folder, so that `extends:` between a recipe and its siblings keeps working.
     shutil.copytree(recipe.parent, folder / "recipe", ignore=shutil.ignore_patterns("__pycache__", ".*"))
     (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model)) + "\n")
@@ -208,8 +242,10 @@ def stage_data(config, folder: Path) -> Path:
 
     raw, source = data.load_raw(config.data_dir)
     if source.kind == "sample":
-        raise UserError("the SST-2 data could not be read (Hub unreachable and no data_dir): pass "
-                        "data_dir=PATH, a folder with GLUE's train.tsv and dev.tsv, to ship it to the job")
+        raise UserError(
+            "the SST-2 data could not be read (Hub unreachable and no data_dir): pass "
+            "data_dir=PATH, a folder with GLUE's train.tsv and dev.tsv, to ship it to the job"
+        )
     folder.mkdir(parents=True)
     for split, name in data.SPLIT_FILES.items():
         if split not in raw:
@@ -246,14 +282,16 @@ def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
     found = False
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
-            relative = item["Key"][len(prefix):]
+            relative = item["Key"][len(prefix) :]
             found = True
             if relative and "/" not in relative and not relative.endswith(WEIGHT_FILES):
                 folder.mkdir(parents=True, exist_ok=True)
                 s3.download_file(bucket, item["Key"], str(folder / relative))
     if not found:
-        raise UserError(f"model={model_uri!r}: no files under that S3 prefix (expected a Hugging Face model "
-                        "folder: config.json, tokenizer files, weights)")
+        raise UserError(
+            f"model={model_uri!r}: no files under that S3 prefix (expected a Hugging Face model "
+            "folder: config.json, tokenizer files, weights)"
+        )
     return folder
 
 
@@ -274,6 +312,7 @@ def job_hyperparameters(recipe_in_code: str, overrides: list[str], model_is_s3: 
 
 # ----------------------------------------------------------------------------------------------- launching
 
+
 def _check_aws(settings: JobSettings):
     """Credentials and bucket, before any upload; returns the boto3 session."""
     import boto3
@@ -281,15 +320,19 @@ def _check_aws(settings: JobSettings):
 
     session = boto3.Session(region_name=settings.region)
     if session.get_credentials() is None:
-        raise UserError("no AWS credentials found: run `aws configure` (or `aws sso login`), or set "
-                        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        raise UserError(
+            "no AWS credentials found: run `aws configure` (or `aws sso login`), or set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
     try:
         session.client("s3").head_bucket(Bucket=settings.bucket)
     except botocore.exceptions.ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "?")
         why = "does not exist" if code in ("404", "NoSuchBucket") else f"is not accessible ({code})"
-        raise UserError(f"bucket={settings.bucket!r} {why}; create it in {settings.region} or pass another "
-                        "--bucket (in a notebook: BUCKET)") from None
+        raise UserError(
+            f"bucket={settings.bucket!r} {why}; create it in {settings.region} or pass another "
+            "--bucket (in a notebook: BUCKET)"
+        ) from None
     except botocore.exceptions.BotoCoreError as exc:
         raise UserError(f"cannot reach S3 in {settings.region}: {exc}") from None
     return session
@@ -300,9 +343,9 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     would otherwise surface minutes into a paid job. Full-size configs come from the planner's offline table,
     the S3 model's own config.json, or the Hub."""
     from .families import get_family
+    from .families.base import tiny_vocab_size
     from .planner import KNOWN_MODELS
     from .preflight import check_layout
-    from .families.base import tiny_vocab_size
 
     family = get_family(config.family)
     name = str(model_folder) if model_folder else (config.model or family.default_model)
@@ -315,12 +358,16 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
         try:
             hf_config = family.hf_config(name, config.size, vocab, positions, config.model_config)
         except OSError as exc:
-            raise UserError(f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "
-                            "pass a Hub name, model=s3://... or check the network") from None
+            raise UserError(
+                f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "
+                "pass a Hub name, model=s3://... or check the network"
+            ) from None
     gpus = settings.gpus_per_instance
     degrees, pipeline = check_layout(config, hf_config, gpus * settings.instance_count, gpus)
-    return (f"{settings.instance_count} x {settings.instance_type} = {pipeline}{degrees.dp} data-parallel x "
-            f"{degrees.tp} tensor-parallel")
+    return (
+        f"{settings.instance_count} x {settings.instance_type} = {pipeline}{degrees.dp} data-parallel x "
+        f"{degrees.tp} tensor-parallel"
+    )
 
 
 def training_image(settings: JobSettings) -> str:
@@ -328,13 +375,19 @@ def training_image(settings: JobSettings) -> str:
         return settings.image_uri
     from sagemaker.core import image_uris
 
-    return image_uris.retrieve(framework="pytorch", region=settings.region, version=CONTAINER_PYTORCH,
-                               py_version=CONTAINER_PYTHON, instance_type=settings.instance_type,
-                               image_scope="training")
+    return image_uris.retrieve(
+        framework="pytorch",
+        region=settings.region,
+        version=CONTAINER_PYTORCH,
+        py_version=CONTAINER_PYTHON,
+        instance_type=settings.instance_type,
+        image_scope="training",
+    )
 
 
-def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings | None = None,
-           wait: bool = False) -> Job:
+def launch(
+    recipe: str | Path, overrides: list[str] = (), settings: JobSettings | None = None, wait: bool = False
+) -> Job:
     """Validate everything, stage and upload code and data, submit the job. With `wait`, also wait for it."""
     overrides = list(overrides)
     settings = (settings or JobSettings()).resolve()
@@ -344,21 +397,30 @@ def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings 
     if model_is_s3:
         split_s3_uri(config.model)
     elif config.model and Path(config.model).expanduser().is_dir():
-        raise UserError(f"model={config.model!r} is a local folder the job cannot read: upload it "
-                        "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME")
+        raise UserError(
+            f"model={config.model!r} is a local folder the job cannot read: upload it "
+            "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME"
+        )
     boto_session = _check_aws(settings)
 
     from sagemaker.core.helper.session_helper import Session
     from sagemaker.train import ModelTrainer
-    from sagemaker.train.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig, SourceCode,
-                                         StoppingCondition)
+    from sagemaker.train.configs import (
+        CheckpointConfig,
+        Compute,
+        InputData,
+        OutputDataConfig,
+        SourceCode,
+        StoppingCondition,
+    )
     from sagemaker.train.distributed import Torchrun
 
     # The SDK appends a timestamp to this base name; it also names the job's S3 folder.
     base_name = re.sub(r"[^a-zA-Z0-9-]", "-", settings.job_name or config.recipe)[:40].strip("-")
     base = f"s3://{settings.bucket}/{settings.prefix}"
-    session = Session(boto_session=boto_session, default_bucket=settings.bucket,
-                      default_bucket_prefix=settings.prefix or None)
+    session = Session(
+        boto_session=boto_session, default_bucket=settings.bucket, default_bucket_prefix=settings.prefix or None
+    )
     with tempfile.TemporaryDirectory(prefix="sagemaker-job-") as tmp:
         tmp = Path(tmp)
         prep_config, model_folder = config, None
@@ -370,8 +432,9 @@ def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings 
         data_folder = stage_data(prep_config, tmp / "sst2")
         # Keyed by the cache folder's name (data and tokenizer hashes): a later job with the same data reuses it.
         cache_key = next((data_folder / "cache").glob("sst2-*")).name
-        data_uri = session.upload_data(str(data_folder), bucket=settings.bucket,
-                                       key_prefix=f"{settings.prefix}/data/{cache_key}")
+        data_uri = session.upload_data(
+            str(data_folder), bucket=settings.bucket, key_prefix=f"{settings.prefix}/data/{cache_key}"
+        )
         hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3)
         inputs = [InputData(channel_name="sst2", data_source=data_uri)]
         if model_is_s3:
@@ -380,23 +443,38 @@ def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings 
         if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
             environment.update(EFA_ENVIRONMENT)
         trainer = ModelTrainer(
-            sagemaker_session=session, role=settings.role, base_job_name=base_name,
+            sagemaker_session=session,
+            role=settings.role,
+            base_job_name=base_name,
             training_image=training_image(settings),
-            source_code=SourceCode(source_dir=str(tmp / "code"), requirements="requirements.txt",
-                                   entry_script="train.py"),
+            source_code=SourceCode(
+                source_dir=str(tmp / "code"), requirements="requirements.txt", entry_script="train.py"
+            ),
             distributed=Torchrun(process_count_per_node=settings.gpus_per_instance),
-            compute=Compute(instance_type=settings.instance_type, instance_count=settings.instance_count,
-                            volume_size_in_gb=settings.volume_gb),
+            compute=Compute(
+                instance_type=settings.instance_type,
+                instance_count=settings.instance_count,
+                volume_size_in_gb=settings.volume_gb,
+            ),
             stopping_condition=StoppingCondition(max_runtime_in_seconds=int(settings.max_run_hours * 3600)),
             # No URI: the SDK's default, s3://bucket/prefix/<base name>/<job>/checkpoints.
             checkpoint_config=CheckpointConfig(s3_uri=settings.checkpoint_s3_uri),
             output_data_config=OutputDataConfig(s3_output_path=f"{base}/output"),
-            hyperparameters=hyperparameters, environment=environment)
+            hyperparameters=hyperparameters,
+            environment=environment,
+        )
         trainer.train(input_data_config=inputs, wait=False, logs=False)
     submitted = trainer._latest_training_job
-    job = Job(submitted.training_job_name, settings.region, settings.bucket,
-              f"{base}/output/{submitted.training_job_name}", submitted.checkpoint_config.s3_uri, data_uri,
-              hyperparameters, trainer)
+    job = Job(
+        submitted.training_job_name,
+        settings.region,
+        settings.bucket,
+        f"{base}/output/{submitted.training_job_name}",
+        submitted.checkpoint_config.s3_uri,
+        data_uri,
+        hyperparameters,
+        trainer,
+    )
     log.info("submitted %s: %s", job.name, job.console_url)
     if wait:
         job.wait()
@@ -404,6 +482,7 @@ def launch(recipe: str | Path, overrides: list[str] = (), settings: JobSettings 
 
 
 # ----------------------------------------------------------------------------------------------- command line
+
 
 def main(argv: list[str] | None = None) -> int:
     """scripts/launch_sagemaker.py RECIPE [key=value ...] [--instance-type T --instance-count N --wait ...]"""
@@ -414,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="launch_sagemaker.py",
         description="Submit a recipe as a SageMaker training job (torchrun, one process per GPU). Role, region "
-                    "and bucket default to $SAGEMAKER_ROLE, $AWS_REGION and $SAGEMAKER_BUCKET.")
+        "and bucket default to $SAGEMAKER_ROLE, $AWS_REGION and $SAGEMAKER_BUCKET.",
+    )
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gptj/tp.yaml")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (data_dir= is prepared here)")
     parser.add_argument("--instance-type", default=defaults.instance_type, help=", ".join(INSTANCES))
@@ -423,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region", help="AWS region")
     parser.add_argument("--bucket", help="S3 bucket for code, data, checkpoints and results")
     parser.add_argument("--prefix", default=defaults.prefix, help="S3 key prefix (default %(default)s)")
-    parser.add_argument("--image-uri", help="training container (default: the region's PyTorch "
-                                            f"{CONTAINER_PYTORCH} training image)")
+    parser.add_argument(
+        "--image-uri", help=f"training container (default: the region's PyTorch {CONTAINER_PYTORCH} training image)"
+    )
     parser.add_argument("--checkpoint-s3-uri", help="checkpoints; reuse a job's URI to resume it")
     parser.add_argument("--job-name", help="base job name (default: the recipe's, e.g. gptj-tp)")
     parser.add_argument("--max-run-hours", type=float, default=defaults.max_run_hours)
@@ -434,13 +515,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("sagemaker", "sagemaker.config", "botocore", "boto3", "urllib3", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = JobSettings(args.instance_type, args.instance_count, args.role, args.region, args.bucket,
-                           args.prefix, args.image_uri, args.checkpoint_s3_uri, max_run_hours=args.max_run_hours,
-                           job_name=args.job_name)
+    settings = JobSettings(
+        args.instance_type,
+        args.instance_count,
+        args.role,
+        args.region,
+        args.bucket,
+        args.prefix,
+        args.image_uri,
+        args.checkpoint_s3_uri,
+        max_run_hours=args.max_run_hours,
+        job_name=args.job_name,
+    )
     try:
         job = launch(args.recipe, args.overrides, settings)
-        print(f"job {job.name}\n  console  {job.console_url}\n  output   {job.output_s3_uri}\n"
-              f"  checkpoints {job.checkpoint_s3_uri}")
+        print(
+            f"job {job.name}\n  console  {job.console_url}\n  output   {job.output_s3_uri}\n"
+            f"  checkpoints {job.checkpoint_s3_uri}"
+        )
         if args.wait or args.download:
             status = job.wait()
             print(f"job {job.name}: {status}")
@@ -451,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(f"error: {exc.name} is missing: pip install -r requirements.txt (it brings sagemaker-train)",
-              file=sys.stderr)
+        print(
+            f"error: {exc.name} is missing: pip install -r requirements.txt (it brings sagemaker-train)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

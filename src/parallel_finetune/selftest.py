@@ -42,27 +42,54 @@ class Check:
 
 def checks(devices: int) -> list[Check]:
     gptj, gpt2_lm = "gptj 1 process", "gpt2 causal_lm 1 process"
-    rows = [Check(gptj, "gptj", 1, []),
-            Check("gptj tp=2", "gptj", 2, ["tensor_parallel_degree=2"], reference=gptj),
-            Check("gptj pp=2 (1f1b)", "gptj", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
-                  reference=gptj),
-            Check("gptj fsdp dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=full"], reference=gptj),
-            Check("gptj zero-1 dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=optimizer"], reference=gptj),
-            Check("gptj pp=2 x tp=2", "gptj", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"],
-                  reference=gptj),
-            Check(gpt2_lm, "gpt2", 1, [], task="causal_lm"),
-            Check("gpt2 causal_lm pp=2 (tied embedding on both ends)", "gpt2", 2,
-                  ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"], task="causal_lm", reference=gpt2_lm),
-            Check("gpt2 causal_lm tp=2", "gpt2", 2, ["tensor_parallel_degree=2"], task="causal_lm",
-                  reference=gpt2_lm),
-            Check("fp16 overflow 1 process", "gptj", 1, ["precision=fp16"], fp16_overflow=True),
-            Check("fp16 overflow tp=2", "gptj", 2, ["precision=fp16", "tensor_parallel_degree=2"],
-                  fp16_overflow=True, reference="fp16 overflow 1 process"),
-            Check("full-size load 1 process", "gptj", 1, [], full_size=True),
-            Check("full-size load tp=2", "gptj", 2, ["tensor_parallel_degree=2"], full_size=True,
-                  reference="full-size load 1 process"),
-            Check("full-size load pp=2", "gptj", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
-                  full_size=True, reference="full-size load 1 process")]
+    rows = [
+        Check(gptj, "gptj", 1, []),
+        Check("gptj tp=2", "gptj", 2, ["tensor_parallel_degree=2"], reference=gptj),
+        Check(
+            "gptj pp=2 (1f1b)", "gptj", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"], reference=gptj
+        ),
+        Check("gptj fsdp dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=full"], reference=gptj),
+        Check("gptj zero-1 dp=2", "gptj", 2, ["tensor_parallel_degree=1", "sharding=optimizer"], reference=gptj),
+        Check(
+            "gptj pp=2 x tp=2", "gptj", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"], reference=gptj
+        ),
+        Check(gpt2_lm, "gpt2", 1, [], task="causal_lm"),
+        Check(
+            "gpt2 causal_lm pp=2 (tied embedding on both ends)",
+            "gpt2",
+            2,
+            ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
+            task="causal_lm",
+            reference=gpt2_lm,
+        ),
+        Check("gpt2 causal_lm tp=2", "gpt2", 2, ["tensor_parallel_degree=2"], task="causal_lm", reference=gpt2_lm),
+        Check("fp16 overflow 1 process", "gptj", 1, ["precision=fp16"], fp16_overflow=True),
+        Check(
+            "fp16 overflow tp=2",
+            "gptj",
+            2,
+            ["precision=fp16", "tensor_parallel_degree=2"],
+            fp16_overflow=True,
+            reference="fp16 overflow 1 process",
+        ),
+        Check("full-size load 1 process", "gptj", 1, [], full_size=True),
+        Check(
+            "full-size load tp=2",
+            "gptj",
+            2,
+            ["tensor_parallel_degree=2"],
+            full_size=True,
+            reference="full-size load 1 process",
+        ),
+        Check(
+            "full-size load pp=2",
+            "gptj",
+            2,
+            ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"],
+            full_size=True,
+            reference="full-size load 1 process",
+        ),
+    ]
     return [row for row in rows if row.nproc <= devices]
 
 
@@ -75,22 +102,47 @@ def run_folder(check: Check, work: Path) -> Path:
 
 
 def overrides(check: Check, work: Path, model: Path | None) -> list[str]:
-    values = {"family": check.family, "task": check.task, "size": "full" if check.full_size else "tiny",
-              "data_dir": sample_data(), "cache_dir": work / "cache", "precision": "fp32", "max_steps": 5,
-              "batch_size": 8, "max_length": 64, "eval_batch_size": 32, "lr": 1e-3, "warmup_ratio": 0,
-              "log_every": 1, "export": "false", "resume": "none", "output_dir": run_folder(check, work)}
+    values = {
+        "family": check.family,
+        "task": check.task,
+        "size": "full" if check.full_size else "tiny",
+        "data_dir": sample_data(),
+        "cache_dir": work / "cache",
+        "precision": "fp32",
+        "max_steps": 5,
+        "batch_size": 8,
+        "max_length": 64,
+        "eval_batch_size": 32,
+        "lr": 1e-3,
+        "warmup_ratio": 0,
+        "log_every": 1,
+        "export": "false",
+        "resume": "none",
+        "output_dir": run_folder(check, work),
+    }
     if model is not None:
         values["model"] = model
-    dropout_off = [] if check.full_size or check.family != "gpt2" else [
-        "model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"]
+    dropout_off = (
+        []
+        if check.full_size or check.family != "gpt2"
+        else ["model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"]
+    )
     return [f"{key}={value}" for key, value in values.items()] + dropout_off + check.overrides
 
 
 def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
     arguments = overrides(check, work, model)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={check.nproc}",
-               "-m", "parallel_finetune.selftest", WORKER_FLAG, json.dumps(
-                   {"overrides": arguments, "fp16_overflow": check.fp16_overflow, "export_loaded": check.full_size})]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={check.nproc}",
+        "-m",
+        "parallel_finetune.selftest",
+        WORKER_FLAG,
+        json.dumps({"overrides": arguments, "fp16_overflow": check.fp16_overflow, "export_loaded": check.full_size}),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -154,8 +206,7 @@ def write_model(work: Path) -> Path:
     from .synthetic import write_checkpoint
 
     sentences = column(read_glue_dir(sample_data())["train"], "sentence")
-    return write_checkpoint(work / "pretrained-gptj", "gptj", sentences, hidden=128, layers=4, heads=4,
-                            vocab_size=512)
+    return write_checkpoint(work / "pretrained-gptj", "gptj", sentences, hidden=128, layers=4, heads=4, vocab_size=512)
 
 
 def devices_here() -> tuple[int, str]:
@@ -201,11 +252,18 @@ def main(argv: list[str] | None = None) -> int:
             results.append((check, f"{detail} [{time.perf_counter() - begun:.0f} s]", ok))
             print(f"  {'ok  ' if ok else 'FAIL'} {check.name}: {detail}", flush=True)
     width = max(len(check.name) for check, _, _ in results)
-    print("\n" + "\n".join(f"{check.name:<{width}}  {check.nproc} proc  {'ok  ' if ok else 'FAIL'}  {detail}"
-                           for check, detail, ok in results))
+    print(
+        "\n"
+        + "\n".join(
+            f"{check.name:<{width}}  {check.nproc} proc  {'ok  ' if ok else 'FAIL'}  {detail}"
+            for check, detail, ok in results
+        )
+    )
     passed = all(ok for _, _, ok in results)
-    print(f"\nverdict: {'PASS' if passed else 'FAIL'} ({len(results)} runs in {time.perf_counter() - started:.0f} s "
-          f"on {where}): " + ("every layout trains like one process" if passed else "see the rows marked FAIL"))
+    print(
+        f"\nverdict: {'PASS' if passed else 'FAIL'} ({len(results)} runs in {time.perf_counter() - started:.0f} s "
+        f"on {where}): " + ("every layout trains like one process" if passed else "see the rows marked FAIL")
+    )
     return 0 if passed else 1
 
 

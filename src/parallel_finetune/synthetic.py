@@ -12,8 +12,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM,
-                          GPTNeoConfig, GPTNeoForCausalLM)
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTJConfig,
+    GPTJForCausalLM,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+)
 
 from .families import get_family
 from .precision import DTYPES
@@ -23,27 +31,71 @@ def model_config(family: str, vocab_size: int, hidden: int, layers: int, heads: 
     """The saved class and its config: a causal LM for the decoders (GPT-2 and GPT-Neo tie their head to the
     embedding), a bare encoder for BERT (a base-model checkpoint without the `bert.` prefix, as MiniLM's)."""
     if family == "gptj":
-        return GPTJForCausalLM, GPTJConfig(vocab_size=vocab_size, n_positions=positions, n_embd=hidden, n_layer=layers,
-                                           n_head=heads, rotary_dim=hidden // heads // 2, resid_pdrop=0.0,
-                                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPTJForCausalLM, GPTJConfig(
+            vocab_size=vocab_size,
+            n_positions=positions,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            rotary_dim=hidden // heads // 2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     if family == "gpt2":
-        return GPT2LMHeadModel, GPT2Config(vocab_size=vocab_size, n_positions=positions, n_embd=hidden, n_layer=layers,
-                                           n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                           bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel, GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=positions,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     if family == "gptneo":
-        return GPTNeoForCausalLM, GPTNeoConfig(vocab_size=vocab_size, max_position_embeddings=positions,
-                                               hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                               attention_types=[[["global", "local"], layers // 2]], window_size=8,
-                                               embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0,
-                                               bos_token_id=0, eos_token_id=0)
-    return BertModel, BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                                 num_attention_heads=heads, intermediate_size=4 * hidden,
-                                 max_position_embeddings=positions, hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0)
+        return GPTNeoForCausalLM, GPTNeoConfig(
+            vocab_size=vocab_size,
+            max_position_embeddings=positions,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            attention_types=[[["global", "local"], layers // 2]],
+            window_size=8,
+            embed_dropout=0.0,
+            attention_dropout=0.0,
+            resid_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    return BertModel, BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=positions,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
-def write_checkpoint(folder: Path, family: str, sentences: list[str], *, hidden: int, layers: int, heads: int,
-                     dtype: str = "float32", vocab_size: int = 4096, seed: int = 0) -> Path:
+def write_checkpoint(
+    folder: Path,
+    family: str,
+    sentences: list[str],
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    dtype: str = "float32",
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> Path:
     """A model folder at `folder` (written to a temporary sibling, then renamed: complete or absent)."""
     from .data import train_tokenizer
 

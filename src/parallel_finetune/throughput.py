@@ -60,7 +60,7 @@ def probe_matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 10
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
-        best = max(best, 2 * size ** 3 / elapsed / 1e12)
+        best = max(best, 2 * size**3 / elapsed / 1e12)
         if started + elapsed > deadline:
             return best
 
@@ -75,8 +75,9 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: flo
         if peak is not None:
             return peak, f"{name} 16-bit dense peak"
         return probe_matmul_tflops(device, dtype, size=4096), f"{name}: measured matmul probe (unknown GPU)"
-    return probe_matmul_tflops(device, dtype), f"CPU {str(dtype).removeprefix('torch.')} matmul probe, " \
-                                                f"{torch.get_num_threads()} thread(s)"
+    return probe_matmul_tflops(
+        device, dtype
+    ), f"CPU {str(dtype).removeprefix('torch.')} matmul probe, {torch.get_num_threads()} thread(s)"
 
 
 def achieved(step_flops: float, seconds: float, world_size: int, peak_tflops: float) -> tuple[float, float]:

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(
         prog="parallel_finetune.train",
-        description="Fine-tune a recipe on SST-2. Overrides: key=value with keys " + ", ".join(USER_KEYS))
+        description="Fine-tune a recipe on SST-2. Overrides: key=value with keys " + ", ".join(USER_KEYS),
+    )
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gptj/tp.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value (flat or section.key)")
     parser.add_argument("--check", action="store_true", help="validate only; start no processes")

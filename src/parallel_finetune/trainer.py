@@ -17,8 +17,8 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,15 @@ from .model import ready_model
 from .parallel.pipeline import Pipeline, check_microbatches
 from .precision import DTYPES, autocast, resolve_precision
 from .preflight import check_heads, check_model_config
-from .reporting import (PhaseTimer, Reporter, choose_output_dir, package_versions, peak_memory_mib, write_json,
-                        write_yaml)
+from .reporting import (
+    PhaseTimer,
+    Reporter,
+    choose_output_dir,
+    package_versions,
+    peak_memory_mib,
+    write_json,
+    write_yaml,
+)
 from .runfolder import RunLock, replace_previous_run, restarted, run_folders
 from .runner import WholeModel
 from .throughput import achieved, device_peak_tflops
@@ -55,7 +62,7 @@ class Trainer:
     """A run's parts, made in `setup` (all of them, or an error), driven by `fit`; every attribute exists after
     `setup`."""
 
-    def __init__(self, config: Config, after_backward: Callable[["Trainer", int], None] | None = None):
+    def __init__(self, config: Config, after_backward: Callable[[Trainer, int], None] | None = None):
         self.config = config
         self.family = get_family(config.family)
         self.after_backward = after_backward  # test hook: runs after each step's backward, before the update
@@ -74,11 +81,17 @@ class Trainer:
     def setup(self) -> None:
         config = self.config
         with self.timer("setup"):
-            self.layout = layout = init_distributed(config.device, config.tensor_parallel_degree, config.sharding,
-                                                    config.shard_group_size, config.pipeline_parallel_degree,
-                                                    config.collective_timeout_s)
-            logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s",
-                                force=True)
+            self.layout = layout = init_distributed(
+                config.device,
+                config.tensor_parallel_degree,
+                config.sharding,
+                config.shard_group_size,
+                config.pipeline_parallel_degree,
+                config.collective_timeout_s,
+            )
+            logging.basicConfig(
+                level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True
+            )
             transformers.logging.set_verbosity_error()
             self.precision = resolve_precision(config.precision, layout.device, config.engine)
             if config.lr_note:
@@ -90,16 +103,24 @@ class Trainer:
                 check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
             self.microbatches = config.microbatches or 2 * layout.pp  # a pipeline's, per accumulation slice
             if layout.pp > 1:
-                check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps),
-                                   self.microbatches)
+                check_microbatches(
+                    config.batch_size // (layout.dp * config.gradient_accumulation_steps), self.microbatches
+                )
             self.deepspeed_config = None
             if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
                 from .parallel import deepspeed_engine
 
-                self.deepspeed_config = deepspeed_engine.preflight(config, layout.dp, layout.device.type,
-                                                                   self.precision)
-            self.output_dir = Path(rank0_decides(layout, lambda: str(choose_output_dir(
-                config.output_dir, config.recipe, config.overwrite, continuing_run(config)))))
+                self.deepspeed_config = deepspeed_engine.preflight(
+                    config, layout.dp, layout.device.type, self.precision
+                )
+            self.output_dir = Path(
+                rank0_decides(
+                    layout,
+                    lambda: str(
+                        choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
+                    ),
+                )
+            )
             self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
             self.run_lock = RunLock(run_folders(self.output_dir, self.checkpoint_root))
             rank0_decides(layout, self.run_lock.acquire)  # a second run into these folders stops here
@@ -131,8 +152,9 @@ class Trainer:
         config, layout = self.config, self.layout
         name = config.model or self.family.default_model
         # Waiting for a download is no hung collective: this wait has its own limit, not collective_timeout_s.
-        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(
-            config.collective_timeout_s, DOWNLOAD_WAIT_S)))
+        waiting = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=max(config.collective_timeout_s, DOWNLOAD_WAIT_S))
+        )
         problem = ""
         if layout.local_rank == 0:
             try:
@@ -161,10 +183,14 @@ class Trainer:
         self.train_ids = data_module.column(train, "input_ids")
         self.train_lengths = data_module.column(train, "length")
         self.train_labels = data_module.column(train, "label") if config.task == "classification" else None
-        self.batches = data_module.GlobalBatches(self.train_lengths, config.batch_size, config.seed,
-                                                 config.group_by_length)
-        log.info("data: %s | %s", prepared.source.description,
-                 ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()))
+        self.batches = data_module.GlobalBatches(
+            self.train_lengths, config.batch_size, config.seed, config.group_by_length
+        )
+        log.info(
+            "data: %s | %s",
+            prepared.source.description,
+            ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()),
+        )
         return prepared
 
     def _build(self) -> None:
@@ -175,8 +201,7 @@ class Trainer:
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
-        ready = ready_model(config, family, layout, hf_config, self.model_path, self.precision,
-                            self.deepspeed_config)
+        ready = ready_model(config, family, layout, hf_config, self.model_path, self.precision, self.deepspeed_config)
         self.ready, self.model = ready, ready.model
         if config.engine == "deepspeed":
             from .parallel.deepspeed_engine import DeepSpeedUpdates
@@ -186,33 +211,64 @@ class Trainer:
         else:
             self.updates = TorchUpdates(ready.model, layout, config, self.precision, ready.parallel, ready.zero_adamw)
         if layout.pp > 1:
-            self.runner = Pipeline(ready.model, family, ready.parallel.stages, layout, config.pipeline_schedule,
-                                   self.microbatches, self._autocast, config.task, lambda: self.updates.loss_scale)
+            self.runner = Pipeline(
+                ready.model,
+                family,
+                ready.parallel.stages,
+                layout,
+                config.pipeline_schedule,
+                self.microbatches,
+                self._autocast,
+                config.task,
+                lambda: self.updates.loss_scale,
+            )
         else:
-            self.runner = WholeModel(self.model, config.task, self._autocast, self.updates.backward,
-                                     config.offload_activations, layout.device)
+            self.runner = WholeModel(
+                self.model,
+                config.task,
+                self._autocast,
+                self.updates.backward,
+                config.offload_activations,
+                layout.device,
+            )
         self.steps_per_epoch = len(self.batches)
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
         try:
-            self.scheduler = transformers.get_scheduler(config.lr_scheduler, self.updates.optimizer,
-                                                        num_warmup_steps=warmup,
-                                                        num_training_steps=self.total_steps)
+            self.scheduler = transformers.get_scheduler(
+                config.lr_scheduler,
+                self.updates.optimizer,
+                num_warmup_steps=warmup,
+                num_training_steps=self.total_steps,
+            )
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
 
     def training_state(self) -> TrainingState:
-        return TrainingState(self.step, self.model, self.updates, self.scheduler, self.config, self.data.tokenizer,
-                             self.layout, self.family.name, self.ready.parameter_shapes)
+        return TrainingState(
+            self.step,
+            self.model,
+            self.updates,
+            self.scheduler,
+            self.config,
+            self.data.tokenizer,
+            self.layout,
+            self.family.name,
+            self.ready.parameter_shapes,
+        )
 
     # ------------------------------------------------------------------------------------------- training
     def batch_of(self, indices: list[int], ids: list | None = None, labels: list | None = None) -> dict:
         """Rows `indices` (of the training split, or of `ids`/`labels`) padded into tensors on this rank's device."""
         tokenizer = self.data.tokenizer
         ids, labels = (self.train_ids, self.train_labels) if ids is None else (ids, labels)
-        batch = data_module.collate([ids[i] for i in indices], tokenizer.pad_token_id, tokenizer.padding_side,
-                                    [labels[i] for i in indices] if labels is not None else None,
-                                    pad_to_multiple_of=self.runner.pad_multiple)
+        batch = data_module.collate(
+            [ids[i] for i in indices],
+            tokenizer.pad_token_id,
+            tokenizer.padding_side,
+            [labels[i] for i in indices] if labels is not None else None,
+            pad_to_multiple_of=self.runner.pad_multiple,
+        )
         return {k: v.to(self.layout.device, non_blocking=True) for k, v in batch.items()}
 
     def _autocast(self):
@@ -227,8 +283,9 @@ class Trainer:
         lengths = [self.train_lengths[i] for i in global_batch]
         count = loss_count(lengths, config.task)
         local_loss = torch.zeros((), device=layout.device)
-        slices = data_module.accumulation_slices(global_batch, layout.dp_rank, layout.dp,
-                                                 config.gradient_accumulation_steps)
+        slices = data_module.accumulation_slices(
+            global_batch, layout.dp_rank, layout.dp, config.gradient_accumulation_steps
+        )
         for number, indices in enumerate(slices, start=1):
             local_loss += self.runner.train(self.batch_of(indices), count, last=number == len(slices))
         if self.after_backward is not None:
@@ -242,24 +299,42 @@ class Trainer:
         tokens = sum(lengths)
         epoch_padding = self.padding.setdefault(int((self.step - 1) // self.steps_per_epoch), [0, 0])
         epoch_padding[0] += tokens
-        epoch_padding[1] += data_module.token_slots(global_batch, self.train_lengths, layout.dp,
-                                                    config.gradient_accumulation_steps, self.runner.pad_multiple)
+        epoch_padding[1] += data_module.token_slots(
+            global_batch, self.train_lengths, layout.dp, config.gradient_accumulation_steps, self.runner.pad_multiple
+        )
         tflops, mfu = achieved(self.ready.flops.batch(lengths), elapsed, layout.world_size, self.peak_tflops)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
-        return {"step": self.step, "epoch": self.step / self.steps_per_epoch, "loss": outcome.loss, "lr": lr,
-                "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale, "skipped": outcome.skipped,
-                "samples_per_s": len(global_batch) / elapsed, "tokens_per_s": tokens / elapsed,
-                "tflops_per_device": tflops, "mfu": mfu, "step_time_s": elapsed}
+        return {
+            "step": self.step,
+            "epoch": self.step / self.steps_per_epoch,
+            "loss": outcome.loss,
+            "lr": lr,
+            "grad_norm": outcome.grad_norm,
+            "loss_scale": outcome.loss_scale,
+            "skipped": outcome.skipped,
+            "samples_per_s": len(global_batch) / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "tflops_per_device": tflops,
+            "mfu": mfu,
+            "step_time_s": elapsed,
+        }
 
     def fit(self) -> list[dict]:
         config = self.config
-        reporter = Reporter(self.output_dir, self.total_steps, config.log_every, self.layout.is_main,
-                            resumed_at=self.step)
+        reporter = Reporter(
+            self.output_dir, self.total_steps, config.log_every, self.layout.is_main, resumed_at=self.step
+        )
         self.reporter = reporter
-        log.info("training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
-                 self.total_steps, self.steps_per_epoch, config.batch_size, self.layout.dp,
-                 config.gradient_accumulation_steps,
-                 config.batch_size // (self.layout.dp * config.gradient_accumulation_steps), self.precision)
+        log.info(
+            "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
+            self.total_steps,
+            self.steps_per_epoch,
+            config.batch_size,
+            self.layout.dp,
+            config.gradient_accumulation_steps,
+            config.batch_size // (self.layout.dp * config.gradient_accumulation_steps),
+            self.precision,
+        )
         with self.timer("train"):
             self.model.train()
             while self.step < self.total_steps:
@@ -275,8 +350,10 @@ class Trainer:
                     if self.checkpoint_due():
                         self.save_checkpoint()
                     if self.stop_agreed:
-                        log.info("stopping after step %d as asked (SIGTERM); resume=auto continues from the "
-                                    "checkpoint", self.step)
+                        log.info(
+                            "stopping after step %d as asked (SIGTERM); resume=auto continues from the checkpoint",
+                            self.step,
+                        )
                         return self.history
                     if self.step >= self.total_steps:
                         break
@@ -290,8 +367,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         if self.nonfinite.bad_steps:  # weights that just gave a NaN/inf loss or gradient are not worth resuming
-            log.warning("checkpoint at step %d not written: the loss or gradient norm of step %d was not finite",
-                        self.step, self.nonfinite.bad_steps[-1])
+            log.warning(
+                "checkpoint at step %d not written: the loss or gradient norm of step %d was not finite",
+                self.step,
+                self.nonfinite.bad_steps[-1],
+            )
             return None
         with self.timer("checkpoint"):
             return checkpoint.save(self.training_state(), self.checkpoint_root)
@@ -310,10 +390,10 @@ class Trainer:
         ids, lengths = data_module.column(rows, "input_ids"), data_module.column(rows, "length")
         labels = data_module.column(rows, "label") if config.task == "classification" else None
         order = sorted(range(len(ids)), key=lambda i: lengths[i])
-        chunks = [order[i:i + config.eval_batch_size] for i in range(0, len(order), config.eval_batch_size)]
+        chunks = [order[i : i + config.eval_batch_size] for i in range(0, len(order), config.eval_batch_size)]
         predictions: list[tuple[int, int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
-        mine = chunks[layout.dp_rank::layout.dp]
+        mine = chunks[layout.dp_rank :: layout.dp]
         # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
         # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
         rounds = -(-len(chunks) // layout.dp)
@@ -343,8 +423,9 @@ class Trainer:
         by_row = dict(pair for part in gathered for pair in part)
         assert len(by_row) == len(ids), "every dev row is predicted exactly once"
         ordered = sorted(by_row)
-        accuracy = load_metric("accuracy").compute(predictions=[by_row[i] for i in ordered],
-                                                   references=[labels[i] for i in ordered])["accuracy"]
+        accuracy = load_metric("accuracy").compute(
+            predictions=[by_row[i] for i in ordered], references=[labels[i] for i in ordered]
+        )["accuracy"]
         return {"eval_loss": mean_loss, "accuracy": accuracy}
 
     # ------------------------------------------------------------------------------------------- outputs
@@ -358,8 +439,10 @@ class Trainer:
         with self.timer("export"):
             state, model = self.updates.full_state_dict(DTYPES[self.config.export_dtype]), self.updates.module
             # rank 0 writes; its failure (NaN weights, a full disk) is every rank's one-line error
-            rank0_decides(self.layout, lambda: save_hf(model, self.family.to_hf_state_dict(state, model.config),
-                                                       self.data.tokenizer, out))
+            rank0_decides(
+                self.layout,
+                lambda: save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out),
+            )
             log.info("exported a Hugging Face model to %s", out)
         return out
 
@@ -378,8 +461,11 @@ class Trainer:
             **results,
             "task": self.config.task,
             "family": self.family.name,
-            "model": (f"tiny {self.family.name} (from config)" if self.config.size == "tiny"
-                      else self.config.model or self.family.default_model),
+            "model": (
+                f"tiny {self.family.name} (from config)"
+                if self.config.size == "tiny"
+                else self.config.model or self.family.default_model
+            ),
             "data": self.data.source.description,
             "steps": self.step,
             "skipped_steps": sum(r["skipped"] for r in trained),
@@ -387,13 +473,15 @@ class Trainer:
             "train_samples_per_s": samples / train_seconds,
             "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
             # model FLOPs of all trained steps over their time: the run's mean, not the mean of per-step MFUs
-            "train_tflops_per_device": (tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in trained)
-                                        / train_seconds),
+            "train_tflops_per_device": (
+                tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in trained) / train_seconds
+            ),
             "mfu": tflops / self.peak_tflops,
             "peak_tflops_per_device": self.peak_tflops,
             "padding_fraction": padding_fraction(self.padding.values()),
-            "padding_fraction_per_epoch": {epoch: padding_fraction([counts])
-                                           for epoch, counts in sorted(self.padding.items())},
+            "padding_fraction_per_epoch": {
+                epoch: padding_fraction([counts]) for epoch, counts in sorted(self.padding.items())
+            },
             "layout": layout.describe(),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "precision": self.precision,
@@ -433,8 +521,11 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         summary = trainer.summary(results)
         if trainer.layout.is_main:
             write_json(trainer.output_dir / "summary.json", summary)
-            log.info("done: %s | %s", ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
-                     ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()))
+            log.info(
+                "done: %s | %s",
+                ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
+                ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()),
+            )
             log.info("outputs in %s", trainer.output_dir)
         shutdown()
         return summary

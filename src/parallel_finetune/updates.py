@@ -17,8 +17,8 @@ or ZeRO-1 flat slices), fp16 loss scaling agreed by every rank, clipping by the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -53,21 +53,43 @@ def held_names(tied: list[tuple[str, ...]], model: nn.Module) -> dict[str, str]:
 
 def zero_adamw(model: nn.Module, layout: Layout, config, parallel: Parallelized) -> ZeroAdamW:
     """ZeRO-1's optimizer, made before the weights exist: its flat buffers are where the parameters live."""
-    return ZeroAdamW(model, layout, config.weight_decay, config.lr, config.adam_betas, config.adam_eps,
-                     held_names(parallel.tied, model))
+    return ZeroAdamW(
+        model,
+        layout,
+        config.weight_decay,
+        config.lr,
+        config.adam_betas,
+        config.adam_eps,
+        held_names(parallel.tied, model),
+    )
 
 
 class TorchUpdates:
     checkpointable = True
 
-    def __init__(self, model: nn.Module, layout: Layout, config, precision: str, parallel: Parallelized,
-                 adamw: ZeroAdamW | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        config,
+        precision: str,
+        parallel: Parallelized,
+        adamw: ZeroAdamW | None = None,
+    ):
         self.model, self.layout, self.parallel = model, layout, parallel
         self.max_grad_norm = config.max_grad_norm
-        self.adamw = adamw or DataParallelAdamW(model, layout, config.weight_decay, config.lr, config.adam_betas,
-                                                config.adam_eps, held_names(parallel.tied, model))
-        self.scaler = DynamicLossScaler(precision == "fp16", config.initial_loss_scale,
-                                        config.loss_scale_growth_interval)
+        self.adamw = adamw or DataParallelAdamW(
+            model,
+            layout,
+            config.weight_decay,
+            config.lr,
+            config.adam_betas,
+            config.adam_eps,
+            held_names(parallel.tied, model),
+        )
+        self.scaler = DynamicLossScaler(
+            precision == "fp16", config.initial_loss_scale, config.loss_scale_growth_interval
+        )
         self.adam_step = 0  # updates applied (fp16 skips some), for AdamW's bias correction on resume
         self.measured: dict[str, int] | None = None
 
@@ -118,8 +140,10 @@ class TorchUpdates:
         return self.adamw.moments(self.model)
 
     def counters(self) -> dict:
-        return {"adam_step": self.adam_step,
-                "loss_scaler": {"scale": self.scaler.scale, "clean_steps": self.scaler.clean_steps}}
+        return {
+            "adam_step": self.adam_step,
+            "loss_scaler": {"scale": self.scaler.scale, "clean_steps": self.scaler.clean_steps},
+        }
 
     def restore(self, moments: dict[str, dict[str, torch.Tensor]], counters: dict) -> None:
         self.adamw.load_moments(self.model, moments, counters["adam_step"])

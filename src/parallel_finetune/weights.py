@@ -33,9 +33,10 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,15 +46,24 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .errors import UserError
 from .families.base import Family
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) of a block of a tensor
 
 
 # ----------------------------------------------------------------------------------------------- checkpoint files
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class SafetensorsFile:
@@ -105,7 +115,7 @@ class SafetensorsFile:
         else:
             per_row = count * item
             for index, element, _ in rows:
-                _pread_into(self.fd, buffer[index * per_row:(index + 1) * per_row], begin + element * item, self.path)
+                _pread_into(self.fd, buffer[index * per_row : (index + 1) * per_row], begin + element * item, self.path)
         return out
 
     def close(self) -> None:
@@ -188,6 +198,7 @@ def _slices(box: Box) -> tuple[slice, ...]:
 class Checkpoint:
     """The tensors of a Hugging Face model folder (one or several safetensors or .bin files), by key, with the
     key spellings transformers accepts: with or without the base model's prefix, LayerNorm gamma/beta."""
+
     files: dict[str, TensorSource]  # key -> the file holding it
     prefix: str = ""  # the model's base_model_prefix (transformer, bert)
     description: str = ""
@@ -195,11 +206,11 @@ class Checkpoint:
     def find(self, key: str) -> str | None:
         candidates = [key]
         if self.prefix and key.startswith(self.prefix + "."):
-            candidates.append(key[len(self.prefix) + 1:])
+            candidates.append(key[len(self.prefix) + 1 :])
         for candidate in list(candidates):
             for new, old in ((".weight", ".gamma"), (".bias", ".beta")):
                 if candidate.endswith("LayerNorm" + new):
-                    candidates.append(candidate[:-len(new)] + old)
+                    candidates.append(candidate[: -len(new)] + old)
         return next((c for c in candidates if c in self.files), None)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
@@ -216,8 +227,10 @@ class Checkpoint:
             source.close()
 
 
-WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors", SafetensorsFile),
-                ("pytorch_model.bin.index.json", "pytorch_model.bin", TorchBinFile))
+WEIGHT_FILES = (
+    ("model.safetensors.index.json", "model.safetensors", SafetensorsFile),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin", TorchBinFile),
+)
 
 
 def open_checkpoint(folder: str | Path, prefix: str = "") -> Checkpoint:
@@ -236,8 +249,9 @@ def open_checkpoint(folder: str | Path, prefix: str = "") -> Checkpoint:
             source = kind(folder / single_name)
             keys = source.entries if isinstance(source, SafetensorsFile) else source.tensors
             return Checkpoint({key: source for key in keys}, prefix, f"{folder / single_name}")
-    raise UserError(f"model={str(folder)!r}: no weights (model.safetensors, pytorch_model.bin or their "
-                    f".index.json) in the folder")
+    raise UserError(
+        f"model={str(folder)!r}: no weights (model.safetensors, pytorch_model.bin or their .index.json) in the folder"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -259,9 +273,6 @@ class LoadPlan:
     new: dict[str, Box] = field(default_factory=dict)  # not in the checkpoint: name -> this rank's block
     unused: list[str] = field(default_factory=list)  # checkpoint tensors no parameter reads
 
-    def largest_read(self) -> int:
-        return max((read.numel for read in self.reads), default=0)
-
 
 def shard_box(param: torch.Tensor) -> Box:
     """The block of the global tensor that this rank holds of `param` (the whole tensor if it is not sharded)."""
@@ -271,8 +282,13 @@ def shard_box(param: torch.Tensor) -> Box:
     return (0,) * param.ndim, tuple(param.shape)
 
 
-def plan_load(model: nn.Module, family: Family, checkpoint, aliases: dict[str, list[str]] | None = None,
-              box_of: Callable[[torch.Tensor], Box] = shard_box) -> LoadPlan:
+def plan_load(
+    model: nn.Module,
+    family: Family,
+    checkpoint,
+    aliases: dict[str, list[str]] | None = None,
+    box_of: Callable[[torch.Tensor], Box] = shard_box,
+) -> LoadPlan:
     """For every parameter this rank holds: the checkpoint tensor and block to read. `aliases`: other names of a
     tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only."""
     plan, used = LoadPlan(), set()
@@ -308,8 +324,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     sharded parameters are re-registered); others swap each parameter in place, so ties and references hold."""
     from torch.distributed.fsdp import FSDPModule
 
-    buffers = {(module, name): buffer for module in model.modules() for name, buffer in module._buffers.items()
-               if buffer is not None and not buffer.is_meta}
+    buffers = {
+        (module, name): buffer
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and not buffer.is_meta
+    }
     if any(isinstance(module, FSDPModule) for module in model.modules()):
         model.to_empty(device=device)
     else:
@@ -323,8 +343,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def _empty_like(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(param, DTensor):
         local = torch.empty(param.to_local().shape, dtype=param.dtype, device=device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return torch.empty(param.shape, dtype=param.dtype, device=device)
 
 
@@ -356,8 +377,13 @@ class NewWeights:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, plan: LoadPlan, checkpoint, new: NewWeights | None = None,
-                 write: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+def load_weights(
+    model: nn.Module,
+    plan: LoadPlan,
+    checkpoint,
+    new: NewWeights | None = None,
+    write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
     """Fill this rank's blocks: each checkpoint block read, converted to the parameter's dtype (fp16/bf16 files
     into fp32 master weights) and copied into place, one block at a time. `write(param, block)` stores a block
     (default: into the local shard)."""
@@ -379,8 +405,12 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
-    return {name: [other for other in names if other != name] for names in groups.values() if len(names) > 1
-            for name in names}
+    return {
+        name: [other for other in names if other != name]
+        for names in groups.values()
+        if len(names) > 1
+        for name in names
+    }
 
 
 def weights_source(family: Family, task: str, hf_config, model_path: str | None) -> Checkpoint:
@@ -393,8 +423,9 @@ def weights_source(family: Family, task: str, hf_config, model_path: str | None)
     return Checkpoint({key: StateDictSource(initial) for key in initial}, prefix, "initialised from the seed")
 
 
-def build_and_load(family: Family, task: str, hf_config, model_path: str | None, seed: int,
-                   device: torch.device | str = "cpu") -> nn.Module:
+def build_and_load(
+    family: Family, task: str, hf_config, model_path: str | None, seed: int, device: torch.device | str = "cpu"
+) -> nn.Module:
     """One process, the whole model: built, allocated and loaded as every rank of a run does it (benchmarks,
     tests, the Hugging Face Trainer comparison)."""
     weights = weights_source(family, task, hf_config, model_path)

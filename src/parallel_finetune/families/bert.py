@@ -18,12 +18,21 @@ class Bert(Family):
     tiny_tokenizer = "wordpiece"  # the pooler reads the first token, so a tiny BERT needs [CLS] ... [SEP]
 
     def tiny_config(self, vocab_size: int, max_positions: int) -> BertConfig:
-        return BertConfig(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=512, max_position_embeddings=max_positions)
+        return BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=max_positions,
+        )
 
     def tp_dimensions(self, hf_config: BertConfig) -> dict[str, int]:
-        return {"num_attention_heads": hf_config.num_attention_heads, "hidden_size": hf_config.hidden_size,
-                "intermediate_size": hf_config.intermediate_size}
+        return {
+            "num_attention_heads": hf_config.num_attention_heads,
+            "hidden_size": hf_config.hidden_size,
+            "intermediate_size": hf_config.intermediate_size,
+        }
 
     # Embeddings (BERT's 30,522-row vocabulary divides by 2 but not by 4), LayerNorms, pooler and classifier
     # stay replicated.
@@ -33,7 +42,9 @@ class Bert(Family):
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for layer in self.blocks(model):
-            localize_heads(layer.attention.self, tp, head_attrs=("num_attention_heads",), width_attrs=("all_head_size",))
+            localize_heads(
+                layer.attention.self, tp, head_attrs=("num_attention_heads",), width_attrs=("all_head_size",)
+            )
 
     first_stage_modules = ("bert.embeddings",)
     last_stage_modules = ("bert.pooler", "classifier")

@@ -41,12 +41,22 @@ class GPT2(DecoderFamily):
     model_classes = {"classification": GPT2ForSequenceClassification, "causal_lm": GPT2LMHeadModel}
 
     def tiny_config(self, vocab_size: int, max_positions: int) -> GPT2Config:
-        return GPT2Config(vocab_size=vocab_size, n_positions=max_positions, n_embd=128, n_layer=2, n_head=4,
-                          bos_token_id=0, eos_token_id=0)
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=max_positions,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
 
     def tp_dimensions(self, hf_config: GPT2Config) -> dict[str, int]:
-        return {"n_head": hf_config.n_head, "n_embd": hf_config.n_embd,
-                "n_inner": hf_config.n_inner or 4 * hf_config.n_embd}
+        return {
+            "n_head": hf_config.n_head,
+            "n_embd": hf_config.n_embd,
+            "n_inner": hf_config.n_inner or 4 * hf_config.n_embd,
+        }
 
     def surgery(self, model: nn.Module) -> None:
         for block in self.blocks(model):
@@ -60,8 +70,12 @@ class GPT2(DecoderFamily):
     def hf_source(self, name: str, hf_config: GPT2Config) -> HFSource:
         if ".attn.c_attn." in name:  # ...c_attn.{q,k,v}.{weight,bias}: a third of the fused output columns
             prefix, part, kind = name.rsplit(".", 2)
-            return HFSource(f"{prefix}.{kind}", transpose=kind == "weight", dim=1 if kind == "weight" else 0,
-                            start=QKV.index(part) * hf_config.n_embd)
+            return HFSource(
+                f"{prefix}.{kind}",
+                transpose=kind == "weight",
+                dim=1 if kind == "weight" else 0,
+                start=QKV.index(part) * hf_config.n_embd,
+            )
         if name.endswith(".weight") and any(f".{conv}." in name for conv in CONV1D_NAMES):
             return HFSource(name, transpose=True)
         return HFSource(name)

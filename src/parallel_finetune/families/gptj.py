@@ -17,12 +17,24 @@ class GPTJ(DecoderFamily):
     model_classes = {"classification": GPTJForSequenceClassification, "causal_lm": GPTJForCausalLM}
 
     def tiny_config(self, vocab_size: int, max_positions: int) -> GPTJConfig:
-        return GPTJConfig(vocab_size=vocab_size, n_positions=max_positions, n_embd=128, n_layer=2, n_head=4,
-                          rotary_dim=16, bos_token_id=0, eos_token_id=0)
+        return GPTJConfig(
+            vocab_size=vocab_size,
+            n_positions=max_positions,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
 
     def tp_dimensions(self, hf_config: GPTJConfig) -> dict[str, int]:
-        return {"n_head": hf_config.n_head, "n_embd": hf_config.n_embd,
-                "n_inner": hf_config.n_inner or 4 * hf_config.n_embd, "vocab_size": hf_config.vocab_size}
+        return {
+            "n_head": hf_config.n_head,
+            "n_embd": hf_config.n_embd,
+            "n_inner": hf_config.n_inner or 4 * hf_config.n_embd,
+            "vocab_size": hf_config.vocab_size,
+        }
 
     block_path = "transformer.h"
     column_wise = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")
@@ -31,7 +43,8 @@ class GPTJ(DecoderFamily):
     def extra_tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         # Vocabulary-sharded embedding: each rank holds vocab/tp rows; the lookup result is all-reduced.
         plan: dict[str, ParallelStyle] = {
-            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        }
         if hasattr(model, "lm_head"):
             plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
         # The 2-way classification `score` head and the LayerNorms stay replicated: too small to shard.

@@ -17,13 +17,24 @@ class GPTNeo(DecoderFamily):
 
     def tiny_config(self, vocab_size: int, max_positions: int) -> GPTNeoConfig:
         # A window shorter than SST-2 sentences, so the local layers really differ from the global ones.
-        return GPTNeoConfig(vocab_size=vocab_size, max_position_embeddings=max_positions, hidden_size=128,
-                            num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8,
-                            bos_token_id=0, eos_token_id=0)
+        return GPTNeoConfig(
+            vocab_size=vocab_size,
+            max_position_embeddings=max_positions,
+            hidden_size=128,
+            num_layers=2,
+            num_heads=4,
+            attention_types=[[["global", "local"], 1]],
+            window_size=8,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
 
     def tp_dimensions(self, hf_config: GPTNeoConfig) -> dict[str, int]:
-        return {"num_heads": hf_config.num_heads, "hidden_size": hf_config.hidden_size,
-                "intermediate_size": hf_config.intermediate_size or 4 * hf_config.hidden_size}
+        return {
+            "num_heads": hf_config.num_heads,
+            "hidden_size": hf_config.hidden_size,
+            "intermediate_size": hf_config.intermediate_size or 4 * hf_config.hidden_size,
+        }
 
     # The token embedding is tied to lm_head: both stay replicated so the tie (one Parameter) survives.
     # The window mask is a per-position buffer, identical for every head, so local layers need no change.
@@ -43,8 +54,10 @@ class GPTNeo(DecoderFamily):
         # transformers expands attention_types into one entry per layer only when the config is built
         config.attention_layers = GPTNeoConfig.expand_attention_types_params(config.attention_types)
         if len(config.attention_layers) != config.num_layers:
-            raise UserError(f"model_config: num_layers={config.num_layers} but attention_types "
-                            f"{config.attention_types} describes {len(config.attention_layers)} layers; set "
-                            f"model_config.attention_types too, e.g. [[[\"global\", \"local\"], "
-                            f"{config.num_layers // 2}]]")
+            raise UserError(
+                f"model_config: num_layers={config.num_layers} but attention_types "
+                f"{config.attention_types} describes {len(config.attention_layers)} layers; set "
+                f'model_config.attention_types too, e.g. [[["global", "local"], '
+                f"{config.num_layers // 2}]]"
+            )
         return config

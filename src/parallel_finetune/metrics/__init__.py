@@ -1,11 +1,11 @@
 """Evaluation metrics, loadable offline through `evaluate`."""
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import evaluate
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_metric(name: str) -> evaluate.EvaluationModule:
     return evaluate.load(str(Path(__file__).resolve().parent / f"{name}.py"))

@@ -17,19 +17,21 @@ from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_param
 from .sharding import apply_fsdp
 from .tensor import apply_tp
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class Parallelized:
     """What the training loop needs to know of how the model was split."""
+
     stages: list[Stage] = field(default_factory=list)  # every pipeline stage (this rank holds those % pp == pp_rank)
     tied: list[tuple[str, ...]] = field(default_factory=list)  # weights shared by the first and last stage
     tied_shapes: dict[str, torch.Size] = field(default_factory=dict)  # their global shapes, by first name
 
 
-def parallelize(model: nn.Module, family: Family, layout: Layout, config, compute_dtype: torch.dtype | None
-                ) -> Parallelized:
+def parallelize(
+    model: nn.Module, family: Family, layout: Layout, config, compute_dtype: torch.dtype | None
+) -> Parallelized:
     """Pipeline cut -> TP -> activation checkpointing -> compile -> FSDP, in place; parameter names stay those
     of the unsplit model. `compute_dtype`: FSDP's all-gather dtype (None = fp32)."""
     result = Parallelized()
@@ -40,18 +42,30 @@ def parallelize(model: nn.Module, family: Family, layout: Layout, config, comput
         result.tied = tied_parameters(model)
         result.tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in result.tied}
         cut_model(model, family, [s for s in result.stages if s.index % layout.pp == layout.pp_rank])
-        log.info("pipeline: %s schedule, %d micro-batches | %s", config.pipeline_schedule,
-                 config.microbatches or 2 * layout.pp, describe_stages(result.stages, layout.pp))
+        log.info(
+            "pipeline: %s schedule, %d micro-batches | %s",
+            config.pipeline_schedule,
+            config.microbatches or 2 * layout.pp,
+            describe_stages(result.stages, layout.pp),
+        )
     apply_tp(model, family, layout.tp_mesh)
-    checkpointed = apply_activation_checkpointing(family.blocks(model), config.activation_checkpointing,
-                                                  family.block_numbers(model))
+    checkpointed = apply_activation_checkpointing(
+        family.blocks(model), config.activation_checkpointing, family.block_numbers(model)
+    )
     if checkpointed:
-        log.info("activation checkpointing: blocks %s of %d%s", checkpointed, n_blocks,
-                 " (this stage's)" if layout.pp > 1 else "")
+        log.info(
+            "activation checkpointing: blocks %s of %d%s",
+            checkpointed,
+            n_blocks,
+            " (this stage's)" if layout.pp > 1 else "",
+        )
     if config.compile:
         compile_blocks(family.blocks(model))
-        log.info("compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
-                 len(family.blocks(model)), " of this stage" if layout.pp > 1 else "")
+        log.info(
+            "compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
+            len(family.blocks(model)),
+            " of this stage" if layout.pp > 1 else "",
+        )
     if layout.sharding in ("full", "hybrid"):
         apply_fsdp(model, family.blocks(model), layout, compute_dtype)
     return result

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import UserError
 from ..precision import FP16_ON_CPU
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 DEFAULT_ZERO_STAGE = 2  # zero_stage=null and no stage in the user's JSON: optimizer state and gradients sharded
 MICS_REMOVED_IN = (0, 19, 7)  # DeepSpeed 0.19.7 removed MiCS: its config rejects zero_optimization.mics_shard_size
@@ -46,29 +46,38 @@ def validate(config, where: str = "config") -> None:
     if config.engine != "deepspeed":
         for key in deepspeed_only:
             if getattr(config, key) is not None:
-                raise UserError(f"{where}: {key}={getattr(config, key)!r} only applies to engine=deepspeed, "
-                                f"not engine={config.engine}")
+                raise UserError(
+                    f"{where}: {key}={getattr(config, key)!r} only applies to engine=deepspeed, "
+                    f"not engine={config.engine}"
+                )
         return
     tp = config.tensor_parallel_degree
     if tp != "auto" and tp > 1:
-        raise UserError(f"{where}: engine=deepspeed with tensor_parallel_degree={tp} is not supported (DeepSpeed "
-                        f"runs data parallel only here); use tensor_parallel_degree=1, or engine=torch for tensor "
-                        f"parallelism")
+        raise UserError(
+            f"{where}: engine=deepspeed with tensor_parallel_degree={tp} is not supported (DeepSpeed "
+            f"runs data parallel only here); use tensor_parallel_degree=1, or engine=torch for tensor "
+            f"parallelism"
+        )
     if config.sharding != "none":
-        raise UserError(f"{where}: engine=deepspeed with sharding={config.sharding} is not supported; DeepSpeed "
-                        f"shards by zero_stage=1|2|3 (sharding=optimizer ~ zero_stage=1, sharding=full ~ "
-                        f"zero_stage=3); use sharding=none")
+        raise UserError(
+            f"{where}: engine=deepspeed with sharding={config.sharding} is not supported; DeepSpeed "
+            f"shards by zero_stage=1|2|3 (sharding=optimizer ~ zero_stage=1, sharding=full ~ "
+            f"zero_stage=3); use sharding=none"
+        )
     if config.mics_shard_size is not None and config.mics_shard_size < 1:
         raise UserError(f"{where}: mics_shard_size={config.mics_shard_size} must be a positive integer (or null)")
     user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
     stage = zero_stage(config, user)
     if config.mics_shard_size is not None and stage != 3:
-        raise UserError(f"{where}: mics_shard_size={config.mics_shard_size} requires zero_stage=3, not "
-                        f"zero_stage={stage}")
+        raise UserError(
+            f"{where}: mics_shard_size={config.mics_shard_size} requires zero_stage=3, not zero_stage={stage}"
+        )
     power = math.log2(config.initial_loss_scale)
     if not power.is_integer():
-        raise UserError(f"{where}: engine=deepspeed: initial_loss_scale={config.initial_loss_scale:g} must be a "
-                        f"power of two (DeepSpeed takes initial_scale_power), e.g. {2 ** round(power):g}")
+        raise UserError(
+            f"{where}: engine=deepspeed: initial_loss_scale={config.initial_loss_scale:g} must be a "
+            f"power of two (DeepSpeed takes initial_scale_power), e.g. {2 ** round(power):g}"
+        )
 
 
 def zero_stage(config, user: dict) -> int:
@@ -112,12 +121,16 @@ def preflight(config, dp: int, device_type: str, precision: str) -> dict:
     mics = generated["zero_optimization"].get("mics_shard_size")
     if mics is not None:
         if version >= MICS_REMOVED_IN:
-            raise UserError(f"mics_shard_size={mics}: DeepSpeed {'.'.join(map(str, version))} has no MiCS (removed "
-                            f"in 0.19.7; it rejects zero_optimization.mics_shard_size); for the same scheme use "
-                            f"engine=torch sharding=hybrid shard_group_size={mics}")
+            raise UserError(
+                f"mics_shard_size={mics}: DeepSpeed {'.'.join(map(str, version))} has no MiCS (removed "
+                f"in 0.19.7; it rejects zero_optimization.mics_shard_size); for the same scheme use "
+                f"engine=torch sharding=hybrid shard_group_size={mics}"
+            )
         if dp % mics:
-            raise UserError(f"mics_shard_size={mics} does not divide the {dp} data-parallel processes; valid: "
-                            f"{', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}")
+            raise UserError(
+                f"mics_shard_size={mics} does not divide the {dp} data-parallel processes; valid: "
+                f"{', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"
+            )
     return generated
 
 
@@ -131,8 +144,11 @@ def _recipe_values(config, dp: int, precision: str) -> list[tuple[str, Any, str]
     gas = config.gradient_accumulation_steps
     values = [
         ("train_batch_size", config.batch_size, f"batch_size={config.batch_size}"),
-        ("train_micro_batch_size_per_gpu", config.batch_size // (dp * gas),
-         f"batch_size={config.batch_size} over {dp} processes x gradient_accumulation_steps={gas}"),
+        (
+            "train_micro_batch_size_per_gpu",
+            config.batch_size // (dp * gas),
+            f"batch_size={config.batch_size} over {dp} processes x gradient_accumulation_steps={gas}",
+        ),
         ("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas}"),
         ("gradient_clipping", float(config.max_grad_norm or 0.0), f"max_grad_norm={config.max_grad_norm}"),
         ("fp16.enabled", precision == "fp16", _precision_origin(config, precision)),
@@ -145,16 +161,23 @@ def _recipe_values(config, dp: int, precision: str) -> list[tuple[str, Any, str]
     ]
     if precision == "fp16":
         values += [
-            ("fp16.initial_scale_power", int(math.log2(config.initial_loss_scale)),
-             f"initial_loss_scale={config.initial_loss_scale:g}"),
-            ("fp16.loss_scale_window", config.loss_scale_growth_interval,
-             f"loss_scale_growth_interval={config.loss_scale_growth_interval}"),
+            (
+                "fp16.initial_scale_power",
+                int(math.log2(config.initial_loss_scale)),
+                f"initial_loss_scale={config.initial_loss_scale:g}",
+            ),
+            (
+                "fp16.loss_scale_window",
+                config.loss_scale_growth_interval,
+                f"loss_scale_growth_interval={config.loss_scale_growth_interval}",
+            ),
         ]
     if config.zero_stage is not None:
         values.append(("zero_optimization.stage", config.zero_stage, f"zero_stage={config.zero_stage}"))
     if config.mics_shard_size is not None:
-        values.append(("zero_optimization.mics_shard_size", config.mics_shard_size,
-                       f"mics_shard_size={config.mics_shard_size}"))
+        values.append(
+            ("zero_optimization.mics_shard_size", config.mics_shard_size, f"mics_shard_size={config.mics_shard_size}")
+        )
     return values
 
 
@@ -164,7 +187,7 @@ def _engine_defaults(precision: str) -> list[tuple[str, Any]]:
         ("zero_optimization.stage", DEFAULT_ZERO_STAGE),
         # torch.optim.AdamW: DeepSpeed's FusedAdam would be JIT-compiled at start (a C++/CUDA toolchain and minutes).
         ("optimizer.params.torch_adam", True),
-        ("steps_per_print", 10 ** 9),  # the trainer logs
+        ("steps_per_print", 10**9),  # the trainer logs
         ("wall_clock_breakdown", False),
     ]
     if precision == "fp16":
@@ -208,16 +231,20 @@ def deepspeed_config(config, dp: int, precision: str) -> dict:
     user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
     where = f"deepspeed_config={config.deepspeed_config!r}"
     if "scheduler" in user:
-        raise UserError(f"{where}: has a 'scheduler' section, but the recipe's lr_scheduler={config.lr_scheduler!r} "
-                        f"(warmup_steps, warmup_ratio) drives the learning rate; remove 'scheduler' from the JSON")
+        raise UserError(
+            f"{where}: has a 'scheduler' section, but the recipe's lr_scheduler={config.lr_scheduler!r} "
+            f"(warmup_steps, warmup_ratio) drives the learning rate; remove 'scheduler' from the JSON"
+        )
     result = json.loads(json.dumps(user))  # a deep copy
     for dotted, value, origin in _recipe_values(config, dp, precision):
         theirs = _get(user, dotted)
         if theirs is None or theirs == "auto":
             _set(result, dotted, value)
         elif not _same(theirs, value):
-            raise UserError(f"{where}: {dotted}={json.dumps(theirs)} conflicts with {origin} (which means "
-                            f"{dotted}={json.dumps(value)}); make them agree, or drop the key from the JSON")
+            raise UserError(
+                f"{where}: {dotted}={json.dumps(theirs)} conflicts with {origin} (which means "
+                f"{dotted}={json.dumps(value)}); make them agree, or drop the key from the JSON"
+            )
     for dotted, value in _engine_defaults(precision):
         if _get(result, dotted) in (None, "auto"):
             _set(result, dotted, value)
@@ -285,7 +312,7 @@ def zero3_write(param, block: torch.Tensor) -> None:
     first = zero3_box(param)[0][0] if param.ds_shape else 0
     flat = block.reshape(-1)
     offset = start - first * _row_width(param)
-    param.ds_tensor[:end - start].copy_(flat[offset:offset + end - start])
+    param.ds_tensor[: end - start].copy_(flat[offset : offset + end - start])
 
 
 def _one_line(exc: BaseException) -> str:
@@ -295,6 +322,7 @@ def _one_line(exc: BaseException) -> str:
 class DeepSpeedUpdates:
     """`updates.py`'s interface over a DeepSpeed engine: ZeRO reduces, unscales, clips and updates (or skips).
     Forwards go through `engine` (ZeRO-3 gathers parameters there)."""
+
     checkpointable = False  # config.validate refuses checkpoint keys with engine=deepspeed
 
     def __init__(self, model: nn.Module, config, layout, precision: str):
@@ -311,13 +339,19 @@ class DeepSpeedUpdates:
 
         try:
             self.engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=optimizer_groups(model, config.weight_decay), config=self.config)
+                model=model, model_parameters=optimizer_groups(model, config.weight_decay), config=self.config
+            )
         except (DeepSpeedConfigError, ValidationError) as exc:
             raise UserError(f"engine=deepspeed: DeepSpeed rejected the config: {_one_line(exc)}") from None
         self.module = self.engine.module
         self.measured: dict[str, int] | None = None
-        log.info("deepspeed %s: ZeRO stage %d, %s, %d data-parallel processes (deepspeed_config.json in the run "
-                 "folder)", metadata.version("deepspeed"), self.zero_stage, precision, self.dp)
+        log.info(
+            "deepspeed %s: ZeRO stage %d, %s, %d data-parallel processes (deepspeed_config.json in the run folder)",
+            metadata.version("deepspeed"),
+            self.zero_stage,
+            precision,
+            self.dp,
+        )
         # The torch AdamW DeepSpeed steps on this rank's fp32 partitions: the lr schedule sets its lr.
         self.optimizer = self.engine.basic_optimizer
 
@@ -356,14 +390,22 @@ class DeepSpeedUpdates:
     def _state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model parameters (the ZeRO-3 partition), fp32 master partition and AdamW state
         (DeepSpeed's gradient buffers are internal to it: not counted)."""
-        params = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
-                     for p in self.module.parameters())
+        params = sum(
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in self.module.parameters()
+        )
         zero = self.engine.optimizer  # ZeRO-3 keeps the fp32 partitions apart from the optimizer's param groups
         master = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
-        state = [value for per_param in self.optimizer.state.values() for value in per_param.values()
-                 if isinstance(value, torch.Tensor) and value.numel() > 1]
-        return {"params": params, "master_params": sum(p.numel() * p.element_size() for p in master),
-                "optimizer": sum(t.numel() * t.element_size() for t in state)}
+        state = [
+            value
+            for per_param in self.optimizer.state.values()
+            for value in per_param.values()
+            if isinstance(value, torch.Tensor) and value.numel() > 1
+        ]
+        return {
+            "params": params,
+            "master_params": sum(p.numel() * p.element_size() for p in master),
+            "optimizer": sum(t.numel() * t.element_size() for t in state),
+        }
 
     def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The trained weights from the fp32 master copies (not the bf16/fp16 working copies), assembled from

@@ -57,13 +57,14 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> No
         dist.all_reduce(flat, group=group)
         offset = 0
         for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
 
 
-def reduce_norm_and_loss(pieces: list[GradPiece], loss: torch.Tensor, loss_replicas: int, world_size: int,
-                         stop_requested: bool = False) -> tuple[float, float, bool]:
+def reduce_norm_and_loss(
+    pieces: list[GradPiece], loss: torch.Tensor, loss_replicas: int, world_size: int, stop_requested: bool = False
+) -> tuple[float, float, bool]:
     """(global gradient L2 norm, global loss, whether any rank was asked to stop) from this rank's pieces, its
     share of the loss and its stop request (SIGTERM): one all-reduce for all three."""
     device = loss.device

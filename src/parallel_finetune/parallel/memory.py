@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 
 
 def checkpointed_blocks(numbers: list[int], every: bool | int) -> list[int]:
@@ -27,8 +27,9 @@ def checkpointed_blocks(numbers: list[int], every: bool | int) -> list[int]:
     return [number for number in numbers if number % step == 0]
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], every: bool | int,
-                                   numbers: list[int] | None = None) -> list[int]:
+def apply_activation_checkpointing(
+    blocks: list[nn.Module], every: bool | int, numbers: list[int] | None = None
+) -> list[int]:
     """`numbers`: the blocks' numbers in the unsplit model (a pipeline stage holds some), so every N-th block
     means the same blocks in every layout."""
     numbers = list(range(len(blocks))) if numbers is None else numbers
@@ -57,11 +58,17 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     """This rank's bytes of parameters, gradients and optimizer state (tensor accounting, not process RSS).
     Flat-buffer views (optimizer sharding) are counted once, as the model's parameters and gradients."""
     params = list(model.parameters())
-    state = [value for per_param in optimizer.state.values() for value in per_param.values()
-             if isinstance(value, torch.Tensor) and value.numel() > 1]  # not the scalar `step` counters
-    return {"params": sum(_local_bytes(p) for p in params),
-            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(_local_bytes(t) for t in state)}
+    state = [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor) and value.numel() > 1
+    ]  # not the scalar `step` counters
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(t) for t in state),
+    }
 
 
 def peak_activation_bytes(model: nn.Module, forward_backward) -> int:
@@ -77,5 +84,9 @@ def peak_activation_bytes(model: nn.Module, forward_backward) -> int:
             forward_backward()
     peak = tracker.get_tracker_snapshot("peak")
     kinds = {"Activation", "Temp"}
-    return sum(size for per_device in peak.values() for kind, size in per_device.items()
-               if getattr(kind, "value", kind) in kinds)
+    return sum(
+        size
+        for per_device in peak.values()
+        for kind, size in per_device.items()
+        if getattr(kind, "value", kind) in kinds
+    )

@@ -18,8 +18,8 @@ changes no result: padded positions are masked out of attention, pooling and the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from ..errors import UserError
 from ..families.base import Family, has_module
 from ..loss import summed_loss, targets
 
-log = logging.getLogger("parallel_finetune")
+log = logging.getLogger(__name__)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 PAD_MULTIPLE = 8
 
@@ -47,9 +47,13 @@ def stage_costs(model: nn.Module, family: Family) -> tuple[list[int], int]:
     """Per-block compute cost and the head's, in multiply-accumulates per token (= parameters of matrices a token
     goes through). An embedding lookup costs no matmul; a vocabulary-sized LM head costs about one block or more."""
     blocks = [sum(p.numel() for p in block.parameters() if p.ndim >= 2) for block in family.blocks(model)]
-    head = sum(model.get_submodule(path).weight.numel() for path in family.last_stage_modules
-               if has_module(model, path) and getattr(model.get_submodule(path), "weight", None) is not None
-               and model.get_submodule(path).weight.ndim >= 2)
+    head = sum(
+        model.get_submodule(path).weight.numel()
+        for path in family.last_stage_modules
+        if has_module(model, path)
+        and getattr(model.get_submodule(path), "weight", None) is not None
+        and model.get_submodule(path).weight.ndim >= 2
+    )
     return blocks, head
 
 
@@ -83,12 +87,17 @@ def check_stages(n_blocks: int, pp: int, virtual: int, partition) -> None:
     """One-line errors for a split that cannot exist; runs at --check (no model built) and again at setup."""
     stages = pp * virtual
     if stages > n_blocks:
-        raise UserError(f"pipeline_parallel_degree={pp}" + (f" x virtual_stages={virtual}" if virtual > 1 else "")
-                        + f" = {stages} stages for a model of {n_blocks} blocks: at most one stage per block; "
-                          f"use fewer stages or more layers")
+        raise UserError(
+            f"pipeline_parallel_degree={pp}"
+            + (f" x virtual_stages={virtual}" if virtual > 1 else "")
+            + f" = {stages} stages for a model of {n_blocks} blocks: at most one stage per block; "
+            f"use fewer stages or more layers"
+        )
     if partition != "auto" and (len(partition) != stages or sum(partition) != n_blocks):
-        raise UserError(f"partition={list(partition)}: needs {stages} entries (one per stage) adding up to the "
-                        f"model's {n_blocks} blocks, e.g. {balanced_partition([1] * n_blocks, 0, stages)}")
+        raise UserError(
+            f"partition={list(partition)}: needs {stages} entries (one per stage) adding up to the "
+            f"model's {n_blocks} blocks, e.g. {balanced_partition([1] * n_blocks, 0, stages)}"
+        )
 
 
 def plan_stages(model: nn.Module, family: Family, pp: int, virtual: int, partition) -> list[Stage]:
@@ -131,8 +140,10 @@ def cut_model(model: nn.Module, family: Family, mine: list[Stage]) -> None:
     parent_path, _, attr = family.block_path.rpartition(".")
     kept = nn.ModuleDict({str(i): block for i, block in enumerate(container) if i in keep})
     setattr(model.get_submodule(parent_path) if parent_path else model, attr, kept)
-    for holds, paths in ((any(s.first for s in mine), family.first_stage_modules),
-                         (any(s.last for s in mine), family.last_stage_modules)):
+    for holds, paths in (
+        (any(s.first for s in mine), family.first_stage_modules),
+        (any(s.last for s in mine), family.last_stage_modules),
+    ):
         if holds:
             continue
         for path in paths:
@@ -165,10 +176,21 @@ class StageForward(nn.Module):
 class Pipeline:
     """This rank's stages and the schedules that run them, one per (rows, sequence length, training): the pipeline
     implementation of a micro-batch's forward and backward (`runner.WholeModel` is the other)."""
+
     pad_multiple = PAD_MULTIPLE  # a schedule per shape: fewer distinct lengths, fewer schedules
 
-    def __init__(self, model: nn.Module, family: Family, stages: list[Stage], layout, schedule: str,
-                 microbatches: int, autocast: Callable, task: str, loss_scale: Callable[[], float]):
+    def __init__(
+        self,
+        model: nn.Module,
+        family: Family,
+        stages: list[Stage],
+        layout,
+        schedule: str,
+        microbatches: int,
+        autocast: Callable,
+        task: str,
+        loss_scale: Callable[[], float],
+    ):
         self.layout, self.schedule_name, self.microbatches = layout, schedule, microbatches
         self.autocast = autocast  # () -> the precision's autocast context
         self.task, self.loss_scale = task, loss_scale  # loss_scale: () -> the fp16 scale of this step
@@ -190,8 +212,17 @@ class Pipeline:
             stages = []
             for module in self.modules:
                 inputs, outputs = self._examples(module, rows // microbatches, length, training)
-                stages.append(PipelineStage(module, module.stage.index, self.n_stages, self.layout.device,
-                                            input_args=inputs, output_args=outputs, group=self.layout.pp_group))
+                stages.append(
+                    PipelineStage(
+                        module,
+                        module.stage.index,
+                        self.n_stages,
+                        self.layout.device,
+                        input_args=inputs,
+                        output_args=outputs,
+                        group=self.layout.pp_group,
+                    )
+                )
             kind = SCHEDULES[self.schedule_name]
             if not training and kind is Schedule1F1B:  # forward only: 1F1B is GPipe (and needs m >= stages)
                 kind = ScheduleGPipe
@@ -202,8 +233,10 @@ class Pipeline:
                 else:
                     schedule = kind(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
             except ValueError as exc:
-                raise UserError(f"pipeline_schedule={self.schedule_name} with microbatches={microbatches}: "
-                                f"{str(exc).splitlines()[0]}") from None
+                raise UserError(
+                    f"pipeline_schedule={self.schedule_name} with microbatches={microbatches}: "
+                    f"{str(exc).splitlines()[0]}"
+                ) from None
             self._schedules[key] = schedule
         return self._schedules[key]
 
@@ -278,6 +311,8 @@ def sync_tied_gradients(model: nn.Module, tied: list[tuple[str, ...]], shapes: d
 
 def check_microbatches(batch_rows: int, microbatches: int) -> None:
     if batch_rows % microbatches:
-        raise UserError(f"microbatches={microbatches} does not divide the {batch_rows} sequences each pipeline "
-                        f"step gets (batch_size / (data-parallel degree x gradient_accumulation_steps)); use a "
-                        f"divisor of {batch_rows}")
+        raise UserError(
+            f"microbatches={microbatches} does not divide the {batch_rows} sequences each pipeline "
+            f"step gets (batch_size / (data-parallel degree x gradient_accumulation_steps)); use a "
+            f"divisor of {batch_rows}"
+        )

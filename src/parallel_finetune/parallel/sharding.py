@@ -33,8 +33,10 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if param.requires_grad:
             matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
             groups.setdefault((matrix, isinstance(param, DTensor)), []).append(param)
-    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, _), params in sorted(groups.items())]
+    return [
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in sorted(groups.items())
+    ]
 
 
 def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
@@ -63,8 +65,16 @@ class DataParallelAdamW:
     """AdamW on every parameter (`none`), or on FSDP's sharded parameters (`full`, `hybrid`).
     `shared`: names of weights this pipeline stage shares with another -> their layout-neutral names."""
 
-    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float,
-                 shared: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        weight_decay: float,
+        lr: float,
+        betas,
+        eps: float,
+        shared: dict[str, str] | None = None,
+    ):
         self.layout = layout
         self.shared = shared or {}
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -126,12 +136,12 @@ class _FlatBucket:
         for param, shape in zip(params, shapes):
             self.offsets.append(offset)
             n = shape.numel()
-            view = self.data[offset:offset + n].view(shape)
+            view = self.data[offset : offset + n].view(shape)
             if not param.is_meta:
                 view.copy_(local(param).detach())
             # The parameter now lives in the buffer (for a DTensor, its local shard does); same Parameter object.
             torch.utils.swap_tensors(param, nn.Parameter(_like(param, view), param.requires_grad))
-            param.grad = _like(param, self.grad[offset:offset + n].view(shape))
+            param.grad = _like(param, self.grad[offset : offset + n].view(shape))
             offset += n
         shard = padded // dp
         self.slice = slice(dp_rank * shard, (dp_rank + 1) * shard)
@@ -143,16 +153,25 @@ class _FlatBucket:
 def _like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
     """`local_tensor` as this rank's piece of `param`: a DTensor placed like it, or the tensor itself."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return local_tensor
 
 
 class ZeroAdamW:
     """Optimizer-state sharding (ZeRO-1) over the data-parallel group."""
 
-    def __init__(self, model: nn.Module, layout: Layout, weight_decay: float, lr: float, betas, eps: float,
-                 shared: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        weight_decay: float,
+        lr: float,
+        betas,
+        eps: float,
+        shared: dict[str, str] | None = None,
+    ):
         self.layout = layout
         self.shared = shared or {}
         count = _Replicas(model, layout, self.shared)
@@ -161,11 +180,17 @@ class ZeroAdamW:
         for param in model.parameters():
             if param.requires_grad:
                 by_kind.setdefault((param.ndim >= 2, count(param, param)), []).append(param)
-        self.buckets = [(_FlatBucket(params, layout.dp, layout.dp_rank, layout.device), copies // layout.dp)
-                        for (_, copies), params in sorted(by_kind.items())]
+        self.buckets = [
+            (_FlatBucket(params, layout.dp, layout.dp_rank, layout.device), copies // layout.dp)
+            for (_, copies), params in sorted(by_kind.items())
+        ]
         decays = [weight_decay if decay else 0.0 for decay, _ in sorted(by_kind)]
-        self.optimizer = make_adamw([{"params": [bucket.owned], "weight_decay": decay}
-                                     for (bucket, _), decay in zip(self.buckets, decays)], lr, betas, eps)
+        self.optimizer = make_adamw(
+            [{"params": [bucket.owned], "weight_decay": decay} for (bucket, _), decay in zip(self.buckets, decays)],
+            lr,
+            betas,
+            eps,
+        )
 
     def sync_gradients(self) -> None:
         # Only the owned slice needs the sum: a reduce-scatter moves half the bytes of an all-reduce.
@@ -204,7 +229,7 @@ class ZeroAdamW:
                 else:
                     whole.copy_(owned)
                 for param, offset in zip(bucket.params, bucket.offsets):
-                    piece = whole[offset:offset + local(param).numel()].view(local(param).shape)
+                    piece = whole[offset : offset + local(param).numel()].view(local(param).shape)
                     if isinstance(param, DTensor):
                         piece = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
                     result.setdefault(names[param], {})[key] = piece
@@ -217,7 +242,7 @@ class ZeroAdamW:
             for key in MOMENTS:
                 whole = torch.zeros_like(bucket.data)
                 for param, offset in zip(bucket.params, bucket.offsets):
-                    whole[offset:offset + local(param).numel()].copy_(local(moments[names[param]][key]).reshape(-1))
+                    whole[offset : offset + local(param).numel()].copy_(local(moments[names[param]][key]).reshape(-1))
                 state[key] = whole[bucket.slice].clone()
             self.optimizer.state[bucket.owned] = state
 

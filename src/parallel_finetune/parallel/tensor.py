@@ -26,5 +26,8 @@ def keep_gradients_sharded(model: nn.Module) -> None:
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             placements = param.placements
-            param.register_hook(lambda grad, placements=placements:
-                                grad if grad.placements == placements else grad.redistribute(placements=placements))
+            param.register_hook(
+                lambda grad, placements=placements: (
+                    grad if grad.placements == placements else grad.redistribute(placements=placements)
+                )
+            )
