@@ -23,6 +23,7 @@ import yaml
 
 from .errors import UserError
 
+
 @dataclass
 class Config:
     # --- model ---
