@@ -1,0 +1,63 @@
+"""Two data-parallel ranks, each with half of every batch, run `WholeModel` + `TorchUpdates` for three steps; rank 0
+also trains the same model on whole batches with plain torch (mean loss, clip_grad_norm_, AdamW) and prints how
+far apart the two are. Also checks `reduce_norm_and_loss`'s replica counting. Run by tests/test_units.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_units import STEPS, batches, config, reference_training, tiny_classifier  # noqa: E402
+
+from parallel_finetune.layout import init_distributed  # noqa: E402
+from parallel_finetune.parallel import Parallelized  # noqa: E402
+from parallel_finetune.parallel.gradients import reduce_norm_and_loss  # noqa: E402
+from parallel_finetune.runner import WholeModel  # noqa: E402
+from parallel_finetune.updates import TorchUpdates  # noqa: E402
+
+
+def main() -> None:
+    layout = init_distributed("cpu", 1)
+    rank = layout.rank
+    model = tiny_classifier()
+    updates = TorchUpdates(model, layout, config(), "fp32", Parallelized())
+    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, layout.device)
+    losses = []
+    for batch in batches():
+        half = {key: value.chunk(2)[rank] for key, value in batch.items()}
+        local = runner.train(half, count=len(batch["labels"]), last=True)
+        losses.append(updates.step(local, False, lambda *_: False).loss)
+
+    # A piece every rank holds (2 copies) counts once; a piece only this rank holds counts fully.
+    shared = torch.full((4,), 3.0)
+    own = torch.full((4,), float(rank + 1))
+    norm, loss, stop = reduce_norm_and_loss([(shared, 2), (own, 1)], torch.tensor(float(rank)), 1, 2, rank == 1)
+    expected_norm = (shared.pow(2).sum() + 4 * 1.0 + 4 * 4.0).sqrt().item()
+
+    if rank == 0:
+        reference_model, reference_losses = reference_training()
+        weights = dict(model.named_parameters())
+        difference = max((weights[n] - p).abs().max().item() for n, p in reference_model.named_parameters())
+        print(
+            json.dumps(
+                {
+                    "steps": STEPS,
+                    "losses": losses,
+                    "reference_losses": reference_losses,
+                    "weight_difference": difference,
+                    "norm": norm,
+                    "expected_norm": expected_norm,
+                    "loss": loss,
+                    "stop": stop,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
