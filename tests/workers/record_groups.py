@@ -19,7 +19,8 @@ from parallel_finetune.trainer import run
 def record(trainer, step: int) -> None:
     if step == 1:
         layout = trainer.layout
-        groups = {"node": int(os.environ["GROUP_RANK"]), "tp": dist.get_process_group_ranks(layout.tp_mesh.get_group()),
+        groups = {"node": int(os.environ["GROUP_RANK"]),
+                  "tp": dist.get_process_group_ranks(layout.tp_mesh.get_group()),
                   "dp": dist.get_process_group_ranks(layout.dp_group)}
         Path(os.environ["GROUPS_DIR"], f"rank{layout.rank}.json").write_text(json.dumps(groups))
 
