@@ -104,8 +104,11 @@ def check_heads(hf_config) -> None:
         )
 
 
-def preflight(config: Config, nproc: int) -> str:
-    """Raise UserError on the first problem; return a one-line description of what will run."""
+def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
+    """Raise UserError on the first problem; return a one-line description of what will run (`nproc` processes in
+    all, spread evenly over `nnodes` nodes)."""
+    if nnodes < 1 or nproc % nnodes:
+        raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
     family = get_family(config.family)
     resolve_device(config.device)
     if config.data_dir:
@@ -123,7 +126,7 @@ def preflight(config: Config, nproc: int) -> str:
     if config.size == "full":
         check_model_source(config.model or family.default_model)
     hf_config = check_model_config(config)
-    degrees, pipeline = check_layout(config, hf_config, nproc, nproc)
+    degrees, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
@@ -139,8 +142,9 @@ def preflight(config: Config, nproc: int) -> str:
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
     if config.sharding == "hybrid":
         sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
+    nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
-        f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes = "
+        f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
         f"{pipeline}{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
         f"data {config.data_dir or 'Hub (sample if offline)'}"
     )

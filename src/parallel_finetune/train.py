@@ -3,8 +3,9 @@
 Runs from any folder (the recipe is a path; `parallel-finetune RECIPE.yaml ...` is the same for one process).
 A SageMaker job calls it as `train.py --recipe RECIPE.yaml --key value ...` (see sagemaker_job.py).
 
-`--check --nproc N` validates a recipe, its data, model and layout without starting processes (the Makefile runs
-it before torchrun, so bad input ends in one line instead of a traceback from every rank).
+`--check --nproc N [--nnodes M]` validates a recipe, its data, model and layout (N processes over M nodes) without
+starting processes (the Makefile and scripts/train.sbatch run it before torchrun, so bad input ends in one line
+instead of a traceback from every rank).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .errors import RankError, UserError
 
 def sagemaker_arguments(argv: list[str]) -> list[str]:
     """SageMaker's drivers pass hyperparameters as `--key value` pairs: `--recipe R --lr 2e-5` -> R lr=2e-5."""
-    if not argv or not argv[0].startswith("--") or argv[0] in ("--check", "--nproc", "-h", "--help"):
+    if not argv or not argv[0].startswith("--") or argv[0] in ("--check", "--nproc", "--nnodes", "-h", "--help"):
         return argv
     recipe, overrides, pairs = None, [], list(argv)
     while pairs:
@@ -51,13 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value (flat or section.key)")
     parser.add_argument("--check", action="store_true", help="validate only; start no processes")
     parser.add_argument("--nproc", type=int, default=1, help="with --check: processes the run will have")
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="with --check: nodes they are spread over (tensor_parallel_degree: auto = per node)",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.recipe, args.overrides)
         if args.check:
             from .preflight import preflight
 
-            print(preflight(config, args.nproc))
+            print(preflight(config, args.nproc, args.nnodes))
             return 0
         from .trainer import run
 
