@@ -27,42 +27,44 @@ from .errors import UserError
 @dataclass
 class Config:
     # --- model ---
-    family: str = ""
+    family: str = ""  # gptj, gpt2, gptneo or bert (each recipe sets it)
     model: str | None = None  # Hub name or local folder; None = the family's full-size default
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
-    size: Literal["full", "tiny"] = "full"
-    task: Literal["classification", "causal_lm"] = "classification"
+    size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
+    task: Literal["classification", "causal_lm"] = "classification"  # SST-2 labels, or next-token prediction
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
     tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
-    tokenizer_vocab_size: int = 8192
+    tokenizer_vocab_size: int = 8192  # of the BPE trained for tiny models
     # --- data ---
     data_dir: str | None = None  # GLUE-format TSV folder; None = the Hub, else the shipped sample
-    cache_dir: str = "data/cache"
+    cache_dir: str = "data/cache"  # tokenized datasets, reused by every run with the same tokenizer and data
     max_length: int = 128  # truncation length (classification) or block size (causal_lm)
-    group_by_length: bool = True
-    eval_batch_size: int = 64
+    group_by_length: bool = True  # fill each global batch with sentences of similar length (less padding)
+    eval_batch_size: int = 64  # rows per evaluation forward, per data-parallel rank
     # --- training ---
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over the train split (fractions allowed)
     max_steps: int | None = None  # when set, wins over epochs
     batch_size: int = 32  # global: summed over data-parallel ranks and accumulation steps
-    gradient_accumulation_steps: int = 1
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    adam_betas: list = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: float = 1e-8
+    gradient_accumulation_steps: int = 1  # accumulation slices per step; the global batch stays batch_size
+    lr: float = 5e-5  # peak learning rate of AdamW
+    weight_decay: float = 0.01  # AdamW, on weight matrices only (not biases and norms)
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
+    adam_eps: float = 1e-8  # AdamW epsilon
     # the transformers.get_scheduler schedules that need nothing but the warm-up and total steps
     lr_scheduler: Literal[
         "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
     ] = "linear"
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float | None = 1.0  # None or 0 = no clipping
+    # compute dtype under autocast (master weights stay fp32; fp16 adds dynamic loss scaling); auto = fp16 on a
+    # GPU (what the recipes target), on a CPU bf16 where it has bf16 units, else fp32
     precision: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
-    initial_loss_scale: float = 65536.0
-    loss_scale_growth_interval: int = 2000
-    seed: int = 42
+    initial_loss_scale: float = 65536.0  # fp16: the first loss scale
+    loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
+    seed: int = 42  # model initialisation, data order, dropout: same seed, same run in every layout
     eval_every: int | None = None  # steps between dev evaluations; the end of training always evaluates
-    log_every: int = 10
+    log_every: int = 10  # steps between log lines and metrics.jsonl records
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
     compile: bool = False  # torch.compile each transformer block (regional: one small graph, compiled once)
@@ -73,7 +75,7 @@ class Config:
     max_nonfinite_steps: int = 3
     # --- parallel ---
     tensor_parallel_degree: int | Literal["auto"] = "auto"  # auto = every process of one node
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) when GPUs are visible, else cpu (gloo)
     # How long a rank waits in a collective for the others (a stopped, hung or dead peer) before it gives up with
     # an error naming this key. Long enough for rank 0 to tokenize SST-2 or write a checkpoint while others wait.
     collective_timeout_s: float = 600.0
@@ -85,15 +87,17 @@ class Config:
     # Who runs the data-parallel optimizer: torch = this repo's (tensor parallel, `sharding`); deepspeed = DeepSpeed's
     # ZeRO, data parallel only (tensor_parallel_degree=auto means 1 there, sharding must be none).
     engine: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: Literal[1, 2, 3] | None = None  # deepspeed: 1 = optimizer state, 2 = + gradients, 3 = + parameters
-    # sharded; None = the stage in deepspeed_config, else 2
+    # deepspeed: what ZeRO shards, 1 = optimizer state, 2 = + gradients, 3 = + parameters; None = the stage in
+    # deepspeed_config, else 2
+    zero_stage: Literal[1, 2, 3] | None = None
     mics_shard_size: int | None = None  # deepspeed, zero_stage=3: shard inside groups of N ranks (MiCS)
-    deepspeed_config: str | None = None  # a DeepSpeed JSON to start from: the recipe fills what it lacks ("auto"
-    # counts as lacking) and a value contradicting the recipe is an error, never silently overridden
+    # a DeepSpeed JSON to start from: the recipe fills what it lacks ("auto" counts as lacking) and a value
+    # contradicting the recipe is an error, never silently overridden
+    deepspeed_config: str | None = None
     # Pipeline parallelism: the blocks cut into consecutive stages, one (or, interleaved, several) per rank.
     pipeline_parallel_degree: int = 1
     microbatches: int | None = None  # per pipeline step (each accumulation step); None = 2 x stages
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # torch.distributed.pipelining schedule
     virtual_stages: int = 2  # interleaved only: stages per rank
     partition: Literal["auto"] | list = "auto"  # auto = balanced by compute; [a, b, ...] = blocks per stage
     activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
@@ -109,7 +113,7 @@ class Config:
     output_dir: str | None = None  # None = a new folder runs/<recipe>-<time>
     overwrite: bool = False  # allow writing into an output_dir that already holds files
     export: bool = True  # write the fine-tuned model as a Hugging Face folder (hf/) at the end
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the exported weights
     # --- bookkeeping (set by the loader, not by users) ---
     recipe: str = ""
     lr_note: str = ""  # what lr_scaling did, for the log
