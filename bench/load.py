@@ -21,6 +21,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from parallel_finetune.launch import torchrun_command  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "1 process": (1, []),
@@ -87,21 +89,8 @@ def measure(mode: str, layout: str, folder: Path, work: Path) -> list[dict]:
     nproc, overrides = LAYOUTS[layout]
     out = work / f"{mode}-{layout.replace(' ', '').replace('=', '')}"
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        __file__,
-        "--worker",
-        mode,
-        str(folder),
-        str(out),
-        *overrides,
-        f"data_dir={REPO / 'src' / 'parallel_finetune' / 'sample_data'}",
-        f"cache_dir={work / 'cache'}",
-    ]
+    data = [f"data_dir={REPO / 'src' / 'parallel_finetune' / 'sample_data'}", f"cache_dir={work / 'cache'}"]
+    command = torchrun_command(nproc, __file__, "--worker", mode, str(folder), str(out), *overrides, *data)
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:
         sys.exit(f"{mode} {layout} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")

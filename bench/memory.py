@@ -17,6 +17,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from parallel_finetune.launch import torchrun_command  # noqa: E402
 from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,17 +45,8 @@ def measure(name: str, nproc: int, overrides: list[str], data_dir: str, out: Pat
         f"output_dir={folder}",
         "overwrite=true",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(REPO / "scripts" / "train.py"),
-        str(REPO / "recipes" / "gptj" / "tp.yaml"),
-        *defaults,
-        *overrides,
-    ]
+    recipe = REPO / "recipes" / "gptj" / "tp.yaml"
+    command = torchrun_command(nproc, str(REPO / "scripts" / "train.py"), str(recipe), *defaults, *overrides)
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")

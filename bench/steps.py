@@ -17,6 +17,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from parallel_finetune.launch import torchrun_command  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 
@@ -79,16 +81,7 @@ def measure(
         "log_every=1000",
         *overrides,
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        __file__,
-        "--worker",
-        *settings,
-    ]
+    command = torchrun_command(nproc, __file__, "--worker", *settings)
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),

@@ -10,12 +10,13 @@ import os
 import pickle
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import harness
 import pytest
+
+from parallel_finetune.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
@@ -128,15 +129,7 @@ def launch(
     argv = [script or str(REPO / "scripts" / "train.py"), str(recipe), *overrides, f"output_dir={output_dir}"]
     env = {**subprocess_env(), **(env or {})}
     if torchrun or torchrun_args:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *torchrun_args,
-            *argv,
-        ]
+        command = torchrun_command(nproc, *torchrun_args, *argv)
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
         report = run.output[-6000:]

@@ -16,6 +16,11 @@ import sys
 USER_ERROR = 2  # what a rank exits with after printing its UserError (train.main)
 
 
+def torchrun_command(nproc: int, *arguments: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node nproc ARGUMENTS` with this interpreter (benchmarks, selftest, tests)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *arguments]
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .launch import torchrun_command
+
 TOLERANCE = 1e-5  # fp32: measured differences are ~1e-7 (summation order); a real bug moves losses by far more
 FP16_TOLERANCE = 5e-3  # fp16 rounds each matmul to 11 significant bits: another reduction order differs more
 INJECT_STEP = 2
@@ -132,17 +134,8 @@ def overrides(check: Check, work: Path, model: Path | None) -> list[str]:
 
 def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
     arguments = overrides(check, work, model)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={check.nproc}",
-        "-m",
-        "parallel_finetune.selftest",
-        WORKER_FLAG,
-        json.dumps({"overrides": arguments, "fp16_overflow": check.fp16_overflow, "export_loaded": check.full_size}),
-    ]
+    settings = {"overrides": arguments, "fp16_overflow": check.fp16_overflow, "export_loaded": check.full_size}
+    command = torchrun_command(check.nproc, "-m", "parallel_finetune.selftest", WORKER_FLAG, json.dumps(settings))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

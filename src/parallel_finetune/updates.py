@@ -29,7 +29,7 @@ from .parallel import Parallelized
 from .parallel.gradients import reduce_norm_and_loss, scale_gradients
 from .parallel.memory import measure_state_bytes
 from .parallel.pipeline import sync_tied_gradients
-from .parallel.sharding import DataParallelAdamW, ZeroAdamW
+from .parallel.sharding import AdamWSettings, DataParallelAdamW, ZeroAdamW
 from .precision import DynamicLossScaler
 
 # (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
@@ -53,15 +53,7 @@ def held_names(tied: list[tuple[str, ...]], model: nn.Module) -> dict[str, str]:
 
 def zero_adamw(model: nn.Module, layout: Layout, config, parallel: Parallelized) -> ZeroAdamW:
     """ZeRO-1's optimizer, made before the weights exist: its flat buffers are where the parameters live."""
-    return ZeroAdamW(
-        model,
-        layout,
-        config.weight_decay,
-        config.lr,
-        config.adam_betas,
-        config.adam_eps,
-        held_names(parallel.tied, model),
-    )
+    return ZeroAdamW(model, layout, AdamWSettings.of(config), held_names(parallel.tied, model))
 
 
 class TorchUpdates:
@@ -79,13 +71,7 @@ class TorchUpdates:
         self.model, self.layout, self.parallel = model, layout, parallel
         self.max_grad_norm = config.max_grad_norm
         self.adamw = adamw or DataParallelAdamW(
-            model,
-            layout,
-            config.weight_decay,
-            config.lr,
-            config.adam_betas,
-            config.adam_eps,
-            held_names(parallel.tied, model),
+            model, layout, AdamWSettings.of(config), held_names(parallel.tied, model)
         )
         self.scaler = DynamicLossScaler(
             precision == "fp16", config.initial_loss_scale, config.loss_scale_growth_interval

@@ -14,6 +14,8 @@ count, so a sum gives exactly the single-process gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,9 +41,21 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
+@dataclass(frozen=True)
+class AdamWSettings:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+
+    @classmethod
+    def of(cls, config) -> AdamWSettings:
+        return cls(config.lr, config.weight_decay, tuple(config.adam_betas), config.adam_eps)
+
+
+def make_adamw(groups: list[dict], settings: AdamWSettings) -> torch.optim.AdamW:
     # The fused kernel (one launch per group; what the HF Trainer also uses) is ~10% of a CPU step faster.
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
 
 
 def _named(model: nn.Module, shared: dict[str, str]) -> dict[nn.Parameter, str]:
@@ -65,22 +79,13 @@ class DataParallelAdamW:
     """AdamW on every parameter (`none`), or on FSDP's sharded parameters (`full`, `hybrid`).
     `shared`: names of weights this pipeline stage shares with another -> their layout-neutral names."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layout: Layout,
-        weight_decay: float,
-        lr: float,
-        betas,
-        eps: float,
-        shared: dict[str, str] | None = None,
-    ):
+    def __init__(self, model: nn.Module, layout: Layout, settings: AdamWSettings, shared: dict[str, str] | None = None):
         self.layout = layout
         self.shared = shared or {}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replicas = _Replicas(model, layout, self.shared)
         self.fsdp = isinstance(model, FSDPModule)  # FSDP reduce-scatters during the backward itself
-        self.optimizer = make_adamw(optimizer_groups(model, weight_decay), lr, betas, eps)
+        self.optimizer = make_adamw(optimizer_groups(model, settings.weight_decay), settings)
 
     def sync_gradients(self) -> None:
         if not self.fsdp:
@@ -162,16 +167,7 @@ def _like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
 class ZeroAdamW:
     """Optimizer-state sharding (ZeRO-1) over the data-parallel group."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layout: Layout,
-        weight_decay: float,
-        lr: float,
-        betas,
-        eps: float,
-        shared: dict[str, str] | None = None,
-    ):
+    def __init__(self, model: nn.Module, layout: Layout, settings: AdamWSettings, shared: dict[str, str] | None = None):
         self.layout = layout
         self.shared = shared or {}
         count = _Replicas(model, layout, self.shared)
@@ -184,13 +180,9 @@ class ZeroAdamW:
             (_FlatBucket(params, layout.dp, layout.dp_rank, layout.device), copies // layout.dp)
             for (_, copies), params in sorted(by_kind.items())
         ]
-        decays = [weight_decay if decay else 0.0 for decay, _ in sorted(by_kind)]
-        self.optimizer = make_adamw(
-            [{"params": [bucket.owned], "weight_decay": decay} for (bucket, _), decay in zip(self.buckets, decays)],
-            lr,
-            betas,
-            eps,
-        )
+        decays = [settings.weight_decay if decay else 0.0 for decay, _ in sorted(by_kind)]
+        groups = [{"params": [bucket.owned], "weight_decay": decay} for (bucket, _), decay in zip(self.buckets, decays)]
+        self.optimizer = make_adamw(groups, settings)
 
     def sync_gradients(self) -> None:
         # Only the owned slice needs the sum: a reduce-scatter moves half the bytes of an all-reduce.
