@@ -164,3 +164,42 @@ def test_the_fifth_family_of_the_architecture_page_trains_like_one_process(
     )
     assert "tiny opt from config" in reference.output
     assert_trains_like(run, reference, "classification")
+
+
+# ------------------------------------------------------------------------------------- the README stays short
+
+README_MAX_LINES = 250
+
+
+def test_the_readme_stays_short():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    unlinked = [page.name for page in sorted((REPO / "docs").glob("*.md")) if f"](docs/{page.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_point_at_pages_and_headings_that_exist():
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                problems.append(f"{page.name}: no file {target}")
+            elif fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), re.M)
+                if fragment not in {anchor(h) for h in headings}:
+                    problems.append(f"{page.name}: no heading #{fragment} in {linked.name}")
+    assert not problems, "\n".join(problems)
