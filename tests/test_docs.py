@@ -5,13 +5,15 @@ modules, recipes, configuration keys)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, python
+from conftest import REPO, assert_trains_like, launch, python, tiny_overrides
 
 from parallel_finetune.config import SECTIONS, USER_KEYS, Config
 
@@ -105,3 +107,99 @@ def test_a_documented_command_names_what_exists(where, command):
                 problems.append(f"no file {word}")
         problems += check_overrides(words)
     assert not problems, f"{where}: `{command}`: " + "; ".join(problems)
+
+
+# ------------------------------------------------------------------------ the worked example of a fifth family
+
+FAMILY_WORKER = REPO / "tests" / "workers" / "docs_family.py"
+FAMILY_LAYOUTS = [
+    ("tp2", 2, ["tensor_parallel_degree=2"]),
+    ("pp2", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "model_config.num_hidden_layers=4"]),
+]
+
+
+def family_source() -> str:
+    spec = importlib.util.spec_from_file_location("docs_family_worker", FAMILY_WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker.family_source(worker.PAGE)
+
+
+def test_the_fifth_family_example_is_a_few_dozen_lines():
+    lines = [line for line in family_source().splitlines() if line.strip()]
+    assert 20 <= len(lines) <= 80, len(lines)
+
+
+@pytest.fixture(scope="module")
+def family_recipe(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("opt-recipe") / "tp.yaml"
+    path.write_text("family: opt\nsize: tiny\ntask: classification\nlr: 1.0e-3\nmodel_config:\n  dropout: 0\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def family_reference(family_recipe, sst2, cache_dir, tmp_path_factory):
+    def get(extra: tuple[str, ...]):
+        overrides = tiny_overrides(sst2, cache_dir, family="opt") + list(extra)
+        out = tmp_path_factory.mktemp("opt-single")
+        return launch(1, overrides, out, script=str(FAMILY_WORKER), recipe=family_recipe)
+
+    return functools.cache(get)
+
+
+@pytest.mark.parametrize("name,nproc,overrides", [pytest.param(*layout, id=layout[0]) for layout in FAMILY_LAYOUTS])
+def test_the_fifth_family_of_the_architecture_page_trains_like_one_process(
+    name, nproc, overrides, family_recipe, family_reference, sst2, cache_dir, tmp_path
+):
+    """docs/architecture.md's OPT family, run as the page shows it, trains under TP=2 and PP=2 exactly like one
+    process: the page's code is all a family needs."""
+    model = tuple(o for o in overrides if o.startswith("model_config."))
+    reference = family_reference(model)
+    run = launch(
+        nproc,
+        tiny_overrides(sst2, cache_dir, family="opt") + overrides,
+        tmp_path / name,
+        script=str(FAMILY_WORKER),
+        recipe=family_recipe,
+    )
+    assert "tiny opt from config" in reference.output
+    assert_trains_like(run, reference, "classification")
+
+
+# ------------------------------------------------------------------------------------- the README stays short
+
+README_MAX_LINES = 250
+
+
+def test_the_readme_stays_short():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    unlinked = [page.name for page in sorted((REPO / "docs").glob("*.md")) if f"](docs/{page.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_point_at_pages_and_headings_that_exist():
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                problems.append(f"{page.name}: no file {target}")
+            elif fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), re.M)
+                if fragment not in {anchor(h) for h in headings}:
+                    problems.append(f"{page.name}: no heading #{fragment} in {linked.name}")
+    assert not problems, "\n".join(problems)

@@ -1,4 +1,4 @@
-"""Scale-out paths, run for real on this machine: the README's two-node torchrun command as two agents (two
+"""Scale-out paths, run for real on this machine: docs/multi-node.md's two-node torchrun command as two agents (two
 "nodes") on 127.0.0.1, and scripts/train.sbatch submitted to a real two-node Slurm started here (tests/
 slurm_cluster.py). Both run 2 nodes x 2 processes with the recipe's tensor_parallel_degree: auto, which must give
 TP=2 inside each node and DP=2 across them, and train like one process. (The SageMaker path: test_sagemaker.py.)"""
@@ -28,9 +28,10 @@ SBATCH_SCRIPT = REPO / "scripts" / "train.sbatch"
 TIMEOUT_S = 600
 
 
-def readme_two_node_command() -> list[str]:
-    """The README's two-node torchrun command (the one line starting `torchrun --nnodes 2 `, continuation joined)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+def documented_two_node_command() -> list[str]:
+    """docs/multi-node.md's two-node torchrun command (the one line starting `torchrun --nnodes 2 `, continuation
+    joined)."""
+    text = (REPO / "docs" / "multi-node.md").read_text().replace("\\\n", " ")
     (line,) = [line for line in text.splitlines() if line.startswith("torchrun --nnodes 2 ")]
     return shlex.split(line)
 
@@ -40,7 +41,7 @@ def as_two_local_agents(command: list[str], port: int, script: Path) -> list[str
     HOST0:29500, `script` for scripts/train.py (the same training, plus a record of the process groups)."""
     words = list(command)
     assert words[0] == "torchrun" and {"--nproc_per_node", "--rdzv_endpoint", "scripts/train.py"} <= set(words), (
-        f"the README's two-node command changed shape: {shlex.join(command)}"
+        f"docs/multi-node.md's two-node command changed shape: {shlex.join(command)}"
     )
     assert words[words.index("--nnodes") + 1] == str(NODES) and words[words.index("--rdzv_backend") + 1] == "c10d"
     words[words.index("--nproc_per_node") + 1] = str(PROCESSES_PER_NODE)
@@ -87,7 +88,7 @@ def reference(single_process_run, sst2, cache_dir) -> Run:
 def test_the_readme_two_node_command_as_two_agents_trains_like_one_process(reference, sst2, cache_dir, tmp_path):
     groups = tmp_path / "groups"
     groups.mkdir()
-    command = as_two_local_agents(readme_two_node_command(), free_port(), RECORD_GROUPS)
+    command = as_two_local_agents(documented_two_node_command(), free_port(), RECORD_GROUPS)
     command += [*tiny_overrides(sst2, cache_dir), f"output_dir={tmp_path / 'run'}"]
     output = run_agents(command, {**subprocess_env(), "GROUPS_DIR": str(groups)}, tmp_path / "agents")
     difference = check_two_nodes(Run(0, output, tmp_path / "run"), reference)
