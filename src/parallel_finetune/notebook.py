@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
@@ -69,6 +70,86 @@ def launch_local(recipe: str | Path, overrides: list[str], nproc: int, check: bo
             *overrides,
         ]
     )
+
+
+@dataclass
+class Walkthrough:
+    """A notebook's run, from its parameters cell: `start` once, then `prepare_data`, `check`, `launch`."""
+
+    recipe: str
+    where: str  # "local" (torchrun here) or "sagemaker" (a training job)
+    overrides: list[str]
+    nproc: int
+    job_settings: object = None  # sagemaker_job.JobSettings, for where="sagemaker"
+    wait: bool = True
+    job: object = field(default=None, repr=False)
+
+    @classmethod
+    def start(
+        cls, launch, recipe, size, data, max_steps, nproc, args, instance_type, instance_count, role, region, bucket,
+        wait,
+    ) -> Walkthrough:  # fmt: skip
+        """Resolve the parameters (DATA relative to where the notebook started) and move to the repository root,
+        where recipes, the data cache and runs/ live."""
+        if launch not in ("local", "sagemaker"):
+            raise UserError(f"LAUNCH={launch!r}: use 'local' or 'sagemaker'")
+        data_dir = str(Path(data).expanduser().resolve()) if data else None
+        repo = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+        os.chdir(repo)
+        size = size or ("full" if launch == "sagemaker" else default_size())
+        overrides = [f"size={size}", *([f"data_dir={data_dir}"] if data_dir else [])]
+        overrides += [*([f"max_steps={max_steps}"] if max_steps else []), *args]
+        settings = None
+        if launch == "sagemaker":
+            from .sagemaker_job import JobSettings
+
+            settings = JobSettings(instance_type, instance_count, role, region, bucket)
+        walk = cls(recipe, launch, overrides, nproc or default_nproc(), settings, wait)
+        print("recipe:", recipe, "| overrides:", " ".join(overrides), "| launch:", launch)
+        return walk
+
+    def prepare_data(self):
+        """Tokenize and cache SST-2 as the run will (a tiny model's tokenizer is learned here); print the splits."""
+        from .config import load_config
+        from .data import prepare_for_config
+
+        prepared = prepare_for_config(load_config(self.recipe, self.overrides))
+        print(prepared.cache_path)
+        for split, rows in prepared.splits.items():
+            print(f"{split:>10}: {len(rows):,} rows")
+        return prepared
+
+    def check(self) -> None:
+        """Locally, `--check` in one process; for SageMaker, the processes per node the job will start."""
+        if self.where == "local":
+            stream(
+                [sys.executable, "-m", "parallel_finetune.train", "--check", "--nproc", str(self.nproc), self.recipe]
+                + self.overrides
+            )
+        else:
+            from .hardware import INSTANCES
+
+            gpu, gpus, _ = INSTANCES[self.job_settings.instance_type]
+            count, kind = self.job_settings.instance_count, self.job_settings.instance_type
+            print(f"{count} x {kind}: {gpus} x {gpu} per node, torchrun --nproc_per_node {gpus}")
+
+    def launch(self) -> Path | None:
+        """Train; returns the folder with metrics.jsonl, summary.json and hf/ (None: a job not waited for)."""
+        folder = run_folder(self.recipe)
+        if self.where == "local":
+            launch_local(self.recipe, [*self.overrides, f"output_dir={folder}"], self.nproc, check=False)
+            return folder
+        from .sagemaker_job import launch
+
+        self.job = launch(self.recipe, self.overrides, self.job_settings)
+        job = self.job
+        print(f"job {job.name}\n  console {job.console_url}\n  hyperparameters {job.hyperparameters}")
+        if not self.wait:
+            print("Not waiting: once the job completed, run `RUN = walk.job.download(notebook.run_folder(RECIPE))` "
+                  "and the cells below.")  # fmt: skip
+            return None
+        print("status:", job.wait())
+        return job.download(folder)
 
 
 def read_metrics(folder: str | Path) -> list[dict]:
