@@ -10,6 +10,9 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
   are a function of the seed and the step.
 
+- with peft=lora only the trainable parameters (adapters, head) and their moments; `trainer_state.json` names the
+  frozen base (`lora.base`) that a resumed run loads again from its source.
+
 - `manifest.json` (rank 0, last): the size and sha256 of every other file (see integrity.py).
 
 It is written to `.tmp-step-…/` and renamed when every rank has finished, so a folder named `step-…` is
@@ -201,6 +204,14 @@ class TrainingState:
     layout: object
     family: str
     parameter_shapes: dict[str, list[int]]  # of the unsplit model
+    trainable: set[str] | None = None  # peft=lora: only these are written (the base is named, not copied)
+    base: str | None = None  # peft=lora: the frozen base model the adapters belong to
+
+    def model_state(self) -> dict:
+        state = self.model.state_dict()
+        if self.trainable is None:
+            return state
+        return {name: tensor for name, tensor in state.items() if name in self.trainable}
 
 
 def save(state: TrainingState, root: Path) -> Path | None:
@@ -229,7 +240,7 @@ def save(state: TrainingState, root: Path) -> Path | None:
         return not error
 
     def gather_state():
-        tensors.update(model=state.model.state_dict(), optimizer=state.updates.moment_tensors())
+        tensors.update(model=state.model_state(), optimizer=state.updates.moment_tensors())
         bad = integrity.nonfinite(tensors)
         if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
             raise ValueError(f"{bad} holds NaN or inf")
@@ -259,6 +270,8 @@ def save(state: TrainingState, root: Path) -> Path | None:
             "layout": layout.describe(),
             "parameter_shapes": state.parameter_shapes,
         }
+        if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
+            trainer_state["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
         state.tokenizer.save_pretrained(partial / "tokenizer")
@@ -335,7 +348,7 @@ def load(state: TrainingState, folder: Path) -> int:
     check_same_model(folder, written, state.family, state.config.task, state.parameter_shapes)
     check_continuation(folder, state.config)
     moments = state.updates.moment_tensors()  # placeholders with this layout's shapes and placements
-    target = {"model": state.model.state_dict(), "optimizer": moments}
+    target = {"model": state.model_state(), "optimizer": moments}
     # in place, resharding from the writer's layout; the folder was verified (choose_resume)
     dcp.load(target, storage_reader=integrity.SafeReader(folder))
     state.updates.restore(target["optimizer"], written)
