@@ -294,6 +294,9 @@ def plan_load(
     plan, used = LoadPlan(), set()
     for name, param in model.named_parameters():
         box = box_of(param)
+        if ".lora_" in name:  # LoRA adapters (lora.py) are new by definition, never read from the base
+            plan.new[name] = box
+            continue
         candidates = [name, *(aliases or {}).get(name, [])]
         found = None
         for candidate in candidates:
