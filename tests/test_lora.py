@@ -110,7 +110,10 @@ def test_lora_resumes_exactly(references, sst2, cache_dir, tmp_path):
     assert written and all(".lora_" in name or name.startswith("score.") for name in written)
     assert state["lora"]["base"].startswith("tiny gptj")
     resumed = launch(
-        2, lora_overrides(sst2, cache_dir, "gptj", *TP2, f"resume={step3}"), tmp_path / "resumed", recipe=lora_recipe("gptj")
+        2,
+        lora_overrides(sst2, cache_dir, "gptj", *TP2, f"resume={step3}"),
+        tmp_path / "resumed",
+        recipe=lora_recipe("gptj"),
     )
     assert resumed.losses == run.losses[3:]
     assert resumed.summary["accuracy"] == run.summary["accuracy"]
@@ -152,7 +155,10 @@ def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_pat
         a = adapter[f"base_model.model.{module}.lora_A.weight"]
         b = adapter[f"base_model.model.{module}.lora_B.weight"]
         leaf = module.rsplit(".", 1)[-1]
-        rank, alpha = config["rank_pattern"].get(leaf, config["r"]), config["alpha_pattern"].get(leaf, config["lora_alpha"])
+        rank, alpha = (
+            config["rank_pattern"].get(leaf, config["r"]),
+            config["alpha_pattern"].get(leaf, config["lora_alpha"]),
+        )
         delta = (alpha / rank) * (b @ a)
         if family == "gpt2":
             delta = delta.t()  # Conv1D holds [in, out]
@@ -175,7 +181,21 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
     fam = get_family(family)
     seed_everything(config.seed)
-    initial = fam.hf_model("classification", fam.config_for(config, len(tokenizer), tokenizer.pad_token_id)).state_dict()
+    initial = fam.hf_model(
+        "classification", fam.config_for(config, len(tokenizer), tokenizer.pad_token_id)
+    ).state_dict()
     after = base.state_dict()
     changed = sorted(name for name in initial if not torch.equal(initial[name], after[name]))
     assert changed == ["score.weight"], changed
+
+
+def test_planner_fits_gptj_6b_lora_on_one_a10g_and_one_a100():
+    from parallel_finetune.planner import plan
+
+    a10g = plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge", lora_rank=16)
+    assert a10g.recommended is not None and a10g.recommended.layout.ac  # fits with activation checkpointing
+    assert a10g.recommended.memory["optimizer"] < 0.3e9  # 33M trainable parameters x 8 B
+    assert plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge").recommended is None  # full fine-tuning does not
+    a100 = plan("EleutherAI/gpt-j-6b", gpus=1, gpu_mem_gb=40, gpu="A100-40GB", lora_rank=16)
+    assert a100.recommended is not None and not a100.recommended.layout.ac
+    print(a10g.table(limit=2))

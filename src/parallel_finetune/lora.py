@@ -103,7 +103,12 @@ def planned_shapes(model: nn.Module, family, settings: LoraSettings) -> dict[str
 def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
     if not target_modules(model, family, settings):
         linears = sorted(
-            {relative for block in family.blocks(model)[:1] for relative, m in block.named_modules() if isinstance(m, nn.Linear)}
+            {
+                relative
+                for block in family.blocks(model)[:1]
+                for relative, m in block.named_modules()
+                if isinstance(m, nn.Linear)
+            }
         )
         raise UserError(
             f"lora_target_modules={list(settings.targets) if settings.targets != ALL_LINEAR else ALL_LINEAR!r} "
@@ -187,9 +192,7 @@ def trainable_names(model: nn.Module, lora_names: list[str], settings: LoraSetti
 def trainable_count(shapes: dict[str, list[int]], settings: LoraSettings) -> int:
     """Trainable parameters of the whole (unsplit) model, from its shapes by name."""
     heads = tuple(f"{m}." for m in settings.modules_to_save)
-    return sum(
-        math.prod(shape) for name, shape in shapes.items() if ".lora_" in name or name.startswith(heads)
-    )
+    return sum(math.prod(shape) for name, shape in shapes.items() if ".lora_" in name or name.startswith(heads))
 
 
 def initial_value(name: str, shape: list[int] | tuple[int, ...], seed: int) -> torch.Tensor:
@@ -274,7 +277,11 @@ def export_adapter(
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=sorted(
-            {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in tensors if ".lora_" in key}
+            {
+                key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
+                for key in tensors
+                if ".lora_" in key
+            }
         ),
         rank_pattern={name: ranks[next(k for k in ranks if k.endswith(name))] for name in short},
         alpha_pattern={
