@@ -1,7 +1,8 @@
 """One epoch of the real all-MiniLM-L6-v2 checkpoint on the full SST-2 train set, single process (precision auto).
 
 `make bench-minilm DATA=../shared/data/sst2` (`make bench-minilm-lora`: recipes/bert/minilm_lora.yaml): evaluates
-every 400 steps and prints dev accuracy against the training time spent so far (the Hugging Face Trainer reference measured here: 0.852 after 400 steps in 106 s).
+every 400 steps and prints dev accuracy against the training time spent so far (the Hugging Face Trainer
+reference measured here: 0.852 after 400 steps in 106 s).
 """
 
 from __future__ import annotations
