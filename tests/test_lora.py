@@ -199,3 +199,55 @@ def test_planner_fits_gptj_6b_lora_on_one_a10g_and_one_a100():
     a100 = plan("EleutherAI/gpt-j-6b", gpus=1, gpu_mem_gb=40, gpu="A100-40GB", lora_rank=16)
     assert a100.recommended is not None and not a100.recommended.layout.ac
     print(a10g.table(limit=2))
+
+
+@pytest.mark.parametrize("family_name", ["gptj", "gpt2", "bert"])
+def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_name):
+    """TP=2 in one process (torch's fake process group): the adapters' shards follow their layer (column-wise: B on
+    its output dim; row-wise: A on its input dim), and a forward runs exactly the collectives it ran without
+    LoRA; frozen weights go to the compute dtype, adapters and head stay fp32 and trainable."""
+    from conftest import fake_tp_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from parallel_finetune import lora
+    from parallel_finetune.data import collate
+    from parallel_finetune.families import get_family
+    from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.parallel.tensor import apply_tp
+    from parallel_finetune.runner import model_inputs
+    from parallel_finetune.weights import build_and_load, local_tensor, materialize
+
+    family = get_family(family_name)
+    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
+    family.set_task(hf_config, "classification", pad_token_id=0)
+    batch = model_inputs(collate([[5, 6, 7, 8, 9], [10, 11, 12]], 0, "right"))
+    settings = lora.LoraSettings(4, 8.0, 0.0, lora.ALL_LINEAR, family.lora_head)
+
+    def collectives(model) -> dict:
+        with CommDebugMode() as comms:
+            model(**batch)
+        return {str(op): count for op, count in comms.get_comm_counts().items()}
+
+    with fake_tp_mesh(2, rank=0) as mesh:
+        torch.manual_seed(0)
+        model = build_and_load(family, "classification", hf_config, None, seed=0)
+        apply_tp(model, family, mesh["tp"])
+        before = collectives(model)
+        names = lora.apply_lora(model, family, settings, mesh["tp"])
+        materialize(model, torch.device("cpu"))
+        for name in names:
+            local_tensor(model.get_parameter(name)).detach().normal_(0, 0.02)
+        assert collectives(model) == before
+        block = f"{family.block_path}.0."
+        column, row = family.column_wise[0], family.row_wise[0]
+        assert model.get_parameter(f"{block}{column}.lora_A.weight").placements == (Replicate(),)
+        assert model.get_parameter(f"{block}{column}.lora_B.weight").placements == (Shard(0),)
+        assert model.get_parameter(f"{block}{row}.lora_A.weight").placements == (Shard(1),)
+        assert model.get_parameter(f"{block}{row}.lora_B.weight").placements == (Replicate(),)
+        trainable = lora.trainable_names(model, names, settings)
+        lora.freeze_base(model, trainable, torch.bfloat16)
+        for name, param in model.named_parameters():
+            assert param.requires_grad == (name in trainable), name
+            assert param.dtype == (torch.float32 if name in trainable else torch.bfloat16), name
+        assert any(name.startswith(family.lora_head) for name in trainable)
