@@ -165,6 +165,13 @@ def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_pat
         expected = base_weights[f"{module}.weight"] + delta
         assert torch.allclose(merged_weights[f"{module}.weight"], expected, atol=1e-6), module
         assert b.abs().sum() > 0  # the adapter trained (B starts at zero)
+    # export_hf.py from the LoRA checkpoint (adapters + head only): the base from its source, merged
+    from parallel_finetune.checkpoint import export_checkpoint
+
+    export_checkpoint(tmp_path / "checkpoints" / "step-00000003", tmp_path / "from-checkpoint")
+    again = load_file(tmp_path / "from-checkpoint" / "model.safetensors")
+    assert again.keys() == merged_weights.keys()
+    assert all(torch.allclose(again[k], merged_weights[k], atol=1e-6) for k in again)
 
 
 def _check_base_unchanged(family: str, run_dir, base) -> None:

@@ -382,6 +382,34 @@ def load(state: TrainingState, folder: Path) -> int:
     return written["step"]
 
 
+def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: str | None) -> dict:
+    """A LoRA checkpoint holds adapters and head only: the base is loaded again from its source (a tiny one from
+    the seed, as the run made it), the checkpoint's tensors on top, and B·A merged in."""
+    from . import lora
+    from .model import seed_everything
+    from .weights import NewWeights, load_weights, materialize, plan_load, tied_aliases, weights_source
+
+    settings = lora.settings_from_config(config, family)
+    seed_everything(config.seed)
+    weights = weights_source(family, config.task, hf_config, model_path)
+    model = family.build(config.task, hf_config)
+    aliases = tied_aliases(model)
+    plan = plan_load(model, family, weights, aliases)
+    new = NewWeights(model, list(plan.new), config.seed)
+    names = lora.apply_lora(model, family, settings, None)
+    materialize(model, torch.device("cpu"))
+    plan = plan_load(model, family, weights, aliases)
+    plan.new = {name: box for name, box in plan.new.items() if name not in names}
+    load_weights(model, plan, weights, new)
+    weights.close()
+    trainable = lora.trainable_names(model, names, settings)
+    state = model.state_dict()
+    written = {name: tensor for name, tensor in state.items() if name in trainable}
+    dcp.load({"model": written}, storage_reader=integrity.SafeReader(folder))
+    state.update(written)
+    return lora.merged_state({k: v.detach() for k, v in state.items()}, settings.scaling)
+
+
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
     that verifies), in one process (no process group)."""
@@ -406,10 +434,14 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
-    model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
-    materialize(model, torch.device("cpu"))
-    state = model.state_dict()
-    dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
+    if config.peft == "lora":
+        state = _lora_checkpoint_state(folder, config, family, hf_config, model_path)
+        model = family.build(config.task, hf_config)
+    else:
+        model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
+        materialize(model, torch.device("cpu"))
+        state = model.state_dict()
+        dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out
