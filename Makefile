@@ -24,13 +24,16 @@ RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 .PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
-	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm test selftest bench bench-speed bench-pipeline bench-minilm \
+	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm gptj-lora gpt2-lora gptneo-lora bert-lora \
+	bert-minilm-lora bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-minilm \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
 	@echo "make gptj-pp (gpt2-pp, gptneo-pp, bert-pp)   pipeline parallelism (2 stages on a CPU)"
 	@echo "make gptj-tp-pp (gpt2-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
+	@echo "make gptj-lora (gpt2-lora, gptneo-lora, bert-lora)   LoRA: base frozen, adapters + head trained"
+	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
@@ -85,6 +88,13 @@ $(1)-tp-pp: setup
 endef
 $(foreach family,$(FAMILIES),$(eval $(call pipeline_targets,$(family))))
 
+# LoRA (recipes/<family>/lora.yaml): the base frozen, adapters + head trained; adapter/ in peft's format.
+define lora_targets
+$(1)-lora: setup
+	$$(call run_recipe,recipes/$(1)/lora.yaml)
+endef
+$(foreach family,$(FAMILIES),$(eval $(call lora_targets,$(family))))
+
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in
 # SM_ARGS). Defaults: ml.p4d.24xlarge, size=full, e.g. make gptj-tp-sagemaker DATA=../shared/data/sst2
@@ -110,6 +120,13 @@ bert-minilm: NPROC = 1
 endif
 bert-minilm: setup
 	$(call run_recipe,recipes/bert/minilm.yaml)
+
+bert-minilm-lora: SIZE = full
+ifeq ($(NGPU),0)
+bert-minilm-lora: NPROC = 1
+endif
+bert-minilm-lora: setup
+	$(call run_recipe,recipes/bert/minilm_lora.yaml)
 
 data: setup
 	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
@@ -143,6 +160,9 @@ bench-pipeline: setup
 
 bench-minilm: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+bench-minilm-lora: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py --recipe minilm_lora.yaml $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

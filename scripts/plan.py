@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only layouts the trainer runs now (all but pipeline stages with FSDP)",
     )
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="plan LoRA of this rank (peft=lora)")
     parser.add_argument("--all", action="store_true", help="print every layout, not the best 15")
     args = parser.parse_args(argv)
     try:
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             padded=args.padded,
             mfu=args.mfu,
             runs_today=args.runs_today,
+            lora_rank=args.lora,
         )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

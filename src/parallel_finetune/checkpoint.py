@@ -10,6 +10,9 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
   are a function of the seed and the step.
 
+- with peft=lora only the trainable parameters (adapters, head) and their moments; `trainer_state.json` names the
+  frozen base (`lora.base`) that a resumed run loads again from its source.
+
 - `manifest.json` (rank 0, last): the size and sha256 of every other file (see integrity.py).
 
 It is written to `.tmp-step-…/` and renamed when every rank has finished, so a folder named `step-…` is
@@ -201,6 +204,14 @@ class TrainingState:
     layout: object
     family: str
     parameter_shapes: dict[str, list[int]]  # of the unsplit model
+    trainable: set[str] | None = None  # peft=lora: only these are written (the base is named, not copied)
+    base: str | None = None  # peft=lora: the frozen base model the adapters belong to
+
+    def model_state(self) -> dict:
+        state = self.model.state_dict()
+        if self.trainable is None:
+            return state
+        return {name: tensor for name, tensor in state.items() if name in self.trainable}
 
 
 def save(state: TrainingState, root: Path) -> Path | None:
@@ -229,7 +240,7 @@ def save(state: TrainingState, root: Path) -> Path | None:
         return not error
 
     def gather_state():
-        tensors.update(model=state.model.state_dict(), optimizer=state.updates.moment_tensors())
+        tensors.update(model=state.model_state(), optimizer=state.updates.moment_tensors())
         bad = integrity.nonfinite(tensors)
         if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
             raise ValueError(f"{bad} holds NaN or inf")
@@ -259,6 +270,8 @@ def save(state: TrainingState, root: Path) -> Path | None:
             "layout": layout.describe(),
             "parameter_shapes": state.parameter_shapes,
         }
+        if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
+            trainer_state["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
         state.tokenizer.save_pretrained(partial / "tokenizer")
@@ -335,7 +348,7 @@ def load(state: TrainingState, folder: Path) -> int:
     check_same_model(folder, written, state.family, state.config.task, state.parameter_shapes)
     check_continuation(folder, state.config)
     moments = state.updates.moment_tensors()  # placeholders with this layout's shapes and placements
-    target = {"model": state.model.state_dict(), "optimizer": moments}
+    target = {"model": state.model_state(), "optimizer": moments}
     # in place, resharding from the writer's layout; the folder was verified (choose_resume)
     dcp.load(target, storage_reader=integrity.SafeReader(folder))
     state.updates.restore(target["optimizer"], written)
@@ -369,6 +382,34 @@ def load(state: TrainingState, folder: Path) -> int:
     return written["step"]
 
 
+def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: str | None) -> dict:
+    """A LoRA checkpoint holds adapters and head only: the base is loaded again from its source (a tiny one from
+    the seed, as the run made it), the checkpoint's tensors on top, and B·A merged in."""
+    from . import lora
+    from .model import seed_everything
+    from .weights import NewWeights, load_weights, materialize, plan_load, tied_aliases, weights_source
+
+    settings = lora.settings_from_config(config, family)
+    seed_everything(config.seed)
+    weights = weights_source(family, config.task, hf_config, model_path)
+    model = family.build(config.task, hf_config)
+    aliases = tied_aliases(model)
+    plan = plan_load(model, family, weights, aliases)
+    new = NewWeights(model, list(plan.new), config.seed)
+    names = lora.apply_lora(model, family, settings, None)
+    materialize(model, torch.device("cpu"))
+    plan = plan_load(model, family, weights, aliases)
+    plan.new = {name: box for name, box in plan.new.items() if name not in names}
+    load_weights(model, plan, weights, new)
+    weights.close()
+    trainable = lora.trainable_names(model, names, settings)
+    state = model.state_dict()
+    written = {name: tensor for name, tensor in state.items() if name in trainable}
+    dcp.load({"model": written}, storage_reader=integrity.SafeReader(folder))
+    state.update(written)
+    return lora.merged_state({k: v.detach() for k, v in state.items()}, settings.scaling)
+
+
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
     that verifies), in one process (no process group)."""
@@ -393,10 +434,14 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
-    model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
-    materialize(model, torch.device("cpu"))
-    state = model.state_dict()
-    dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
+    if config.peft == "lora":
+        state = _lora_checkpoint_state(folder, config, family, hf_config, model_path)
+        model = family.build(config.task, hf_config)
+    else:
+        model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
+        materialize(model, torch.device("cpu"))
+        state = model.state_dict()
+        dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

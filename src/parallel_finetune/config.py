@@ -102,6 +102,18 @@ class Config:
     partition: Literal["auto"] | list = "auto"  # auto = balanced by compute; [a, b, ...] = blocks per stage
     activation_checkpointing: bool | int = False  # true = every block; N = every N-th block
     offload_activations: bool = False  # keep saved activations in CPU memory until the backward needs them
+    # --- peft ---
+    # lora = the pretrained weights frozen (held in the compute dtype when training in 16-bit), a rank-`lora_rank`
+    # update B·A scaled by lora_alpha / lora_rank trained on `lora_target_modules`, plus `lora_modules_to_save`
+    peft: Literal["none", "lora"] = "none"
+    lora_rank: int = 8  # r: the inner width of each adapter (A is r x in, B is out x r)
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input (the base layer sees the undropped input)
+    # default = the family's (attention q and v; GPT-2: c_attn), all-linear = every Linear of every block, or a
+    # list of module names (a name or dotted tail of a path inside a block: q_proj, attention.output.dense)
+    lora_target_modules: Literal["default", "all-linear"] | list = "default"
+    lora_modules_to_save: list | None = None  # trained in full; None = the classification head (none for causal_lm)
+    lora_export_merged: bool = False  # also export hf/: the base with B·A merged in (the adapter goes to adapter/)
     # --- checkpoint ---
     checkpoint_every: int | None = None  # steps between sharded checkpoints; one is always written at the end
     keep_checkpoints: int = 2  # the newest N complete checkpoints are kept
@@ -166,6 +178,15 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "partition",
     ),
     "memory": ("activation_checkpointing", "offload_activations"),
+    "peft": (
+        "peft",
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_modules_to_save",
+        "lora_export_merged",
+    ),
     "checkpoint": ("checkpoint_every", "keep_checkpoints", "resume", "checkpoint_dir"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
 }
@@ -187,6 +208,7 @@ CONTINUATION_MAY_CHANGE = (
     "overwrite",
     "export",
     "export_dtype",
+    "lora_export_merged",
     "cache_dir",
     "peak_tflops",
     "max_nonfinite_steps",
@@ -608,6 +630,21 @@ def validate(config: Config, where: str = "config") -> None:
                 "does not combine with offload_activations=true (activations "
                 "cross stages); use activation_checkpointing instead",
             )
+    if config.peft == "lora":
+        if config.engine == "deepspeed":
+            raise bad("peft", "is engine=torch's (tensor, pipeline and sharded data parallelism); use engine=torch")
+        if config.lora_rank < 1:
+            raise bad("lora_rank", "must be at least 1, e.g. 8")
+        if config.lora_alpha <= 0:
+            raise bad("lora_alpha", "must be positive, e.g. 2 x lora_rank")
+        if not 0 <= config.lora_dropout < 1:
+            raise bad("lora_dropout", "must be in [0, 1)")
+        for key in ("lora_target_modules", "lora_modules_to_save"):
+            value = getattr(config, key)
+            if isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
+                raise bad(key, "must be a list of module names, e.g. [q_proj, v_proj]")
+        if config.lora_target_modules == []:
+            raise bad("lora_target_modules", "must name at least one module (or default, all-linear)")
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in FAMILIES[config.family].tasks:

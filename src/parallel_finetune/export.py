@@ -16,13 +16,18 @@ from .errors import UserError, one_line
 from .integrity import nonfinite
 
 
-def gather_full_state_dict(model: nn.Module, dtype: torch.dtype, layout) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0 (an empty dict elsewhere), by the unsplit model's names, in `dtype`.
+def gather_full_state_dict(
+    model: nn.Module, dtype: torch.dtype, layout, names: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model's weights (or those in `names`) on rank 0 (an empty dict elsewhere), by the unsplit
+    model's names, in `dtype`.
     A collective: every rank gathers its stage's shards (one tensor at a time, to bound memory); with pipeline
     stages, each stage's first rank then hands its part to rank 0."""
     keep = layout.dp_rank == 0 and layout.tp_rank == 0  # one rank per pipeline stage keeps its stage's tensors
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             full = full.detach().to("cpu")

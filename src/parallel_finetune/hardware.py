@@ -37,6 +37,7 @@ INSTANCES = {
     "ml.p4de.24xlarge": ("A100-80GB", 8, 400),
     "ml.p5.48xlarge": ("H100-80GB", 8, 3200),
     "ml.p5e.48xlarge": ("H200", 8, 3200),
+    "ml.g5.2xlarge": ("A10G-24GB", 1, 10),  # one A10G: what LoRA makes enough for GPT-J 6B
     "ml.g5.12xlarge": ("A10G-24GB", 4, 40),
     "ml.g5.48xlarge": ("A10G-24GB", 8, 100),
     "ml.p3.16xlarge": ("V100-16GB", 8, 25),

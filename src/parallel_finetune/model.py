@@ -3,7 +3,9 @@ rank's shards allocated and loaded (weights.py). Returns everything the loop nee
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import lora
 from .families.base import Family
 from .layout import Layout
 from .parallel import Parallelized, parallelize
@@ -84,6 +87,13 @@ def ready_model(
             total / 1e6,
         )
     shapes = parameter_shapes(model)
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:
+        lora.check_targets(model, family, settings)
+        adapters = lora.planned_shapes(model, family, settings)
+        shapes.update(adapters)
+        for name, shape in adapters.items():
+            new.computed[name] = functools.partial(lora.initial_value, name, shape, config.seed)
     flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
     box_of, write = shard_box, None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
@@ -108,6 +118,23 @@ def ready_model(
     ready = ReadyModel(
         model, parallel, shapes, flops, adamw, time.perf_counter() - started, before, peak_memory_mib(layout.device)
     )
+    if settings is not None:
+        trained = lora.trainable_count(shapes, settings)
+        log.info(
+            "lora: rank %d, alpha %g (scaling %g), dropout %g on %d modules (%s); trainable %s of %s parameters "
+            "(%.3f%%): adapters + %s; the base is frozen%s",
+            settings.rank,
+            settings.alpha,
+            settings.scaling,
+            settings.dropout,
+            len(adapters) // 2,
+            settings.targets if settings.targets == lora.ALL_LINEAR else ", ".join(settings.targets),
+            f"{trained:,}",
+            f"{sum(math.prod(s) for s in shapes.values()):,}",
+            100 * trained / sum(math.prod(s) for s in shapes.values()),
+            ", ".join(settings.modules_to_save) or "no head",
+            f" and held in {precision}" if precision != "fp32" else "",
+        )
     if config.size == "full":
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
         log.info(

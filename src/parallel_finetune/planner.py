@@ -35,6 +35,7 @@ parameter counts are exact. Assumptions, also printed under the table:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,14 @@ class ModelShape:
     total: int
     matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
     largest: tuple[int, int]  # elements of the largest tensor-parallel-sharded and of the largest replicated tensor
+    block_linear_in_out: int = 0  # sum of in + out features over the blocks' Linear layers (LoRA all-linear: x rank)
+    head_total: int = 0  # parameters after the last block (the classification head LoRA trains in full)
+    lora_rank: int = 0  # > 0: plan LoRA (see `with_lora`)
+
+    @property
+    def lora_elements(self) -> int:
+        """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus the head."""
+        return self.lora_rank * self.block_linear_in_out + self.head_total
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -191,6 +200,12 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         counts[replicated] += param.numel()
         largest[replicated] = max(largest[replicated], param.numel())
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
+    in_out = sum(
+        m.in_features + m.out_features
+        for block in family.blocks(built)
+        for m in block.modules()
+        if isinstance(m, nn.Linear)
+    )
     return ModelShape(
         model,
         family,
@@ -203,6 +218,8 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         sum(p.numel() for p in built.parameters()),
         matmul,
         tuple(largest),
+        in_out,
+        sum(head) - sum(tied),
     )
 
 
@@ -261,15 +278,18 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
     for i, (blocks, parts) in enumerate(stages(shape, layout.pp)):
         per_part = rank_elements(parts, t)
         elements = sum(per_part)
+        # LoRA: the frozen base in 16-bit (no gradient, no AdamW state); adapters + head in fp32 with both (counted
+        # whole on every stage and tensor-parallel rank: an upper bound, they are small)
+        trainable = shape.lora_elements / layout.pp if shape.lora_rank else elements
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
         if i == layout.pp - 1 and shape.task == "causal_lm":
             kept += 10 * s * b * shape.hf_config.vocab_size
         memory = {
-            "params": 4 * elements / state_divisor,
+            "params": (2 * elements + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,
             "gathered": 2 * max(per_part) if fsdp else 0,
-            "grads": 4 * elements / state_divisor,
-            "optimizer": 8 * elements / optimizer_divisor,
+            "grads": 4 * trainable / state_divisor,
+            "optimizer": 8 * trainable / optimizer_divisor,
             "activations": kept,
         }
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
@@ -288,13 +308,16 @@ def step_seconds(
 ) -> float:
     s, h, L, recompute = tokens_per_sample, shape.hidden, shape.layers, int(layout.ac)
     m, pp, dp, t = layout.microbatches, layout.pp, layout.dp, layout.tp
-    flops = batch_size * s * ((6 + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * h)
+    weight_grads = 0 if shape.lora_rank else 2  # LoRA: no weight gradients of the frozen matmuls
+    flops = batch_size * s * ((4 + weight_grads + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * h)
     compute = flops / (hardware.world * hardware.spec.tflops * 1e12 * mfu) * (m + pp - 1) / m
     intra = hardware.spec.link_gb_s * GB * LINK_EFFICIENCY
     inter = hardware.internode_gbits / 8 / hardware.gpus_per_node * GB * LINK_EFFICIENCY
     dp_link = intra if hardware.nodes == 1 else inter
     tensor = (4 + 2 * recompute) * math.ceil(L / pp) * (batch_size / dp) * s * h * 2 * 2 * (t - 1) / t / intra
     elements = max(sum(rank_elements(parts, t)) for _, parts in stages(shape, pp))
+    if shape.lora_rank:  # only the trainable parameters' gradients travel between data-parallel ranks
+        elements = shape.lora_elements / pp
     if layout.sharding in ("none", "optimizer"):
         data = 2 * (dp - 1) / dp * 4 * elements / dp_link
     elif layout.sharding == "full":
@@ -412,6 +435,14 @@ class Plan:
             f"{hw.spec.tflops:g} TFLOP/s 16-bit peak, {hw.spec.link_gb_s:g} GB/s GPU link"
             + (f", {hw.internode_gbits:g} Gbit/s between nodes" if hw.nodes > 1 else "")
             + hw.note,
+            *(
+                [
+                    f"LoRA rank {shape.lora_rank} on every linear layer + head: {shape.lora_elements:,} trainable "
+                    f"parameters ({shape.lora_elements / shape.total:.2%}); the base frozen in 16-bit"
+                ]
+                if shape.lora_rank
+                else []
+            ),
             f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
             f"of {self.batch_size}; memory at {self.seq_len} tokens per sequence, time at "
             f"{self.tokens_per_sample:g} tokens per sample, MFU {self.mfu:g}",
@@ -446,6 +477,8 @@ class Plan:
             "- State as the trainer keeps it: fp32 params 4 B, fp32 grads 4 B, AdamW 8 B per parameter, 16-bit",
             "  autocast. tp-sharded parameters and their gradients / tp; the rest whole. optimizer =",
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
+            "- LoRA (--lora R): frozen parameters 2 B (16-bit), adapters + head 4 + 4 + 8 B; 4N FLOPs per token",
+            "  instead of 6N (no weight gradients of the frozen matmuls); data parallel moves trainable gradients.",
             "- Activations: Korthikanti et al. 2022, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer at",
             "  s = max_length; ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i micro-batches;",
             "  micro = count x size.",
@@ -470,6 +503,7 @@ def plan(
     padded: bool = False,
     mfu: float = 0.35,
     runs_today: bool = False,
+    lora_rank: int = 0,
 ) -> Plan:
     """Every layout of `model` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with `runs_today` only
     those the trainer runs now. See the module docstring for the assumptions."""
@@ -479,6 +513,8 @@ def plan(
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
     shape = model_shape(model, task)
+    if lora_rank:
+        shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank))
     tokens = seq_len if padded else min(tokens_per_sample, seq_len)
     steps = SST2_TRAIN_SENTENCES // batch_size
     rows = []

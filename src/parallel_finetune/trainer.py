@@ -30,7 +30,7 @@ from .checkpoint import TrainingState, continuing_run
 from .config import Config
 from .divergence import NonFiniteGuard
 from .errors import RankError, UserError
-from .export import save_hf
+from .export import save_hf, write_folder
 from .families import get_family
 from .families.base import download_model
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
@@ -255,7 +255,16 @@ class Trainer:
             self.layout,
             self.family.name,
             self.ready.parameter_shapes,
+            self.ready.parallel.trainable,
+            self.base_description(),
         )
+
+    def base_description(self) -> str:
+        config = self.config
+        if config.size == "tiny":
+            return f"tiny {self.family.name} from config, initialised from seed {config.seed}"
+        name = config.model or self.family.default_model
+        return f"{name}@{config.revision}" if config.revision else name
 
     # ------------------------------------------------------------------------------------------- training
     def batch_of(self, indices: list[int], ids: list | None = None, labels: list | None = None) -> dict:
@@ -437,6 +446,8 @@ class Trainer:
         if out is None:
             out = Path(os.environ["SM_MODEL_DIR"]) if "SM_MODEL_DIR" in os.environ else self.output_dir / "hf"
         with self.timer("export"):
+            if self.ready.parallel.trainable is not None:
+                return self._export_lora(out)
             state, model = self.updates.full_state_dict(DTYPES[self.config.export_dtype]), self.updates.module
             # rank 0 writes; its failure (NaN weights, a full disk) is every rank's one-line error
             rank0_decides(
@@ -445,6 +456,46 @@ class Trainer:
             )
             log.info("exported a Hugging Face model to %s", out)
         return out
+
+    def _export_lora(self, out: Path) -> Path:
+        """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out`; with lora_export_merged
+        also `out` (hf/): the base with the update merged in. A tiny base exists nowhere else, so it is written
+        too (base/), and the adapter names it."""
+        from . import lora
+
+        config, family = self.config, self.family
+        dtype, model = DTYPES[config.export_dtype], self.updates.module
+        settings = lora.settings_from_config(config, family)
+        whole = config.lora_export_merged or config.size == "tiny"
+        # every rank takes part in the gather; what to gather is the same on all of them
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        state = self.updates.full_state_dict(dtype, None if whole else trainable)
+        adapter, base_dir = out.with_name("adapter"), out.with_name("base")
+        base = str(base_dir.resolve()) if config.size == "tiny" else (config.model or family.default_model)
+        tokenizer = self.data.tokenizer
+
+        def write():
+            if config.size == "tiny":
+                frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
+                save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
+            write_folder(
+                adapter,
+                lambda folder: (
+                    lora.export_adapter(state, family, model.config, settings, config.task, base, folder),
+                    tokenizer.save_pretrained(folder),
+                ),
+            )
+            if config.lora_export_merged:
+                merged = lora.merged_state(state, settings.scaling)
+                save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
+
+        rank0_decides(self.layout, write)
+        log.info(
+            "exported the LoRA adapter (peft format) to %s%s",
+            adapter,
+            f" and the merged model to {out}" if config.lora_export_merged else "",
+        )
+        return adapter
 
     def summary(self, results: dict) -> dict:
         layout = self.layout

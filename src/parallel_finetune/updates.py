@@ -118,8 +118,8 @@ class TorchUpdates:
     def state_bytes(self) -> dict[str, int] | None:
         return self.measured
 
-    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return gather_full_state_dict(self.model, dtype, self.layout)
+    def full_state_dict(self, dtype: torch.dtype, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        return gather_full_state_dict(self.model, dtype, self.layout, names)
 
     # --- checkpoints
     def moment_tensors(self) -> dict[str, dict[str, torch.Tensor]]:

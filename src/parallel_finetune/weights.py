@@ -294,6 +294,9 @@ def plan_load(
     plan, used = LoadPlan(), set()
     for name, param in model.named_parameters():
         box = box_of(param)
+        if ".lora_" in name:  # LoRA adapters (lora.py) are new by definition, never read from the base
+            plan.new[name] = box
+            continue
         candidates = [name, *(aliases or {}).get(name, [])]
         found = None
         for candidate in candidates:
@@ -362,11 +365,17 @@ class NewWeights:
         self.init = model._init_weights
         self.seed = seed
         self.templates = {}
+        self.computed: dict[str, Callable[[], torch.Tensor]] = {}  # other new weights (LoRA adapters): whole values
         for name in names:
             module_path, _, leaf = name.rpartition(".")
             self.templates[name] = (copy.deepcopy(model.get_submodule(module_path)), leaf)
 
+    def known(self, name: str) -> bool:
+        return name in self.templates or name in self.computed
+
     def value(self, name: str) -> torch.Tensor:
+        if name in self.computed:
+            return self.computed[name]()
         template, leaf = self.templates[name]
         module = copy.deepcopy(template).to_empty(device="cpu")
         with torch.random.fork_rng(devices=[]):
@@ -393,7 +402,7 @@ def load_weights(
         block = checkpoint.read(read.key, read.box)
         write(params[read.name], block.t() if read.transpose else block)
         del block
-    missing = [name for name in plan.new if new is None or name not in new.templates]
+    missing = [name for name in plan.new if new is None or not new.known(name)]
     if missing:
         raise UserError(f"the checkpoint lacks {', '.join(missing[:3])} and no initialiser was given")
     for name, box in plan.new.items():

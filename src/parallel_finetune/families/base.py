@@ -37,6 +37,10 @@ class Family:
     block_path: str  # where the ModuleList of blocks lives, e.g. "transformer.h"
     column_wise: tuple[str, ...]
     row_wise: tuple[str, ...]
+    # LoRA (lora.py): the default target modules (names inside a block, peft's defaults) and the head trained in
+    # full for classification
+    lora_targets: tuple[str, ...] = ()
+    lora_head: tuple[str, ...] = ("score",)
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         """After sharding, attention modules must reshape with the per-rank head count."""

@@ -39,6 +39,8 @@ class Bert(Family):
     block_path = "bert.encoder.layer"
     column_wise = ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense")
     row_wise = ("attention.output.dense", "output.dense")
+    lora_targets = ("query", "value")
+    lora_head = ("classifier",)
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for layer in self.blocks(model):

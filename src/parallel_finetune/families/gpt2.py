@@ -84,6 +84,7 @@ class GPT2(DecoderFamily):
     block_path = "transformer.h"
     column_wise = ("attn.c_attn.q", "attn.c_attn.k", "attn.c_attn.v", "mlp.c_fc")
     row_wise = ("attn.c_proj", "mlp.c_proj")
+    lora_targets = ("c_attn",)  # q, k and v (peft's default for GPT-2: the fused c_attn)
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):

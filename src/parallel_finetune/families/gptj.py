@@ -39,6 +39,7 @@ class GPTJ(DecoderFamily):
     block_path = "transformer.h"
     column_wise = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in")
     row_wise = ("attn.out_proj", "mlp.fc_out")
+    lora_targets = ("q_proj", "v_proj")
 
     def extra_tp_plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         # Vocabulary-sharded embedding: each rank holds vocab/tp rows; the lookup result is all-reduced.

@@ -41,6 +41,7 @@ class GPTNeo(DecoderFamily):
     block_path = "transformer.h"
     column_wise = ("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj", "mlp.c_fc")
     row_wise = ("attn.attention.out_proj", "mlp.c_proj")
+    lora_targets = ("q_proj", "v_proj")
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for block in self.blocks(model):

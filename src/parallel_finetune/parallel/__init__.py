@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import lora
 from ..families.base import Family
 from ..layout import Layout
 from .memory import apply_activation_checkpointing
@@ -27,6 +28,8 @@ class Parallelized:
     stages: list[Stage] = field(default_factory=list)  # every pipeline stage (this rank holds those % pp == pp_rank)
     tied: list[tuple[str, ...]] = field(default_factory=list)  # weights shared by the first and last stage
     tied_shapes: dict[str, torch.Size] = field(default_factory=dict)  # their global shapes, by first name
+    lora: list[str] = field(default_factory=list)  # peft=lora: the adapters' parameters this rank holds
+    trainable: set[str] | None = None  # peft=lora: the parameters that train (adapters, head); None = all
 
 
 def parallelize(
@@ -49,6 +52,13 @@ def parallelize(
             describe_stages(result.stages, layout.pp),
         )
     apply_tp(model, family, layout.tp_mesh)
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:  # after TP (adapters placed like their layer), before checkpointing/compile/FSDP
+        result.lora = lora.apply_lora(model, family, settings, layout.tp_mesh)
+        result.trainable = lora.trainable_names(model, result.lora, settings)
+        lora.freeze_base(model, result.trainable, compute_dtype)
+        # a frozen weight shared by the first and last stage has no gradient to sum
+        result.tied = [names for names in result.tied if set(names) & result.trainable]
     checkpointed = apply_activation_checkpointing(
         family.blocks(model), config.activation_checkpointing, family.block_numbers(model)
     )

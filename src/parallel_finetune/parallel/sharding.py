@@ -105,12 +105,16 @@ class DataParallelAdamW:
         can write and read (checkpoints reshard through it)."""
         result = {}
         for param, name in _named(model, self.shared).items():
+            if not param.requires_grad:  # frozen (LoRA's base): no optimizer state
+                continue
             state = self.optimizer.state.get(param, {})
             result[name] = {key: state[key] if key in state else torch.zeros_like(param) for key in MOMENTS}
         return result
 
     def load_moments(self, model: nn.Module, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
         for param, name in _named(model, self.shared).items():
+            if not param.requires_grad:
+                continue
             self.optimizer.state[param] = {"step": _step_tensor(adam_step, param), **moments[name]}
 
 

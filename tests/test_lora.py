@@ -1,0 +1,260 @@
+"""LoRA (peft=lora) under every parallel layout trains like one process; the base stays bit-identical; the adapter
+exports in peft's format and reloads with peft to the trained model's logits; a LoRA checkpoint resumes exactly.
+
+fp32, tiny models, real SST-2, adapter dropout off (dropout draws differ on differently sharded tensors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, assert_trains_like, launch, tiny_overrides
+from safetensors.torch import load_file
+
+TOLERANCE = 1e-5
+WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
+# all-linear: column-wise (B sharded) and row-wise (A sharded) adapters both
+LORA = ["lora_dropout=0", "lora_rank=8", "lora_alpha=16", "lora_target_modules=all-linear"]
+
+
+def lora_recipe(family: str):
+    return REPO / "recipes" / family / "lora.yaml"
+
+
+def lora_overrides(sst2, cache_dir, family: str, *extra: str) -> list[str]:
+    return tiny_overrides(sst2, cache_dir, "classification", family) + LORA + list(extra)
+
+
+@pytest.fixture(scope="module")
+def references(sst2, cache_dir, tmp_path_factory):
+    """One-process LoRA runs, one per family, made on first use."""
+    runs = {}
+
+    def get(family: str):
+        if family not in runs:
+            runs[family] = launch(
+                1,
+                lora_overrides(sst2, cache_dir, family),
+                tmp_path_factory.mktemp(f"lora-single-{family}"),
+                recipe=lora_recipe(family),
+            )
+        return runs[family]
+
+    return get
+
+
+TP2 = ["tensor_parallel_degree=2"]
+PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
+CASES = [
+    ("gptj", "tp2", TP2 + ["checkpoint_every=3"]),
+    ("gptj", "pp2", PP2),
+    ("gptj", "fsdp_dp2_checkpointing", ["tensor_parallel_degree=1", "sharding=full", "activation_checkpointing=true"]),
+    ("gptj", "zero1_dp2", ["tensor_parallel_degree=1", "sharding=optimizer"]),
+    ("gpt2", "tp2", TP2),
+    ("gpt2", "pp2", PP2),
+    ("bert", "tp2", TP2),
+]
+_runs: dict = {}
+
+
+@pytest.mark.parametrize("family,name,layout", CASES, ids=[f"{f}-{n}" for f, n, _ in CASES])
+def test_lora_layout_matches_single_process(family, name, layout, references, sst2, cache_dir, tmp_path_factory):
+    reference = references(family)
+    run = launch(
+        2,
+        lora_overrides(sst2, cache_dir, family, *layout),
+        tmp_path_factory.mktemp(f"lora-{family}-{name}"),
+        recipe=lora_recipe(family),
+    )
+    _runs[(family, name)] = run
+    difference = assert_trains_like(run, reference, "classification", TOLERANCE)
+    print(f"{family} {name}: largest loss difference {difference:.2e} over {len(run.losses)} steps")
+    assert "trainable" in run.output and "the base is frozen" in run.output
+    per_rank = run.summary["state_bytes_per_rank"]
+    assert all(rank["optimizer"] > 0 for rank in per_rank)
+
+
+def test_lora_optimizer_state_is_under_5_percent_of_full_fine_tuning(references, sst2, cache_dir, tmp_path):
+    """Per-rank tensor accounting (TP=2, tiny GPT-J): AdamW state exists only for adapters and head; frozen
+    weights have no gradient."""
+    lora = _runs.get(("gptj", "tp2")) or launch(
+        2, lora_overrides(sst2, cache_dir, "gptj", *TP2), tmp_path / "lora", recipe=lora_recipe("gptj")
+    )
+    full = launch(
+        2,
+        tiny_overrides(sst2, cache_dir, "classification", "gptj", max_steps=1) + TP2,
+        tmp_path / "full",
+        recipe=REPO / "recipes" / "gptj" / "tp.yaml",
+    )
+    for mine, theirs in zip(lora.summary["state_bytes_per_rank"], full.summary["state_bytes_per_rank"]):
+        ratio = mine["optimizer"] / theirs["optimizer"]
+        print(f"optimizer bytes per rank: LoRA {mine['optimizer']:,} vs full {theirs['optimizer']:,} ({ratio:.2%})")
+        assert ratio <= 0.05
+        assert mine["grads"] <= 0.05 * theirs["grads"]
+        assert mine["params"] > 0.95 * theirs["params"]  # the base is all there (fp32 in an fp32 run)
+
+
+def test_lora_resumes_exactly(references, sst2, cache_dir, tmp_path):
+    """The TP=2 run checkpointed at step 3: only adapters and head were written, and continuing from there gives
+    the same losses bit for bit."""
+    run = _runs.get(("gptj", "tp2")) or launch(
+        2,
+        lora_overrides(sst2, cache_dir, "gptj", *TP2, "checkpoint_every=3"),
+        tmp_path / "first",
+        recipe=lora_recipe("gptj"),
+    )
+    step3 = run.output_dir / "checkpoints" / "step-00000003"
+    state = json.loads((step3 / "trainer_state.json").read_text())
+    written = state["lora"]["written"]
+    assert written and all(".lora_" in name or name.startswith("score.") for name in written)
+    assert state["lora"]["base"].startswith("tiny gptj")
+    resumed = launch(
+        2,
+        lora_overrides(sst2, cache_dir, "gptj", *TP2, f"resume={step3}"),
+        tmp_path / "resumed",
+        recipe=lora_recipe("gptj"),
+    )
+    assert resumed.losses == run.losses[3:]
+    assert resumed.summary["accuracy"] == run.summary["accuracy"]
+
+
+@pytest.mark.parametrize("family", ["gptj", "gpt2"])
+def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_path):
+    """adapter/ (peft format) onto base/ gives the trained TP=2 model's logits; hf/ (merged) too, and its weights
+    are base + alpha/r * B·A; the base's weights are bit-identical to the initial ones."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    launch(
+        2,
+        lora_overrides(sst2, cache_dir, family, *TP2, "max_steps=3", "export=true", "lora_export_merged=true"),
+        tmp_path,
+        script=WORKER,
+        recipe=lora_recipe(family),
+    )
+    saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
+    base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base")
+    _check_base_unchanged(family, tmp_path, base)
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    with torch.no_grad():
+        logits = model(**saved["batch"]).logits
+    assert torch.allclose(logits, saved["logits"], atol=1e-5), (logits - saved["logits"]).abs().max()
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(**saved["batch"]).logits, saved["logits"], atol=1e-5)
+    # merged = base + scaling * B·A, module by module, in transformers' own layout (GPT-2: Conv1D, fused c_attn)
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    base_weights = load_file(tmp_path / "base" / "model.safetensors")
+    merged_weights = load_file(tmp_path / "hf" / "model.safetensors")
+    modules = sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in adapter if ".lora_" in k})
+    assert modules
+    for module in modules:
+        a = adapter[f"base_model.model.{module}.lora_A.weight"]
+        b = adapter[f"base_model.model.{module}.lora_B.weight"]
+        leaf = module.rsplit(".", 1)[-1]
+        rank, alpha = (
+            config["rank_pattern"].get(leaf, config["r"]),
+            config["alpha_pattern"].get(leaf, config["lora_alpha"]),
+        )
+        delta = (alpha / rank) * (b @ a)
+        if family == "gpt2":
+            delta = delta.t()  # Conv1D holds [in, out]
+        expected = base_weights[f"{module}.weight"] + delta
+        assert torch.allclose(merged_weights[f"{module}.weight"], expected, atol=1e-6), module
+        assert b.abs().sum() > 0  # the adapter trained (B starts at zero)
+    # export_hf.py from the LoRA checkpoint (adapters + head only): the base from its source, merged
+    from parallel_finetune.checkpoint import export_checkpoint
+
+    export_checkpoint(tmp_path / "checkpoints" / "step-00000003", tmp_path / "from-checkpoint")
+    again = load_file(tmp_path / "from-checkpoint" / "model.safetensors")
+    assert again.keys() == merged_weights.keys()
+    assert all(torch.allclose(again[k], merged_weights[k], atol=1e-6) for k in again)
+
+
+def _check_base_unchanged(family: str, run_dir, base) -> None:
+    """The frozen weights after training equal the initial ones bit for bit (the tiny base is the transformers
+    model initialised from the seed, as the run's loader made it); only the head differs."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from parallel_finetune.config import Config
+    from parallel_finetune.families import get_family
+    from parallel_finetune.model import seed_everything
+
+    config = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
+    fam = get_family(family)
+    seed_everything(config.seed)
+    initial = fam.hf_model(
+        "classification", fam.config_for(config, len(tokenizer), tokenizer.pad_token_id)
+    ).state_dict()
+    after = base.state_dict()
+    changed = sorted(name for name in initial if not torch.equal(initial[name], after[name]))
+    assert changed == ["score.weight"], changed
+
+
+def test_planner_fits_gptj_6b_lora_on_one_a10g_and_one_a100():
+    from parallel_finetune.planner import plan
+
+    a10g = plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge", lora_rank=16)
+    assert a10g.recommended is not None and a10g.recommended.layout.ac  # fits with activation checkpointing
+    assert a10g.recommended.memory["optimizer"] < 0.3e9  # 33M trainable parameters x 8 B
+    assert plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge").recommended is None  # full fine-tuning does not
+    a100 = plan("EleutherAI/gpt-j-6b", gpus=1, gpu_mem_gb=40, gpu="A100-40GB", lora_rank=16)
+    assert a100.recommended is not None and not a100.recommended.layout.ac
+    print(a10g.table(limit=2))
+
+
+@pytest.mark.parametrize("family_name", ["gptj", "gpt2", "bert"])
+def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_name):
+    """TP=2 in one process (torch's fake process group): the adapters' shards follow their layer (column-wise: B on
+    its output dim; row-wise: A on its input dim), and a forward runs exactly the collectives it ran without
+    LoRA; frozen weights go to the compute dtype, adapters and head stay fp32 and trainable."""
+    from conftest import fake_tp_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from parallel_finetune import lora
+    from parallel_finetune.data import collate
+    from parallel_finetune.families import get_family
+    from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.parallel.tensor import apply_tp
+    from parallel_finetune.runner import model_inputs
+    from parallel_finetune.weights import build_and_load, local_tensor, materialize
+
+    family = get_family(family_name)
+    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
+    family.set_task(hf_config, "classification", pad_token_id=0)
+    batch = model_inputs(collate([[5, 6, 7, 8, 9], [10, 11, 12]], 0, "right"))
+    settings = lora.LoraSettings(4, 8.0, 0.0, lora.ALL_LINEAR, family.lora_head)
+
+    def collectives(model) -> dict:
+        with CommDebugMode() as comms:
+            model(**batch)
+        return {str(op): count for op, count in comms.get_comm_counts().items()}
+
+    with fake_tp_mesh(2, rank=0) as mesh:
+        torch.manual_seed(0)
+        model = build_and_load(family, "classification", hf_config, None, seed=0)
+        apply_tp(model, family, mesh["tp"])
+        before = collectives(model)
+        names = lora.apply_lora(model, family, settings, mesh["tp"])
+        materialize(model, torch.device("cpu"))
+        for name in names:
+            local_tensor(model.get_parameter(name)).detach().normal_(0, 0.02)
+        assert collectives(model) == before
+        block = f"{family.block_path}.0."
+        column, row = family.column_wise[0], family.row_wise[0]
+        assert model.get_parameter(f"{block}{column}.lora_A.weight").placements == (Replicate(),)
+        assert model.get_parameter(f"{block}{column}.lora_B.weight").placements == (Shard(0),)
+        assert model.get_parameter(f"{block}{row}.lora_A.weight").placements == (Shard(1),)
+        assert model.get_parameter(f"{block}{row}.lora_B.weight").placements == (Replicate(),)
+        trainable = lora.trainable_names(model, names, settings)
+        lora.freeze_base(model, trainable, torch.bfloat16)
+        for name, param in model.named_parameters():
+            assert param.requires_grad == (name in trainable), name
+            assert param.dtype == (torch.float32 if name in trainable else torch.bfloat16), name
+        assert any(name.startswith(family.lora_head) for name in trainable)
