@@ -26,7 +26,7 @@ from torch import nn
 from .export import gather_full_state_dict
 from .layout import Layout
 from .parallel import Parallelized
-from .parallel.gradients import reduce_norm_and_loss, scale_gradients
+from .parallel.gradients import reduce_norm_and_loss
 from .parallel.memory import measure_state_bytes
 from .parallel.pipeline import sync_tied_gradients
 from .parallel.sharding import DataParallelAdamW, ZeroAdamW
@@ -121,8 +121,9 @@ class TorchUpdates:
         if not skipped:
             clip = self.max_grad_norm
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-            scale_gradients([grad for grad, _ in pieces], coefficient / scale)
-            self.adamw.step()
+            # Unscaling and clipping happen inside the fused AdamW kernel (it divides each gradient by
+            # `grad_scale` as it reads it): no extra pass over the gradients.
+            self.adamw.step(scale / coefficient)
             self.adam_step += 1
             if self.measured is None:  # gradients and optimizer state all exist now: the peak of both
                 self.measured = measure_state_bytes(self.model, self.adamw.optimizer)

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..layout import Layout
-from .gradients import GradPiece, all_reduce_flat, local, replicas
+from .gradients import GradPiece, all_reduce_flat, local, replicas, scale_gradients
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -42,6 +42,16 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
     # The fused kernel (one launch per group; what the HF Trainer also uses) is ~10% of a CPU step faster.
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=True)
+
+
+def fused_step(optimizer: torch.optim.Optimizer, divisor: float) -> None:
+    """AdamW's step with the gradients divided by `divisor` inside the fused kernel, as it reads them (what
+    GradScaler uses): unscaling and clipping cost no pass of their own over the gradients."""
+    optimizer.grad_scale = None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = None
 
 
 def _named(model: nn.Module, shared: dict[str, str]) -> dict[nn.Parameter, str]:
@@ -89,8 +99,13 @@ class DataParallelAdamW:
     def gradient_pieces(self) -> list[GradPiece]:
         return [(local(p.grad), self.replicas(p, p.grad)) for p in self.params if p.grad is not None]
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, divisor: float = 1.0) -> None:
+        """The update with every gradient divided by `divisor` (loss scale / clipping coefficient)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if any(isinstance(g, DTensor) for g in grads):  # the fused kernel takes no plain grad_scale beside DTensors
+            scale_gradients([local(g) for g in grads], 1.0 / divisor)
+            divisor = 1.0
+        fused_step(self.optimizer, divisor)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,8 +219,8 @@ class ZeroAdamW:
         # Each rank's slice is its own (no data-parallel replicas); tensor-parallel replicas as in the bucket.
         return [(bucket.owned.grad, copies) for bucket, copies in self.buckets]
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, divisor: float = 1.0) -> None:
+        fused_step(self.optimizer, divisor)  # the owned slices are plain tensors
         for bucket, _ in self.buckets:
             if self.layout.dp > 1:
                 dist.all_gather_into_tensor(bucket.data, bucket.owned.detach().clone(), group=self.layout.dp_group)
