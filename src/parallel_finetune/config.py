@@ -83,6 +83,9 @@ class Config:
     # state sharded (ZeRO-1); full = parameters, gradients and optimizer state sharded (FSDP2); hybrid = sharded
     # inside groups of `shard_group_size` ranks, replicated across groups (MiCS / HSDP).
     sharding: Literal["none", "optimizer", "full", "hybrid"] = "none"
+    # sharding=none: sum data-parallel gradients in buckets of gradient_bucket_mib while the backward runs
+    overlap_gradients: bool = True
+    gradient_bucket_mib: float = 25.0
     shard_group_size: int | None = None  # hybrid only; None = the data-parallel ranks of one node
     # Who runs the data-parallel optimizer: torch = this repo's (tensor parallel, `sharding`); deepspeed = DeepSpeed's
     # ZeRO, data parallel only (tensor_parallel_degree=auto means 1 there, sharding must be none).
@@ -153,6 +156,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "collective_timeout_s",
         "sharding",
         "shard_group_size",
+        "overlap_gradients",
+        "gradient_bucket_mib",
         "engine",
         "zero_stage",
         "mics_shard_size",
@@ -202,6 +207,8 @@ CONTINUATION_MAY_CHANGE = (
     "activation_checkpointing",
     "offload_activations",
     "compile",
+    "overlap_gradients",
+    "gradient_bucket_mib",
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
@@ -593,6 +600,8 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad(
             "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
         )
+    if config.gradient_bucket_mib <= 0:
+        raise bad("gradient_bucket_mib", "must be a positive number of MiB")
     if config.pipeline_parallel_degree < 1:
         raise bad("pipeline_parallel_degree", "must be a positive integer")
     if config.microbatches is not None and config.microbatches < 1:

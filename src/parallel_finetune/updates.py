@@ -1,7 +1,7 @@
 """What turns a step's gradients into an update: one interface, two implementations, so the loop has no engine
 branches.
 
-    backward(loss)          one micro-batch's loss (already divided by the global count)
+    backward(loss, last)    one micro-batch's loss (already divided by the global count); last: the step's last
     step(local_loss, ...)   the step's one reduction (global norm and loss, the stop flag), then the update or a
                             skip: -> StepOutcome
     loss_scale, optimizer   the fp16 scale in use; the optimizer whose lr the schedule sets
@@ -86,6 +86,7 @@ class TorchUpdates:
             config.adam_betas,
             config.adam_eps,
             held_names(parallel.tied, model),
+            config.gradient_bucket_mib if config.overlap_gradients else None,
         )
         self.scaler = DynamicLossScaler(
             precision == "fp16", config.initial_loss_scale, config.loss_scale_growth_interval
@@ -105,7 +106,11 @@ class TorchUpdates:
     def module(self) -> nn.Module:
         return self.model
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """`last`: the step's last backward on this rank, whose gradients may be summed over the data-parallel
+        ranks while it runs (overlap_gradients)."""
+        if last:
+            self.adamw.arm()
         (loss * self.scaler.scale).backward()
 
     def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule: SkipRule) -> StepOutcome:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layout import Layout
 from .gradients import GradPiece, all_reduce_flat, local, replicas, scale_gradients
+from .overlap import OverlappedGradientSum
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -84,6 +85,7 @@ class DataParallelAdamW:
         betas,
         eps: float,
         shared: dict[str, str] | None = None,
+        overlap_bucket_mib: float | None = None,
     ):
         self.layout = layout
         self.shared = shared or {}
@@ -91,9 +93,22 @@ class DataParallelAdamW:
         self.replicas = _Replicas(model, layout, self.shared)
         self.fsdp = isinstance(model, FSDPModule)  # FSDP reduce-scatters during the backward itself
         self.optimizer = make_adamw(optimizer_groups(model, weight_decay), lr, betas, eps)
+        # DDP-style buckets all-reduced during the step's last backward (overlap.py); None: summed after it
+        self.overlap = (
+            OverlappedGradientSum(self.params, layout.dp_group, overlap_bucket_mib)
+            if overlap_bucket_mib and layout.dp > 1 and not self.fsdp
+            else None
+        )
+
+    def arm(self) -> None:
+        """The coming backward is the step's last (WholeModel calls this through TorchUpdates.backward)."""
+        if self.overlap is not None:
+            self.overlap.arm()
 
     def sync_gradients(self) -> None:
-        if not self.fsdp:
+        if self.overlap is not None and self.overlap.armed:
+            self.overlap.finish()
+        elif not self.fsdp:  # (and a pipeline's backwards, which are not armed)
             all_reduce_flat([local(p.grad) for p in self.params if p.grad is not None], self.layout.dp_group)
 
     def gradient_pieces(self) -> list[GradPiece]:
@@ -206,6 +221,9 @@ class ZeroAdamW:
             betas,
             eps,
         )
+
+    def arm(self) -> None:
+        pass  # the reduce-scatter follows the backward
 
     def sync_gradients(self) -> None:
         # Only the owned slice needs the sum: a reduce-scatter moves half the bytes of an all-reduce.
