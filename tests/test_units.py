@@ -131,7 +131,7 @@ def test_reduce_norm_and_loss_in_a_world_of_one(world_of_one):
 def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of_one):
     batch = batches()[0]
     model = tiny_classifier()
-    runner = WholeModel(model, "classification", contextlib.nullcontext, lambda loss: loss.backward(), False,
+    runner = WholeModel(model, "classification", contextlib.nullcontext, lambda loss, last: loss.backward(), False,
                         world_of_one.device)  # fmt: skip
     halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 3), slice(3, 4))]
     total = sum(runner.train(half, count=4, last=True).item() for half in halves)
