@@ -25,7 +25,7 @@ export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 .PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
 	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm gptj-lora gpt2-lora gptneo-lora bert-lora \
-	bert-minilm-lora bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-minilm \
+	bert-minilm-lora bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -46,6 +46,7 @@ help:
 	@echo "make bench     our trainer vs the Hugging Face Trainer (real MiniLM), then bench-speed and bench-pipeline"
 	@echo "make bench-speed   TP=2 vs one process at hidden 512/1024, MFU against the matmul peak, compile on/off"
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
+	@echo "make bench-dp  DP=2 weak scaling, gradients summed after vs during the backward"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
@@ -157,6 +158,9 @@ bench-speed: setup
 
 bench-pipeline: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/pipeline.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+bench-dp: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/dp_overlap.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 bench-minilm: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

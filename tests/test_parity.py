@@ -16,9 +16,16 @@ GPTJ_LAYOUTS = [
     # (name, processes, overrides, tasks)
     ("tp2", 2, ["tensor_parallel_degree=2"], ("classification", "causal_lm")),
     ("dp2", 2, ["tensor_parallel_degree=1"], ("classification", "causal_lm")),
-    ("dp2_tp2", 4, ["tensor_parallel_degree=2"], ("classification",)),
+    # quarter-MiB buckets: gradients summed in several buckets during the backward (overlap_gradients)
+    ("dp2_tp2", 4, ["tensor_parallel_degree=2", "gradient_bucket_mib=0.25"], ("classification",)),
     ("accumulation4", 1, ["gradient_accumulation_steps=4"], ("classification", "causal_lm")),
-    ("dp2_accumulation2", 2, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ("classification",)),
+    (
+        "dp2_accumulation2",
+        2,
+        ["tensor_parallel_degree=1", "gradient_accumulation_steps=2", "gradient_bucket_mib=0.25"],
+        ("classification",),
+    ),
+    ("dp2_after_backward", 2, ["tensor_parallel_degree=1", "overlap_gradients=false"], ("classification",)),
 ]
 # Memory savers: each row turns on one sharding scheme plus one activation saver, all checked against one process.
 MEMORY_LAYOUTS = [

@@ -8,6 +8,7 @@ import torch
 from conftest import assert_trains_like, launch, tiny_overrides
 
 from parallel_finetune import data
+from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, Config, compile_decision
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import stage_costs
 from parallel_finetune.throughput import achieved, gpu_peak_tflops, model_flops, probe_matmul_tflops
@@ -59,3 +60,11 @@ def test_token_slots_and_padding_fraction_by_hand():
     assert padding_fraction([[17, 24]]) == pytest.approx(7 / 24)
     assert padding_fraction([[17, 24], [3, 16]]) == pytest.approx(1 - 20 / 40)
     assert padding_fraction([]) is None
+
+
+def test_compile_auto_compiles_long_runs_only():
+    assert compile_decision(Config(), 999) == (False, "compile=auto: off (999 steps < 1000)")
+    assert compile_decision(Config(), COMPILE_AUTO_MIN_STEPS) == (True, "compile=auto: on (1000 steps >= 1000)")
+    assert compile_decision(Config(compile=False), 5000)[0] is False
+    assert compile_decision(Config(compile=True), 5)[0] is True
+    assert compile_decision(Config(engine="deepspeed"), 5000)[0] is False

@@ -131,7 +131,7 @@ def test_reduce_norm_and_loss_in_a_world_of_one(world_of_one):
 def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of_one):
     batch = batches()[0]
     model = tiny_classifier()
-    runner = WholeModel(model, "classification", contextlib.nullcontext, lambda loss: loss.backward(), False,
+    runner = WholeModel(model, "classification", contextlib.nullcontext, lambda loss, last: loss.backward(), False,
                         world_of_one.device)  # fmt: skip
     halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 3), slice(3, 4))]
     total = sum(runner.train(half, count=4, last=True).item() for half in halves)
@@ -242,3 +242,17 @@ def test_two_data_parallel_ranks_update_like_one_process_on_whole_batches(tmp_pa
     assert result["weight_difference"] < 2e-5
     assert result["norm"] == pytest.approx(result["expected_norm"]) and result["loss"] == pytest.approx(1.0)
     assert result["stop"]  # rank 1 asked to stop: both know
+
+
+def test_data_parallel_gradients_are_summed_while_the_backward_runs():
+    """8 buckets of one layer each: every all-reduce is launched (`c10d::allreduce_` in the profiler's events)
+    before the backward ends and gloo is already moving bytes (`gloo:all_reduce`) while it runs; the sums equal
+    one all-reduce after the backward bit for bit."""
+    ranks = harness.run_ranks(2, ["tests/workers/overlap_two_ranks.py"], subprocess_env(), REPO, timeout_s=300)
+    assert ranks.returncode == 0, ranks.report()
+    result = json.loads(ranks.ranks[0].stdout.strip().splitlines()[-1])
+    assert result["buckets"] == result["launches"] == 8
+    assert result["launched_before_backward_end"] == 8
+    assert result["profiled_launches"] == result["profiled_launches_before_backward_end"] == 8
+    assert result["transfers"] == 8 and result["transfers_started_before_backward_end"] >= 1
+    assert result["equal"]

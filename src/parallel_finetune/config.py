@@ -67,7 +67,9 @@ class Config:
     log_every: int = 10  # steps between log lines and metrics.jsonl records
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
-    compile: bool = False  # torch.compile each transformer block (regional: one small graph, compiled once)
+    # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for runs of at
+    # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: long enough to earn the compile time back), off for shorter ones
+    compile: bool | Literal["auto"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, or measured (CPU)
     # A step whose loss or gradient norm is NaN/inf is skipped, never applied; this many in a row stop the run with
     # an error (a diverged run only wastes compute). fp16 overflows count only once the loss scale is down to 1,
@@ -83,6 +85,9 @@ class Config:
     # state sharded (ZeRO-1); full = parameters, gradients and optimizer state sharded (FSDP2); hybrid = sharded
     # inside groups of `shard_group_size` ranks, replicated across groups (MiCS / HSDP).
     sharding: Literal["none", "optimizer", "full", "hybrid"] = "none"
+    # sharding=none: sum data-parallel gradients in buckets of gradient_bucket_mib while the backward runs
+    overlap_gradients: bool = True
+    gradient_bucket_mib: float = 25.0  # size of those buckets: fewer collectives vs an earlier start
     shard_group_size: int | None = None  # hybrid only; None = the data-parallel ranks of one node
     # Who runs the data-parallel optimizer: torch = this repo's (tensor parallel, `sharding`); deepspeed = DeepSpeed's
     # ZeRO, data parallel only (tensor_parallel_degree=auto means 1 there, sharding must be none).
@@ -167,6 +172,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "collective_timeout_s",
         "sharding",
         "shard_group_size",
+        "overlap_gradients",
+        "gradient_bucket_mib",
         "engine",
         "zero_stage",
         "mics_shard_size",
@@ -226,6 +233,8 @@ CONTINUATION_MAY_CHANGE = (
     "activation_checkpointing",
     "offload_activations",
     "compile",
+    "overlap_gradients",
+    "gradient_bucket_mib",
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
@@ -237,6 +246,21 @@ def _unknown_key(key: str, where: str) -> UserError:
     close = difflib.get_close_matches(key, USER_KEYS, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     return UserError(f"{where}: unknown key '{key}'; {hint}valid keys: {', '.join(USER_KEYS)}")
+
+
+COMPILE_AUTO_MIN_STEPS = 1000
+
+
+def compile_decision(config: Config, total_steps: int) -> tuple[bool, str]:
+    """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
+    COMPILE_AUTO_MIN_STEPS steps."""
+    if config.compile != "auto":
+        return bool(config.compile), f"compile={str(config.compile).lower()}"
+    if config.engine != "torch":
+        return False, "compile=auto: off (engine=deepspeed)"
+    on = total_steps >= COMPILE_AUTO_MIN_STEPS
+    relation = ">=" if on else "<"
+    return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -598,10 +622,12 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
-    if config.compile and config.engine == "deepspeed":
+    if config.compile is True and config.engine == "deepspeed":
         raise bad(
             "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
         )
+    if config.gradient_bucket_mib <= 0:
+        raise bad("gradient_bucket_mib", "must be a positive number of MiB")
     if config.pipeline_parallel_degree < 1:
         raise bad("pipeline_parallel_degree", "must be a positive integer")
     if config.microbatches is not None and config.microbatches < 1:

@@ -41,7 +41,7 @@ class WholeModel:
         model: nn.Module,
         task: str,
         autocast: Callable,
-        backward: Callable[[torch.Tensor], None],
+        backward: Callable[[torch.Tensor, bool], None],
         offload_activations: bool,
         device: torch.device,
     ):
@@ -53,7 +53,7 @@ class WholeModel:
             self.model.set_requires_gradient_sync(last)
         with offload_context(self.offload_activations, self.device):
             loss = summed_loss(self.forward(batch), targets(batch, self.task)) / count
-        self.backward(loss)
+        self.backward(loss, last)
         return loss.detach()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ The loop knows two interfaces and no engine or layout: a runner does a slice's f
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -27,7 +28,7 @@ import transformers
 from . import checkpoint
 from . import data as data_module
 from .checkpoint import TrainingState, continuing_run
-from .config import Config
+from .config import Config, compile_decision
 from .divergence import NonFiniteGuard
 from .errors import RankError, UserError
 from .export import save_hf, write_folder
@@ -201,7 +202,12 @@ class Trainer:
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
-        ready = ready_model(config, family, layout, hf_config, self.model_path, self.precision, self.deepspeed_config)
+        total_steps = config.max_steps or max(1, math.ceil(config.epochs * len(self.batches)))
+        compiled, why = compile_decision(config, total_steps)
+        if config.compile == "auto":
+            log.info("%s", why)
+        built = dataclasses.replace(config, compile=compiled)
+        ready = ready_model(built, family, layout, hf_config, self.model_path, self.precision, self.deepspeed_config)
         self.ready, self.model = ready, ready.model
         if config.engine == "deepspeed":
             from .parallel.deepspeed_engine import DeepSpeedUpdates

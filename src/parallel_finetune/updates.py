@@ -1,7 +1,7 @@
 """What turns a step's gradients into an update: one interface, two implementations, so the loop has no engine
 branches.
 
-    backward(loss)          one micro-batch's loss (already divided by the global count)
+    backward(loss, last)    one micro-batch's loss (already divided by the global count); last: the step's last
     step(local_loss, ...)   the step's one reduction (global norm and loss, the stop flag), then the update or a
                             skip: -> StepOutcome
     loss_scale, optimizer   the fp16 scale in use; the optimizer whose lr the schedule sets
@@ -26,7 +26,7 @@ from torch import nn
 from .export import gather_full_state_dict
 from .layout import Layout
 from .parallel import Parallelized
-from .parallel.gradients import reduce_norm_and_loss, scale_gradients
+from .parallel.gradients import reduce_norm_and_loss
 from .parallel.memory import measure_state_bytes
 from .parallel.pipeline import sync_tied_gradients
 from .parallel.sharding import AdamWSettings, DataParallelAdamW, ZeroAdamW
@@ -71,7 +71,11 @@ class TorchUpdates:
         self.model, self.layout, self.parallel = model, layout, parallel
         self.max_grad_norm = config.max_grad_norm
         self.adamw = adamw or DataParallelAdamW(
-            model, layout, AdamWSettings.of(config), held_names(parallel.tied, model)
+            model,
+            layout,
+            AdamWSettings.of(config),
+            held_names(parallel.tied, model),
+            config.gradient_bucket_mib if config.overlap_gradients else None,
         )
         self.scaler = DynamicLossScaler(
             precision == "fp16", config.initial_loss_scale, config.loss_scale_growth_interval
@@ -91,7 +95,11 @@ class TorchUpdates:
     def module(self) -> nn.Module:
         return self.model
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """`last`: the step's last backward on this rank, whose gradients may be summed over the data-parallel
+        ranks while it runs (overlap_gradients)."""
+        if last:
+            self.adamw.arm()
         (loss * self.scaler.scale).backward()
 
     def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule: SkipRule) -> StepOutcome:
@@ -107,8 +115,9 @@ class TorchUpdates:
         if not skipped:
             clip = self.max_grad_norm
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-            scale_gradients([grad for grad, _ in pieces], coefficient / scale)
-            self.adamw.step()
+            # Unscaling and clipping happen inside the fused AdamW kernel (it divides each gradient by
+            # `grad_scale` as it reads it): no extra pass over the gradients.
+            self.adamw.step(scale / coefficient)
             self.adam_step += 1
             if self.measured is None:  # gradients and optimizer state all exist now: the peak of both
                 self.measured = measure_state_bytes(self.model, self.adamw.optimizer)

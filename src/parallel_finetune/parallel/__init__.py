@@ -69,7 +69,7 @@ def parallelize(
             n_blocks,
             " (this stage's)" if layout.pp > 1 else "",
         )
-    if config.compile:
+    if config.compile is True:  # (the trainer resolved `auto` before)
         compile_blocks(family.blocks(model))
         log.info(
             "compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",

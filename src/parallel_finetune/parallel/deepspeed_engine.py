@@ -361,7 +361,7 @@ class DeepSpeedUpdates:
             return 1.0
         return float(self.engine.optimizer.loss_scale)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         """One micro-batch. DeepSpeed averages gradients over ranks: scaling by dp makes that average our sum."""
         self.engine.backward(loss * self.dp, scale_wrt_gas=False)
         if not self.engine.is_gradient_accumulation_boundary():

@@ -69,8 +69,7 @@ def reduce_norm_and_loss(
     share of the loss and its stop request (SIGTERM): one all-reduce for all three."""
     device = loss.device
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for grad, copies in pieces:
-        totals[0] += grad.float().pow(2).sum().double() / copies
+    totals[0] = squared_norm(pieces, device)
     totals[1] = loss.double() / loss_replicas
     totals[2] = float(stop_requested)
     if world_size > 1:
@@ -80,8 +79,22 @@ def reduce_norm_and_loss(
     return norm, total_loss, stops > 0
 
 
+def squared_norm(pieces: list[GradPiece], device: torch.device) -> torch.Tensor:
+    """Sum over pieces of |piece|² / replicas, in fp64, as a tensor (no host sync). One fused `_foreach_norm`
+    per (replica count, dtype): a single read of each gradient, no squared temporaries (a per-tensor
+    pow().sum() wrote and re-read every gradient: ~10% of a MiniLM step on a CPU)."""
+    groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for grad, copies in pieces:
+        groups.setdefault((copies, grad.dtype), []).append(grad)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (copies, dtype), grads in groups.items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if dtype != torch.float32 else None
+        norms = torch.stack(norms or torch._foreach_norm(grads, 2)).double()
+        total += norms.square().sum() / copies
+    return total
+
+
 def scale_gradients(grads: list[torch.Tensor], factor: float) -> None:
-    if factor == 1.0:
+    if factor == 1.0 or not grads:
         return
-    for grad in grads:
-        grad.mul_(factor)
+    torch._foreach_mul_(grads, factor)

@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..layout import Layout
-from .gradients import GradPiece, all_reduce_flat, local, replicas
+from .gradients import GradPiece, all_reduce_flat, local, replicas, scale_gradients
+from .overlap import OverlappedGradientSum
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -58,6 +59,16 @@ def make_adamw(groups: list[dict], settings: AdamWSettings) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
 
 
+def fused_step(optimizer: torch.optim.Optimizer, divisor: float) -> None:
+    """AdamW's step with the gradients divided by `divisor` inside the fused kernel, as it reads them (what
+    GradScaler uses): unscaling and clipping cost no pass of their own over the gradients."""
+    optimizer.grad_scale = None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = None
+
+
 def _named(model: nn.Module, shared: dict[str, str]) -> dict[nn.Parameter, str]:
     """Parameter -> layout-neutral name (a weight shared by two pipeline stages goes by its first name)."""
     return {param: shared.get(name, name) for name, param in model.named_parameters()}
@@ -79,23 +90,48 @@ class DataParallelAdamW:
     """AdamW on every parameter (`none`), or on FSDP's sharded parameters (`full`, `hybrid`).
     `shared`: names of weights this pipeline stage shares with another -> their layout-neutral names."""
 
-    def __init__(self, model: nn.Module, layout: Layout, settings: AdamWSettings, shared: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        settings: AdamWSettings,
+        shared: dict[str, str] | None = None,
+        overlap_bucket_mib: float | None = None,
+    ):
         self.layout = layout
         self.shared = shared or {}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replicas = _Replicas(model, layout, self.shared)
         self.fsdp = isinstance(model, FSDPModule)  # FSDP reduce-scatters during the backward itself
         self.optimizer = make_adamw(optimizer_groups(model, settings.weight_decay), settings)
+        # DDP-style buckets all-reduced during the step's last backward (overlap.py); None: summed after it
+        self.overlap = (
+            OverlappedGradientSum(self.params, layout.dp_group, overlap_bucket_mib)
+            if overlap_bucket_mib and layout.dp > 1 and not self.fsdp
+            else None
+        )
+
+    def arm(self) -> None:
+        """The coming backward is the step's last (WholeModel calls this through TorchUpdates.backward)."""
+        if self.overlap is not None:
+            self.overlap.arm()
 
     def sync_gradients(self) -> None:
-        if not self.fsdp:
+        if self.overlap is not None and self.overlap.armed:
+            self.overlap.finish()
+        elif not self.fsdp:  # (and a pipeline's backwards, which are not armed)
             all_reduce_flat([local(p.grad) for p in self.params if p.grad is not None], self.layout.dp_group)
 
     def gradient_pieces(self) -> list[GradPiece]:
         return [(local(p.grad), self.replicas(p, p.grad)) for p in self.params if p.grad is not None]
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, divisor: float = 1.0) -> None:
+        """The update with every gradient divided by `divisor` (loss scale / clipping coefficient)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if any(isinstance(g, DTensor) for g in grads):  # the fused kernel takes no plain grad_scale beside DTensors
+            scale_gradients([local(g) for g in grads], 1.0 / divisor)
+            divisor = 1.0
+        fused_step(self.optimizer, divisor)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +224,9 @@ class ZeroAdamW:
         groups = [{"params": [bucket.owned], "weight_decay": decay} for (bucket, _), decay in zip(self.buckets, decays)]
         self.optimizer = make_adamw(groups, settings)
 
+    def arm(self) -> None:
+        pass  # the reduce-scatter follows the backward
+
     def sync_gradients(self) -> None:
         # Only the owned slice needs the sum: a reduce-scatter moves half the bytes of an all-reduce.
         for bucket, _ in self.buckets:
@@ -200,8 +239,8 @@ class ZeroAdamW:
         # Each rank's slice is its own (no data-parallel replicas); tensor-parallel replicas as in the bucket.
         return [(bucket.owned.grad, copies) for bucket, copies in self.buckets]
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, divisor: float = 1.0) -> None:
+        fused_step(self.optimizer, divisor)  # the owned slices are plain tensors
         for bucket, _ in self.buckets:
             if self.layout.dp > 1:
                 dist.all_gather_into_tensor(bucket.data, bucket.owned.detach().clone(), group=self.layout.dp_group)
