@@ -1,4 +1,4 @@
-"""Family modules: build, pooling of the last real token, TP degree checks, GPT-2 surgery round trip."""
+"""Family modules: build, pooling of the last real token, TP degree checks, GPT-2 and BERT surgery."""
 
 from __future__ import annotations
 
@@ -52,6 +52,29 @@ def test_gpt2_surgery_keeps_outputs_and_exports_the_original_layout():
     batch = collate([[5, 6, 7], [8, 9]], 0, "right")
     with torch.no_grad():
         assert torch.allclose(original(**model_inputs(batch)).logits, model(**model_inputs(batch)).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_bert_last_layer_computes_only_the_pooled_token_with_the_same_loss_and_gradients(attention):
+    """The classifier reads [CLS] only, so the last layer skips the other rows; nothing a user sees changes."""
+    from transformers import BertForSequenceClassification
+
+    family, model = tiny("bert")
+    assert type(family.blocks(model)[-1]).__name__ == "FirstTokenBertLayer"
+    assert type(family.blocks(model)[0]).__name__ == "BertLayer"
+    original = BertForSequenceClassification(model.config).eval()
+    original.load_state_dict(model.state_dict(), strict=True)
+    for net in (model, original):
+        net.config._attn_implementation = attention
+    batch = model_inputs(collate([[2, 5, 6, 7, 3], [2, 8, 3], [2, 9, 10, 3]], 0, "right"))
+    labels = torch.tensor([0, 1, 1])
+    losses = [net(**batch, labels=labels).loss for net in (model, original)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[0], losses[1], atol=1e-6), losses
+    for (name, ours), theirs in zip(model.named_parameters(), original.parameters(), strict=True):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-6), name
+    assert family.to_hf_state_dict(model.state_dict(), model.config).keys() == original.state_dict().keys()
 
 
 def test_minilm_real_checkpoint_loads_offline_and_learns(sst2, cache_dir, tmp_path):

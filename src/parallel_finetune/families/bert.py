@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert.modeling_bert import BertLayer, eager_attention_forward
 
 from .base import Family, localize_heads
+
+
+class FirstTokenBertLayer(BertLayer):
+    """The last encoder layer of a classifier: the pooler reads only the first token ([CLS]) of its output, so
+    only that token's query, attention output and feed-forward are computed; keys and values still come from
+    every token. Same values and gradients as the full layer (the other rows were computed and thrown away),
+    10/12 of the layer's matmul FLOPs fewer. Parameter names and shapes are BertLayer's: loading, tensor
+    parallelism, LoRA and export see no difference."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        attention = self.attention.self
+        first = hidden_states[:, :1]
+        batch, length, _ = hidden_states.shape
+        size = attention.attention_head_size
+        query = attention.query(first).view(batch, 1, -1, size).transpose(1, 2)
+        key = attention.key(hidden_states).view(batch, length, -1, size).transpose(1, 2)
+        value = attention.value(hidden_states).view(batch, length, -1, size).transpose(1, 2)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_mask[:, :, :1]  # [batch, 1, queries, keys]: the first query's row
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+        output, _ = attend(
+            attention,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=attention.dropout.p if self.training else 0.0,
+            scaling=attention.scaling,
+        )
+        output = self.attention.output(output.reshape(batch, 1, -1), first)
+        return self.feed_forward_chunk(output)
 
 
 class Bert(Family):
@@ -41,6 +75,9 @@ class Bert(Family):
     row_wise = ("attention.output.dense", "output.dense")
     lora_targets = ("query", "value")
     lora_head = ("classifier",)
+
+    def surgery(self, model: nn.Module) -> None:
+        self.blocks(model)[-1].__class__ = FirstTokenBertLayer
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         for layer in self.blocks(model):
