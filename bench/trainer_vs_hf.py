@@ -70,7 +70,12 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     model_path = download_model(config.model, config.revision) if config.size == "full" else None
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
     seed_everything(config.seed)
-    model = build_and_load(family, "classification", hf_config, model_path, config.seed)
+    # The same weights (the checkpoint's, and the same new classifier head) in transformers' own class: our
+    # family's surgery (BERT's last layer computing only [CLS]) is part of what is measured, not of the baseline.
+    ours = build_and_load(family, "classification", hf_config, model_path, config.seed)
+    model = family.hf_model("classification", hf_config)
+    model.load_state_dict(family.to_hf_state_dict(ours.state_dict(), hf_config), strict=True)
+    del ours
 
     def rows(split):
         dataset = prepared.splits[split].rename_column("label", "labels")

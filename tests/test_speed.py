@@ -62,9 +62,16 @@ def test_token_slots_and_padding_fraction_by_hand():
     assert padding_fraction([]) is None
 
 
-def test_compile_auto_compiles_long_runs_only():
-    assert compile_decision(Config(), 999) == (False, "compile=auto: off (999 steps < 1000)")
-    assert compile_decision(Config(), COMPILE_AUTO_MIN_STEPS) == (True, "compile=auto: on (1000 steps >= 1000)")
-    assert compile_decision(Config(compile=False), 5000)[0] is False
-    assert compile_decision(Config(compile=True), 5)[0] is True
-    assert compile_decision(Config(engine="deepspeed"), 5000)[0] is False
+def test_compile_auto_compiles_long_gpu_runs_only():
+    assert compile_decision(Config(), 999, "cuda") == (False, "compile=auto: off (999 steps < 1000)")
+    assert compile_decision(Config(), COMPILE_AUTO_MIN_STEPS, "cuda") == (
+        True,
+        "compile=auto: on (1000 steps >= 1000)",
+    )
+    assert compile_decision(Config(), 5000, "cpu") == (
+        False,
+        "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)",
+    )
+    assert compile_decision(Config(compile=False), 5000, "cuda")[0] is False
+    assert compile_decision(Config(compile=True), 5, "cpu")[0] is True
+    assert compile_decision(Config(engine="deepspeed"), 5000, "cuda")[0] is False

@@ -67,8 +67,9 @@ class Config:
     log_every: int = 10  # steps between log lines and metrics.jsonl records
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
-    # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for runs of at
+    # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for GPU runs of at
     # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: long enough to earn the compile time back), off for shorter ones
+    # and on CPUs (a compiled MiniLM step measured 1.16x slower than eager there)
     compile: bool | Literal["auto"] = "auto"
     peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, or measured (CPU)
     # A step whose loss or gradient norm is NaN/inf is skipped, never applied; this many in a row stop the run with
@@ -251,13 +252,17 @@ def _unknown_key(key: str, where: str) -> UserError:
 COMPILE_AUTO_MIN_STEPS = 1000
 
 
-def compile_decision(config: Config, total_steps: int) -> tuple[bool, str]:
+def compile_decision(config: Config, total_steps: int, device_type: str) -> tuple[bool, str]:
     """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
-    COMPILE_AUTO_MIN_STEPS steps."""
+    COMPILE_AUTO_MIN_STEPS steps on GPUs. Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x
+    slower than eager (median over 200 identical steps; with lengths padded to a multiple of 8 and static shapes,
+    1.17x), so no run length earns the compile time back (docs/speed.md)."""
     if config.compile != "auto":
         return bool(config.compile), f"compile={str(config.compile).lower()}"
     if config.engine != "torch":
         return False, "compile=auto: off (engine=deepspeed)"
+    if device_type == "cpu":
+        return False, "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)"
     on = total_steps >= COMPILE_AUTO_MIN_STEPS
     relation = ">=" if on else "<"
     return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"

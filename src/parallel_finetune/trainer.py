@@ -203,7 +203,7 @@ class Trainer:
         hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
         total_steps = config.max_steps or max(1, math.ceil(config.epochs * len(self.batches)))
-        compiled, why = compile_decision(config, total_steps)
+        compiled, why = compile_decision(config, total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)
         built = dataclasses.replace(config, compile=compiled)
