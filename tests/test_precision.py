@@ -19,16 +19,27 @@ WORKER = str(REPO / "tests" / "workers" / "inject_overflow.py")
         # The inf is planted after the backward; overlapped buckets were summed during it and are written back
         # over it, so this row sums after the backward (an overflow inside the backward is in the sum either way).
         (2, ["tensor_parallel_degree=1", "overlap_gradients=false"]),
+        # Overlapped: the inf enters during the backward, before its bucket is summed (INJECT_DURING_BACKWARD).
+        (2, ["tensor_parallel_degree=1", "overlap_gradients=true", "gradient_bucket_mib=0.25"]),
         (2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
         (2, ["tensor_parallel_degree=1", "sharding=full"]),
         (2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]),
         (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
     ],
-    ids=["tp2", "dp2", "optimizer_dp2", "full_dp2", "pp2_last_stage", "pp2_tp2_last_stage"],
+    ids=[
+        "tp2",
+        "dp2",
+        "dp2_overlap_inf_in_backward",
+        "optimizer_dp2",
+        "full_dp2",
+        "pp2_last_stage",
+        "pp2_tp2_last_stage",
+    ],
 )
 def test_overflow_on_one_rank_skips_everywhere(nproc, layout, sst2, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("INJECT_RANK", str(nproc - 1))
     monkeypatch.setenv("INJECT_STEP", "3")
+    monkeypatch.setenv("INJECT_DURING_BACKWARD", "1" if "overlap_gradients=true" in layout else "0")
     overrides = tiny_overrides(
         sst2,
         cache_dir,

@@ -1,6 +1,8 @@
 """Trains with an inf planted in one rank's gradient at one step; every rank writes what it decided.
 
-torchrun ... inject_overflow.py RECIPE key=value ... (env INJECT_RANK, INJECT_STEP)"""
+torchrun ... inject_overflow.py RECIPE key=value ... (env INJECT_RANK, INJECT_STEP; INJECT_DURING_BACKWARD=1 plants
+it from a gradient hook, before the overlapped data-parallel buckets read the gradient, instead of after the
+backward)"""
 
 import json
 import os
@@ -15,6 +17,7 @@ from parallel_finetune.trainer import Trainer
 
 INJECT_RANK = int(os.environ["INJECT_RANK"])
 INJECT_STEP = int(os.environ["INJECT_STEP"])
+DURING_BACKWARD = os.environ.get("INJECT_DURING_BACKWARD") == "1"
 
 
 def plant_inf(trainer: Trainer, step: int) -> None:
@@ -24,10 +27,24 @@ def plant_inf(trainer: Trainer, step: int) -> None:
         local(trainer.model.transformer.ln_f.weight.grad)[0] = float("inf")
 
 
+def plant_inf_in_backward(trainer: Trainer) -> None:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if trainer.step + 1 != INJECT_STEP:
+            return grad
+        grad = grad.clone()
+        grad[0] = float("inf")
+        return grad
+
+    if trainer.layout.rank == INJECT_RANK:
+        trainer.model.transformer.ln_f.weight.register_hook(hook)  # runs before the gradient is accumulated
+
+
 def main() -> None:
     config = load_config(sys.argv[1], sys.argv[2:])
-    trainer = Trainer(config, after_backward=plant_inf)
+    trainer = Trainer(config, after_backward=None if DURING_BACKWARD else plant_inf)
     trainer.setup()
+    if DURING_BACKWARD:
+        plant_inf_in_backward(trainer)
     before = None
     history = []
     for global_batch in trainer.batches.epoch(0)[: trainer.total_steps]:
