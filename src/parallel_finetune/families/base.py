@@ -104,8 +104,8 @@ class Family:
         return HFSource(name)
 
     def surgery(self, model: nn.Module) -> None:
-        """Replace modules that tensor parallelism cannot shard as they are (structure only: values come from the
-        loader, through `hf_source`); none by default."""
+        """Change the built structure (values still come from the loader, through `hf_source`): modules tensor
+        parallelism cannot shard as they are (GPT-2), or work the task throws away (BERT); none by default."""
 
     # --- shared behaviour ---
     def hf_config(
