@@ -28,6 +28,14 @@ A recipe is YAML. Keys go flat or under the section names below (`training: {lr:
 a `tiny:` section holds overrides used only with `size=tiny`; `extends: other.yaml` starts from another recipe.
 On the command line, `key=value` or `section.key=value` overrides win over the recipe
 (`make gptj-tp ARGS="lr=1e-4 max_steps=50"`). An unknown key is an error that names the closest valid one.
+
+An override of a string key (`str` below: paths, names, `revision`, `resume`) is taken exactly as written, never read
+as YAML: `output_dir=/runs/run #2` is that folder, and `~`, `null` or `true` are those words (a path's leading `~`
+is still your home folder); an empty value (`data_dir=`) sets it to null. Other overrides, and every value in a
+recipe, are YAML: there write `output_dir: "runs/run #2"` quoted (unquoted, ` #` starts a comment and `~` is null),
+and an unquoted number or `true` for a string key is refused with a hint to quote it. A recipe is data: YAML
+anchors and aliases (`&name`, `*name`), with which a few hundred bytes expand without bound, are refused, naming
+the line; share settings with `extends:`.
 """
 
 

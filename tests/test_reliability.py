@@ -188,3 +188,110 @@ def test_sagemaker_settings_name_the_flags(monkeypatch):
         r"\$SAGEMAKER_ROLE",
     ):
         JobSettings().resolve()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 26, inputs: recipes and overrides are data (no YAML aliases; path keys taken as written), data files and
+# their rows and words are bounded, --check counts and collective_timeout_s are in range.
+
+
+def test_yaml_anchors_and_aliases_are_refused_before_they_expand(tmp_path):
+    from parallel_finetune.config import load_config
+
+    # A "billion laughs" whose expansion is only 10^4 leaves here, so the test stays short without the refusal;
+    # at 9 levels of 9 it is 387 million and loading never ended.
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 5)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("family: gptj\nmodel_config:\n" + "".join(f"  {level}\n" for level in levels))
+    with pytest.raises(UserError, match=r"bomb\.yaml line 3: YAML anchor &a0 is not accepted \(recipes are plain data"):
+        load_config(bomb)
+    (tmp_path / "alias.yaml").write_text("family: gptj\nlr: *x\n")
+    with pytest.raises(UserError, match=r"alias\.yaml line 2: YAML alias \*x is not accepted"):
+        load_config(tmp_path / "alias.yaml")
+    with pytest.raises(UserError, match=r"override 'model_config=\{a: &x \[1\], b: \*x\}': line 1: YAML anchor &x"):
+        load_config(REPO / "recipes" / "gptj" / "tp.yaml", ["model_config={a: &x [1], b: *x}"])
+
+
+@pytest.mark.parametrize("value", ["/tmp/x/run #2", "/tmp/x/first\nsecond", "~", "null", "None", "true", "2024"])
+def test_string_key_overrides_are_taken_as_written(value):
+    from parallel_finetune.config import load_config
+
+    recipe = REPO / "recipes" / "gptj" / "tp.yaml"
+    keys = ("output_dir", "checkpoint_dir", "data_dir", "cache_dir", "model", "tokenizer", "revision", "resume")
+    for key in keys:
+        assert getattr(load_config(recipe, [f"{key}={value}"]), key) == value
+    assert load_config(recipe, [f"output.output_dir={value}"]).output_dir == value
+    assert load_config(recipe, ["data_dir=/data/sst2", "data_dir="]).data_dir is None  # empty: back to null
+
+
+def test_string_keys_in_a_recipe_follow_yaml_quoting(tmp_path):
+    from parallel_finetune.config import load_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text('family: gptj\noutput_dir: "runs/run #2"\nrevision: "2024"\n')
+    assert (load_config(recipe).output_dir, load_config(recipe).revision) == ("runs/run #2", "2024")
+    recipe.write_text("family: gptj\nrevision: 2024\n")
+    with pytest.raises(UserError, match=r"revision=2024 is not valid; .*unquoted value as int; quote it"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize("value", ["1e300", "1e-9", "0", "604801"])
+def test_collective_timeout_outside_its_range_is_refused(value):
+    from parallel_finetune.config import load_config
+
+    with pytest.raises(UserError, match=r"collective_timeout_s=.* must be in \[1, 604800\] seconds"):
+        load_config(REPO / "recipes" / "gptj" / "tp.yaml", [f"collective_timeout_s={value}"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nproc", "0"], "--nproc 0 is not a number of processes; give 1 or more"),
+        (["--nproc", "-2"], "--nproc -2 is not a number of processes"),
+        (["--nproc", "2", "--nnodes", "0"], "--nnodes 0 is not a number of nodes"),
+    ],
+)
+def test_check_refuses_process_counts_below_one(flags, message, tmp_path, capsys):
+    from parallel_finetune.train import main
+
+    recipe = str(REPO / "recipes" / "gptj" / "tp.yaml")
+    overrides = ["size=tiny", f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}"]
+    assert main(["--check", *flags, recipe, *overrides]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+
+
+def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path):
+    import resource
+
+    from parallel_finetune.data import read_glue_tsv
+
+    big = tmp_path / "train.tsv"
+    with open(big, "wb") as file:
+        file.truncate(20 * 2**30)  # sparse: no disk, but reading it would take 20 GiB of memory
+    # A bounded address space, so a read of the whole file fails at once instead of filling the machine's memory.
+    used = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize:")).split()[1]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + 4 * 2**30, hard))
+    try:
+        with pytest.raises(UserError, match=r"train\.tsv: 20\.0 GiB, more than the 1 GiB a data file may have"):
+            read_glue_tsv(big, "train")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
+    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS, read_glue_tsv
+
+    path = tmp_path / "train.tsv"
+    word = "ab" * 500_000  # one megabyte "word": learning a BPE on it took hours
+    path.write_text(f"sentence\tlabel\na good film\t1\nsee {word} now\t0\n")
+    with pytest.raises(UserError) as error:
+        read_glue_tsv(path, "train")
+    assert str(error.value).startswith(f"{path}:3: 1,000,010 characters, more than the {MAX_ROW_CHARS:,} a row")
+    path.write_text(f"sentence\tlabel\na good film\t1\n{'x' * (MAX_WORD_CHARS + 1)} now\t0\n")
+    with pytest.raises(UserError, match=r"train\.tsv:3: a word of 1,001 characters \('x{20}'\.\.\.\), more than"):
+        read_glue_tsv(path, "train")
+    path.write_text(f"sentence\tlabel\n{'x' * MAX_WORD_CHARS} {'y ' * 40_000}\t1\n")  # at both limits: fine
+    assert read_glue_tsv(path, "train")["label"] == [1]

@@ -5,7 +5,10 @@ A recipe may nest its keys under the section names below (`model:`, `data:`, `tr
 only when `size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one).
 `extends: tp.yaml` starts from another recipe (a path relative to this one) and changes only what it lists.
 Overrides on the command line win over everything and use the flat key (`lr=1e-4`) or the dotted one
-(`training.lr=1e-4`); dictionary keys take a dotted suffix (`model_config.n_layer=4`).
+(`training.lr=1e-4`); dictionary keys take a dotted suffix (`model_config.n_layer=4`). An override of a string key
+(a path, a name: TEXT_KEYS) is taken as written, not read as YAML; an empty one (`data_dir=`) is null.
+A recipe is data: YAML anchors and aliases (`&name`, `*name`), which can expand a few hundred bytes without bound,
+are refused, as are keys given twice.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Config:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) when GPUs are visible, else cpu (gloo)
     # How long a rank waits in a collective for the others (a stopped, hung or dead peer) before it gives up with
     # an error naming this key. Long enough for rank 0 to tokenize SST-2 or write a checkpoint while others wait.
+    # From 1 s to a week (604800).
     collective_timeout_s: float = 600.0
     # How the data-parallel ranks hold the training state: none = every rank a full copy; optimizer = AdamW
     # state sharded (ZeRO-1); full = parameters, gradients and optimizer state sharded (FSDP2); hybrid = sharded
@@ -239,6 +243,17 @@ CONTINUATION_MAY_CHANGE = (
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
+
+
+def _options(key: str) -> tuple:
+    """The types a field accepts: `int | None` -> (int, NoneType)."""
+    hint = _HINTS[key]
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+# Keys whose value is a string (paths, names, revisions): YAML parsing of `key=value` would cut a path at ` #`, fold
+# a newline into a space and read `~` as null, so their override text is kept as written.
+TEXT_KEYS = tuple(k for k in USER_KEYS if str in _options(k) and set(_options(k)) <= {str, type(None)})
 assert set(USER_KEYS) == set(_FIELDS) - {"recipe", "lr_note"}, "every Config field belongs to exactly one section"
 assert set(CONTINUATION_MAY_CHANGE) <= set(USER_KEYS), "continuation rules name config keys"
 
@@ -250,6 +265,9 @@ def _unknown_key(key: str, where: str) -> UserError:
 
 
 COMPILE_AUTO_MIN_STEPS = 1000
+# collective_timeout_s: under a second is a healthy collective's jitter (or milliseconds meant); beyond a week no
+# hang is worth waiting for, and 1e300 overflows the timedelta the process group is given.
+COLLECTIVE_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
 
 
 def compile_decision(config: Config, total_steps: int, device_type: str) -> tuple[bool, str]:
@@ -270,13 +288,14 @@ def compile_decision(config: Config, total_steps: int, device_type: str) -> tupl
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Check `value` against the field's type; accept the spellings YAML and shells produce (e.g. '1e-5')."""
-    hint = _HINTS[key]
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    options = _options(key)
     for option in options:
         ok, converted = _try(option, value)
         if ok:
             return converted
     wanted = " or ".join(_describe(o) for o in options)
+    if key in TEXT_KEYS and not isinstance(value, (dict, list, type(None))):  # an unquoted 2024, true, 2024-01-01
+        wanted += f' (YAML read the unquoted value as {type(value).__name__}; quote it: {key}: "...")'
     raise UserError(f"{where}: {key}={value!r} is not valid; expected {wanted}")
 
 
@@ -334,16 +353,25 @@ class _Lined(dict):
     lines: dict
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key, line: int, first: int):
-        super().__init__(
-            f"line {line}: key '{key}' is given twice (first at line {first}); YAML would silently "
-            "keep the last one, so say it once"
-        )
+class _Refused(Exception):
+    """YAML the recipe loader refuses although YAML allows it; the message starts with the line."""
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping and records each key's line."""
+    """yaml.safe_load that refuses a key given twice in one mapping and anchors and aliases, and records each key's
+    line. An alias is a reference, so nested ones ("billion laughs") describe an exponentially large value in a few
+    hundred bytes; recipes have `extends:` for reuse and need none."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            raise _Refused(
+                f"line {event.start_mark.line + 1}: YAML {'alias' if sign == '*' else 'anchor'} "
+                f"{sign}{event.anchor} is not accepted (recipes are plain data); write the value out, "
+                "or share settings with extends:"
+            )
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> _Lined:
@@ -354,7 +382,10 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> _Lined:
         line = key_node.start_mark.line + 1
         try:
             if key in lines:
-                raise _DuplicateKey(key, line, lines[key])
+                raise _Refused(
+                    f"line {line}: key '{key}' is given twice (first at line {lines[key]}); YAML would silently "
+                    "keep the last one, so say it once"
+                )
         except TypeError:  # an unhashable key: construct_mapping's own error names it
             continue
         lines[key] = line
@@ -367,7 +398,7 @@ _RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def _yaml(text: str):
-    """yaml.safe_load, refusing duplicate keys (raises yaml.YAMLError or _DuplicateKey)."""
+    """yaml.safe_load, refusing duplicate keys, anchors and aliases (raises yaml.YAMLError or _Refused)."""
     return yaml.load(text, Loader=_RecipeLoader)
 
 
@@ -416,19 +447,14 @@ def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` -> (flat key, YAML-parsed value). `model_config.n_layer=4` -> ('model_config', {'n_layer': 4})."""
+    """`key=value` -> (flat key, YAML-parsed value). `model_config.n_layer=4` -> ('model_config', {'n_layer': 4}).
+    A TEXT_KEYS value is the text as written (`output_dir=/runs/run #2` is that folder); empty means null."""
     if "=" not in text:
         raise UserError(
             f"override '{text}' must look like key=value (e.g. lr=1e-4); valid keys: {', '.join(USER_KEYS)}"
         )
     key, raw = text.split("=", 1)
     key = key.strip()
-    try:
-        value = _plain(_yaml(raw)) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    except _DuplicateKey as exc:
-        raise UserError(f"override '{text}': {exc}") from None
     parts = key.split(".")
     if parts[0] in SECTIONS and len(parts) > 1:
         if parts[1] not in SECTIONS[parts[0]]:
@@ -436,6 +462,14 @@ def parse_override(text: str) -> tuple[str, Any]:
         parts = parts[1:]
     if parts[0] not in USER_KEYS:
         raise _unknown_key(parts[0], f"override '{text}'")
+    if len(parts) == 1 and parts[0] in TEXT_KEYS:
+        return parts[0], raw if raw.strip() else None
+    try:
+        value = _plain(_yaml(raw)) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    except _Refused as exc:
+        raise UserError(f"override '{text}': {exc}") from None
     if len(parts) > 1:
         if _HINTS[parts[0]] is not dict:
             raise UserError(f"override '{text}': '{parts[0]}' is not a mapping, write {parts[0]}=VALUE")
@@ -482,7 +516,7 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0]
         raise UserError(f"recipe {path}: not valid YAML ({first})") from None
-    except _DuplicateKey as exc:
+    except _Refused as exc:
         raise UserError(f"recipe {path} {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"recipe {path}: must be a mapping of keys to values")
@@ -577,8 +611,12 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("weight_decay", "must be >= 0")
     if config.max_nonfinite_steps < 1:
         raise bad("max_nonfinite_steps", "must be at least 1")
-    if config.collective_timeout_s <= 0:
-        raise bad("collective_timeout_s", "must be a positive number of seconds")
+    if not COLLECTIVE_TIMEOUT_RANGE_S[0] <= config.collective_timeout_s <= COLLECTIVE_TIMEOUT_RANGE_S[1]:
+        raise bad(
+            "collective_timeout_s",
+            f"must be in [{COLLECTIVE_TIMEOUT_RANGE_S[0]:g}, {COLLECTIVE_TIMEOUT_RANGE_S[1]:g}] seconds (a second "
+            "to a week): shorter fails healthy collectives, and no hang is worth waiting longer for",
+        )
     for key in (
         "batch_size",
         "gradient_accumulation_steps",

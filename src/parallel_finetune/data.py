@@ -35,6 +35,12 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "sample_data"
 SPLIT_FILES = {"train": "train.tsv", "validation": "dev.tsv", "test": "test.tsv"}
 REQUIRED_COLUMNS = {"train": ("sentence", "label"), "validation": ("sentence", "label"), "test": ("sentence",)}
 EOS = "<|endoftext|>"
+# Bounds on a data file, far above SST-2 (train.tsv 3.8 MB; longest row 270 characters, longest word 38): a file is
+# held in memory whole, and learning a tiny model's tokenizer takes time quadratic in a word's length (one word of
+# 100,000 characters costs seconds, of a few megabytes hours).
+MAX_DATA_FILE_BYTES = 2**30
+MAX_ROW_CHARS = 100_000
+MAX_WORD_CHARS = 1_000
 
 
 @dataclass(frozen=True)
@@ -50,11 +56,17 @@ class Source:
 def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
     """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line). A UTF-8 byte
     order mark and any line ending (LF, CRLF, CR) are accepted; rows with an empty sentence are dropped and
-    counted (a 0-token row has nothing to classify)."""
+    counted (a 0-token row has nothing to classify). A file, row or word beyond MAX_DATA_FILE_BYTES,
+    MAX_ROW_CHARS or MAX_WORD_CHARS is refused (the file before it is read)."""
     try:
-        kind = path.stat().st_mode
-        if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):  # a FIFO or device would block the read, or never end
+        info = path.stat()
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):  # a FIFO or device: the read blocks
             raise UserError(f"{path}: not a regular file (a FIFO, socket or device); give a file of GLUE SST-2 rows")
+        if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DATA_FILE_BYTES:
+            raise UserError(
+                f"{path}: {info.st_size / 2**30:.1f} GiB, more than the {MAX_DATA_FILE_BYTES / 2**30:g} GiB a data "
+                "file may have (it is read into memory whole; SST-2's train.tsv is 3.8 MB)"
+            )
         raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file (a GLUE SST-2 folder holds train.tsv and dev.tsv)") from None
@@ -69,6 +81,11 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
             raise UserError(
                 f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})"
             ) from None
+        if len(text_lines[-1]) > MAX_ROW_CHARS:
+            raise UserError(
+                f"{path}:{number}: {len(text_lines[-1]):,} characters, more than the {MAX_ROW_CHARS:,} a row may "
+                "have (SST-2's longest has 270)"
+            )
     if not text_lines:
         raise UserError(f"{path}: empty file; expected a header line ({chr(9).join(REQUIRED_COLUMNS[split])}) and rows")
     header = text_lines[0].split("\t")
@@ -97,6 +114,12 @@ def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
         if not fields[sentence_at].strip():
             empty.append(number)
             continue
+        longest = max(fields[sentence_at].split(), key=len) if len(fields[sentence_at]) > MAX_WORD_CHARS else ""
+        if len(longest) > MAX_WORD_CHARS:
+            raise UserError(
+                f"{path}:{number}: a word of {len(longest):,} characters ({longest[:20]!r}...), more than the "
+                f"{MAX_WORD_CHARS:,} a word may have (learning a tokenizer takes time quadratic in a word's length)"
+            )
         columns["sentence"].append(fields[sentence_at].strip())
         if label_at is not None:
             columns["label"].append(int(label))
@@ -140,7 +163,9 @@ def _file_fingerprint(folder: Path) -> str:
     for name in SPLIT_FILES.values():
         if (folder / name).exists():
             digest.update(name.encode())
-            digest.update((folder / name).read_bytes())
+            with open(folder / name, "rb") as file:
+                while chunk := file.read(2**24):
+                    digest.update(chunk)
     return digest.hexdigest()[:16]
 
 

@@ -107,7 +107,10 @@ def check_heads(hf_config) -> None:
 def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     """Raise UserError on the first problem; return a one-line description of what will run (`nproc` processes in
     all, spread evenly over `nnodes` nodes)."""
-    if nnodes < 1 or nproc % nnodes:
+    for flag, count, what in (("--nproc", nproc, "processes"), ("--nnodes", nnodes, "nodes")):
+        if count < 1:
+            raise UserError(f"{flag} {count} is not a number of {what}; give 1 or more")
+    if nproc % nnodes:
         raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
     family = get_family(config.family)
     resolve_device(config.device)
