@@ -6,7 +6,8 @@ GPT-J config with 4 blocks (64-wide heads, MLP 4 x hidden) and the SST-2 BPE voc
 `auto` picks it on this CPU:
   tp        TP=2 (two processes, one thread each) vs one process with two threads, at hidden 512 and 1024:
             throughput ratio = one-process step time / TP=2 step time (1.0 = as fast as one process)
-  mfu       the one-process run's model FLOP rate as a fraction of the measured matmul peak (2 threads)
+  mfu       the one-process run's model FLOP rate as a fraction of the CPU's theoretical peak (2 cores), beside
+            the achievable matmul rate (a 0.5 s matmul probe, 2 threads)
   compile   compile=true vs eager, one process with two threads: step time, and the compile time paid in the
             warm-up steps
 Writes runs/bench/speed/speed.json.
@@ -21,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from steps import REPO, measure  # noqa: E402
+
+from parallel_finetune.reporting import percent  # noqa: E402
 
 BATCH, LENGTH = 16, 64
 
@@ -53,8 +56,9 @@ def main() -> int:
             "throughput_ratio": single["step_s"] / tp["step_s"],
         }
         print(
-            f"hidden {hidden}: one process x 2 threads {single['step_s']:.3f} s/step (MFU {single['mfu']:.1%} of "
-            f"{single['peak_tflops'] * 1e3:.1f} GFLOP/s), TP=2 x 1 thread {tp['step_s']:.3f} s/step: "
+            f"hidden {hidden}: one process x 2 threads {single['step_s']:.3f} s/step (MFU {percent(single['mfu'])} "
+            f"of {single['peak_tflops'] or float('nan'):.3g} TFLOP/s; achievable matmul rate "
+            f"{single['achievable_tflops']:.3g} TFLOP/s), TP=2 x 1 thread {tp['step_s']:.3f} s/step: "
             f"ratio {single['step_s'] / tp['step_s']:.2f}",
             flush=True,
         )

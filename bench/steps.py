@@ -50,7 +50,14 @@ def worker(argv: list[str]) -> None:
     records = [trainer.train_step(list(range(config.batch_size))) for _ in range(warmup + steps)]
     if trainer.layout.is_main:
         (Path(config.output_dir) / "step_records.json").write_text(
-            json.dumps({"records": records, "peak_tflops": trainer.peak_tflops, "warmup": warmup})
+            json.dumps(
+                {
+                    "records": records,
+                    "peak_tflops": trainer.peak_tflops,
+                    "achievable_tflops": trainer.peak.achievable_tflops,
+                    "warmup": warmup,
+                }
+            )
         )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -96,9 +103,10 @@ def measure(
     timed = result["records"][warmup:]
     return {
         "step_s": statistics.median(r["step_time_s"] for r in timed),
-        "mfu": statistics.median(r["mfu"] for r in timed),
+        "mfu": None if None in (mfus := [r["mfu"] for r in timed]) else statistics.median(mfus),
         "tflops_per_device": statistics.median(r["tflops_per_device"] for r in timed),
-        "peak_tflops": result["peak_tflops"],
+        "peak_tflops": result["peak_tflops"],  # None: unknown
+        "achievable_tflops": result["achievable_tflops"],
         "warmup_s": [r["step_time_s"] for r in result["records"][:warmup]],
     }
 

@@ -59,8 +59,9 @@ def our_run(config) -> dict:
         "train_seconds": seconds,
         "accuracy": results["accuracy"],
         "padding_fraction": padding_fraction(trainer.padding.values()),
-        "mfu": statistics.median(r["mfu"] for r in trainer.history),
-        "peak_tflops": trainer.peak_tflops,
+        "mfu": None if None in (mfus := [r["mfu"] for r in trainer.history]) else statistics.median(mfus),
+        "peak_tflops": trainer.peak_tflops,  # None: unknown
+        "achievable_matmul_tflops": trainer.peak.achievable_tflops,
     }
 
 

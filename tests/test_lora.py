@@ -258,3 +258,75 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
             assert param.requires_grad == (name in trainable), name
             assert param.dtype == (torch.float32 if name in trainable else torch.bfloat16), name
         assert any(name.startswith(family.lora_head) for name in trainable)
+
+
+# ----------------------------------------------------------------- issue 26: LoRA names that match nothing, ranks
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["lora_target_modules=[q_proj, q_prj]"],  # one good name does not excuse a bad one
+            "lora_target_modules: 'q_prj' matches no Linear layer of a gptj block; its layers: attn.k_proj, ",
+        ),
+        (
+            ["lora_modules_to_save=[head]"],  # the randomly initialised score head would stay frozen
+            "lora_modules_to_save: 'head' names no module with parameters in this gptj model; modules outside the "
+            "blocks: score, transformer.ln_f, transformer.wte",
+        ),
+        (
+            ["lora_rank=129"],  # tiny GPT-J: the attention projections are 128 x 128
+            "lora_rank=129 is larger than the layer it adapts: transformer.h.0.attn.k_proj has 128 inputs and 128 "
+            "outputs; use lora_rank <= 128",
+        ),
+        (
+            ["family=gpt2", "task=causal_lm", "lora_target_modules=default", "lora_modules_to_save=[lm_head]"],
+            "lora_modules_to_save: 'lm_head' holds only weights tied to transformer.wte.weight",
+        ),
+    ],
+    ids=["target", "modules_to_save", "rank", "tied_head"],
+)
+def test_lora_names_matching_nothing_and_ranks_wider_than_a_layer_are_refused_by_check(overrides, message, sst2):
+    from parallel_finetune.config import load_config
+    from parallel_finetune.errors import UserError
+    from parallel_finetune.preflight import preflight
+
+    config = load_config(lora_recipe("gptj"), ["size=tiny", f"data_dir={sst2}", *overrides])
+    with pytest.raises(UserError) as error:
+        preflight(config, 1)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert "ok: " in preflight(load_config(lora_recipe("gptj"), ["size=tiny", f"data_dir={sst2}", "lora_rank=128"]), 1)
+
+
+def test_lora_check_cli_refuses_a_head_that_matches_nothing(sst2):
+    from conftest import check
+
+    proc = check("size=tiny", f"data_dir={sst2}", "lora_modules_to_save=[classifier]", recipe=lora_recipe("gptj"))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("error: lora_modules_to_save: 'classifier' names no module"), lines[0]
+
+
+def test_lora_never_leaves_a_new_head_frozen(sst2, tmp_path):
+    """A pretrained causal LM fine-tuned for classification: its score head is new (random); frozen, it would stay
+    random. --check reads the local checkpoint's names; the run refuses the same (model.ready_model)."""
+    from parallel_finetune import lora, synthetic
+    from parallel_finetune.config import load_config
+    from parallel_finetune.data import column, read_glue_dir
+    from parallel_finetune.errors import UserError
+    from parallel_finetune.preflight import preflight
+
+    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:300]
+    folder = synthetic.write_checkpoint(
+        tmp_path / "gpt2", "gpt2", sentences, hidden=32, layers=1, heads=2, vocab_size=300
+    )
+    base = ["size=full", f"model={folder}", f"data_dir={sst2}", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(
+        UserError,
+        match=r"score\.weight not in the checkpoint .* would keep them frozen at random "
+        r"values; add score to lora_modules_to_save",
+    ):
+        preflight(load_config(lora_recipe("gpt2"), [*base, "lora_modules_to_save=[transformer.ln_f]"]), 1)
+    assert "ok: " in preflight(load_config(lora_recipe("gpt2"), base), 1)  # the default saves the head
+    settings = lora.LoraSettings(8, 16.0, 0.0, ("c_attn",), ())
+    with pytest.raises(UserError, match="score.weight not in the checkpoint"):
+        lora.check_new_trained(["score.weight", "transformer.h.0.attn.c_attn.q.lora_A.weight"], settings, "a folder")

@@ -7,11 +7,12 @@ import pytest
 import torch
 from conftest import assert_trains_like, launch, tiny_overrides
 
-from parallel_finetune import data
+from parallel_finetune import data, throughput
 from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, Config, compile_decision
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import stage_costs
-from parallel_finetune.throughput import achieved, gpu_peak_tflops, model_flops, probe_matmul_tflops
+from parallel_finetune.reporting import format_step, format_throughput
+from parallel_finetune.throughput import Peak, achieved, cpu_peak, gpu_peak_tflops, model_flops, probe_matmul_tflops
 from parallel_finetune.trainer import padding_fraction
 
 
@@ -43,7 +44,10 @@ def test_model_flops_by_hand():
     assert (flops.layers, flops.hidden) == (2, 128)
     assert flops.sequence(10) == 6 * 393_472 * 10 + 12 * 2 * 128 * 10 * 10 == 23_915_520
     assert flops.batch([10, 4]) == flops.sequence(10) + flops.sequence(4)
-    assert achieved(1e12, 2.0, 4, 0.5) == (0.125, 0.25)  # 1 TFLOP in 2 s over 4 devices: 0.125 each, half a 0.25 peak
+    assert achieved(1e12, 2.0, 4, Peak(0.5, "test")) == (
+        0.125,
+        0.25,
+    )  # 1 TFLOP in 2 s over 4 devices: 0.125 each, half a 0.25 peak
 
 
 def test_peaks_and_probe():
@@ -75,3 +79,80 @@ def test_compile_auto_compiles_long_gpu_runs_only():
     assert compile_decision(Config(compile=False), 5000, "cuda")[0] is False
     assert compile_decision(Config(compile=True), 5, "cpu")[0] is True
     assert compile_decision(Config(engine="deepspeed"), 5000, "cuda")[0] is False
+
+
+# ----------------------------------------------------------------- issue 26: true figures (CPU peak, MFU <= 100%)
+LSCPU = (
+    "Model name:  AMD EPYC\nCPU max MHz:  3500.0000\nBogoMIPS:  5192.19\n"
+    "Flags:  fpu sse2 avx avx2 fma avx512f avx512_bf16\n"
+)
+CPUINFO = "processor\t: 0\ncpu MHz\t\t: 2596.098\nflags\t\t: fpu sse2 avx avx2 fma\nbogomips\t: 5192.19\n"
+
+
+def test_cpu_peak_is_cores_x_clock_x_flops_per_cycle_of_the_vector_units():
+    peak, how = cpu_peak("float32", 4, LSCPU, CPUINFO)
+    assert peak == pytest.approx(4 * 3500e6 * 64 / 1e12)
+    assert how == (
+        "CPU float32 peak: 4 core(s) x 3500 MHz (lscpu CPU max MHz) x 64 FLOPs/cycle (AVX-512F: 2 FMA units x 16 "
+        "lanes x 2, the most such a core does)"
+    )
+    assert cpu_peak("bfloat16", 4, LSCPU, CPUINFO)[0] == pytest.approx(4 * 3500e6 * 256 / 1e12)
+    fp16, how = cpu_peak("float16", 4, LSCPU, CPUINFO)  # no fp16 unit: computed in float32
+    assert fp16 == pytest.approx(peak) and "no float16 unit: computed as float32" in how
+    # clock sources in order: cpufreq's kHz, /proc/cpuinfo's cpu MHz, BogoMIPS / 2; flags from /proc/cpuinfo
+    assert cpu_peak("float32", 2, "", CPUINFO, "3000000\n") == (
+        pytest.approx(2 * 3000e6 * 32 / 1e12),
+        "CPU float32 peak: 2 core(s) x 3000 MHz (cpufreq cpuinfo_max_freq) x 32 FLOPs/cycle (AVX2+FMA: 2 FMA units "
+        "x 8 lanes x 2, the most such a core does)",
+    )
+    assert cpu_peak("float32", 1, "", CPUINFO)[0] == pytest.approx(2596.098e6 * 32 / 1e12)
+    assert "bfloat16 unit" in cpu_peak("bfloat16", 1, "", CPUINFO)[1]
+    bogomips_only = CPUINFO.replace("cpu MHz", "cpu kHz")
+    assert cpu_peak("float32", 1, "", bogomips_only)[1].startswith(
+        "CPU float32 peak: 1 core(s) x 2596 MHz (BogoMIPS / 2)"
+    )
+    assert cpu_peak("float32", 1, "", "flags : fpu\ncpu MHz : 2000\n") == (
+        None,
+        "peak unknown: no known vector unit in the CPU flags",
+    )
+    assert cpu_peak("float32", 1, "", "flags : avx2 fma\n") == (
+        None,
+        "peak unknown: no clock (lscpu, cpufreq, /proc/cpuinfo)",
+    )
+
+
+def test_mfu_is_never_above_100_percent_when_the_probe_reads_low(monkeypatch, caplog):
+    """A matmul probe run while the machine was busy read half the real rate; as the peak, it made MFU 190%. The
+    peak is the hardware's; the probe is reported beside it; a rate above a (wrong) peak makes MFU unknown."""
+    monkeypatch.setattr(throughput, "this_cpu_peak", lambda dtype: (0.332, "CPU float32 peak: from the flags"))
+    monkeypatch.setattr(throughput, "probe_matmul_tflops", lambda device, dtype: 0.05)  # a busy machine
+    peak = throughput.device_peak(torch.device("cpu"), torch.float32, None)
+    assert (peak.tflops, peak.achievable_tflops) == (0.332, 0.05)
+    assert peak.describe().startswith("MFU is measured against 0.332 TFLOP/s per device (CPU float32 peak")
+    assert "; achievable matmul rate 0.05 TFLOP/s (0.5 s float32 matmul probe" in peak.describe()
+    assert achieved(0.095e12, 1.0, 1, peak) == (0.095, pytest.approx(0.095 / 0.332))  # was 190% of the probe
+    record = {
+        "step": 1, "epoch": 0.1, "loss": 0.7, "lr": 1e-4, "grad_norm": 1.0, "loss_scale": 1.0, "samples_per_s": 9.0,
+        "tokens_per_s": 99.0, "skipped": False,
+    }  # fmt: skip
+    with caplog.at_level("INFO", logger="parallel_finetune.throughput"):
+        tflops, mfu = achieved(0.5e12, 1.0, 1, peak)  # above the peak: the peak is wrong
+        assert mfu is None and peak.mfu(0.6) is None
+    assert caplog.text.count("MFU unknown: 0.5 TFLOP/s per device is above the 0.332 TFLOP/s peak") == 1
+    assert format_step({**record, "tflops_per_device": tflops, "mfu": mfu}, 10).endswith("TFLOP/s | MFU unknown")
+    summary = {
+        "train_samples_per_s": 9.0, "train_tokens_per_s": 99.0, "train_tflops_per_device": tflops, "mfu": mfu,
+        "mfu_unknown": peak.unknown_reason(tflops), "peak_tflops_per_device": 0.332, "achievable_matmul_tflops": 0.05,
+    }  # fmt: skip
+    assert format_throughput(summary) == (
+        "throughput: 9.0 samples/s, 99 tokens/s, 0.5 TFLOP/s per device, MFU unknown (0.5 TFLOP/s per device is "
+        "above the 0.332 TFLOP/s peak: peak wrong) | achievable matmul rate 0.05 TFLOP/s"
+    )
+    assert "MFU 28.6% of 0.332 TFLOP/s" in format_throughput(
+        {**summary, "train_tflops_per_device": 0.095, "mfu": 0.286}
+    )
+    # a probe faster than the computed peak proves that peak wrong (an understated clock): unknown, said why
+    monkeypatch.setattr(throughput, "probe_matmul_tflops", lambda device, dtype: 0.5)
+    peak = throughput.device_peak(torch.device("cpu"), torch.float32, None)
+    assert peak.tflops is None and peak.mfu(0.1) is None
+    assert peak.describe().startswith("MFU is unknown (peak unknown: the matmul probe reached 0.5 TFLOP/s, above")

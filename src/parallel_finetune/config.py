@@ -74,7 +74,7 @@ class Config:
     # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: long enough to earn the compile time back), off for shorter ones
     # and on CPUs (a compiled MiniLM step measured 1.16x slower than eager there)
     compile: bool | Literal["auto"] = "auto"
-    peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, or measured (CPU)
+    peak_tflops: float | None = None  # per device, for MFU; None = known GPU's 16-bit peak, CPU's theoretical
     # A step whose loss or gradient norm is NaN/inf is skipped, never applied; this many in a row stop the run with
     # an error (a diverged run only wastes compute). fp16 overflows count only once the loss scale is down to 1,
     # where halving it again cannot help (DeepSpeed's min_loss_scale rule).

@@ -101,19 +101,85 @@ def planned_shapes(model: nn.Module, family, settings: LoraSettings) -> dict[str
 
 
 def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
-    if not target_modules(model, family, settings):
-        linears = sorted(
-            {
-                relative
-                for block in family.blocks(model)[:1]
-                for relative, m in block.named_modules()
-                if isinstance(m, nn.Linear)
-            }
-        )
+    """Every entry of lora_target_modules and lora_modules_to_save names something in `model` (the whole model,
+    on `meta`), and no adapter is wider than its layer; else one line. A name matching nothing would leave what
+    it meant untouched: a misspelt head stays frozen at its random initialisation."""
+    linears = sorted(
+        {
+            relative
+            for block in family.blocks(model)
+            for relative, m in block.named_modules()
+            if isinstance(m, nn.Linear) and relative and "lora_" not in relative
+        }
+    )
+    for target in settings.targets if settings.targets != ALL_LINEAR else ():
+        if not any(_matches(relative, target) for relative in linears):
+            raise UserError(
+                f"lora_target_modules: {target!r} matches no Linear layer of a {family.name} block; its layers: "
+                f"{', '.join(linears)} (or all-linear)"
+            )
+    names = [name for name, _ in model.named_parameters()]  # the names trainable_names selects from
+    first_name = {id(param): name for name, param in reversed(list(model.named_parameters()))}
+    for module in settings.modules_to_save:
+        if not any(name.startswith(f"{module}.") for name in names):
+            tied = [
+                first_name[id(param)]
+                for name, param in model.named_parameters(remove_duplicate=False)
+                if name.startswith(f"{module}.")
+            ]
+            if tied:
+                raise UserError(
+                    f"lora_modules_to_save: {module!r} holds only weights tied to {', '.join(tied)}; "
+                    f"name {tied[0].rsplit('.', 1)[0]} instead"
+                )
+            outside = sorted({n.rsplit(".", 1)[0] for n in names if not n.startswith(f"{family.block_path}.")})
+            raise UserError(
+                f"lora_modules_to_save: {module!r} names no module with parameters in this {family.name} model; "
+                f"modules outside the blocks: {', '.join(outside)} (or a block's path, {family.block_path}.0)"
+            )
+    for path, module, _ in target_modules(model, family, settings):
+        if settings.rank > min(module.in_features, module.out_features):
+            raise UserError(
+                f"lora_rank={settings.rank} is larger than the layer it adapts: {path} has {module.in_features} "
+                f"inputs and {module.out_features} outputs; use lora_rank <= "
+                f"{min(module.in_features, module.out_features)} or leave that layer out of lora_target_modules"
+            )
+
+
+def check_new_trained(new: list[str], settings: LoraSettings, source: str) -> None:
+    """Weights the checkpoint lacks (a classification head) start random: frozen, they would stay random."""
+    heads = tuple(f"{m}." for m in settings.modules_to_save)
+    frozen = sorted(name for name in new if ".lora_" not in name and not name.startswith(heads))
+    if frozen:
+        modules = sorted({name.rsplit(".", 1)[0] for name in frozen})
         raise UserError(
-            f"lora_target_modules={list(settings.targets) if settings.targets != ALL_LINEAR else ALL_LINEAR!r} "
-            f"matches no Linear layer of a {family.name} block; its layers: {', '.join(linears)} (or all-linear)"
+            f"peft=lora: {', '.join(frozen)} not in the checkpoint ({source}), so initialised at random, and "
+            f"lora_modules_to_save={list(settings.modules_to_save)} would keep them frozen at random values; add "
+            f"{', '.join(modules)} to lora_modules_to_save"
         )
+
+
+def preflight(config, family, hf_config) -> None:
+    """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, and (pretrained weights
+    in a local folder) a new weight left frozen."""
+    settings = settings_from_config(config, family)
+    if settings is None:
+        return
+    model = family.build(config.task, hf_config)
+    check_targets(model, family, settings)
+    if config.size != "full":
+        return
+    from .families.base import resolve_model_path
+    from .weights import open_checkpoint, plan_load, tied_aliases
+
+    folder = Path(resolve_model_path(config.model or family.default_model))
+    if folder.is_dir():  # a Hub name is fetched by the run, which checks the same once it has the files
+        weights = open_checkpoint(folder, family.model_classes[config.task].base_model_prefix)
+        try:
+            new = plan_load(model, family, weights, tied_aliases(model)).new
+            check_new_trained(list(new), settings, weights.description)
+        finally:
+            weights.close()
 
 
 class LoraLinear(nn.Linear):

@@ -90,6 +90,7 @@ def ready_model(
     settings = lora.settings_from_config(config, family)
     if settings is not None:
         lora.check_targets(model, family, settings)
+        lora.check_new_trained(list(whole_plan.new), settings, weights.description)
         adapters = lora.planned_shapes(model, family, settings)
         shapes.update(adapters)
         for name, shape in adapters.items():

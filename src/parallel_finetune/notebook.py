@@ -200,11 +200,13 @@ def report(folder: str | Path) -> dict:
         "train_samples_per_s",
         "train_tokens_per_s",
         "mfu",
+        "mfu_unknown",
+        "achievable_matmul_tflops",
         "padding_fraction",
         "seconds",
         "peak_memory_mib_per_rank",
     ):
-        if key in summary:
+        if summary.get(key) is not None:
             print(f"{key}: {summary[key]}")
     return summary
 

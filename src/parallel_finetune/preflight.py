@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from . import lora
 from .checkpoint import check_resume, checkpoint_root, continuing_run
 from .config import Config
 from .data import read_glue_dir
@@ -131,6 +132,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     hf_config = check_model_config(config)
     degrees, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
+    lora.preflight(config, family, hf_config)  # targets and heads that match nothing, a rank wider than a layer
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch

@@ -196,9 +196,27 @@ def format_step(record: dict, total_steps: int) -> str:
         f"step {record['step']}/{total_steps} | epoch {record['epoch']:.2f} | loss {record['loss']:.4f} | "
         f"lr {record['lr']:.2e} | grad_norm {norm} | loss_scale {record['loss_scale']:g} | "
         f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s | "
-        f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {record['mfu']:.1%}"
+        f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {percent(record['mfu'])}"
     )
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
+
+
+def percent(mfu: float | None) -> str:
+    return "unknown" if mfu is None else f"{mfu:.1%}"
+
+
+def format_throughput(summary: dict) -> str:
+    """The run's mean throughput, MFU (or why it is unknown) and, on a CPU, the achievable matmul rate beside it."""
+    if summary["mfu"] is None:
+        mfu = f"MFU unknown ({summary['mfu_unknown']})"
+    else:
+        mfu = f"MFU {percent(summary['mfu'])} of {summary['peak_tflops_per_device']:.3g} TFLOP/s"
+    achievable = summary.get("achievable_matmul_tflops")
+    return (
+        f"throughput: {summary['train_samples_per_s']:.1f} samples/s, {summary['train_tokens_per_s']:.0f} tokens/s, "
+        f"{summary['train_tflops_per_device']:.3g} TFLOP/s per device, {mfu}"
+        + (f" | achievable matmul rate {achievable:.3g} TFLOP/s" if achievable is not None else "")
+    )
 
 
 def write_yaml(path: Path, data: dict) -> None:

@@ -45,6 +45,7 @@ from .reporting import (
     PhaseTimer,
     Reporter,
     choose_output_dir,
+    format_throughput,
     package_versions,
     peak_memory_mib,
     write_json,
@@ -52,7 +53,7 @@ from .reporting import (
 )
 from .runfolder import RunLock, replace_previous_run, restarted, run_folders
 from .runner import WholeModel
-from .throughput import achieved, device_peak_tflops
+from .throughput import achieved, device_peak
 from .updates import TorchUpdates
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class Trainer:
             self.precision = resolve_precision(config.precision, layout.device, config.engine)
             if config.lr_note:
                 log.info("%s", config.lr_note)
-            self.peak_tflops, source = device_peak_tflops(layout.device, DTYPES[self.precision], config.peak_tflops)
-            log.info("MFU is measured against %.3g TFLOP/s per device (%s)", self.peak_tflops, source)
+            self.peak = device_peak(layout.device, DTYPES[self.precision], config.peak_tflops)
+            self.peak_tflops = self.peak.tflops  # None: unknown
+            log.info("%s", self.peak.describe())
             check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
             if config.size == "tiny":  # (full size: once the model is fetched, in _build)
                 check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
@@ -317,7 +319,7 @@ class Trainer:
         epoch_padding[1] += data_module.token_slots(
             global_batch, self.train_lengths, layout.dp, config.gradient_accumulation_steps, self.runner.pad_multiple
         )
-        tflops, mfu = achieved(self.ready.flops.batch(lengths), elapsed, layout.world_size, self.peak_tflops)
+        tflops, mfu = achieved(self.ready.flops.batch(lengths), elapsed, layout.world_size, self.peak)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
         return {
             "step": self.step,
@@ -533,8 +535,11 @@ class Trainer:
             "train_tflops_per_device": (
                 tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in trained) / train_seconds
             ),
-            "mfu": tflops / self.peak_tflops,
-            "peak_tflops_per_device": self.peak_tflops,
+            "mfu": self.peak.mfu(tflops),  # None: unknown, and why
+            "mfu_unknown": self.peak.unknown_reason(tflops),
+            "peak_tflops_per_device": self.peak.tflops,
+            "peak_source": self.peak.source,
+            "achievable_matmul_tflops": self.peak.achievable_tflops,  # a CPU's matmul probe (what it reached)
             "padding_fraction": padding_fraction(self.padding.values()),
             "padding_fraction_per_epoch": {
                 epoch: padding_fraction([counts]) for epoch, counts in sorted(self.padding.items())
@@ -583,6 +588,7 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
                 ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
                 ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()),
             )
+            log.info("%s", format_throughput(summary))
             log.info("outputs in %s", trainer.output_dir)
         shutdown()
         return summary
