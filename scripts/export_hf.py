@@ -3,7 +3,8 @@
 
 python scripts/export_hf.py CHECKPOINT OUT [--dtype float32|bfloat16|float16]
 CHECKPOINT: a step-… folder (or a checkpoint folder: its newest checkpoint that verifies). OUT: a new or empty
-folder; `AutoModelForSequenceClassification.from_pretrained(OUT)` (or ForCausalLM) loads it. The checkpoint is
+folder, not a file, a run folder or a folder inside a checkpoint;
+`AutoModelForSequenceClassification.from_pretrained(OUT)` (or ForCausalLM) loads it. The checkpoint is
 verified against its manifest (sizes and sha256) before anything is read.
 """
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from parallel_finetune import integrity
 from parallel_finetune.checkpoint import resolve_resume
-from parallel_finetune.runfolder import RunLock
+from parallel_finetune.runfolder import RECORD, RunLock
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
@@ -51,6 +51,7 @@ def assert_same_losses(run, reference, first_step: int) -> None:
 
 def test_reference_keeps_the_newest_checkpoints(reference):
     assert sorted(p.name for p in (reference.output_dir / "checkpoints").iterdir()) == [
+        RECORD,
         "step-00000005",
         "step-00000010",
     ]
@@ -117,7 +118,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(reference, sst2, cac
     env = {"SIGNAL_NAME": "SIGTERM", "SIGNAL_RANK": "1", "SIGNAL_STEP": "4"}  # one rank only: all must agree
     stopped = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2"), out, script=SIGNAL_WORKER, env=env)
     assert stopped.returncode == 0
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [RECORD, "step-00000004"]
     assert [r["step"] for r in stopped.records] == [1, 2, 3, 4]
     resumed = launch(2, overrides(sst2, cache_dir, "tensor_parallel_degree=2"), out)  # resume=auto, same folder
     assert resumed.losses == reference.losses, "metrics.jsonl reads as one uninterrupted run"
@@ -221,7 +222,7 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk
     warning = line[line.index("checkpoint at step 10") :]  # after the progress bar's last redraw
     assert warning.startswith("checkpoint at step 10 not written (No space left on device (0 bytes free under ")
     assert len(warning) < 400, warning  # not 1,400 characters of tuples
-    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000005"]
+    assert sorted(p.name for p in small_disk.iterdir()) == [RECORD, "step-00000005"]
     assert resolve_resume("auto", small_disk) == small_disk / "step-00000005"
     assert len(run.losses) == 10  # training went on
     state = json.loads((small_disk / "step-00000005" / "trainer_state.json").read_text())
@@ -342,7 +343,11 @@ def test_a_diverging_run_stops_and_writes_no_nan(sst2, cache_dir, tmp_path):
         "row (steps 3-4; max_nonfinite_steps=2)",
     )
     assert "checkpoint at step 3 not written: the loss or gradient norm of step 3 was not finite" in run.output
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        RECORD,
+        "step-00000001",
+        "step-00000002",
+    ]
     assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "summary.json").exists()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True]  # step 4 stopped the run before its record
@@ -385,7 +390,7 @@ def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
         f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
         f"tensorboard, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
     ) in run.output
-    assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == [RECORD, "step-00000003"]
     assert [r["step"] for r in run.records] == [1, 2, 3] and run.summary["steps"] == 3
     assert (copied_run / "notes.txt").read_text() == "mine"
 
@@ -401,7 +406,13 @@ def test_export_to_a_full_disk_leaves_no_partial_hf(sst2, cache_dir, tmp_path):
         assert run.returncode != 0
         assert_one_error(run.output, f"export to {out / 'hf'} failed (")
         assert "No space left on device" in run.output
-        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "eval.jsonl", "metrics.jsonl", "tensorboard"]
+        assert sorted(p.name for p in out.iterdir()) == [
+            RECORD,
+            "config.yaml",
+            "eval.jsonl",
+            "metrics.jsonl",
+            "tensorboard",
+        ]
     assert (tmp_path / "checkpoints" / "step-00000002").is_dir()  # the trained model is safe in its checkpoint
 
 

@@ -10,9 +10,11 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,11 +138,11 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
     folder = tmp_path / "run"
     folder.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (folder / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
+    (folder / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
     RunLock([folder]).acquire()  # stale: that process is gone
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        (folder / LOCK).write_text(json.dumps({"pid": alive.pid, "host": os.uname().nodename}))
+        (folder / LOCK).write_text(json.dumps({"pid": alive.pid, "host": socket.gethostname()}))
         with pytest.raises(UserError, match="in use by another run"):
             RunLock([folder]).acquire()
         (folder / LOCK).write_text(json.dumps({"pid": 1, "host": "another-node"}))
@@ -295,3 +297,163 @@ def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
         read_glue_tsv(path, "train")
     path.write_text(f"sentence\tlabel\n{'x' * MAX_WORD_CHARS} {'y ' * 40_000}\t1\n")  # at both limits: fine
     assert read_glue_tsv(path, "train")["label"] == [1]
+
+
+# ---------------------------------------------------------------- issue 26: what a run deletes, where it exports
+
+
+def make_record(folder, *names):
+    from parallel_finetune.runfolder import record_written
+
+    folder.mkdir(parents=True, exist_ok=True)
+    record_written(folder, *names)
+
+
+def test_overwrite_deletes_only_what_runs_recorded(tmp_path):
+    from parallel_finetune.runfolder import RECORD, recorded, replace_previous_run
+
+    out, checkpoints, victim = tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "victim"
+    victim.mkdir()
+    for folder in ("tensorboard", "footstep-1", "my-step-2", "hf"):
+        (out / folder).mkdir(parents=True)
+    for name in ("metrics.jsonl", "notes.txt"):
+        (out / name).write_text("x")
+    (out / "summary.json").symlink_to(victim)  # recorded, but a run writes no links
+    make_record(out, "metrics.jsonl", "tensorboard", "hf", "summary.json")
+    # hand-edited lines that leave the folder are never followed
+    (out / RECORD).write_text((out / RECORD).read_text() + "../victim\n/etc\n.\n")
+    for folder in ("step-00000005", "step-00000010", "step-5", "other-step-00000001"):
+        (checkpoints / folder).mkdir(parents=True)
+    make_record(checkpoints, "step-00000005", "step-00000010")
+    replace_previous_run(out, checkpoints)
+    assert sorted(p.name for p in out.iterdir()) == [
+        RECORD,
+        "checkpoints",
+        "footstep-1",
+        "my-step-2",
+        "notes.txt",
+        "summary.json",
+    ]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [RECORD, "other-step-00000001", "step-5"]
+    assert victim.is_dir() and recorded(out) == ["summary.json"] and recorded(checkpoints) == []
+
+
+def test_overwrite_refuses_outputs_no_run_recorded_and_deletes_nothing(tmp_path):
+    from parallel_finetune.runfolder import check_run_folders, replace_previous_run
+
+    mine, elsewhere = tmp_path / "mine", tmp_path / "other-project"
+    (mine / "tensorboard").mkdir(parents=True)
+    (mine / "hf").mkdir()
+    (elsewhere / "step-00000100").mkdir(parents=True)  # another project's checkpoint under checkpoint_dir=
+    message = (
+        f"overwrite=true: {mine / 'hf'}, {mine / 'tensorboard'}, {elsewhere / 'step-00000100'} were not written by "
+        "a run of ours (not in the folder's record), so the run will not delete or write over them: move them, "
+        "or choose another output_dir"
+    )
+    for refuse in (lambda: check_run_folders(mine, elsewhere, True), lambda: replace_previous_run(mine, elsewhere)):
+        with pytest.raises(UserError) as refused:
+            refuse()
+        assert str(refused.value) == message
+    check_run_folders(mine, elsewhere, overwrite=False)  # without overwrite: the usual rules (non-empty: refused)
+    assert sorted(p.name for p in mine.iterdir()) == ["hf", "tensorboard"]
+    assert (elsewhere / "step-00000100").is_dir()
+    plain = tmp_path / "plain"  # a folder that never held a run: overwrite=true deletes nothing there
+    (plain / "notes").mkdir(parents=True)
+    replace_previous_run(plain, plain / "checkpoints")
+    assert [p.name for p in plain.iterdir()] == ["notes"]
+
+
+def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp_path, monkeypatch):
+    """A stray SM_MODEL_DIR / SM_OUTPUT_DATA_DIR in a shell redirects (and would empty) nothing; in a job, an
+    output_dir the user gave wins, and a LoRA adapter goes inside the model folder, which the job uploads."""
+    from types import SimpleNamespace
+
+    from parallel_finetune.reporting import PhaseTimer, choose_output_dir
+    from parallel_finetune.trainer import Trainer
+
+    monkeypatch.delenv("SM_TRAINING_ENV", raising=False)
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(tmp_path / "output"))
+    monkeypatch.chdir(tmp_path)
+
+    def export_target(output_dir):
+        """Where Trainer.export sends a LoRA run's files: (`out`, whether adapter/ goes inside it)."""
+        trainer = SimpleNamespace(
+            config=SimpleNamespace(export=True, output_dir=output_dir),
+            output_dir=tmp_path / (output_dir or "output"),
+            timer=PhaseTimer(),
+            ready=SimpleNamespace(parallel=SimpleNamespace(trainable={"lora_A"})),
+            _export_lora=lambda out, inside=False: (out, inside),
+        )
+        return Trainer.export(trainer)
+
+    assert choose_output_dir(None, "gptj-tp", False).parent == Path("runs")
+    assert export_target("run") == (tmp_path / "run" / "hf", False)
+    assert export_target(None) == (tmp_path / "output" / "hf", False)
+    monkeypatch.setenv("SM_TRAINING_ENV", "{}")  # inside a SageMaker job
+    assert choose_output_dir(None, "gptj-tp", False) == tmp_path / "output"
+    assert export_target("run") == (tmp_path / "run" / "hf", False)
+    assert export_target(None) == (tmp_path / "model", True)
+
+
+def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
+    from parallel_finetune.checkpoint import export_checkpoint
+    from parallel_finetune.export import write_folder
+    from parallel_finetune.runfolder import RECORD, check_run_folders
+
+    refusal = (
+        f"not exporting to {checkpoint / 'hf'}: it lies inside the checkpoint {checkpoint}; choose a folder outside it"
+    )
+    for export in (
+        lambda: write_folder(checkpoint / "hf", lambda folder: (folder / "config.json").write_text("{}")),
+        lambda: export_checkpoint(checkpoint, checkpoint / "hf"),  # scripts/export_hf.py
+    ):
+        with pytest.raises(UserError) as refused:
+            export()
+        assert str(refused.value) == refusal
+    with pytest.raises(UserError, match=rf"lies inside the checkpoint {tmp_path / 'checkpoints' / 'step-00000020'}"):
+        write_folder(tmp_path / "checkpoints" / "step-00000020", lambda folder: None)  # resume would pick it up
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / ".metadata").write_bytes(b"")  # a DCP checkpoint under any name
+    with pytest.raises(UserError, match=rf"lies inside the checkpoint {tmp_path / 'best'};"):
+        write_folder(tmp_path / "best" / "hf", lambda folder: None)
+    with pytest.raises(
+        UserError, match=rf"^output_dir='{checkpoint / 'run'}' lies inside the checkpoint {checkpoint};"
+    ):
+        check_run_folders(checkpoint / "run", checkpoint / "run" / "checkpoints", overwrite=False)
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json"]
+    # export_hf.py's OUT: a file or a run folder is one line, before the checkpoint is read
+    (tmp_path / "notes.txt").write_text("mine")
+    make_record(tmp_path / "run", "metrics.jsonl")
+    for out, message in (
+        (tmp_path / "notes.txt", f"{tmp_path / 'notes.txt'} is a file, not a folder; choose a new or empty folder"),
+        (tmp_path / "run", f"{tmp_path / 'run'} is a run folder (it holds {RECORD}); export into a new or empty"),
+    ):
+        with pytest.raises(UserError) as refused:
+            export_checkpoint(tmp_path / "no-such-checkpoint", out)
+        assert str(refused.value).startswith(message)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_export_staging_goes_on_interrupt_and_a_killed_exports_goes_next_time(tmp_path):
+    from parallel_finetune.export import STAGING, STAGING_MARKER, write_folder
+
+    out = tmp_path / "hf"
+
+    def interrupted(folder):
+        (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_folder(out, interrupted)
+    assert list(tmp_path.iterdir()) == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".hf{STAGING}{int(dead.stdout)}"  # what a SIGKILLed export leaves: ours, its writer gone
+    killed.mkdir()
+    (killed / STAGING_MARKER).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    (killed / "model.safetensors").write_bytes(b"\0" * 4096)
+    unmarked = tmp_path / f".hf{STAGING}1"  # the right name, but not our marker: left alone
+    unmarked.mkdir()
+    write_folder(out, lambda folder: (folder / "config.json").write_text("{}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [unmarked.name, "hf"]
+    assert [p.name for p in out.iterdir()] == ["config.json"]

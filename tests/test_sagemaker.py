@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -14,8 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import harness
 import pytest
-from conftest import REPO, python, subprocess_env
+from conftest import REPO, python, subprocess_env, tiny_overrides
 
 ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
 BUCKET = "recipes-bucket"
@@ -393,3 +395,58 @@ def test_sagemaker_hyperparameters_become_recipe_overrides():
     assert sagemaker_arguments(["--check", "--nproc", "2", "r.yaml"]) == ["--check", "--nproc", "2", "r.yaml"]
     with pytest.raises(UserError, match="lack `recipe`"):
         sagemaker_arguments(["--lr", "2e-5"])
+
+
+# ---------------------------------------------------------------- issue 26: what the job uploads, where it exports
+
+
+def test_the_code_channel_leaves_out_secrets_and_large_files_and_says_what_it_ships(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from parallel_finetune.sagemaker_job import stage_code
+
+    recipes = tmp_path / "recipes"
+    (recipes / "sub" / ".aws").mkdir(parents=True)
+    (recipes / "tp.yaml").write_text("extends: base.yaml\n")
+    (recipes / "base.yaml").write_text("model: {family: gptj}\n")
+    (recipes / "sub" / "notes.md").write_text("mine")
+    for name in (".env", "deploy.pem", "id_rsa", "aws-credentials.json", "sub/.aws/credentials", ".netrc"):
+        (recipes / name).write_text("secret")
+    (tmp_path / "elsewhere.yaml").write_text("token: x")
+    (recipes / "shared.yaml").symlink_to(tmp_path / "elsewhere.yaml")  # a link out of the folder
+    with open(recipes / "weights.bin", "wb") as big:  # sparse: 11 MiB on paper, nothing on disk
+        big.truncate(11 * 2**20)
+    with caplog.at_level(logging.INFO, logger="parallel_finetune.sagemaker_job"):
+        assert stage_code(recipes / "tp.yaml", SimpleNamespace(engine="torch", model=None), tmp_path / "code") == (
+            "recipe/tp.yaml"
+        )
+    shipped = sorted(
+        str(p.relative_to(tmp_path / "code" / "recipe")) for p in (tmp_path / "code" / "recipe").rglob("*")
+    )
+    assert shipped == ["base.yaml", "sub", "sub/notes.md", "tp.yaml"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name in (".env", "deploy.pem", "id_rsa", "aws-credentials.json", "sub/.aws", ".netrc"):
+        assert f"{name} (looks like a secret)" in warning
+    assert "weights.bin (11 MiB, over 10 MiB)" in warning
+    assert f"shared.yaml (a link to {tmp_path / 'elsewhere.yaml'}, outside the folder)" in warning
+    assert "code channel: the parallel_finetune package, requirements.txt, train.py, recipe/base.yaml, " in caplog.text
+
+
+def test_a_lora_job_writes_its_adapter_into_the_model_folder(sst2, cache_dir, tmp_path):
+    """In the job's container (SageMaker's environment, no output_dir): adapter/ and base/ go inside SM_MODEL_DIR,
+    the folder the job uploads as model.tar.gz, not beside it."""
+    opt_ml = tmp_path / "opt-ml"
+    env = dict(
+        subprocess_env(),
+        SM_TRAINING_ENV="{}",
+        SM_MODEL_DIR=str(opt_ml / "model"),
+        SM_OUTPUT_DATA_DIR=str(opt_ml / "output"),
+    )
+    overrides = tiny_overrides(sst2, cache_dir, max_steps=2, export="true", lora_dropout=0)
+    argv = [str(REPO / "scripts" / "train.py"), str(REPO / "recipes" / "gptj" / "lora.yaml"), *overrides]
+    job = harness.run_ranks(1, [*argv, f"checkpoint_dir={tmp_path / 'checkpoints'}"], env, REPO, 300)
+    assert job.returncode == 0, job.report()
+    assert sorted(p.name for p in opt_ml.iterdir()) == ["model", "output"]
+    assert sorted(p.name for p in (opt_ml / "model").iterdir()) == ["adapter", "base"]
+    assert (opt_ml / "model" / "adapter" / "adapter_config.json").is_file()
+    assert (opt_ml / "output" / "summary.json").is_file()

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import integrity
 from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
-from .runfolder import restarted
+from .runfolder import record_written, recorded, restarted
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +279,10 @@ def save(state: TrainingState, root: Path) -> Path | None:
         entries = {name: entry for part in everyone for name, entry in part.items()}
         entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
         integrity.write_manifest(partial, entries)
+        record_written(root, final.name)  # overwrite=true and the rotation below delete only recorded ones
         replace_folder(partial, final)  # atomic: a folder named step-… is complete
-        for old in _step_folders(root)[state.config.keep_checkpoints :]:
+        ours = set(recorded(root))
+        for old in [p for p in _step_folders(root) if p.name in ours][state.config.keep_checkpoints :]:
             shutil.rmtree(old, ignore_errors=True)
 
     everyone: list = [None] * layout.world_size
@@ -416,17 +418,16 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     from transformers import AutoTokenizer
 
     from .config import Config
-    from .export import save_hf
+    from .export import check_new_export_folder, save_hf
     from .families import get_family
     from .families.base import download_model
     from .precision import DTYPES, EXPORT_DTYPES
     from .weights import materialize
 
+    check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} already holds files; choose an empty or new folder")
     config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
     family = get_family(config.family)
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")

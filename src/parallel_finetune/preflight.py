@@ -14,7 +14,7 @@ from .families import get_family
 from .families.base import check_model_source
 from .layout import check_batch_split, resolve_degrees, resolve_device
 from .reporting import check_writable, choose_output_dir
-from .runfolder import check_free, run_folders
+from .runfolder import check_free, check_run_folders, run_folders
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -126,6 +126,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_writable(output_dir, "output_dir")
     root = checkpoint_root(config.checkpoint_dir, output_dir)
     check_free(run_folders(output_dir, root))
+    check_run_folders(output_dir, root, config.overwrite)
     check_resume(config, root)  # the checkpoint it would continue: intact, and of compatible settings
     if config.size == "full":
         check_model_source(config.model or family.default_model)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import platform
 import resource
 import sys
@@ -19,7 +18,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .errors import UserError
-from .runfolder import LOCK
+from .runfolder import LOCK, sagemaker_folder
 
 RUNS_DIR = Path("runs")
 
@@ -27,8 +26,8 @@ RUNS_DIR = Path("runs")
 def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, continuing: bool = False) -> Path:
     """The run folder: the requested one (refused if it already holds files, unless overwrite or `continuing` a
     run from its checkpoint) or a new one."""
-    if requested is None and os.environ.get("SM_OUTPUT_DATA_DIR"):  # a SageMaker job: output.tar.gz in S3
-        return Path(os.environ["SM_OUTPUT_DATA_DIR"])
+    if requested is None and sagemaker_folder("SM_OUTPUT_DATA_DIR"):  # a SageMaker job: output.tar.gz in S3
+        return sagemaker_folder("SM_OUTPUT_DATA_DIR")
     if requested is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = RUNS_DIR / f"{recipe}-{stamp}"

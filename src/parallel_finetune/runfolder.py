@@ -1,4 +1,5 @@
-"""One run per run folder: a lock held while a run uses its folders, and overwrite=true as a real replacement.
+"""One run per run folder: a lock held while a run uses its folders, and overwrite=true as a real replacement
+that deletes only what runs recorded writing.
 
 The lock is `flock` on `.run.lock` in the output folder (and in the checkpoint folder when that lies elsewhere),
 held by rank 0 for the whole run. The kernel drops it when the process ends in any way, SIGKILL included, so a
@@ -6,6 +7,13 @@ dead run never blocks the next one or a torchrun restart. The file records pid, 
 refusal message. Where the file system has no flock (some network mounts), the recorded pid decides instead: a
 holder on this host that no longer runs is stale and taken over; one on another host is refused, naming the file
 to delete once that run is over.
+
+Every folder a run writes into keeps a record of ours, `.parallel-finetune-outputs`: the names (plain children,
+one a line under a fixed first line) that runs wrote there, each added before it is written, so even a killed run
+leaves its names on record. overwrite=true deletes those names and nothing else: a folder without our record loses
+nothing, and one holding a name a run writes that no run recorded (someone's tensorboard/, an older run's) is
+refused rather than written over. SageMaker's folders ($SM_MODEL_DIR, $SM_OUTPUT_DATA_DIR) are used only inside a
+SageMaker training job, and never where the user named a folder.
 """
 
 from __future__ import annotations
@@ -25,16 +33,12 @@ from .errors import UserError
 log = logging.getLogger(__name__)
 
 LOCK = ".run.lock"
-# What a run writes into its output folder: what overwrite=true removes (anything else there is left alone).
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "eval.jsonl",
-    "summary.json",
-    "config.yaml",
-    "deepspeed_config.json",
-    "tensorboard",
-    "hf",
-)
+RECORD = ".parallel-finetune-outputs"
+RECORD_HEADER = "# parallel-finetune: what runs wrote in this folder; overwrite=true deletes these names only"
+# What every run writes into its output folder (recorded in setup, before any of them is written).
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "tensorboard")
+# Every name a run may write there: overwrite=true refuses a folder holding one that no run recorded.
+RUN_OUTPUTS = (*RUN_FILES, "deepspeed_config.json", "hf", "adapter", "base")
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting
 
 
@@ -169,17 +173,118 @@ def check_free(folders: list[Path]) -> None:
                 pass  # no flock here: the run itself judges the recorded pid
 
 
+def sagemaker_folder(variable: str) -> Path | None:
+    """The folder SageMaker names in `variable` (SM_MODEL_DIR, SM_OUTPUT_DATA_DIR), only inside a SageMaker
+    training job (whose container sets SM_TRAINING_ENV): the variable left over in a shell redirects nothing."""
+    if "SM_TRAINING_ENV" not in os.environ or not os.environ.get(variable):
+        return None
+    return Path(os.environ[variable])
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..", RECORD, LOCK) and "/" not in name and "\0" not in name
+
+
+def recorded(folder: Path) -> list[str]:
+    """The names runs of ours recorded writing in `folder` (none where it holds no record of ours)."""
+    path = folder / RECORD
+    try:
+        if path.is_symlink() or not path.is_file():
+            return []
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    if not lines or lines[0] != RECORD_HEADER:
+        return []
+    return list(dict.fromkeys(name for name in lines[1:] if _plain_name(name)))
+
+
+def _write_record(folder: Path, names: list[str]) -> None:
+    staged = folder / f"{RECORD}.{os.getpid()}"
+    staged.write_text("\n".join([RECORD_HEADER, *names]) + "\n", encoding="utf-8")
+    os.replace(staged, folder / RECORD)  # replaces a link of that name, never writes through it
+
+
+def record_written(folder: Path, *names: str) -> None:
+    """Add `names`, children of `folder` that this run is about to write, to the folder's record (rank 0)."""
+    known = recorded(folder)
+    new = [name for name in dict.fromkeys(names) if name not in known]
+    if new:
+        assert all(_plain_name(name) for name in new), new
+        _write_record(folder, known + new)
+
+
+def checkpoint_holding(path: Path) -> Path | None:
+    """The checkpoint that `path` is or lies inside (a step-… or .tmp-step-… folder, or one holding DCP's
+    .metadata), or None."""
+    from .checkpoint import NAME
+
+    path = path.expanduser().resolve()
+    for folder in (path, *path.parents):
+        if NAME.match(folder.name.removeprefix(".tmp-")) or (folder / ".metadata").is_file():
+            return folder
+    return None
+
+
+def _unrecorded(output_dir: Path, checkpoint_root: Path) -> list[Path]:
+    """What overwrite=true would have to write over without any run having recorded writing it."""
+    from .checkpoint import NAME
+
+    found = []
+    for folder, belongs in ((output_dir, RUN_OUTPUTS.__contains__), (checkpoint_root, NAME.match)):
+        if folder.is_dir():
+            ours = set(recorded(folder))
+            found += sorted(p for p in folder.iterdir() if belongs(p.name) and p.name not in ours)
+    return list(dict.fromkeys(found))
+
+
+def check_run_folders(output_dir: Path, checkpoint_root: Path, overwrite: bool) -> None:
+    """What setup and --check refuse about the folders before anything is written: a folder inside a checkpoint
+    (it would break that checkpoint, and resume would skip it and delete the run's files with it), and under
+    overwrite=true, outputs of a run's names that no run recorded writing."""
+    for key, folder in (("output_dir", output_dir), ("checkpoint_dir", checkpoint_root)):
+        inside = checkpoint_holding(folder)
+        if inside is not None:
+            raise UserError(
+                f"{key}={str(folder)!r} lies inside the checkpoint {inside}; a run writing there would break it "
+                "(resume skips a checkpoint with files it does not list, then deletes it): choose a folder outside it"
+            )
+    if overwrite:
+        foreign = _unrecorded(output_dir, checkpoint_root)
+        if foreign:
+            raise UserError(
+                f"overwrite=true: {', '.join(map(str, foreign))} {'was' if len(foreign) == 1 else 'were'} not "
+                "written by a run of ours (not in the folder's record), so the run will not delete or write over "
+                "them: move them, or choose another output_dir"
+            )
+
+
 def replace_previous_run(output_dir: Path, checkpoint_root: Path) -> None:
-    """overwrite=true: delete what a previous run left in `output_dir` (its RUN_OUTPUTS) and its checkpoints, and
-    say so; other files in the folder are left alone."""
-    removed = [name for name in RUN_OUTPUTS if (output_dir / name).exists()]
-    steps = sorted(p for p in checkpoint_root.glob("*step-*") if p.is_dir()) if checkpoint_root.is_dir() else []
-    for name in removed:
-        target = output_dir / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    for folder in steps:
-        shutil.rmtree(folder)
+    """overwrite=true: delete what previous runs recorded writing in `output_dir` and in the checkpoint folder,
+    and say so. Nothing else is touched (check_run_folders has refused names a run writes that are not ours)."""
+    from .checkpoint import NAME
+
+    check_run_folders(output_dir, checkpoint_root, overwrite=True)
+    removed, steps = [], 0
+    folders = [output_dir] + ([checkpoint_root] if checkpoint_root.resolve() != output_dir.resolve() else [])
+    for folder in folders:
+        kept = []
+        for name in recorded(folder):
+            target = folder / name
+            if target.is_symlink():  # a run writes no links: someone put it there
+                log.warning("overwrite=true: %s is a symbolic link, which no run writes; left alone", target)
+                kept.append(name)
+                continue
+            if not target.exists():
+                continue
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            if NAME.match(name):
+                steps += 1
+            else:
+                removed.append(name)
+        if (folder / RECORD).is_file():
+            _write_record(folder, kept)
     if steps:
-        removed.append(f"{len(steps)} checkpoint(s) in {checkpoint_root}")
+        removed.append(f"{steps} checkpoint(s) in {checkpoint_root}")
     if removed:
         log.info("overwrite=true: deleted the previous run's %s from %s", ", ".join(removed), output_dir)

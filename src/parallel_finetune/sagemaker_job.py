@@ -3,12 +3,13 @@
 The job runs the same `parallel_finetune.train` entry point as a local torchrun, one process per GPU of each
 instance. What the job gets, and where:
 
-  code channel   this package, the recipe's folder, requirements.txt (the versions installed here) and train.py
+  code channel   this package, the recipe's folder (less what looks like a secret or is large, each named in a
+                 warning), requirements.txt (the versions installed here) and train.py
   sst2 channel   SST-2 TSVs plus the tokenized cache, prepared here: the job tokenizes nothing
   model channel  only when the recipe's model is an s3:// URI: the weights are on the instance before the
                  script starts (no Hub download at start-up)
   checkpoints    /opt/ml/checkpoints, synced with the checkpoint S3 URI (a rerun with the same URI resumes)
-  model.tar.gz   the exported Hugging Face folder (SM_MODEL_DIR)
+  model.tar.gz   the exported Hugging Face folder (SM_MODEL_DIR); with LoRA, adapter/ (and base/) inside it
   output.tar.gz  metrics.jsonl, eval.jsonl, summary.json, tensorboard (SM_OUTPUT_DATA_DIR)
 
 Hyperparameters are the recipe path and the overrides as written, except keys that name local paths (data_dir,
@@ -18,6 +19,7 @@ bad input (instance type, role, region, bucket, credentials, recipe) runs before
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata
 import logging
 import os
@@ -26,6 +28,7 @@ import shutil
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +63,36 @@ from parallel_finetune.train import main
 if __name__ == "__main__":
     sys.exit(main())
 '''
+# Left out of the recipe folder's upload, with a warning: names that usually hold credentials or keys, and large
+# files (a recipe folder holds YAML; data goes through the sst2 channel, weights through model=s3://).
+SECRET_PATTERNS = (
+    ".env",
+    ".env.*",
+    "*.env",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "*.jks",
+    "*.ppk",
+    "*.kdbx",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    "*credentials*",
+    "*secret*",
+    ".aws",
+    ".ssh",
+    ".gnupg",
+    ".netrc",
+    ".pgpass",
+    ".npmrc",
+    ".pypirc",
+    ".git-credentials",
+    ".dockercfg",
+)
+MAX_RECIPE_FILE_BYTES = 10 * 2**20
 # Only what training imports: notebooks, tests and the SageMaker SDK stay on the launching machine.
 JOB_EXTRAS = {"deepspeed": ("deepspeed",)}
 
@@ -224,11 +257,44 @@ def job_requirements(engine: str, model: str | None = None) -> list[str]:
     return pinned
 
 
+def _recipe_files_to_skip(root: Path, skipped: list[str]) -> Callable[[str, list[str]], set[str]]:
+    """copytree's `ignore` for the recipe folder: caches and hidden files (as always), and, each named in
+    `skipped`, files that look like secrets, links out of the folder, and files too large for a code channel."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        left_out = set()
+        for name in names:
+            path = Path(directory) / name
+            where = path.relative_to(root)
+            if any(fnmatch.fnmatch(name.lower(), pattern) for pattern in SECRET_PATTERNS):
+                skipped.append(f"{where} (looks like a secret)")
+            elif name.startswith(".") or name == "__pycache__":
+                pass
+            elif path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+                skipped.append(f"{where} (a link to {path.resolve()}, outside the folder)")
+            elif path.is_file() and path.stat().st_size > MAX_RECIPE_FILE_BYTES:
+                skipped.append(
+                    f"{where} ({path.stat().st_size / 2**20:.0f} MiB, over {MAX_RECIPE_FILE_BYTES >> 20} MiB)"
+                )
+            else:
+                continue
+            left_out.add(name)
+        return left_out
+
+    return ignore
+
+
 def stage_code(recipe: Path, config, folder: Path) -> str:
     """The code channel: package, recipe folder, requirements, entry script. Returns the recipe's path in it."""
     shutil.copytree(PACKAGE_DIR, folder / "parallel_finetune", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    # The whole folder, so that `extends:` between a recipe and its siblings keeps working.
-    shutil.copytree(recipe.parent, folder / "recipe", ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    # The whole folder, so that `extends:` between a recipe and its siblings keeps working; not what looks like a
+    # secret (the job's S3 prefix and logs are readable by more people than a laptop) or a large file.
+    skipped: list[str] = []
+    shutil.copytree(recipe.parent, folder / "recipe", ignore=_recipe_files_to_skip(recipe.parent, skipped))
+    if skipped:
+        log.warning("not uploading from %s: %s; the job gets the rest of the folder", recipe.parent, ", ".join(skipped))
+    shipped = sorted(str(p.relative_to(folder)) for p in (folder / "recipe").rglob("*") if p.is_file())
+    log.info("code channel: the parallel_finetune package, requirements.txt, train.py, %s", ", ".join(shipped))
     (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model)) + "\n")
     (folder / "train.py").write_text(ENTRY_SCRIPT)
     return f"recipe/{recipe.name}"

@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import logging
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -51,7 +50,16 @@ from .reporting import (
     write_json,
     write_yaml,
 )
-from .runfolder import RunLock, replace_previous_run, restarted, run_folders
+from .runfolder import (
+    RUN_FILES,
+    RunLock,
+    check_run_folders,
+    record_written,
+    replace_previous_run,
+    restarted,
+    run_folders,
+    sagemaker_folder,
+)
 from .runner import WholeModel
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
@@ -127,6 +135,8 @@ class Trainer:
             self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
             self.run_lock = RunLock(run_folders(self.output_dir, self.checkpoint_root))
             rank0_decides(layout, self.run_lock.acquire)  # a second run into these folders stops here
+            replacing = config.overwrite and not restarted()
+            rank0_decides(layout, lambda: check_run_folders(self.output_dir, self.checkpoint_root, replacing))
             self.model_path = self._fetch_model() if config.size == "full" else None
         with self.timer("data"):
             self.data = self._prepare_data()
@@ -144,6 +154,8 @@ class Trainer:
             if config.overwrite and not restarted():
                 replace_previous_run(self.output_dir, self.checkpoint_root)
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            deepspeed = ["deepspeed_config.json"] if self.deepspeed_config is not None else []
+            record_written(self.output_dir, *RUN_FILES, *deepspeed)  # before writing: a killed run's are on record
             write_yaml(self.output_dir / "config.yaml", config.to_dict())
             if self.deepspeed_config is not None:
                 write_json(self.output_dir / "deepspeed_config.json", self.updates.config)
@@ -447,28 +459,37 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- outputs
     def export(self, out: Path | None = None) -> Path | None:
-        """The model as a Hugging Face folder: `out`, else (export=true) hf/ in the run folder (on SageMaker, the
-        job's model folder, which it uploads to S3 as the model artifact). Every rank calls it."""
+        """The model as a Hugging Face folder: `out`, else (export=true) hf/ in the run folder, or in a SageMaker
+        job given no output_dir, the job's model folder, which it uploads to S3 as the model artifact. Every rank
+        calls it."""
         if out is None and not self.config.export:
             return None
-        if out is None:
-            out = Path(os.environ["SM_MODEL_DIR"]) if "SM_MODEL_DIR" in os.environ else self.output_dir / "hf"
+        model_dir = None if out is not None or self.config.output_dir else sagemaker_folder("SM_MODEL_DIR")
+        out = out or model_dir or self.output_dir / "hf"
         with self.timer("export"):
             if self.ready.parallel.trainable is not None:
-                return self._export_lora(out)
+                return self._export_lora(out, inside=model_dir is not None)
             state, model = self.updates.full_state_dict(DTYPES[self.config.export_dtype]), self.updates.module
-            # rank 0 writes; its failure (NaN weights, a full disk) is every rank's one-line error
-            rank0_decides(
-                self.layout,
-                lambda: save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out),
-            )
+
+            def write():  # rank 0; its failure (NaN weights, a full disk) is every rank's one-line error
+                self._record_exports(out)
+                save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out)
+
+            rank0_decides(self.layout, write)
             log.info("exported a Hugging Face model to %s", out)
         return out
 
-    def _export_lora(self, out: Path) -> Path:
-        """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out`; with lora_export_merged
-        also `out` (hf/): the base with the update merged in. A tiny base exists nowhere else, so it is written
-        too (base/), and the adapter names it."""
+    def _record_exports(self, *folders: Path) -> None:
+        """Put the export folders that lie in the run folder on its record, before writing them (rank 0)."""
+        ours = [folder.name for folder in folders if folder.parent.resolve() == self.output_dir.resolve()]
+        if ours:
+            record_written(self.output_dir, *ours)
+
+    def _export_lora(self, out: Path, inside: bool = False) -> Path:
+        """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out` (`inside` it: SageMaker's
+        model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
+        with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
+        names it."""
         from . import lora
 
         config, family = self.config, self.family
@@ -478,11 +499,18 @@ class Trainer:
         # every rank takes part in the gather; what to gather is the same on all of them
         trainable = {name for name, param in model.named_parameters() if param.requires_grad}
         state = self.updates.full_state_dict(dtype, None if whole else trainable)
-        adapter, base_dir = out.with_name("adapter"), out.with_name("base")
+        adapter, base_dir = (
+            (out / "adapter", out / "base") if inside else (out.with_name("adapter"), out.with_name("base"))
+        )
         base = str(base_dir.resolve()) if config.size == "tiny" else (config.model or family.default_model)
         tokenizer = self.data.tokenizer
 
         def write():
+            tiny_base, merged = [base_dir] if config.size == "tiny" else [], [out] if config.lora_export_merged else []
+            self._record_exports(adapter, *tiny_base, *merged)
+            if config.lora_export_merged:  # first: written into an existing `out`, it replaces what `out` held
+                merged = lora.merged_state(state, settings.scaling)
+                save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
             if config.size == "tiny":
                 frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
                 save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
@@ -493,9 +521,6 @@ class Trainer:
                     tokenizer.save_pretrained(folder),
                 ),
             )
-            if config.lora_export_merged:
-                merged = lora.merged_state(state, settings.scaling)
-                save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
 
         rank0_decides(self.layout, write)
         log.info(
