@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from .errors import UserError
+from .loggers import destinations
 
 
 @dataclass
@@ -136,6 +137,12 @@ class Config:
     overwrite: bool = False  # allow writing into an output_dir that already holds files
     export: bool = True  # write the fine-tuned model as a Hugging Face folder (hf/) at the end
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the exported weights
+    # --- logging ---
+    # trackers besides metrics.jsonl and the progress bar: tensorboard, mlflow, wandb (offline unless WANDB_MODE
+    # says otherwise), a list of them, all or none; MLflow and W&B read their own environment variables
+    # (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, WANDB_MODE, WANDB_PROJECT, WANDB_DIR)
+    report_to: Literal["tensorboard", "mlflow", "wandb", "all", "none"] | list = "tensorboard"
+    run_name: str | None = None  # the run's name in MLflow / W&B; None = the run folder's name
     # --- bookkeeping (set by the loader, not by users) ---
     recipe: str = ""
     lr_note: str = ""  # what lr_scaling did, for the log
@@ -201,6 +208,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "checkpoint": ("checkpoint_every", "keep_checkpoints", "resume", "checkpoint_dir"),
     "output": ("output_dir", "overwrite", "export", "export_dtype"),
+    "logging": ("report_to", "run_name"),
 }
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
 # What may differ when a run continues from a checkpoint: its length, cadences, where outputs go, and the layout
@@ -220,6 +228,8 @@ CONTINUATION_MAY_CHANGE = (
     "overwrite",
     "export",
     "export_dtype",
+    "report_to",
+    "run_name",
     "lora_export_merged",
     "cache_dir",
     "peak_tflops",
@@ -714,6 +724,10 @@ def validate(config: Config, where: str = "config") -> None:
                 raise bad(key, "must be a list of module names, e.g. [q_proj, v_proj]")
         if config.lora_target_modules == []:
             raise bad("lora_target_modules", "must name at least one module (or default, all-linear)")
+    try:
+        destinations(config.report_to)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in FAMILIES[config.family].tasks:

@@ -1,13 +1,11 @@
-"""What a run leaves behind and shows: run folder, progress bar, log lines, metrics.jsonl, TensorBoard, summary."""
+"""What a run leaves behind and shows: run folder, Reporter (the loggers of loggers.py), phase timer, summary."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import platform
 import resource
-import sys
 import tempfile
 import time
 from importlib import metadata
@@ -15,9 +13,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from tqdm.auto import tqdm
 
 from .errors import UserError
+from .loggers import JsonlLogger, MetricLogger, ProgressLogger, make_loggers
 from .runfolder import LOCK, sagemaker_folder
 
 RUNS_DIR = Path("runs")
@@ -102,91 +100,47 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def _continue_jsonl(path: Path, resumed_at: int):
-    """Open a step-keyed JSON-lines file: fresh, or (resuming) keeping the records up to the resumed step, so
-    the file reads as one uninterrupted run."""
-    kept = []
-    if resumed_at and path.is_file():
-        kept = [
-            line
-            for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= resumed_at
-        ]
-    handle = open(path, "w", encoding="utf-8")
-    handle.writelines(line + "\n" for line in kept)
-    handle.flush()
-    return handle
-
-
 class Reporter:
-    """Rank 0's view of training. Other ranks get a Reporter that does nothing."""
+    """Rank 0's view of training: the progress bar, the run folder's metrics.jsonl/eval.jsonl and the trackers
+    `report_to` names (loggers.py), each given every train record and evaluation. Other ranks get a Reporter
+    with a disabled bar and no loggers."""
 
     def __init__(self, output_dir: Path, total_steps: int, log_every: int, enabled: bool, resumed_at: int = 0):
-        self.enabled = enabled
-        self.output_dir = output_dir
-        self.log_every = log_every
-        self.total_steps = total_steps
-        # In a log file (not a terminal) every redraw is a line of text: redraw every 30 s there.
-        self.bar = tqdm(
-            total=total_steps,
-            initial=resumed_at,
-            desc="train",
-            unit="step",
-            disable=not enabled,
-            dynamic_ncols=True,
-            file=sys.stderr,
-            mininterval=0.2 if sys.stderr.isatty() else 30,
-        )
-        if not enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
+        self.output_dir, self.resumed_at = output_dir, resumed_at
+        self.progress = ProgressLogger(total_steps, log_every, resumed_at, enabled, format_step)
+        self.loggers: list[MetricLogger] = [self.progress]
+        self.closed = False
+        if enabled:
+            self.loggers.append(JsonlLogger(output_dir, resumed_at))
 
-        self.metrics = _continue_jsonl(output_dir / "metrics.jsonl", resumed_at)
-        self.evals = _continue_jsonl(output_dir / "eval.jsonl", resumed_at)
-        self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+    def add_trackers(self, names: tuple[str, ...], run_name: str | None, params: dict) -> None:
+        """Rank 0: start the trackers `report_to` names (a UserError if one cannot start; the trainer hands it to
+        every rank through rank0_decides)."""
+        run_name = run_name or self.output_dir.name
+        self.loggers += make_loggers(names, self.output_dir, run_name, params, self.resumed_at)
 
     def step(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.metrics.write(json.dumps(finite_or_null(record)) + "\n")
-        self.metrics.flush()
-        for key in (
-            "loss",
-            "lr",
-            "grad_norm",
-            "loss_scale",
-            "samples_per_s",
-            "tokens_per_s",
-            "tflops_per_device",
-            "mfu",
-        ):
-            if record.get(key) is not None and math.isfinite(record[key]):
-                self.tensorboard.add_scalar(f"train/{key}", record[key], record["step"])
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
-        if record["step"] % self.log_every == 0 or record["step"] == self.total_steps or record["skipped"]:
-            self.bar.write(format_step(record, self.total_steps))
+        for logger in self.loggers:
+            logger.log_train(record)
 
     def evaluation(self, step: int, results: dict) -> None:
-        if not self.enabled:
+        for logger in self.loggers:
+            logger.log_eval(step, results)
+
+    def close(self, status: str = "finished") -> None:
+        """Once: finished, stopped (SIGTERM) or failed, which trackers record as the run's status. The bar closes
+        first, so what follows (an error) gets a line of its own."""
+        if self.closed:
             return
-        self.evals.write(json.dumps({"step": step, **results}) + "\n")
-        self.evals.flush()
-        for key, value in results.items():
-            self.tensorboard.add_scalar(f"eval/{key}", value, step)
-        self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.enabled:
-            self.metrics.close()
-            self.evals.close()
-            self.tensorboard.close()
-
-
-def finite_or_null(record: dict) -> dict:
-    """Strict JSON has no NaN or Infinity: a non-finite number is written as null."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.closed = True
+        problem = None
+        for logger in self.loggers:  # every logger gets closed, even after one failed to
+            try:
+                logger.close(status)
+            except Exception as exc:
+                problem = problem or exc
+        if problem is not None and status != "failed":  # when failing already, the first error is the one to see
+            raise problem
 
 
 def format_step(record: dict, total_steps: int) -> str:

@@ -36,7 +36,15 @@ LOCK = ".run.lock"
 RECORD = ".parallel-finetune-outputs"
 RECORD_HEADER = "# parallel-finetune: what runs wrote in this folder; overwrite=true deletes these names only"
 # What every run writes into its output folder (recorded in setup, before any of them is written).
-RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "tensorboard")
+RUN_FILES = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "summary.json",
+    "config.yaml",
+    "tensorboard",
+    "tracking.json",  # report_to: the MLflow / W&B run ids (loggers.TRACKING_IDS)
+    "wandb",  # report_to=wandb without WANDB_DIR: the offline run
+)
 # Every name a run may write there: overwrite=true refuses a folder holding one that no run recorded.
 RUN_OUTPUTS = (*RUN_FILES, "deepspeed_config.json", "hf", "adapter", "base")
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting

@@ -34,6 +34,7 @@ from .export import save_hf, write_folder
 from .families import get_family
 from .families.base import download_model
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
+from .loggers import destinations
 from .loss import loss_count, scored_count, summed_loss, targets
 from .metrics import load_metric
 from .model import ready_model
@@ -354,6 +355,8 @@ class Trainer:
             self.output_dir, self.total_steps, config.log_every, self.layout.is_main, resumed_at=self.step
         )
         self.reporter = reporter
+        trackers = destinations(config.report_to)
+        rank0_decides(self.layout, lambda: reporter.add_trackers(trackers, config.run_name, config.to_dict()))
         log.info(
             "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
             self.total_steps,
@@ -598,14 +601,15 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         trainer.setup()
         trainer.fit()
         if trainer.stop_agreed:
+            trainer.reporter.close("stopped")
             shutdown()
             return {"stopped_at_step": trainer.step}
         with trainer.timer("eval"):
             results = trainer.evaluate()
         trainer.reporter.evaluation(trainer.step, results)
-        trainer.reporter.close()
         trainer.export()
         summary = trainer.summary(results)
+        trainer.reporter.close()
         if trainer.layout.is_main:
             write_json(trainer.output_dir / "summary.json", summary)
             log.info(
@@ -619,7 +623,7 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         return summary
     except BaseException as exc:
         if trainer.reporter is not None:
-            trainer.reporter.bar.close()  # ends the progress bar's line: the error gets a line of its own
+            trainer.reporter.close("failed")  # the bar first: the error gets a line of its own
         if dist.is_initialized():
             dist.destroy_process_group()
         timeout = timed_out(exc, config.collective_timeout_s)
