@@ -157,6 +157,24 @@ def channels(request: dict) -> dict[str, str]:
     return {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in request["InputDataConfig"]}
 
 
+TRACKING = {
+    "MLFLOW_TRACKING_URI": f"arn:aws:sagemaker:{REGION}:123456789012:mlflow-tracking-server/recipes",
+    "MLFLOW_EXPERIMENT_NAME": "sst2",
+    "WANDB_MODE": "offline",
+}
+
+
+def test_a_local_mlflow_store_stays_on_this_machine(caplog):
+    from parallel_finetune import sagemaker_job
+
+    local = {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db", "WANDB_PROJECT": "p"}
+    assert sagemaker_job.tracking_environment(local) == {"WANDB_PROJECT": "p"}
+    assert "is a store on this machine" in caplog.text
+    assert sagemaker_job.tracking_environment({"MLFLOW_TRACKING_URI": "http://10.0.0.5:5000"}) == {
+        "MLFLOW_TRACKING_URI": "http://10.0.0.5:5000"
+    }
+
+
 def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, cache_dir, tmp_path):
     # A tiny GPT-J has 4 heads: TP=2 on each 8-GPU node (8 replicas over two nodes).
     overrides = [
@@ -181,11 +199,13 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
             "--bucket",
             BUCKET,
         ],
-        aws.env,
+        {**aws.env, **TRACKING, "WANDB_API_KEY": "secret-never-passed", "WANDB_DIR": "/home/me/wandb"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (request,) = aws.calls("SageMaker.CreateTrainingJob")
     assert request["TrainingJobName"] in done.stdout and "console.aws.amazon.com/sagemaker" in done.stdout
+    # report_to's trackers: a SageMaker-managed MLflow ARN and W&B's mode pass through; no secret, no local path
+    assert {k: v for k, v in request["Environment"].items() if k.startswith(("MLFLOW", "WANDB"))} == TRACKING
     assert request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
     assert request["ResourceConfig"]["InstanceCount"] == 2
     assert request["RoleArn"] == ROLE

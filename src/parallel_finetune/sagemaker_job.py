@@ -52,6 +52,27 @@ EFA_ENVIRONMENT = {
     "NCCL_PROTO": "simple",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
 }
+# The trackers' own variables (report_to, loggers.py) that mean the same inside the job: where MLflow runs go (a
+# tracking server's URL or a SageMaker-managed MLflow tracking server's ARN) and W&B's mode and project. Never a
+# secret (WANDB_API_KEY: give the job its own), nor a path of this machine (WANDB_DIR, a sqlite: or file: store).
+TRACKING_ENVIRONMENT = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_PROJECT")
+REMOTE_TRACKING_URI = re.compile(r"^(https?://|arn:aws[\w-]*:sagemaker:|databricks)")
+
+
+def tracking_environment(environ=os.environ) -> dict[str, str]:
+    """The job's copy of this machine's tracker settings; a local MLflow store is left out, with a warning."""
+    passed = {name: environ[name] for name in TRACKING_ENVIRONMENT if environ.get(name)}
+    uri = passed.get("MLFLOW_TRACKING_URI")
+    if uri and not REMOTE_TRACKING_URI.match(uri):
+        log.warning(
+            "MLFLOW_TRACKING_URI=%s is a store on this machine; the job uses MLflow's default in its container "
+            "(give a tracking server's URL or a SageMaker MLflow ARN to see the job's runs)",
+            uri,
+        )
+        del passed["MLFLOW_TRACKING_URI"]
+    return passed
+
+
 EFA_RDMA_INSTANCES = ("ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge")
 LOCAL_PATH_KEYS = ("data_dir", "cache_dir", "output_dir", "checkpoint_dir")
 ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs
@@ -505,7 +526,7 @@ def launch(
         inputs = [InputData(channel_name="sst2", data_source=data_uri)]
         if model_is_s3:
             inputs.append(InputData(channel_name="model", data_source=config.model))
-        environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
         if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
             environment.update(EFA_ENVIRONMENT)
         trainer = ModelTrainer(
