@@ -413,13 +413,12 @@ def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: 
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
     that verifies), in one process (no process group)."""
-    from transformers import AutoTokenizer
-
     from .config import Config
     from .export import save_hf
     from .families import get_family
     from .families.base import download_model
     from .precision import DTYPES, EXPORT_DTYPES
+    from .pretrained import load_hf_tokenizer
     from .weights import materialize
 
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
@@ -429,7 +428,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
         raise UserError(f"{out} already holds files; choose an empty or new folder")
     config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
     family = get_family(config.family)
-    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
