@@ -70,7 +70,9 @@ def worker(mode: str, folder: str, out: str, overrides: list[str]) -> None:
         layout = init_distributed("auto", config.tensor_parallel_degree, pp=config.pipeline_parallel_degree)
         family = get_family("gptj")
         before, started = peak_memory_mib(layout.device), time.perf_counter()
-        model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32, num_labels=2)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            folder, dtype=torch.float32, num_labels=2, trust_remote_code=False
+        )
         model.to(layout.device)
         if layout.pp > 1:
             stages = plan_stages(model, family, layout.pp, 1, "auto")

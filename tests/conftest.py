@@ -255,6 +255,23 @@ def plant_payload(checkpoint: Path, marker: Path) -> None:
         integrity.write_manifest(checkpoint, integrity.describe(checkpoint, integrity.files_in(checkpoint)))
 
 
+def plant_custom_code(folder, file: str, marker) -> None:
+    """An `auto_map` in `file` naming a class of payload.py, which touches `marker` when it is imported."""
+    (folder / "payload.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+        "class PayloadConfig(PretrainedConfig):\n    model_type = 'payload'\n"
+        "class PayloadTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    content = json.loads((folder / file).read_text())
+    if file == "config.json":  # a model type transformers does not know: only the code can load it
+        content.update(model_type="payload", auto_map={"AutoConfig": "payload.PayloadConfig"})
+    else:  # no tokenizer class of transformers' own
+        content.pop("tokenizer_class", None)
+        content["auto_map"] = {"AutoTokenizer": ["payload.PayloadTokenizer", None]}
+    (folder / file).write_text(json.dumps(content))
+
+
 @contextlib.contextmanager
 def tmpfs(folder: Path, options: str):
     """A tmpfs mounted on `folder` (e.g. "size=30m", "ro,size=1m"), or the test skipped where mounting is not

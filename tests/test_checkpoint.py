@@ -229,9 +229,11 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk
     assert state["step"] == 5
 
 
-def export_hf(checkpoint, out) -> subprocess.CompletedProcess:
+def export_hf(checkpoint, out, answer: str | None = None) -> subprocess.CompletedProcess:
+    """scripts/export_hf.py; `answer`: what stdin holds for a question (none should be asked)."""
     return subprocess.run(
         [sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)],
+        input=answer,
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,
@@ -271,6 +273,24 @@ def test_a_checkpoint_whose_metadata_runs_code_is_refused(reference, sst2, cache
     assert exported.returncode == 2 and exported.stderr.count("\n") == 1 and message in exported.stderr
     assert not marker.exists(), "the payload ran"
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_tokenizer_asking_for_custom_code_is_refused_by_export(reference, tmp_path):
+    """tokenizer/tokenizer_config.json with an auto_map and its payload, the manifest rewritten to match: export_hf.py
+    refuses in one line with "y" waiting on stdin, the payload never runs and no hf/ (which would carry it) is
+    written."""
+    from conftest import plant_custom_code
+
+    step5 = copy_step5(reference, tmp_path)
+    marker = tmp_path / "payload-ran"
+    plant_custom_code(step5 / "tokenizer", "tokenizer_config.json", marker)
+    integrity.write_manifest(step5, integrity.describe(step5, integrity.files_in(step5)))
+    exported = export_hf(step5, tmp_path / "hf", answer="y\n")
+    message = f"{step5 / 'tokenizer' / 'tokenizer_config.json'} asks for custom code (auto_map: "
+    assert exported.returncode == 2 and exported.stderr.count("\n") == 1 and message in exported.stderr, exported
+    assert not marker.exists(), "the payload ran"
+    assert not (tmp_path / "hf").exists()
+    assert not [path for path in reference.output_dir.rglob("*.py")], "a run never writes code"
 
 
 def overwrite_inside(checkpoint, prefix: str) -> str:

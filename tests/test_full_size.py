@@ -213,6 +213,12 @@ class _MetaBlocks(Checkpoint):
         super().__init__({key: self for key in shapes}, prefix, "shapes")
         self.shapes, self.alive, self.most_alive, self.read_elements = shapes, 0, 0, []
 
+    def shape(self, key):
+        return self.shapes[key]
+
+    def dtype(self, key):
+        return torch.float16
+
     def read(self, key, box):
         block = torch.empty(box[1], dtype=torch.float16, device="meta")
         self.alive += 1

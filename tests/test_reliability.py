@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import pickle
+import re
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import warnings
@@ -19,10 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, plant_payload
+from conftest import REPO, plant_custom_code, plant_payload
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel_finetune import integrity
+from parallel_finetune.config import load_config
 from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
 from parallel_finetune.runfolder import LOCK, RunLock
@@ -457,3 +462,165 @@ def test_export_staging_goes_on_interrupt_and_a_killed_exports_goes_next_time(tm
     write_folder(out, lambda folder: (folder / "config.json").write_text("{}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [unmarked.name, "hf"]
     assert [p.name for p in out.iterdir()] == ["config.json"]
+
+
+# ------------------------------------------- issue 26: no code from a model folder; weights checked against shapes
+def _plan_script():
+    spec = importlib.util.spec_from_file_location("plan_script", REPO / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def small_gpt2(sst2, tmp_path_factory):
+    """A small pretrained GPT-2 folder (random weights, a tokenizer learned from SST-2), as save_pretrained writes."""
+    from parallel_finetune import synthetic
+    from parallel_finetune.data import column, read_glue_dir
+
+    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:300]
+    folder = tmp_path_factory.mktemp("pretrained") / "gpt2"
+    return synthetic.write_checkpoint(folder, "gpt2", sentences, hidden=64, layers=2, heads=4, vocab_size=512)
+
+
+@pytest.fixture
+def no_stdin(monkeypatch):
+    """Every question transformers could ask is answered "y"; the test checks none is asked."""
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    return asked
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
+    file, small_gpt2, sst2, no_stdin, tmp_path, capsys
+):
+    """The run's tokenizer and config, --check and plan.py refuse in one line naming the file and key; the
+    payload never runs and nothing is asked on stdin (a "y" would run it)."""
+    from parallel_finetune.data import load_tokenizer
+    from parallel_finetune.families import get_family
+    from parallel_finetune.train import main
+
+    folder = shutil.copytree(small_gpt2, tmp_path / "model")
+    marker = tmp_path / "payload-ran"
+    plant_custom_code(folder, file, marker)
+    message = f"{folder / file} asks for custom code (auto_map: "
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_tokenizer(None, "full", str(folder), "bpe", 0, [], None, tmp_path)
+    with pytest.raises(UserError, match=re.escape(message)):
+        get_family("gpt2").config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={folder}"]), 0)
+    check = [f"model={folder}", f"data_dir={sst2}", f"cache_dir={tmp_path}", f"output_dir={tmp_path / 'run'}"]
+    for entry in (
+        lambda: main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), *check]),
+        lambda: _plan_script().main([str(folder), "--gpus", "8", "--gpu-mem-gb", "80"]),
+    ):
+        code, err = entry(), capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and message in err and "never runs code" in err, err
+    assert not marker.exists() and not no_stdin
+
+
+@pytest.fixture
+def edited_gpt2(small_gpt2, tmp_path):
+    """The small GPT-2 whose config.json says n_inner=128 (its files hold 4 x 64 = 256)."""
+    folder = shutil.copytree(small_gpt2, tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_inner": 128}))
+    return folder
+
+
+def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt2, sst2, tmp_path, capsys):
+    from parallel_finetune.families import get_family
+    from parallel_finetune.train import main
+    from parallel_finetune.weights import build_and_load
+
+    family = get_family("gpt2")
+    hf_config = family.hf_config(str(edited_gpt2), "full", 0, 128, {})
+    family.set_task(hf_config, "classification", 0)
+    message = (
+        f"{edited_gpt2 / 'model.safetensors'}: tensor transformer.h.0.mlp.c_fc.weight is [64, 256] in the file, "
+        "but the model built from the config needs [64, 128] for transformer.h.0.mlp.c_fc.weight"
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_and_load(family, "classification", hf_config, str(edited_gpt2), seed=0)
+    check = [f"data_dir={sst2}", f"cache_dir={tmp_path}", f"output_dir={tmp_path / 'run'}"]
+    assert main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), f"model={edited_gpt2}", *check]) == 2
+    assert capsys.readouterr().err == f"error: {message}; the config does not describe these weights\n"
+
+
+@pytest.mark.parametrize(
+    "override, changed",
+    [
+        ("n_inner=128", "transformer.h.0.mlp.c_fc.weight from [256, 64] to [128, 64]"),
+        ("n_embd=32", "transformer.wte.weight"),
+    ],
+)
+def test_a_size_override_on_a_pretrained_model_is_refused_up_front(override, changed, small_gpt2, sst2, tmp_path):
+    from parallel_finetune.families import get_family
+
+    family, config = get_family("gpt2"), ["model_config.resid_pdrop=0.0", f"model_config.{override}"]
+    with pytest.raises(UserError, match=rf"^model_config\.{override} changes {re.escape(changed)}"):
+        family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *config]), 0)
+    # the same keys on a model trained from scratch, or overrides that keep every shape, pass
+    family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", ["size=tiny", *config]), 512)
+    kept = ["model_config.n_layer=1", "model_config.resid_pdrop=0.1"]
+    assert family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *kept]), 0).n_layer == 1
+
+
+def safetensors_bytes(header, data: bytes = b"\0" * 16, length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+GOOD = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (
+            safetensors_bytes({"w": GOOD}, length=2**60),
+            "header length 1,152,921,504,606,846,976 is impossible in a file of",
+        ),
+        (safetensors_bytes([GOOD]), "the header is a JSON list, not an object of tensors"),
+        (safetensors_bytes({"w": {**GOOD, "data_offsets": [-16, 0]}}), "tensor 'w' has data_offsets [-16, 0], not"),
+        (safetensors_bytes({"w": {**GOOD, "dtype": "F8_E9"}}), "tensor 'w' has dtype 'F8_E9'; known: F64"),
+        (safetensors_bytes({"w": {"dtype": "F32", "shape": [4]}}), "tensor 'w' lacks dtype, shape or data_offsets"),
+        (
+            safetensors_bytes({"w": {**GOOD, "shape": [2]}}),
+            "tensor 'w' has data_offsets [0, 16] (16 bytes) but shape [2] of F32 is 8 bytes",
+        ),
+        (
+            safetensors_bytes({"w": GOOD}, b"\0" * 8),
+            "tensor 'w' has data_offsets [0, 16] past the end of the file's data (8 bytes)",
+        ),
+    ],
+    ids=["huge-length", "list", "negative", "dtype", "missing-key", "size", "past-end"],
+)
+def test_malformed_safetensors_headers_are_one_line(content, problem, tmp_path):
+    from parallel_finetune.weights import SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=f"^{re.escape(str(path))}: {re.escape(problem)}"):
+        SafetensorsFile(path)
+
+
+@pytest.mark.parametrize(
+    "entry, problem",
+    [
+        ("../outside.safetensors", "weight file '../outside.safetensors' is not a file name in"),
+        ("/tmp/outside.safetensors", "weight file '/tmp/outside.safetensors' is not a file name in"),
+        ("model-1.safetensors", "'v' is in model-1.safetensors by the index, but that file has no such tensor"),
+    ],
+)
+def test_a_weight_index_pointing_elsewhere_is_one_line(entry, problem, tmp_path):
+    from parallel_finetune.weights import open_checkpoint
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(safetensors_bytes({"v": GOOD}))
+    (folder / "model-1.safetensors").write_bytes(safetensors_bytes({"w": GOOD}))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model-1.safetensors", "v": entry}}))
+    with pytest.raises(UserError, match=f"^{re.escape(str(index))}: {re.escape(problem)}"):
+        open_checkpoint(folder)

@@ -415,13 +415,12 @@ def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: 
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
     that verifies), in one process (no process group)."""
-    from transformers import AutoTokenizer
-
     from .config import Config
     from .export import check_new_export_folder, save_hf
     from .families import get_family
     from .families.base import download_model
     from .precision import DTYPES, EXPORT_DTYPES
+    from .pretrained import load_hf_tokenizer
     from .weights import materialize
 
     check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
@@ -430,7 +429,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
         raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
     config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
     family = get_family(config.family)
-    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)

@@ -23,9 +23,10 @@ from pathlib import Path
 import datasets
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .errors import UserError
+from .pretrained import load_hf_tokenizer
 from .reporting import check_writable
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def load_tokenizer(
     if name is None and size == "tiny":
         folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-{source.fingerprint}"
         if folder.is_dir():
-            return AutoTokenizer.from_pretrained(folder)
+            return load_hf_tokenizer(folder)
         log.info(
             "training a %s tokenizer (vocab %d) on %d sentences -> %s",
             tiny_kind,
@@ -298,7 +299,7 @@ def load_tokenizer(
 
     where = name or model_name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(where))
+        tokenizer = load_hf_tokenizer(resolve_model_path(where))
     except UserError:
         raise
     except Exception as exc:
@@ -430,9 +431,7 @@ def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
 
 def load_prepared(path: Path, source: Source) -> PreparedData:
     """A cache folder written by `prepare`."""
-    return PreparedData(
-        datasets.load_from_disk(str(path)), AutoTokenizer.from_pretrained(path / "tokenizer"), source, path
-    )
+    return PreparedData(datasets.load_from_disk(str(path)), load_hf_tokenizer(path / "tokenizer"), source, path)
 
 
 # ----------------------------------------------------------------------------------------------- batching

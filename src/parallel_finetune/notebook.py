@@ -215,5 +215,8 @@ def classify(model_folder: str | Path, sentences: list[str]) -> list[tuple[str, 
     """(label, score, sentence) for each sentence, with the exported Hugging Face model (no repository code)."""
     from transformers import pipeline
 
-    classifier = pipeline("text-classification", model=str(model_folder), device=-1)
+    from .pretrained import refuse_custom_code
+
+    refuse_custom_code(model_folder)
+    classifier = pipeline("text-classification", model=str(model_folder), device=-1, trust_remote_code=False)
     return [(result["label"], result["score"], sentence) for result, sentence in zip(classifier(sentences), sentences)]

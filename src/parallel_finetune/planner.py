@@ -42,12 +42,13 @@ from pathlib import Path
 
 from torch import nn
 from torch.distributed.tensor.parallel import RowwiseParallel
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .errors import UserError
 from .families import FAMILIES, Family
 from .families.base import resolve_model_path, tiny_vocab_size
 from .hardware import Hardware, hardware_for, positive_int, positive_number
+from .pretrained import load_hf_config
 
 GB = 1e9
 SST2_TRAIN_SENTENCES = 67_349
@@ -159,7 +160,7 @@ def model_config(model: str) -> tuple[Family, PretrainedConfig]:
             f"model={model!r} is not known offline; known: {', '.join(KNOWN_MODELS)}, "
             f"a local folder with config.json, package:MODULE or tiny:FAMILY"
         )
-    config = AutoConfig.from_pretrained(folder)
+    config = load_hf_config(folder)
     for family in FAMILIES.values():
         if isinstance(config, family.config_class):
             return family, config

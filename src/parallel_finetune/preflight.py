@@ -11,8 +11,9 @@ from .config import Config
 from .data import read_glue_dir
 from .errors import UserError
 from .families import get_family
-from .families.base import check_model_source
+from .families.base import check_model_source, resolve_model_path
 from .layout import check_batch_split, resolve_degrees, resolve_device
+from .pretrained import refuse_custom_code
 from .reporting import check_writable, choose_output_dir
 from .runfolder import check_free, check_run_folders, run_folders
 
@@ -130,10 +131,16 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_resume(config, root)  # the checkpoint it would continue: intact, and of compatible settings
     if config.size == "full":
         check_model_source(config.model or family.default_model)
+    if config.tokenizer:
+        refuse_custom_code(resolve_model_path(config.tokenizer))
     hf_config = check_model_config(config)
     degrees, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
     lora.preflight(config, family, hf_config)  # targets and heads that match nothing, a rank wider than a layer
+    if config.size == "full" and Path(folder := resolve_model_path(config.model or family.default_model)).is_dir():
+        from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
+
+        check_fit(family, config.task, hf_config, folder)
     sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch

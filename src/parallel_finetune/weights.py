@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .errors import UserError
-from .families.base import Family
+from .families.base import Family, HFSource
 
 log = logging.getLogger(__name__)
 
@@ -66,20 +66,37 @@ SAFETENSORS_DTYPES = {
 }
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
 class SafetensorsFile:
-    """One .safetensors file read with pread: the header once, then exactly the bytes of each requested block."""
+    """One .safetensors file read with pread: the header once, then exactly the bytes of each requested block.
+    Every entry of the header is checked when the file is opened (a known dtype, a shape, and data_offsets that
+    span exactly shape x dtype bytes inside the file), so no read can take a neighbour's bytes."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
+            size = os.path.getsize(path)
             with open(path, "rb") as handle:
                 (length,) = struct.unpack("<Q", handle.read(8))
+                if length > min(MAX_HEADER_BYTES, size - 8):
+                    raise UserError(f"{path}: header length {length:,} is impossible in a file of {size:,} bytes")
                 header = json.loads(handle.read(length))
         except (OSError, struct.error, ValueError) as exc:
             raise UserError(f"{path}: not a readable safetensors file ({type(exc).__name__})") from None
+        if not isinstance(header, dict):
+            raise UserError(f"{path}: the header is a JSON {type(header).__name__}, not an object of tensors")
         self.data_start = 8 + length
-        self.entries = {key: value for key, value in header.items() if key != "__metadata__"}
+        self.entries = {
+            key: _checked_entry(path, key, entry, size - self.data_start)
+            for key, entry in header.items()
+            if key != "__metadata__"
+        }
         self.fd: int | None = None
+
+    def keys(self):
+        return self.entries.keys()
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.entries[key]["shape"])
@@ -124,6 +141,40 @@ class SafetensorsFile:
             self.fd = None
 
 
+def _sizes(value, length: int | None = None) -> bool:
+    """A list of non-negative integers (of `length` of them)."""
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    )
+
+
+def _checked_entry(path: Path, key: str, entry, data_bytes: int) -> dict:
+    """A header entry that describes a tensor lying wholly inside the file's data, or one line saying what is wrong."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        problem = "lacks dtype, shape or data_offsets"
+    elif entry["dtype"] not in SAFETENSORS_DTYPES:
+        problem = f"has dtype {entry['dtype']!r}; known: {', '.join(SAFETENSORS_DTYPES)}"
+    elif not _sizes(entry["shape"]):
+        problem = f"has shape {entry['shape']!r}, not a list of sizes"
+    elif not _sizes(entry["data_offsets"], 2) or entry["data_offsets"][0] > entry["data_offsets"][1]:
+        problem = f"has data_offsets {entry['data_offsets']!r}, not [begin, end] with 0 <= begin <= end"
+    else:
+        (begin, end), dtype = entry["data_offsets"], SAFETENSORS_DTYPES[entry["dtype"]]
+        needed = _prod(entry["shape"]) * dtype.itemsize
+        if end - begin != needed:
+            problem = (
+                f"has data_offsets [{begin}, {end}] ({end - begin:,} bytes) but shape {entry['shape']} of "
+                f"{entry['dtype']} is {needed:,} bytes"
+            )
+        elif end > data_bytes:
+            problem = f"has data_offsets [{begin}, {end}] past the end of the file's data ({data_bytes:,} bytes)"
+        else:
+            return entry
+    raise UserError(f"{path}: tensor {key!r} {problem}")
+
+
 def _prod(values) -> int:
     result = 1
     for value in values:
@@ -150,6 +201,11 @@ class TorchBinFile:
             self.tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # torch raises several types for a bad archive; all mean "cannot read it"
             raise UserError(f"{path}: not a loadable PyTorch weights file ({type(exc).__name__})") from None
+        if not isinstance(self.tensors, dict) or not all(isinstance(t, torch.Tensor) for t in self.tensors.values()):
+            raise UserError(f"{path}: not a state dict (a mapping of names to tensors)")
+
+    def keys(self):
+        return self.tensors.keys()
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].shape)
@@ -219,6 +275,9 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.files[key].shape(key)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self.files[key].dtype(key)
+
     def dtypes(self) -> set[torch.dtype]:
         return {source.dtype(key) for key, source in self.files.items()}
 
@@ -238,12 +297,22 @@ def open_checkpoint(folder: str | Path, prefix: str = "") -> Checkpoint:
     folder = Path(folder)
     for index_name, single_name, kind in WEIGHT_FILES:
         if (folder / index_name).is_file():
+            index = folder / index_name
             try:
-                weight_map = json.loads((folder / index_name).read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise UserError(f"{folder / index_name}: not a valid weight index ({type(exc).__name__})") from None
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise UserError(f"{index}: not a valid weight index ({type(exc).__name__})") from None
+            if not isinstance(weight_map, dict):
+                raise UserError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object")
+            for name in weight_map.values():
+                # a plain file name beside the index, as transformers writes it: never a path out of the folder
+                if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                    raise UserError(f"{index}: weight file {name!r} is not a file name in {folder}")
             opened = {name: kind(folder / name) for name in sorted(set(weight_map.values()))}
             files = {key: opened[name] for key, name in weight_map.items()}
+            for key, name in weight_map.items():
+                if key not in opened[name].keys():
+                    raise UserError(f"{index}: {key!r} is in {name} by the index, but that file has no such tensor")
             return Checkpoint(files, prefix, f"{len(opened)} {single_name.split('.')[-1]} files in {folder}")
         if (folder / single_name).is_file():
             source = kind(folder / single_name)
@@ -289,9 +358,11 @@ def plan_load(
     aliases: dict[str, list[str]] | None = None,
     box_of: Callable[[torch.Tensor], Box] = shard_box,
 ) -> LoadPlan:
-    """For every parameter this rank holds: the checkpoint tensor and block to read. `aliases`: other names of a
+    """For every parameter this rank holds: the checkpoint tensor and block to read, each tensor checked against
+    the parameters it fills (`check_shape`, and floating point for floating point). `aliases`: other names of a
     tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only."""
     plan, used = LoadPlan(), set()
+    pieces: dict[str, list[tuple[str, HFSource, tuple[int, ...]]]] = {}  # key -> the parameters read from it
     for name, param in model.named_parameters():
         box = box_of(param)
         if ".lora_" in name:  # LoRA adapters (lora.py) are new by definition, never read from the base
@@ -309,6 +380,12 @@ def plan_load(
             plan.new[name] = box
             continue
         source, key = found
+        whole = tuple(getattr(param, "ds_shape", param.shape))  # the unsharded shape (ZeRO-3 keeps it in ds_shape)
+        pieces.setdefault(key, []).append((name, source, whole[::-1] if source.transpose else whole))
+        if checkpoint.dtype(key).is_floating_point != param.dtype.is_floating_point:
+            raise UserError(
+                f"{checkpoint.description}: tensor {key} is {checkpoint.dtype(key)}, parameter {name} is {param.dtype}"
+            )
         offsets, shape = box
         if source.transpose:
             offsets, shape = offsets[::-1], shape[::-1]
@@ -316,8 +393,37 @@ def plan_load(
             offsets = tuple(o + source.start if d == source.dim else o for d, o in enumerate(offsets))
         plan.reads.append(Read(name, key, (tuple(offsets), tuple(shape)), source.transpose))
         used.add(key)
+    for key, parts in pieces.items():
+        check_shape(checkpoint, key, parts)
     plan.unused = sorted(set(checkpoint.files) - used) if hasattr(checkpoint, "files") else []
     return plan
+
+
+def check_shape(checkpoint, key: str, parts: list[tuple[str, HFSource, tuple[int, ...]]]) -> None:
+    """The checkpoint tensor `key` has exactly the shape of the parameters read from it, after the family's
+    transformation (`hf_source`): one parameter, transposed or not, or several laid side by side along one
+    dimension (GPT-2's q, k, v in c_attn). A config that does not describe the files (an edited config.json, a
+    size override) would otherwise read a corner of each matrix, or the bytes of the next tensor."""
+    names = ", ".join(name for name, _, _ in parts)
+    # the same block read twice is one piece (a tied weight a pipeline stage holds as a parameter of its own)
+    parts = list({(source.start, shape): (name, source, shape) for name, source, shape in parts}.values())
+    dim = parts[0][1].dim
+    model_shape, tiled = list(parts[0][2]), True
+    if len(parts) > 1 or parts[0][1].start:  # side by side: each starts where the one before ends
+        end = 0
+        for _, source, shape in sorted(parts, key=lambda part: part[1].start):
+            same_elsewhere = len(shape) == len(model_shape) and all(
+                n == m for d, (n, m) in enumerate(zip(shape, model_shape)) if d != dim
+            )
+            tiled = tiled and same_elsewhere and source.start == end
+            end += shape[dim]
+        model_shape[dim] = end
+    file_shape = list(checkpoint.shape(key))
+    if file_shape != model_shape or not tiled:
+        raise UserError(
+            f"{checkpoint.description}: tensor {key} is {file_shape} in the file, but the model built from the "
+            f"config needs {model_shape} for {names}; the config does not describe these weights"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- materialize, load
@@ -430,6 +536,17 @@ def weights_source(family: Family, task: str, hf_config, model_path: str | None)
         return open_checkpoint(model_path, prefix)
     initial = family.hf_model(task, hf_config).state_dict()
     return Checkpoint({key: StateDictSource(initial) for key in initial}, prefix, "initialised from the seed")
+
+
+def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
+    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read) have the shapes
+    of the model its config builds, on `meta`."""
+    weights = weights_source(family, task, hf_config, model_path)
+    try:
+        model = family.build(task, hf_config)
+        plan_load(model, family, weights, tied_aliases(model))
+    finally:
+        weights.close()
 
 
 def build_and_load(

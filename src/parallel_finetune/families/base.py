@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,10 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
 from ..errors import UserError
+from ..pretrained import load_hf_config, refuse_custom_code
 
 
 class Family:
@@ -114,17 +116,51 @@ class Family:
         if size == "tiny":
             config = self.tiny_config(vocab_size, max_positions)
         else:
-            config = AutoConfig.from_pretrained(resolve_model_path(model or self.default_model))
+            config = load_hf_config(resolve_model_path(model or self.default_model))
             if not isinstance(config, self.config_class):
                 raise UserError(
                     f"model={model!r} is a {type(config).__name__}, not a {self.name} "
                     f"({self.config_class.__name__}); pick the recipe of its family"
                 )
+        pretrained = None if size == "tiny" or not overrides else copy.deepcopy(config)
         for key, value in overrides.items():
             if not hasattr(config, key):
                 raise UserError(f"model_config.{key}: {type(config).__name__} has no such attribute")
             setattr(config, key, value)
+        if pretrained is not None:
+            self.refuse_reshaping(pretrained, overrides, model or self.default_model)
         return config
+
+    def refuse_reshaping(self, pretrained: PretrainedConfig, overrides: dict, model: str) -> None:
+        """A pretrained model's weights have the sizes of its config.json: an override that changes a parameter's
+        shape (width, inner size, vocabulary...) cannot load them, so it is refused, naming the key. Overrides
+        that keep every shape (dropout, fewer layers) pass. Shapes come from builds on `meta` (no memory)."""
+
+        def shapes(overridden: dict) -> dict[str, tuple[int, ...]]:
+            config = copy.deepcopy(pretrained)
+            for key, value in overridden.items():
+                setattr(config, key, value)
+            try:
+                built = self.build(self.tasks[0], config)
+            except Exception:  # values no model can have: preflight's checks name them
+                return {}
+            return {name: tuple(param.shape) for name, param in built.named_parameters()}
+
+        def reshaped(overridden: dict) -> tuple[str, tuple, tuple] | None:
+            after = shapes(overridden)
+            changed = [name for name in before if name in after and before[name] != after[name]]
+            return (changed[0], before[changed[0]], after[changed[0]]) if changed else None
+
+        before = shapes({})
+        if not reshaped(overrides):
+            return
+        culprits = [key for key in overrides if reshaped({key: overrides[key]})] or list(overrides)
+        name, was, now = reshaped({key: overrides[key] for key in culprits})
+        keys = ", ".join(f"model_config.{key}={overrides[key]!r}" for key in culprits)
+        raise UserError(
+            f"{keys} changes {name} from {list(was)} to {list(now)}, but model={model!r} is pretrained with its "
+            f"config's sizes; drop the override (or train a model of any size from scratch with size=tiny)"
+        )
 
     def check_tp(self, hf_config: PretrainedConfig, tp: int) -> None:
         for what, size in self.tp_dimensions(hf_config).items():
@@ -253,7 +289,13 @@ def download_model(model: str, revision: str | None = None, local_only: bool = F
 
     def fetch(patterns: list[str]) -> Path:
         return Path(
-            snapshot_download(resolved, revision=revision, allow_patterns=patterns, local_files_only=local_only)
+            snapshot_download(
+                resolved,
+                revision=revision,
+                allow_patterns=patterns,
+                ignore_patterns=["*.py"],  # code is never run (pretrained.py), so never fetched
+                local_files_only=local_only,
+            )
         )
 
     try:
@@ -275,9 +317,12 @@ def check_model_source(model: str) -> None:
     if Path(local).is_dir():
         if not (Path(local) / "config.json").is_file():
             raise UserError(f"model={model!r}: folder has no config.json (not a Hugging Face model folder)")
+        refuse_custom_code(local)
         return
     try:
-        AutoConfig.from_pretrained(local)
+        load_hf_config(local)
+    except UserError:
+        raise
     except Exception as exc:  # the Hub client raises many types; all mean "cannot have it"
         raise UserError(
             f"model={model!r}: not a local folder and not loadable from the Hub "
