@@ -1,6 +1,7 @@
-"""The safety nets in one process: DCP metadata read without running code, the checkpoint manifest, the run-folder
-lock (busy, stale after SIGKILL, file systems without flock), the non-finite guard's counting, and launcher
-messages naming the real flags. Their torchrun counterparts are in test_checkpoint.py and test_cli.py."""
+"""The safety nets in one process: DCP metadata read without running code, the checkpoint manifest, what else resume
+checks (trainer_state.json's fields, the data, pickles in tensor and RNG files, NaN), Ctrl-C, the run-folder lock
+(busy, stale after SIGKILL, file systems without flock), the non-finite guard's counting, and launcher messages
+naming the real flags. Their torchrun counterparts are in test_checkpoint.py and test_cli.py."""
 
 from __future__ import annotations
 

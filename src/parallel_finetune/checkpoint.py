@@ -34,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -429,7 +430,9 @@ def read_tensors(target: dict, folder: Path) -> None:
     refusals and any other failure to read are an integrity.Refused (one line, the same on every rank), not the
     wrapped traceback DCP raises; a Ctrl-C stays a KeyboardInterrupt."""
     try:
-        dcp.load(target, storage_reader=integrity.SafeReader(folder))
+        with warnings.catch_warnings():  # export_hf.py loads in one process, as meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(target, storage_reader=integrity.SafeReader(folder))
     except CheckpointException as exc:
         if _interrupted(exc):
             raise KeyboardInterrupt from None
