@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides, tmpfs
@@ -18,6 +21,7 @@ from safetensors.torch import load_file
 
 from parallel_finetune import integrity
 from parallel_finetune.checkpoint import resolve_resume
+from parallel_finetune.launch import torchrun_command
 from parallel_finetune.runfolder import RECORD, RunLock
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
@@ -461,3 +465,70 @@ def test_a_stopped_rank_ends_the_run_after_collective_timeout_s(sst2, cache_dir,
         run.output,
         "error: after step 2: rank 0 waited collective_timeout_s=10 s in a collective for another rank that never came",
     )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 26 (checkpoints): signals to real torchrun's launcher, and a launcher killed outright.
+
+
+def train_until_it_trains(launcher: list[str], out, sst2, cache_dir) -> subprocess.Popen:
+    """A long one-rank run under `launcher` (a torchrun command), its output in out.log, returned once a step is
+    done."""
+    command = [*launcher, str(REPO / "scripts" / "train.py"), str(recipe("gptj")), f"output_dir={out}"]
+    command += overrides(sst2, cache_dir, "max_steps=100000", "tensor_parallel_degree=1")
+    with open(out.with_suffix(".log"), "w") as log:  # the run writes to its own copy of the file
+        proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
+        assert proc.poll() is None and time.monotonic() < deadline, out.with_suffix(".log").read_text()[-3000:]
+        time.sleep(0.2)
+    return proc
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (an exited process nobody reaped is a zombie: not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("name,code", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_a_signal_to_the_launcher_ends_as_documented(name, code, sst2, cache_dir, tmp_path):
+    """SIGTERM (docker stop, a spot interruption): a checkpoint and exit code 0; Ctrl-C: one line and 130. Not
+    torchrun's SignalException traceback, nor one from each rank."""
+    out = tmp_path / "run"
+    launcher = [sys.executable, "-m", "parallel_finetune.launch", "--standalone", "--nproc_per_node=1"]
+    proc = train_until_it_trains(launcher, out, sst2, cache_dir)
+    proc.send_signal(getattr(signal, name))
+    assert proc.wait(timeout=120) == code
+    output = out.with_suffix(".log").read_text()
+    assert "Traceback" not in output and "error:" not in output, output[-3000:]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").exists() else []
+    if name == "SIGTERM":
+        assert "as asked (SIGTERM); resume=auto continues from the checkpoint" in output and len(checkpoints) == 1
+    else:
+        assert output.count("interrupted (SIGINT) after step ") == 1 and checkpoints == []
+
+
+def test_a_worker_whose_launcher_is_killed_checkpoints_and_exits(sst2, cache_dir, tmp_path):
+    """kill -9 of torchrun: its worker notices, checkpoints and exits as on SIGTERM, instead of training on for
+    hours holding the run folder's lock (and its GPUs)."""
+    out = tmp_path / "run"
+    proc = train_until_it_trains(torchrun_command(1), out, sst2, cache_dir)
+    worker = json.loads((out / ".run.lock").read_text())["pid"]  # rank 0 holds the lock
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    try:
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(worker), "the worker trains on without its launcher"
+    finally:
+        if running(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert "as asked (SIGTERM); resume=auto continues from the checkpoint" in out.with_suffix(".log").read_text()
+    assert len(list((out / "checkpoints").glob("step-*"))) == 1
+    lock = RunLock([out])
+    lock.acquire()  # free again
+    lock.release()

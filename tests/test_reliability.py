@@ -1,12 +1,15 @@
-"""The safety nets in one process: DCP metadata read without running code, the checkpoint manifest, the run-folder
-lock (busy, stale after SIGKILL, file systems without flock), the non-finite guard's counting, and launcher
-messages naming the real flags. Their torchrun counterparts are in test_checkpoint.py and test_cli.py."""
+"""The safety nets in one process: DCP metadata read without running code, the checkpoint manifest, what else resume
+checks (trainer_state.json's fields, the data, pickles in tensor and RNG files, NaN), Ctrl-C, the run-folder lock
+(busy, stale after SIGKILL, file systems without flock), the non-finite guard's counting, and launcher messages
+naming the real flags. Their torchrun counterparts are in test_checkpoint.py and test_cli.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import importlib.util
+import io
 import json
 import os
 import pickle
@@ -21,11 +24,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+import test_units
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, plant_custom_code, plant_payload
+from conftest import REPO, Payload, check, launch, plant_custom_code, plant_payload, tiny_overrides
+from test_units import config as unit_config
+from test_units import training_state
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from parallel_finetune import checkpoint as checkpointing
 from parallel_finetune import integrity
 from parallel_finetune.config import load_config
 from parallel_finetune.divergence import NonFiniteGuard
@@ -624,3 +632,157 @@ def test_a_weight_index_pointing_elsewhere_is_one_line(entry, problem, tmp_path)
     index.write_text(json.dumps({"weight_map": {"w": "model-1.safetensors", "v": entry}}))
     with pytest.raises(UserError, match=f"^{re.escape(str(index))}: {re.escape(problem)}"):
         open_checkpoint(folder)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 26 (checkpoints): what resume trusts (trainer_state.json's fields, the data, the tensor and RNG files, their
+# values) and what an interrupt does, on small checkpoints written in this process (test_units' world of one).
+
+SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
+world_of_one = test_units.world_of_one  # a gloo world of one in this process (a fixture)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(world_of_one, tmp_path_factory):
+    """checkpoints/step-00000001 and step-00000002 of test_units' tiny classifier, and the settings they were
+    written with; tests damage copies."""
+    folder = tmp_path_factory.mktemp("two-checkpoints")
+    settings = unit_config(output_dir=str(folder))
+    for step in (1, 2):
+        checkpointing.save(training_state(world_of_one, settings, step=step), folder / "checkpoints")
+    return folder / "checkpoints", settings
+
+
+@pytest.fixture
+def root(two_checkpoints, tmp_path):
+    return shutil.copytree(two_checkpoints[0], tmp_path / "checkpoints")
+
+
+def remake_manifest(folder):
+    """As someone who rewrote files in a checkpoint and its manifest to match would leave it."""
+    integrity.write_manifest(folder, integrity.describe(folder, integrity.files_in(folder)))
+
+
+def resumed_from(root, world_of_one, settings, resume="auto"):
+    """checkpoint.resume as a run calls it: (the folder it continued from, the step it restored)."""
+    state = training_state(world_of_one, dataclasses.replace(settings, resume=resume), step=0)
+    return checkpointing.resume(state, root), state.step
+
+
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        ({"step": -3}, "step is -3, expected a whole number from 1"),
+        ({"step": "2"}, 'step is "2", expected a whole number from 1'),
+        ({"step": 1}, "step is 1, but the folder is step-00000002"),
+        ({"adam_step": 10**9}, "adam_step is 1000000000, expected a whole number from 0 to the step (2)"),
+        ({"scheduler": None}, "scheduler.last_epoch is missing, expected the step (2)"),
+        ({"loss_scaler": {"scale": float("nan"), "clean_steps": 0}}, "loss_scaler.scale is NaN, expected above 0"),
+        ({"parameter_shapes": {"score.weight": [2, -1]}}, "parameter_shapes is {"),
+        ({"family": None}, "family is null, expected a family name"),
+    ],
+)
+def test_trainer_state_values_are_checked_and_auto_falls_back(change, problem, root, caplog):
+    step2 = root / "step-00000002"
+    state = json.loads((step2 / "trainer_state.json").read_text())
+    (step2 / "trainer_state.json").write_text(json.dumps({**state, **change}))
+    remake_manifest(step2)
+    assert checkpointing.resolve_resume("auto", root) == root / "step-00000001"
+    assert f"skipping checkpoint {step2}: trainer_state.json: {problem}" in caplog.text
+    with pytest.raises(UserError, match=rf"^resume='{step2}' is not a usable checkpoint: trainer_state\.json: "):
+        checkpointing.resolve_resume(str(step2), root)
+
+
+def plant_in_rng(folder, marker) -> str:
+    torch.save({"cpu": Payload(marker), "cuda": torch.zeros(0, dtype=torch.uint8)}, folder / "rng" / "rank0.pt")
+    return "rng/rank0.pt"
+
+
+def plant_in_shard(folder, marker) -> str:
+    """A tensor's record in its .distcp file pointed at a pickle appended to the file, .metadata to match."""
+    metadata = integrity.read_metadata(folder / ".metadata")
+    index, where = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith("model."))
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    shard = folder / where.relative_path
+    metadata.storage_data[index] = dataclasses.replace(
+        where, offset=shard.stat().st_size, length=len(payload.getvalue())
+    )
+    with open(shard, "ab") as handle:
+        handle.write(payload.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    return where.relative_path
+
+
+@pytest.mark.parametrize("plant", [plant_in_rng, plant_in_shard])
+def test_a_pickle_in_rng_or_tensor_files_is_one_line_and_auto_falls_back(plant, root, world_of_one, tmp_path, caplog):
+    settings, step2, marker = unit_config(output_dir=str(tmp_path)), root / "step-00000002", tmp_path / "payload-ran"
+    name = plant(step2, marker)
+    remake_manifest(step2)
+    refusal = f"{name} asks to load posix.system, which a tensor file never holds; refusing to read it"
+    assert resumed_from(root, world_of_one, settings) == (root / "step-00000001", 1)
+    assert f"skipping checkpoint {step2}: {refusal}" in caplog.text
+    with pytest.raises(UserError) as refused:
+        resumed_from(root, world_of_one, settings, resume=str(step2))
+    assert str(refused.value).startswith(f"resume='{step2}' is not a usable checkpoint: {refusal}")
+    assert "\n" not in str(refused.value) and "weights_only=False" not in str(refused.value)
+    assert not marker.exists()
+
+
+def test_nan_behind_a_matching_manifest_is_found_at_load(two_checkpoints, world_of_one, tmp_path, monkeypatch, caplog):
+    """Someone wrote NaN into a checkpoint and made its manifest again: said at load, naming the tensor, not blamed
+    on the learning rate steps later."""
+    root, settings = shutil.copytree(two_checkpoints[0], tmp_path / "checkpoints"), two_checkpoints[1]
+    state = training_state(world_of_one, settings, step=3)
+    with torch.no_grad():
+        state.model.score.weight[0, 0] = float("nan")
+    with monkeypatch.context() as patch:
+        patch.setattr(integrity, "nonfinite", lambda *args: None)  # the save's own refusal, bypassed
+        checkpointing.save(state, root)
+    step3 = root / "step-00000003"
+    assert integrity.verify(step3) is None
+    assert resumed_from(root, world_of_one, settings) == (root / "step-00000002", 2)
+    assert f"skipping checkpoint {step3}: model.score.weight holds NaN or inf; trying the one before" in caplog.text
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_stops_and_removes_it(root, world_of_one, tmp_path, monkeypatch):
+    write = FileSystemWriter.write_data
+
+    def interrupted(self, *args, **kwargs):
+        write(self, *args, **kwargs)
+        raise KeyboardInterrupt  # what SIGINT's handler raises, here inside DCP's write (which wraps it)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save(training_state(world_of_one, unit_config(output_dir=str(tmp_path)), step=3), root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_ctrl_c_stops_the_run_in_one_line_with_exit_code_130(sst2, cache_dir, tmp_path):
+    env = {"SIGNAL_NAME": "SIGINT", "SIGNAL_RANK": "0", "SIGNAL_STEP": "3"}
+    overrides = tiny_overrides(sst2, cache_dir, max_steps=10, checkpoint_every=1)
+    run = launch(1, overrides, tmp_path / "run", script=SIGNAL_WORKER, env=env, check=False)
+    assert run.returncode == 130, run.output[-3000:]
+    assert run.output.count("interrupted (SIGINT) after step 2: the run stopped") == 1, run.output[-3000:]
+    assert "Traceback" not in run.output and "error:" not in run.output
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_continuing_on_changed_data_is_refused(sst2, cache_dir, tmp_path):
+    """The same data_dir, its labels flipped: the checkpoint records the data's fingerprint."""
+    data, out = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    for name, rows in (("train.tsv", 200), ("dev.tsv", 64)):
+        (data / name).write_text("".join((sst2 / name).read_text().splitlines(keepends=True)[: rows + 1]))
+    overrides = tiny_overrides(data, cache_dir, max_steps=2, checkpoint_every=1)
+    first = launch(1, overrides, out)
+    header, *rows = (data / "train.tsv").read_text().splitlines()
+    flipped = [f"{sentence}\t{1 - int(label)}" for sentence, label in (row.split("\t") for row in rows)]
+    (data / "train.tsv").write_text("\n".join([header, *flipped]) + "\n")
+    message = f"error: checkpoint {out / 'checkpoints' / 'step-00000002'} was trained on other data: its rows were "
+    checked = check(*overrides, f"output_dir={out}", nproc=1)
+    assert checked.returncode == 2 and checked.stderr.count("\n") == 1, checked.stderr
+    assert checked.stderr.startswith(message) and "resume=none" in checked.stderr
+    run = launch(1, overrides, out, check=False)
+    assert run.returncode == 2 and run.output.count(message) == 1, run.output[-3000:]
+    assert first.records == run.records, "nothing trained on the changed data"

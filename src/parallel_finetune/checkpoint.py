@@ -5,8 +5,9 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
   shards. Keys are the unsplit model's parameter names and the moments are shaped like their parameters, so a
   checkpoint written under one layout (TP=2, FSDP, ZeRO-1, ...) loads under another: DCP reshards on load;
 - `config.yaml` and `tokenizer/` (rank 0), so `scripts/export_hf.py` needs nothing else;
-- `trainer_state.json` (rank 0): step, AdamW's step count, LR scheduler, loss scaler, and the model's parameter
-  shapes, which identify the model it belongs to;
+- `trainer_state.json` (rank 0): step, AdamW's step count, LR scheduler, loss scaler, the model's parameter
+  shapes, which identify the model it belongs to, and the data's fingerprint (data.Source), which identifies the
+  rows it was trained on;
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
   are a function of the seed and the step.
 
@@ -16,19 +17,24 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `manifest.json` (rank 0, last): the size and sha256 of every other file (see integrity.py).
 
 It is written to `.tmp-step-…/` and renamed when every rank has finished, so a folder named `step-…` is
-complete; the newest `keep_checkpoints` are kept. Only finite weights and moments are written. Loading verifies
-the manifest first (every rank hashing a share of the files) and reads DCP's `.metadata` with an unpickler that
-admits only DCP's metadata classes; the rest is JSON, YAML and `torch.load(weights_only=True)` for the RNG
-tensors, so nothing in a checkpoint can run code.
+complete; the newest `keep_checkpoints` are kept. Only finite weights and moments are written; a Ctrl-C while
+writing removes the partial folder and stops the run. Loading verifies the manifest first (every rank hashing a
+share of the files), every field of `trainer_state.json`, and reads DCP's `.metadata` with an unpickler that
+admits only DCP's metadata classes; the rest is JSON, YAML and `torch.load(weights_only=True)` for the tensors
+and RNG states (a pickle asking for more is refused in one line naming its file), so nothing in a checkpoint can
+run code; loaded tensors holding NaN/inf are refused too. Under resume=auto a checkpoint failing any of this is
+skipped for the one before.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +96,65 @@ def _complete(folder: Path) -> str | None:
         state = json.loads((folder / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
         return f"{STATE_FILE} unreadable ({type(exc).__name__})"
-    if not isinstance(state, dict) or "step" not in state:
-        return f"{STATE_FILE} has no step"
+    return _state_problem(folder, state)
+
+
+def _whole(value, low: int = 0, high: float = math.inf) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _state_problem(folder: Path, state) -> str | None:
+    """Why trainer_state.json's values cannot be restored, or None. They go back into the run (a negative step
+    would train the wrong number of steps and name its checkpoints step--…), so each is checked for its type and
+    range, the step also against the folder's name and the scheduler's position."""
+
+    def field(path: str):
+        value = state
+        for key in path.split("."):
+            value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+        return value
+
+    step, named = field("step"), NAME.match(folder.name)
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} is not a JSON object"
+    if not _whole(step, 1):
+        return f"{STATE_FILE}: step is {_shown(step)}, expected a whole number from 1"
+    if named and int(named[1]) != step:
+        return f"{STATE_FILE}: step is {step}, but the folder is {folder.name}"
+    shapes, lora, lrs = field("parameter_shapes"), field("lora"), field("scheduler._last_lr")
+    rules = [
+        ("adam_step", _whole(field("adam_step"), 0, step), f"a whole number from 0 to the step ({step})"),
+        ("loss_scaler.scale", _number(field("loss_scaler.scale")) and field("loss_scaler.scale") > 0, "above 0"),
+        ("loss_scaler.clean_steps", _whole(field("loss_scaler.clean_steps")), "a whole number from 0"),
+        ("scheduler.last_epoch", field("scheduler.last_epoch") == step, f"the step ({step})"),
+        ("scheduler._step_count", _whole(field("scheduler._step_count"), 1), "a whole number from 1"),
+        ("scheduler._last_lr", isinstance(lrs, list) and lrs and all(_number(x) and x >= 0 for x in lrs), "lrs >= 0"),
+        ("family", isinstance(field("family"), str), "a family name"),
+        ("task", isinstance(field("task"), str), "a task name"),
+        ("layout", isinstance(field("layout"), dict), "a mapping"),
+        (
+            "parameter_shapes",
+            isinstance(shapes, dict) and all(isinstance(s, list) and all(map(_whole, s)) for s in shapes.values()),
+            "a mapping of parameter names to lists of sizes",
+        ),
+        ("lora", lora is _MISSING or (isinstance(lora, dict) and isinstance(lora.get("base"), str)), "a mapping"),
+        ("data", field("data") in (_MISSING, None) or isinstance(field("data"), str), "a data fingerprint"),
+    ]
+    for path, valid, expected in rules:
+        if not valid:
+            return f"{STATE_FILE}: {path} is {_shown(field(path))}, expected {expected}"
     return None
+
+
+_MISSING = object()
+
+
+def _shown(value) -> str:
+    return "missing" if value is _MISSING else json.dumps(value)[:60]
 
 
 def _pick(
@@ -137,34 +199,53 @@ def resolve_resume(resume: str, root: Path, label: str = "resume") -> Path | Non
     return _pick(resume, root, lambda folder: _complete(folder) or integrity.verify(folder), label)
 
 
-def choose_resume(config, root: Path, layout) -> Path | None:
-    """What every rank of a run resumes from: its checkpoint verified by all ranks together (each hashes a share
-    of the files) and agreed (the same answer, or the same UserError, everywhere)."""
+def _agreed(mine: str | None, layout) -> str | None:
+    """The first rank's problem, or None: every rank gets the same answer."""
+    everyone: list = [None] * layout.world_size
+    dist.all_gather_object(everyone, mine)
+    return next((problem for problem in everyone if problem), None)
+
+
+def resume(state: TrainingState, root: Path) -> Path | None:
+    """Restore `state` (its `step` too) from the checkpoint its run continues and return that folder, or None for a
+    fresh start; every rank calls this. Each candidate is verified by all ranks together (each hashes a share of
+    the files), then loaded; both answers are agreed, so under resume=auto a checkpoint that fails either (a bad
+    manifest or trainer_state.json, a pickle in its tensor or RNG files, NaN/inf in its tensors) is skipped for
+    the one before on every rank, and a refusal (another model, other settings or data) is the same UserError
+    everywhere."""
+    layout = state.layout
 
     def problem_of(folder: Path) -> str | None:
-        mine = _complete(folder) or integrity.verify(folder, (layout.rank, layout.world_size))
-        everyone: list = [None] * layout.world_size
-        dist.all_gather_object(everyone, mine)
-        return next((problem for problem in everyone if problem), None)
+        problem = _agreed(_complete(folder) or integrity.verify(folder, (layout.rank, layout.world_size)), layout)
+        if problem is None:
+            try:
+                state.step = load(state, folder)
+            except integrity.Refused as exc:  # agreed in load
+                return str(exc)
+        return problem
 
-    return _pick(effective_resume(config), root, problem_of, warn=log.warning if layout.is_main else log.debug)
+    return _pick(effective_resume(state.config), root, problem_of, warn=log.warning if layout.is_main else log.debug)
 
 
 def check_resume(config, root: Path) -> None:
     """For --check: the checkpoint the run would continue from is complete, intact in structure (the sizes and
-    metadata; hashing is the run's job, spread over its ranks) and of compatible settings."""
+    metadata; hashing is the run's job, spread over its ranks) and of compatible settings and data (a data_dir's
+    files; the Hub's rows are fingerprinted once the run loads them)."""
 
     def problem_of(folder: Path) -> str | None:
         return _complete(folder) or integrity.verify(folder, contents=False)
 
     folder = _pick(effective_resume(config), root, problem_of)
     if folder is not None:
-        check_continuation(folder, config)
+        from .data import tsv_fingerprint
+
+        check_continuation(folder, config, tsv_fingerprint(config.data_dir) if config.data_dir else None)
 
 
-def check_continuation(folder: Path, config) -> None:
-    """A run continues with the settings it was trained with; only its length, cadences, outputs and layout
-    (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
+def check_continuation(folder: Path, config, data: str | None = None) -> None:
+    """A run continues with the settings it was trained with, on the same data (`data`: its fingerprint, when
+    known); only its length, cadences, outputs and layout (CONTINUATION_MAY_CHANGE) may differ, or two runs'
+    settings would mix in one trajectory."""
     try:
         before = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
@@ -182,6 +263,18 @@ def check_continuation(folder: Path, config) -> None:
             + "; a continued run may change only its length, cadences, outputs and layout: use the "
             "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
             "another output_dir"
+        )
+    if data is None:
+        return
+    recorded = json.loads((folder / STATE_FILE).read_text()).get("data")
+    if recorded is None:  # written before checkpoints recorded it
+        log.warning("checkpoint %s does not record its data's fingerprint: cannot check it is this data", folder)
+    elif recorded != data:
+        changed = f" (data_dir={config.data_dir!r}: its files changed since)" if config.data_dir else ""
+        raise UserError(
+            f"checkpoint {folder} was trained on other data: its rows were {recorded}, this run's are {data}"
+            f"{changed}; continue on the data it was trained on, or start fresh with resume=none (overwrite=true "
+            "replaces the run) or another output_dir"
         )
 
 
@@ -206,6 +299,7 @@ class TrainingState:
     parameter_shapes: dict[str, list[int]]  # of the unsplit model
     trainable: set[str] | None = None  # peft=lora: only these are written (the base is named, not copied)
     base: str | None = None  # peft=lora: the frozen base model the adapters belong to
+    data: str | None = None  # the training data's fingerprint (data.Source): a continuation must train on the same
 
     def model_state(self) -> dict:
         state = self.model.state_dict()
@@ -216,11 +310,13 @@ class TrainingState:
 
 def save(state: TrainingState, root: Path) -> Path | None:
     """Write a checkpoint of `state`; every rank calls this. A failure (full disk, a read-only folder, non-finite
-    weights) is a warning: the previous checkpoints stay as they were, and training goes on."""
+    weights) is a warning: the previous checkpoints stay as they were, and training goes on. A Ctrl-C (on any
+    rank) is no failure to train past: the partial folder is removed and KeyboardInterrupt raised on every rank."""
     layout = state.layout
     final = root / f"step-{state.step:08d}"
     partial = root / f".tmp-step-{state.step:08d}"
     error: list[str] = []
+    interrupted: list[bool] = []  # per failure: was it a Ctrl-C
     tensors: dict = {}
     hashed: dict[str, dict] = {}  # this rank's files -> manifest entries
 
@@ -230,12 +326,16 @@ def save(state: TrainingState, root: Path) -> Path | None:
         if not error and (everywhere or layout.is_main):
             try:
                 action()
-            # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one
-            except (Exception, CheckpointException) as exc:
+            # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one; a Ctrl-C,
+            # raised as it is or wrapped by DCP, is agreed below like a failure
+            except (Exception, CheckpointException, KeyboardInterrupt) as exc:
+                interrupted.append(_interrupted(exc))
                 error.append(describe_failure(exc, partial if partial.exists() else root))
-        flag = torch.tensor([1.0 if error else 0.0], device=layout.device)
-        dist.all_reduce(flag)
-        if flag.item() and not error:
+        flags = torch.tensor([1.0 if error else 0.0, 1.0 if any(interrupted) else 0.0], device=layout.device)
+        dist.all_reduce(flags)
+        if flags[1].item():
+            raise KeyboardInterrupt
+        if flags[0].item() and not error:
             error.append("another rank failed")
         return not error
 
@@ -269,6 +369,7 @@ def save(state: TrainingState, root: Path) -> Path | None:
             "task": state.config.task,
             "layout": layout.describe(),
             "parameter_shapes": state.parameter_shapes,
+            "data": state.data,
         }
         if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
             trainer_state["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
@@ -286,16 +387,21 @@ def save(state: TrainingState, root: Path) -> Path | None:
             shutil.rmtree(old, ignore_errors=True)
 
     everyone: list = [None] * layout.world_size
-    done = (
-        stage(gather_state)
-        and stage(make_folder, everywhere=False)
-        and stage(write_rng)
-        and stage(write_shards)
-        and stage(hash_own_files)
-    )
-    if done:
-        dist.all_gather_object(everyone, hashed)
-        done = stage(finish, everywhere=False)
+    try:
+        done = (
+            stage(gather_state)
+            and stage(make_folder, everywhere=False)
+            and stage(write_rng)
+            and stage(write_shards)
+            and stage(hash_own_files)
+        )
+        if done:
+            dist.all_gather_object(everyone, hashed)
+            done = stage(finish, everywhere=False)
+    except KeyboardInterrupt:
+        if layout.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if not done:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -305,12 +411,37 @@ def save(state: TrainingState, root: Path) -> Path | None:
     return final
 
 
-def describe_failure(exc: BaseException, folder: Path) -> str:
-    """One short line: DCP wraps each rank's error as (exception, stack) in `failures`."""
+def _failures(exc: BaseException) -> list[BaseException]:
+    """`exc`, or the rank's errors DCP wrapped in it as (exception, stack) in `failures`."""
     if isinstance(exc, CheckpointException) and exc.failures:
-        failure = next(iter(exc.failures.values()))
-        exc = failure[0] if isinstance(failure, tuple) else failure
-    return one_line(exc, folder)
+        return [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+    return [exc]
+
+
+def _interrupted(exc: BaseException) -> bool:
+    return any(isinstance(failure, KeyboardInterrupt) for failure in _failures(exc))
+
+
+def describe_failure(exc: BaseException, folder: Path | None) -> str:
+    """One short line."""
+    return one_line(_failures(exc)[0], folder)
+
+
+def read_tensors(target: dict, folder: Path) -> None:
+    """dcp.load into `target` in place, resharding from the writer's layout, through integrity.SafeReader. Its
+    refusals and any other failure to read are an integrity.Refused (one line, the same on every rank), not the
+    wrapped traceback DCP raises; a Ctrl-C stays a KeyboardInterrupt."""
+    try:
+        with warnings.catch_warnings():  # export_hf.py loads in one process, as meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(target, storage_reader=integrity.SafeReader(folder))
+    except CheckpointException as exc:
+        if _interrupted(exc):
+            raise KeyboardInterrupt from None
+        failure = _failures(exc)[0]
+        if isinstance(failure, integrity.Refused):
+            raise integrity.Refused(str(failure)) from None
+        raise integrity.Refused(f"reading its tensors failed ({describe_failure(failure, None)})") from None
 
 
 def replace_folder(new: Path, final: Path) -> None:
@@ -345,14 +476,30 @@ def check_same_model(folder: Path, state: dict, family: str, task: str, shapes: 
 
 
 def load(state: TrainingState, folder: Path) -> int:
-    """Restore `state`'s parts in place from `folder`, whatever layout wrote it; returns the step it was at."""
+    """Restore `state`'s parts in place from `folder` (verified: `resume`), whatever layout wrote it; returns the
+    step it was at. Another model, other settings or data: a UserError. A file that is no tensor or RNG state (a
+    pickle asking for more), or a tensor holding NaN/inf: integrity.Refused, agreed by every rank before any of
+    `state` but the tensors DCP loads is touched (a retry from another checkpoint overwrites those)."""
     written = json.loads((folder / STATE_FILE).read_text())
     check_same_model(folder, written, state.family, state.config.task, state.parameter_shapes)
-    check_continuation(folder, state.config)
+    check_continuation(folder, state.config, state.data)
+    rng_name = f"rng/rank{state.layout.rank}.pt"
+    rng, problem = None, None
+    if (folder / rng_name).is_file():  # a different world size has other ranks: their dropout masks differ anyway
+        try:
+            rng = integrity.load_tensors(folder / rng_name, rng_name)
+            if not (isinstance(rng, dict) and all(isinstance(rng.get(k), torch.Tensor) for k in ("cpu", "cuda"))):
+                problem = f"{rng_name} holds no RNG state"
+        except integrity.Refused as exc:
+            problem = str(exc)
     moments = state.updates.moment_tensors()  # placeholders with this layout's shapes and placements
     target = {"model": state.model_state(), "optimizer": moments}
-    # in place, resharding from the writer's layout; the folder was verified (choose_resume)
-    dcp.load(target, storage_reader=integrity.SafeReader(folder))
+    read_tensors(target, folder)  # its failures are every rank's
+    # NaN behind a matching manifest (written in, and the manifest made again): said here, not blamed on the lr
+    bad = integrity.nonfinite(target)
+    problem = _agreed(problem or (bad and f"{bad} holds NaN or inf"), state.layout)
+    if problem:
+        raise integrity.Refused(problem)
     state.updates.restore(target["optimizer"], written)
     # Layouts group parameters differently (DTensor and plain tensors apart, ZeRO buckets), but every group
     # follows the same schedule: restore its position, not the writer's per-group lists.
@@ -365,9 +512,7 @@ def load(state: TrainingState, folder: Path) -> int:
     scheduler.load_state_dict(scheduler_state)
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    rng_file = folder / "rng" / f"rank{state.layout.rank}.pt"
-    if rng_file.is_file():  # a different world size has other ranks: their dropout masks differ anyway
-        rng = torch.load(rng_file, weights_only=True)
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if state.layout.device.type == "cuda" and rng["cuda"].numel():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -407,7 +552,7 @@ def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: 
     trainable = lora.trainable_names(model, names, settings)
     state = model.state_dict()
     written = {name: tensor for name, tensor in state.items() if name in trainable}
-    dcp.load({"model": written}, storage_reader=integrity.SafeReader(folder))
+    read_tensors({"model": written}, folder)
     state.update(written)
     return lora.merged_state({k: v.detach() for k, v in state.items()}, settings.scaling)
 
@@ -434,14 +579,17 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
-    if config.peft == "lora":
-        state = _lora_checkpoint_state(folder, config, family, hf_config, model_path)
-        model = family.build(config.task, hf_config)
-    else:
-        model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
-        materialize(model, torch.device("cpu"))
-        state = model.state_dict()
-        dcp.load({"model": state}, storage_reader=integrity.SafeReader(folder))
+    try:
+        if config.peft == "lora":
+            state = _lora_checkpoint_state(folder, config, family, hf_config, model_path)
+            model = family.build(config.task, hf_config)
+        else:
+            model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
+            materialize(model, torch.device("cpu"))
+            state = model.state_dict()
+            read_tensors({"model": state}, folder)
+    except integrity.Refused as exc:
+        raise UserError(f"checkpoint {folder}: {exc}") from None
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

@@ -170,6 +170,11 @@ def _file_fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def tsv_fingerprint(data_dir: str | Path) -> str:
+    """A data_dir's fingerprint (its Source's), from its files alone: what a checkpoint records of its data."""
+    return "tsv-" + _file_fingerprint(Path(data_dir).expanduser().resolve())
+
+
 def hub_unreachable() -> str | None:
     """Why the Hub cannot serve SST-2, found with one quick request (the datasets client retries each file five
     times, ~25 s of warnings from each process, before giving up), or None. With HF_HUB_OFFLINE=1 nothing is
@@ -193,7 +198,7 @@ def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
     if data_dir:
         raw = read_glue_dir(data_dir)
         folder = Path(data_dir).expanduser().resolve()
-        return raw, Source("tsv", str(folder), "tsv-" + _file_fingerprint(folder))
+        return raw, Source("tsv", str(folder), tsv_fingerprint(folder))
     problem = hub_unreachable()
     if problem is None:
         try:

@@ -15,6 +15,10 @@ class RankError(UserError):
     others may be the ones that stopped."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the run: the CLI prints the message on one line and exits 130 (128 + SIGINT)."""
+
+
 def one_line(exc: BaseException, folder=None) -> str:
     """An exception as one short line; an OSError as its reason and path ("No space left on device: /x/y").
     With `folder` (being written when `exc` happened): if its file system is full, say so first, since torch's

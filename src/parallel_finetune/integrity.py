@@ -9,16 +9,20 @@ DCP stores its `.metadata` (which tensor lives at which offset of which file) as
 and its tools, and older ones keep loading) but read it with a restricted unpickler that admits only the
 classes DCP's metadata consists of: its own dataclasses, `torch.Size`, dtypes, layouts and paths, all of
 which only hold values. Anything else a pickle asks for (`os.system`, `builtins.eval`, ...) is refused before it
-is looked up, so it can never be called. The manifest does not authenticate (whoever can write the folder can
-rewrite it too); the unpickler is what keeps code out, the manifest what catches corruption.
+is looked up, so it can never be called. The tensors in DCP's `.distcp` files and the RNG states are read with
+`torch.load(weights_only=True)`, whose refusal of a pickle asking for more becomes one line naming the file. The
+manifest does not authenticate (whoever can write the folder can rewrite it too); the unpicklers are what keep
+code out, the manifest what catches corruption.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import pickle
+import re
 import stat
 from pathlib import Path
 
@@ -26,7 +30,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .errors import UserError
+from .errors import UserError, one_line
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
@@ -54,7 +58,7 @@ _DCP_CLASSES = {
 }
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """Why a checkpoint folder is not used (the caller names the folder)."""
 
 
@@ -64,7 +68,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise _Refused(
+        raise Refused(
             f"{METADATA} asks to load {module}.{name}, which DCP metadata never holds; refusing to "
             "read it (a pickle can run code): do not use this checkpoint"
         )
@@ -74,36 +78,72 @@ def _load_metadata(path: Path) -> Metadata:
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
-    except _Refused:
+    except Refused:
         raise
     except Exception as exc:  # a damaged pickle fails in many ways, none of them worth a traceback
-        raise _Refused(f"{path.name} is not DCP metadata ({type(exc).__name__})") from None
+        raise Refused(f"{path.name} is not DCP metadata ({type(exc).__name__})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise _Refused(f"{path.name} is not DCP metadata ({type(metadata).__name__})")
+        raise Refused(f"{path.name} is not DCP metadata ({type(metadata).__name__})")
     for info in metadata.storage_data.values():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
-            raise _Refused(f"{path.name} points outside its folder ({relative!r})")
+            raise Refused(f"{path.name} points outside its folder ({relative!r})")
     return metadata
+
+
+def tensor_refusal(name: str, exc: BaseException) -> Refused:
+    """torch.load(weights_only=True)'s refusal of file `name` in one line, without its advice to load the file
+    with weights_only=False: a pickle asking for more than tensors, or no tensor file at all."""
+    asked = re.search(r"GLOBAL (\S+)", str(exc))
+    if isinstance(exc, OSError):
+        return Refused(f"{name}: {one_line(exc)}")
+    if asked:
+        return Refused(
+            f"{name} asks to load {asked[1]}, which a tensor file never holds; refusing to read it (a pickle can run "
+            "code): do not use this checkpoint"
+        )
+    return Refused(f"{name} is not a tensor file torch reads with weights_only=True ({type(exc).__name__})")
+
+
+def load_tensors(path: Path, name: str):
+    """torch.load(path, weights_only=True); a file it refuses is a Refused naming `name`."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise tensor_refusal(name, exc) from None
 
 
 def read_metadata(path: Path) -> Metadata:
     """DCP's metadata from `path`, unpickled with only DCP's own classes admitted; a UserError otherwise."""
     try:
         return _load_metadata(path)
-    except _Refused as exc:
+    except Refused as exc:
         raise UserError(f"checkpoint {path.parent}: {exc}") from None
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with `read_metadata` above instead of its plain `pickle.load`."""
+    """DCP's file reader with the restricted unpickler above instead of its plain `pickle.load` for the metadata,
+    and its tensor files read one at a time, so that a refusal (a pickle among the tensors) names its file."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        metadata = _load_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        if not by_file:
+            return super().read_data(plan, planner)
+        for name, items in by_file.items():
+            try:
+                done = super().read_data(dataclasses.replace(plan, items=items), planner)
+            except Exception as exc:  # torch.load's refusal, a damaged zip: DCP would wrap its whole traceback
+                raise tensor_refusal(name, exc) from None
+        return done
 
 
 def sha256(path: Path) -> str:
@@ -128,7 +168,7 @@ def files_in(folder: Path) -> list[str]:
         if stat.S_ISDIR(mode):
             continue
         if not stat.S_ISREG(mode):
-            raise _Refused(f"{path.relative_to(folder)} is not a regular file")
+            raise Refused(f"{path.relative_to(folder)} is not a regular file")
         if path.relative_to(folder).as_posix() != MANIFEST:
             names.append(path.relative_to(folder).as_posix())
     return names
@@ -158,7 +198,7 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1), contents: bool = True)
         return f"{MANIFEST} unreadable ({type(exc).__name__})"
     try:
         present = files_in(folder)
-    except _Refused as exc:
+    except Refused as exc:
         return str(exc)
     missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
     if missing:
@@ -173,7 +213,7 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1), contents: bool = True)
         return f"no DCP {METADATA}"
     try:
         metadata = _load_metadata(folder / METADATA)
-    except _Refused as exc:
+    except Refused as exc:
         return str(exc)
     unlisted = {info.relative_path for info in metadata.storage_data.values()} - set(files)
     if unlisted:

@@ -75,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except UserError as exc:
         return report(exc)
+    except KeyboardInterrupt as exc:
+        return interrupted(exc)
+
+
+def interrupted(exc: KeyboardInterrupt) -> int:
+    """Ctrl-C: one line, by rank 0, and exit code 130 (128 + SIGINT, as a shell reports it), not a traceback per
+    rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(str(exc) or "interrupted (SIGINT)", file=sys.stderr)
+    return 130
 
 
 def report(exc: UserError) -> int:

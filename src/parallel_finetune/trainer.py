@@ -29,10 +29,11 @@ from . import data as data_module
 from .checkpoint import TrainingState, continuing_run
 from .config import Config, compile_decision
 from .divergence import NonFiniteGuard
-from .errors import RankError, UserError
+from .errors import Interrupted, RankError, UserError
 from .export import save_hf, write_folder
 from .families import get_family
 from .families.base import download_model
+from .launch import end_with_launcher
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
 from .loggers import destinations
 from .loss import loss_count, scored_count, summed_loss, targets
@@ -144,12 +145,12 @@ class Trainer:
         with self.timer("model"):
             self._build()
         if self.updates.checkpointable:
-            # The newest checkpoint that all ranks together verify (skipped ones said once, by rank 0).
-            resume_from = checkpoint.choose_resume(config, self.checkpoint_root, layout)
-            if resume_from:
-                with self.timer("resume"):
-                    self.step = checkpoint.load(self.training_state(), resume_from)
-                self.resumed_from = resume_from
+            # The newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0).
+            started, state = time.perf_counter(), self.training_state()
+            self.resumed_from = checkpoint.resume(state, self.checkpoint_root)
+            if self.resumed_from:
+                self.step = state.step
+                self.timer.seconds["resume"] = time.perf_counter() - started
         # Only now, with every input accepted, is the run folder written (a failed start leaves nothing).
         if layout.is_main:
             if config.overwrite and not restarted():
@@ -278,6 +279,7 @@ class Trainer:
             self.ready.parameter_shapes,
             self.ready.parallel.trainable,
             self.base_description(),
+            self.data.source.fingerprint,
         )
 
     def base_description(self) -> str:
@@ -594,9 +596,11 @@ def padding_fraction(counts) -> float | None:
 
 
 def run(config: Config, after_backward: Callable | None = None) -> dict:
-    """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content."""
+    """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content.
+    SIGTERM, or the torchrun launcher's end: checkpoint and stop; Ctrl-C: stop at once (Interrupted)."""
     trainer = Trainer(config, after_backward)
     signal.signal(signal.SIGTERM, trainer.request_stop)
+    end_with_launcher()
     try:
         trainer.setup()
         trainer.fit()
@@ -629,6 +633,11 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         timeout = timed_out(exc, config.collective_timeout_s)
         if timeout:  # one line naming the key, not a traceback from the collective
             raise RankError(f"after step {trainer.step}: {timeout}") from None
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(
+                f"interrupted (SIGINT) after step {trainer.step}: the run stopped; its checkpoints are kept, and "
+                "resume=auto continues from the newest"
+            ) from None
         raise
     finally:
         if trainer.run_lock is not None:

@@ -1,17 +1,17 @@
 """Trains like scripts/train.py, but one rank signals itself at one step (after that step's backward).
 
-torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGKILL|SIGSTOP, SIGNAL_RANK, SIGNAL_STEP;
-SIGKILL only in torchrun's first attempt, so a restarted run goes through; in a restarted attempt rank LATE_RANK
-starts LATE_BY_S seconds late, so its peers look for it in the store first)"""
+torchrun ... signal_at_step.py RECIPE key=value ... (env SIGNAL_NAME=SIGTERM|SIGINT|SIGKILL|SIGSTOP, SIGNAL_RANK,
+SIGNAL_STEP; SIGKILL only in torchrun's first attempt, so a restarted run goes through; in a restarted attempt rank
+LATE_RANK starts LATE_BY_S seconds late, so its peers look for it in the store first)"""
 
 import os
 import signal
 import sys
 import time
 
+from parallel_finetune import train
 from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
-from parallel_finetune.train import report
 from parallel_finetune.trainer import run
 
 SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])
@@ -30,4 +30,6 @@ if __name__ == "__main__":
     try:
         run(load_config(sys.argv[1], sys.argv[2:]), after_backward=send)
     except UserError as exc:  # as scripts/train.py ends
-        sys.exit(report(exc))
+        sys.exit(train.report(exc))
+    except KeyboardInterrupt as exc:
+        sys.exit(train.interrupted(exc))
