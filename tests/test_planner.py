@@ -12,8 +12,8 @@ from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
 from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
+from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes
-from parallel_finetune.parallel.sharding import optimizer_groups
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
 from parallel_finetune.planner import GB, Candidate, memory_per_gpu, model_shape, plan, step_seconds
 from parallel_finetune.runner import model_inputs

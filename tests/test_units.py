@@ -258,3 +258,139 @@ def test_data_parallel_gradients_are_summed_while_the_backward_runs():
     assert result["profiled_launches"] == result["profiled_launches_before_backward_end"] == 8
     assert result["transfers"] == 8 and result["transfers_started_before_backward_end"] >= 1
     assert result["equal"]
+
+
+# --- issue 27: parallel degrees and modes as one object; typed interfaces in leaf modules; no upward import
+PACKAGE = REPO / "src" / "parallel_finetune"
+THE_LOOP = {"model", "runner", "updates", "trainer", "checkpoint", "train", "preflight", "selftest"}
+
+
+def package_imports(path) -> set[str]:
+    """The package modules `path` imports, anywhere in it (function-level imports too), as dotted names below
+    parallel_finetune ("parallel.zero", "updates"); `from . import x` counts as the module x."""
+    import ast
+    from pathlib import PurePosixPath
+
+    package = list(PurePosixPath(path.relative_to(PACKAGE)).parts[:-1])  # where `.` points
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            elif (node.module or "").startswith("parallel_finetune"):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            found.update(".".join([*target, a.name]) if not node.module else ".".join(target) for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(".".join(a.name.split(".")[1:]) for a in node.names if a.name.startswith("parallel_finetune."))
+    return {name for name in found if name}
+
+
+def test_no_import_runs_back_up_the_graph():
+    """interfaces.py is a leaf; parallel/, layout.py and families/ import nothing of the loop; the two
+    implementations of each interface do not import each other's modules (DeepSpeedUpdates once took StepOutcome
+    from updates.py, model.py its ZeRO-1 optimizer)."""
+    assert package_imports(PACKAGE / "interfaces.py") == set()
+    lower = [*(PACKAGE / "parallel").glob("*.py"), *(PACKAGE / "families").glob("*.py"), PACKAGE / "layout.py"]
+    for path in lower:
+        upward = {name for name in package_imports(path) if name.split(".")[0] in THE_LOOP}
+        assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)}: an edge back up the graph"
+    assert not package_imports(PACKAGE / "model.py") & {"updates", "runner", "trainer"}
+    assert not package_imports(PACKAGE / "runner.py") & {"updates", "trainer"}
+    assert not package_imports(PACKAGE / "updates.py") & {"runner", "trainer", "parallel.deepspeed_engine"}
+
+
+def test_the_sharding_mode_is_asked_by_name_not_compared_as_a_string():
+    """No src module compares `sharding` with "none" | "optimizer" | "full" | "hybrid": they ask ParallelDims or
+    Sharding (config.py's Literal declares the values)."""
+    import ast
+
+    modes = {"none", "optimizer", "full", "hybrid"}
+
+    def mentions_sharding(node) -> bool:
+        return any("sharding" in getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node))
+
+    def strings(node) -> set:
+        elements = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare)
+        and any(map(mentions_sharding, [node.left, *node.comparators]))
+        and any(strings(side) & modes for side in [node.left, *node.comparators])
+    ]
+    assert not found, found
+
+
+def test_parallel_dims_resolve_each_mode_once_and_answer_by_name():
+    from parallel_finetune.errors import UserError
+    from parallel_finetune.layout import ParallelDims, Sharding, resolve_dims
+
+    # 16 processes, 8 per node, tp=2: 8 data-parallel ranks, split as each mode says
+    none, zero1, full, hybrid = (resolve_dims(16, 8, 2, mode, None) for mode in ("none", "optimizer", "full", "hybrid"))
+    assert (none.dp_replicate, none.dp_shard) == (zero1.dp_replicate, zero1.dp_shard) == (8, 1)
+    assert (full.dp_replicate, full.dp_shard) == (1, 8) and (hybrid.dp_replicate, hybrid.dp_shard) == (2, 4)
+    assert [d.dp for d in (none, zero1, full, hybrid)] == [8] * 4 and hybrid.world_size == 16
+    assert [(d.sharded, d.zero1, d.fsdp, d.hybrid) for d in (none, zero1, full, hybrid)] == [
+        (False, False, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+        (True, False, True, True),
+    ]
+    assert [d.optimizer_shards for d in (none, zero1, full, hybrid)] == [1, 8, 8, 4]
+    assert hybrid.dp_replicate_enabled and hybrid.dp_shard_enabled and hybrid.tp_enabled and not hybrid.pp_enabled
+    assert not full.dp_replicate_enabled and full.dp_shard_enabled and not none.dp_shard_enabled
+    # FSDP is the mode, not a degree: sharding=full on one process still applies it
+    single = resolve_dims(1, 1, 1, "full", None)
+    assert single.fsdp and not single.dp_shard_enabled and not single.dp_enabled
+    assert resolve_dims(8, 8, 1, "hybrid", 2, pp=2).pp_enabled
+    # the config's value, typed: equal to its string, shown as it, and nothing else is one
+    assert full.sharding is Sharding.FULL and Sharding.FULL == "full" and f"{Sharding.HYBRID}" == "hybrid"
+    assert ParallelDims(4, 1, 1, 1, "optimizer").zero1
+    assert ParallelDims.split(4, 1, 1, "hybrid", 2) == ParallelDims(2, 2, 1, 1, Sharding.HYBRID)
+    with pytest.raises(UserError, match="sharding='zero2' is not valid; expected none, optimizer, full, hybrid"):
+        resolve_dims(2, 2, 1, "zero2", None)
+
+
+def test_each_implementation_has_its_interfaces_signatures():
+    """Runner: WholeModel, Pipeline; Updates: TorchUpdates, DeepSpeedUpdates; one `full_state_dict` signature,
+    and `checkpointable` true exactly where the checkpoint methods exist."""
+    import inspect
+
+    from parallel_finetune.interfaces import CheckpointableUpdates, Runner, Updates
+    from parallel_finetune.parallel.deepspeed_engine import DeepSpeedUpdates
+    from parallel_finetune.parallel.pipeline import Pipeline
+
+    def methods(protocol) -> dict[str, list[str]]:
+        return {
+            name: list(inspect.signature(member).parameters)
+            for name, member in vars(protocol).items()
+            if inspect.isfunction(member) and not name.startswith("_")
+        }
+
+    for protocol, implementations in ((Runner, (WholeModel, Pipeline)), (Updates, (TorchUpdates, DeepSpeedUpdates))):
+        for implementation in implementations:
+            for name, parameters in methods(protocol).items():
+                assert list(inspect.signature(getattr(implementation, name)).parameters) == parameters, (
+                    implementation.__name__,
+                    name,
+                )
+    extra = methods(CheckpointableUpdates)
+    for implementation in (TorchUpdates, DeepSpeedUpdates):
+        assert implementation.checkpointable == all(hasattr(implementation, name) for name in extra)
+    assert TorchUpdates.checkpointable and not DeepSpeedUpdates.checkpointable
+    assert WholeModel.pad_multiple >= 1 and Pipeline.pad_multiple >= 1
+
+
+def test_torch_updates_are_checkpointable_updates(world_of_one):
+    from parallel_finetune.interfaces import CheckpointableUpdates, Runner
+
+    model = tiny_classifier()
+    updates = TorchUpdates(model, world_of_one, config(), "fp32", Parallelized())
+    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
+    assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)

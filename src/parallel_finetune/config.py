@@ -607,6 +607,7 @@ def validate(config: Config, where: str = "config") -> None:
         return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
 
     from .families import FAMILIES  # local: families import transformers, which config users may not need
+    from .layout import Sharding  # (and the layout, torch)
 
     if config.family not in FAMILIES:
         raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
@@ -671,7 +672,7 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
     if config.shard_group_size is not None and config.shard_group_size < 1:
         raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
-    if config.shard_group_size is not None and config.sharding != "hybrid":
+    if config.shard_group_size is not None and not Sharding(config.sharding).hybrid:
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
@@ -697,7 +698,7 @@ def validate(config: Config, where: str = "config") -> None:
                 "pipeline_parallel_degree",
                 "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",
             )
-        if config.sharding in ("full", "hybrid"):
+        if Sharding(config.sharding).fsdp:
             raise bad(
                 "pipeline_parallel_degree",
                 f"does not combine with sharding={config.sharding} yet; use "

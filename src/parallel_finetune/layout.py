@@ -1,4 +1,5 @@
-"""The process layout: degrees of pipeline, data (replicated x sharded) and tensor parallelism, and their mesh.
+"""The process layout: degrees of pipeline, data (replicated x sharded) and tensor parallelism, the sharding mode,
+and their mesh.
 
 Ranks are laid out (pp, dp_replicate, dp_shard, tp), tp fastest: a tensor-parallel group is a run of consecutive
 ranks (one node, its fast links), a shard group the next level out, replication further out, and pipeline
@@ -6,6 +7,9 @@ stages outermost (a stage boundary sends one activation per micro-batch: the che
 data-parallel degree is dp_replicate x dp_shard; `sharding` decides how it splits:
 none and optimizer -> all replicate (optimizer sharding shards across the whole data-parallel group),
 full -> all shard, hybrid -> shard inside groups of `shard_group_size`, replicate across them.
+
+`ParallelDims` holds the degrees and the mode together, resolved once from the config; the rest of the code asks
+its named queries (`fsdp`, `zero1`, `hybrid`, `pp_enabled`, ...), never the config's strings.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -25,31 +30,108 @@ from .errors import UserError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+class Sharding(str, Enum):
+    """How the data-parallel ranks hold the training state: the config's `sharding`, as a type."""
+
+    NONE = "none"  # every rank a full copy; gradients summed after the backward
+    OPTIMIZER = "optimizer"  # ZeRO-1: AdamW state split over the data-parallel ranks (parallel/zero.py)
+    FULL = "full"  # FSDP2 over every data-parallel rank: parameters, gradients and AdamW state (parallel/fsdp.py)
+    HYBRID = "hybrid"  # FSDP2 inside groups of shard_group_size ranks, replicas across the groups
+
+    def __str__(self) -> str:  # messages and f-strings show the value a recipe writes
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value: object) -> Sharding:
+        raise UserError(f"sharding={value!r} is not valid; expected {', '.join(m.value for m in cls)}")
+
+    @property
+    def sharded(self) -> bool:
+        """Some training state (at least AdamW's) is split over the data-parallel ranks."""
+        return self is not Sharding.NONE
+
+    @property
+    def zero1(self) -> bool:
+        """ZeRO-1: parameters and gradients in flat buffers, each rank updating its slice."""
+        return self is Sharding.OPTIMIZER
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 holds the parameters (full or hybrid), even on a single data-parallel rank."""
+        return self in (Sharding.FULL, Sharding.HYBRID)
+
+    @property
+    def hybrid(self) -> bool:
+        """FSDP2 inside shard groups, replicated across them (HSDP)."""
+        return self is Sharding.HYBRID
+
+
 @dataclass(frozen=True)
-class Degrees:
+class ParallelDims:
+    """The degrees and the sharding mode, as one object with named queries (after torchtitan's ParallelDims)."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int = 1
+    sharding: Sharding = Sharding.NONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding", Sharding(self.sharding))  # a config string becomes the type here
+
+    @classmethod
+    def split(cls, dp: int, tp: int, pp: int, sharding: Sharding | str, shard_group: int = 1) -> ParallelDims:
+        """`dp` data-parallel ranks split as the mode says: replicas (none, optimizer), shards (full), or replicas of
+        shard groups of `shard_group` ranks (hybrid)."""
+        sharding = Sharding(sharding)
+        if sharding.hybrid:
+            return cls(dp // shard_group, shard_group, tp, pp, sharding)
+        if sharding.fsdp:
+            return cls(1, dp, tp, pp, sharding)
+        return cls(dp, 1, tp, pp, sharding)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    # degrees
+    dp_enabled = property(lambda self: self.dp > 1)
+    dp_replicate_enabled = property(lambda self: self.dp_replicate > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
+
+    # the mode (see Sharding)
+    sharded = property(lambda self: self.sharding.sharded)
+    zero1 = property(lambda self: self.sharding.zero1)
+    fsdp = property(lambda self: self.sharding.fsdp)
+    hybrid = property(lambda self: self.sharding.hybrid)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """How many pieces AdamW's state is split into: every data-parallel rank's under ZeRO-1, the shard group's
+        under FSDP, one without sharding."""
+        return self.dp if self.zero1 else self.dp_shard
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_degrees(
+def resolve_dims(
     world_size: int,
     local_world_size: int,
     tp_requested: int | str,
-    sharding: str,
+    sharding: Sharding | str,
     shard_group_size: int | None,
     pp: int = 1,
-) -> Degrees:
-    """The one place that turns the config's parallel keys and the process count into degrees."""
+) -> ParallelDims:
+    """The one place that turns the config's parallel keys and the process count into degrees and a mode."""
+    sharding = Sharding(sharding)
     if world_size % pp:
         raise UserError(
             f"pipeline_parallel_degree={pp} does not divide the {world_size} processes; "
@@ -68,17 +150,15 @@ def resolve_degrees(
             f"of {world_size // pp} (the rest become data-parallel replicas)"
         )
     dp = world_size // (tp * pp)
-    if sharding == "full":
-        return Degrees(1, dp, tp, pp)
-    if sharding != "hybrid":
-        return Degrees(dp, 1, tp, pp)
-    group = shard_group_size or max(1, local_world_size // tp)
-    if dp % group:
-        raise UserError(
-            f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
-            f"{dp}; valid: {', '.join(map(str, divisors(dp)))}"
-        )
-    return Degrees(dp // group, group, tp, pp)
+    group = 1
+    if sharding.hybrid:
+        group = shard_group_size or max(1, local_world_size // tp)
+        if dp % group:
+            raise UserError(
+                f"sharding=hybrid: shard_group_size={group} does not divide the data-parallel degree "
+                f"{dp}; valid: {', '.join(map(str, divisors(dp)))}"
+            )
+    return ParallelDims.split(dp, tp, pp, sharding, group)
 
 
 @dataclass
@@ -86,19 +166,18 @@ class Layout:
     world_size: int
     rank: int
     local_rank: int
-    degrees: Degrees
-    sharding: str
+    dims: ParallelDims
     device: torch.device
     mesh: DeviceMesh  # dims MESH_DIMS
     dp_mesh: DeviceMesh  # dp_replicate x dp_shard flattened: one group spanning all data-parallel ranks
 
     @property
     def dp(self) -> int:
-        return self.degrees.dp
+        return self.dims.dp
 
     @property
     def tp(self) -> int:
-        return self.degrees.tp
+        return self.dims.tp
 
     @property
     def tp_rank(self) -> int:
@@ -106,7 +185,7 @@ class Layout:
 
     @property
     def pp(self) -> int:
-        return self.degrees.pp
+        return self.dims.pp
 
     @property
     def pp_rank(self) -> int:
@@ -136,10 +215,10 @@ class Layout:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: 1-D (dp_shard) for full, 2-D (dp_replicate, dp_shard) for hybrid."""
-        return self.mesh["dp_shard"] if self.sharding == "full" else self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"] if self.dims.hybrid else self.mesh["dp_shard"]
 
     def size(self, dim: str) -> int:
-        return getattr(self.degrees, dim)
+        return getattr(self.dims, dim)
 
     @property
     def is_main(self) -> bool:
@@ -151,8 +230,8 @@ class Layout:
             "pipeline_parallel": self.pp,
             "data_parallel": self.dp,
             "tensor_parallel": self.tp,
-            "sharding": self.sharding,
-            "shard_group_size": self.degrees.dp_shard,
+            "sharding": self.dims.sharding.value,
+            "shard_group_size": self.dims.dp_shard,
             "device": self.device.type,
             "backend": dist.get_backend(),
         }
@@ -175,7 +254,7 @@ def _free_port() -> int:
 def init_distributed(
     device_choice: str,
     tp_requested: int | str,
-    sharding: str = "none",
+    sharding: Sharding | str = Sharding.NONE,
     shard_group_size: int | None = None,
     pp: int = 1,
     timeout_s: float = 600.0,
@@ -195,7 +274,7 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     device_type = resolve_device(device_choice)
-    degrees = resolve_degrees(world_size, local_world, tp_requested, sharding, shard_group_size, pp)
+    dims = resolve_dims(world_size, local_world, tp_requested, sharding, shard_group_size, pp)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -205,11 +284,9 @@ def init_distributed(
         backend = "gloo"
     if not dist.is_initialized():
         _init_process_group(backend, device if device_type == "cuda" else None, timeout_s)
-    mesh = init_device_mesh(
-        device_type, (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp), mesh_dim_names=MESH_DIMS
-    )
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return Layout(world_size, rank, local_rank, degrees, sharding, device, mesh, dp_mesh)
+    return Layout(world_size, rank, local_rank, dims, device, mesh, dp_mesh)
 
 
 def _init_process_group(backend: str, device_id: torch.device | None, timeout_s: float) -> None:

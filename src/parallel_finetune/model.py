@@ -19,12 +19,11 @@ from .families.base import Family
 from .layout import Layout
 from .parallel import Parallelized, parallelize
 from .parallel.pipeline import stage_costs
-from .parallel.sharding import ZeroAdamW
 from .parallel.tensor import keep_gradients_sharded
+from .parallel.zero import ZeroAdamW, zero_adamw
 from .precision import DTYPES
 from .reporting import peak_memory_mib
 from .throughput import ModelFlops, model_flops
-from .updates import zero_adamw
 from .weights import (
     NewWeights,
     load_weights,
@@ -105,8 +104,8 @@ def ready_model(
         box_of, write = zero3_box, zero3_write
     parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
     adamw = None
-    if config.engine == "torch" and config.sharding == "optimizer":
-        adamw = zero_adamw(model, layout, config, parallel)  # the model's only allocation
+    if config.engine == "torch" and layout.dims.zero1:
+        adamw = zero_adamw(model, layout, config, parallel.tied)  # the model's only allocation
     materialize(model, layout.device)
     load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
     weights.close()

@@ -48,6 +48,7 @@ from .errors import UserError
 from .families import FAMILIES, Family
 from .families.base import resolve_model_path, tiny_vocab_size
 from .hardware import Hardware, hardware_for, positive_int, positive_number
+from .layout import ParallelDims, Sharding
 from .pretrained import load_hf_config
 
 GB = 1e9
@@ -55,7 +56,6 @@ SST2_TRAIN_SENTENCES = 67_349
 OVERHEAD_FRACTION, OVERHEAD_BYTES = 0.10, 1.5 * GB
 HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
 LINK_EFFICIENCY = 0.7
-SHARDINGS = ("none", "optimizer", "full", "hybrid")
 
 _NEO = dict(vocab_size=50257, max_position_embeddings=2048, window_size=256)
 _GPT2 = dict(vocab_size=50257, n_positions=1024)
@@ -229,10 +229,17 @@ class Candidate:
     tp: int
     pp: int
     dp: int
-    sharding: str
+    sharding: Sharding | str  # a Sharding once made
     ac: bool  # activation checkpointing
     microbatches: int  # per data-parallel rank and step (pipeline micro-batches)
     shard_degree: int = 1  # ranks that share one copy of the sharded state
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding", Sharding(self.sharding))
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims.split(self.dp, self.tp, self.pp, self.sharding, self.shard_degree)
 
     def describe(self, batch_size: int) -> str:
         return (
@@ -241,7 +248,7 @@ class Candidate:
         )
 
     # pipeline stages do not combine with FSDP in the trainer yet (config.validate says so)
-    runs_today = property(lambda self: self.pp == 1 or self.sharding in ("none", "optimizer"))
+    runs_today = property(lambda self: not (self.dims.pp_enabled and self.dims.fsdp))
 
 
 def stages(shape: ModelShape, pp: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -272,9 +279,9 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
     s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
     b = batch_size // (layout.dp * layout.microbatches)
     layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    fsdp = layout.sharding in ("full", "hybrid")
+    fsdp = layout.dims.fsdp
     state_divisor = layout.shard_degree if fsdp else 1
-    optimizer_divisor = layout.shard_degree if layout.sharding != "none" else 1
+    optimizer_divisor = layout.shard_degree if layout.dims.sharded else 1
     worst: dict[str, float] = {}
     for i, (blocks, parts) in enumerate(stages(shape, layout.pp)):
         per_part = rank_elements(parts, t)
@@ -319,9 +326,9 @@ def step_seconds(
     elements = max(sum(rank_elements(parts, t)) for _, parts in stages(shape, pp))
     if shape.lora_rank:  # only the trainable parameters' gradients travel between data-parallel ranks
         elements = shape.lora_elements / pp
-    if layout.sharding in ("none", "optimizer"):
+    if not layout.dims.fsdp:  # none and ZeRO-1: an all-reduce's volume
         data = 2 * (dp - 1) / dp * 4 * elements / dp_link
-    elif layout.sharding == "full":
+    elif not layout.dims.hybrid:
         data = (dp - 1) / dp * 8 * elements / dp_link
     else:  # hybrid: FSDP inside the node, then an all-reduce of each shard across the nodes
         shard, replicas = layout.shard_degree, dp // layout.shard_degree
@@ -340,12 +347,13 @@ def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) ->
                 continue
             per_rank = batch_size // dp
             m = max(d for d in range(1, min(per_rank, 4 * pp) + 1) if per_rank % d == 0) if pp > 1 else 1
-            for sharding in SHARDINGS:
-                shard = {"none": 1, "optimizer": dp, "full": dp, "hybrid": dp // hardware.nodes}[sharding]
-                if sharding != "none" and dp == 1:
+            for sharding in Sharding:
+                group = dp // hardware.nodes  # hybrid: FSDP inside a node
+                if sharding.sharded and dp == 1:
                     continue  # nothing to shard over
-                if sharding == "hybrid" and (hardware.nodes == 1 or dp % hardware.nodes or not 1 < shard < dp):
+                if sharding.hybrid and (hardware.nodes == 1 or dp % hardware.nodes or not 1 < group < dp):
                     continue
+                shard = ParallelDims.split(dp, tp, pp, sharding, group).optimizer_shards
                 layouts += [Candidate(tp, pp, dp, sharding, ac, m, shard) for ac in (False, True)]
     return layouts
 

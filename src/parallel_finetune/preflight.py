@@ -12,17 +12,17 @@ from .data import read_glue_dir
 from .errors import UserError
 from .families import get_family
 from .families.base import check_model_source, resolve_model_path
-from .layout import check_batch_split, resolve_degrees, resolve_device
+from .layout import check_batch_split, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
 from .reporting import check_writable, choose_output_dir
 from .runfolder import check_free, check_run_folders, run_folders
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
-    """Degrees for `world_size` processes (`local_world_size` per node) that divide the model and the batch;
-    returns them and a description of the pipeline part ("" without one)."""
+    """Degrees and mode (`ParallelDims`) for `world_size` processes (`local_world_size` per node) that divide the
+    model and the batch; returns them and a description of the pipeline part ("" without one)."""
     family = get_family(config.family)
-    degrees = resolve_degrees(
+    dims = resolve_dims(
         world_size,
         local_world_size,
         config.tensor_parallel_degree,
@@ -30,18 +30,18 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
         config.shard_group_size,
         config.pipeline_parallel_degree,
     )
-    family.check_tp(hf_config, degrees.tp)
-    check_batch_split(config.batch_size, degrees.dp, config.gradient_accumulation_steps)
+    family.check_tp(hf_config, dims.tp)
+    check_batch_split(config.batch_size, dims.dp, config.gradient_accumulation_steps)
     pipeline = ""
-    if degrees.pp > 1:
+    if dims.pp_enabled:
         from .parallel.pipeline import check_microbatches, check_stages
 
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
-        check_stages(hf_config.num_hidden_layers, degrees.pp, virtual, config.partition)
-        microbatches = config.microbatches or 2 * degrees.pp
-        check_microbatches(config.batch_size // (degrees.dp * config.gradient_accumulation_steps), microbatches)
-        pipeline = f"{degrees.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
-    return degrees, pipeline
+        check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
+        microbatches = config.microbatches or 2 * dims.pp
+        check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
+        pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
+    return dims, pipeline
 
 
 def _expected(value, default) -> str | None:
@@ -134,14 +134,14 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     if config.tokenizer:
         refuse_custom_code(resolve_model_path(config.tokenizer))
     hf_config = check_model_config(config)
-    degrees, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
+    dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
     lora.preflight(config, family, hf_config)  # targets and heads that match nothing, a rank wider than a layer
     if config.size == "full" and Path(folder := resolve_model_path(config.model or family.default_model)).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
         check_fit(family, config.task, hf_config, folder)
-    sharding = "" if config.sharding == "none" else f" | sharding {config.sharding}"
+    sharding = f" | sharding {dims.sharding}" if dims.sharded else ""
     if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
         import torch
 
@@ -150,14 +150,14 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
 
         device = torch.device(resolve_device(config.device))
         generated = deepspeed_engine.preflight(
-            config, degrees.dp, device.type, resolve_precision(config.precision, device, config.engine)
+            config, dims.dp, device.type, resolve_precision(config.precision, device, config.engine)
         )
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
-    if config.sharding == "hybrid":
-        sharding += f" ({degrees.dp_replicate} groups of {degrees.dp_shard})"
+    if dims.hybrid:
+        sharding += f" ({dims.dp_replicate} groups of {dims.dp_shard})"
     nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
-        f"{pipeline}{degrees.dp} data-parallel x {degrees.tp} tensor-parallel{sharding} | "
+        f"{pipeline}{dims.dp} data-parallel x {dims.tp} tensor-parallel{sharding} | "
         f"data {config.data_dir or 'Hub (sample if offline)'}"
     )

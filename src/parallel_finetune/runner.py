@@ -1,12 +1,6 @@
-"""Forward and backward of a micro-batch: one interface, two implementations, so the loop has no pipeline branches.
-
-    train(batch, count, last) -> this rank's share of the loss (summed over the batch / the global `count`),
-                                 gradients accumulated in .grad
-    forward(batch)            -> logits, or None on a pipeline stage that is not the last
-    pad_multiple              -> what sequence lengths are padded to a multiple of
-
-`WholeModel` (here): the model this rank holds, whole or tensor-parallel or FSDP-sharded. `Pipeline`
-(`parallel/pipeline.py`): this rank's stages, run by a pipeline schedule.
+"""WholeModel: the `interfaces.Runner` (forward and backward of an accumulation slice) for the model this rank holds,
+whole or tensor-parallel or FSDP-sharded. The other Runner is `parallel/pipeline.py`'s Pipeline: this rank's
+stages, run by a pipeline schedule.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The promise: for a given global batch, the loss, gradients and update are those 
 Every rank draws the same global batches; each slice's loss is a *sum* divided by the global count of samples
 (classification) or target tokens (causal_lm); gradients are *summed* over data-parallel ranks.
 
-The loop knows two interfaces and no engine or layout: a runner does a slice's forward and backward
-(`runner.WholeModel`, or the `parallel.pipeline.Pipeline`), the updates turn the gradients into an update
+The loop knows two interfaces (`interfaces.py`) and no engine or layout: a runner does a slice's forward and
+backward (`runner.WholeModel`, or the `parallel.pipeline.Pipeline`), the updates turn the gradients into an update
 (`updates.TorchUpdates`, or DeepSpeed's ZeRO: `parallel.deepspeed_engine.DeepSpeedUpdates`).
 """
 
@@ -33,6 +33,7 @@ from .errors import Interrupted, RankError, UserError
 from .export import save_hf, write_folder
 from .families import get_family
 from .families.base import download_model
+from .interfaces import Runner, Updates
 from .launch import end_with_launcher
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
 from .loggers import destinations
@@ -73,6 +74,9 @@ DOWNLOAD_WAIT_S = 6 * 3600  # a checkpoint of tens of GB over a slow link
 class Trainer:
     """A run's parts, made in `setup` (all of them, or an error), driven by `fit`; every attribute exists after
     `setup`."""
+
+    runner: Runner  # made in _build, like the updates
+    updates: Updates
 
     def __init__(self, config: Config, after_backward: Callable[[Trainer, int], None] | None = None):
         self.config = config

@@ -1,59 +1,26 @@
-"""What turns a step's gradients into an update: one interface, two implementations, so the loop has no engine
-branches.
-
-    backward(loss, last)    one micro-batch's loss (already divided by the global count); last: the step's last
-    step(local_loss, ...)   the step's one reduction (global norm and loss, the stop flag), then the update or a
-                            skip: -> StepOutcome
-    loss_scale, optimizer   the fp16 scale in use; the optimizer whose lr the schedule sets
-    state_bytes()           this rank's bytes of parameters, gradients and optimizer state (after the first update)
-    full_state_dict()       the whole model's weights for export (a collective)
-    moment_tensors(), counters(), restore()   what a checkpoint holds (engine=torch only: `checkpointable`)
-
-`TorchUpdates` (here): our AdamW over this rank's parameters (`parallel/sharding.py`: every parameter, FSDP shards,
-or ZeRO-1 flat slices), fp16 loss scaling agreed by every rank, clipping by the global norm.
-`DeepSpeedUpdates` (`parallel/deepspeed_engine.py`): DeepSpeed's ZeRO does the same inside its engine.
+"""TorchUpdates: the `interfaces.Updates` (and `CheckpointableUpdates`) of engine=torch. Our AdamW over this rank's
+parameters (`parallel/adamw.py`: every parameter or FSDP's shards; `parallel/zero.py`: ZeRO-1 flat slices), fp16
+loss scaling agreed by every rank, clipping by the global norm, one step-wide reduction of the norm and the loss.
+engine=deepspeed's counterpart is `parallel/deepspeed_engine.py`'s DeepSpeedUpdates.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .export import gather_full_state_dict
+from .interfaces import SkipRule, StepOutcome
 from .layout import Layout
 from .parallel import Parallelized
+from .parallel.adamw import AdamWSettings, DataParallelAdamW, held_names
 from .parallel.gradients import reduce_norm_and_loss
 from .parallel.memory import measure_state_bytes
 from .parallel.pipeline import sync_tied_gradients
-from .parallel.sharding import AdamWSettings, DataParallelAdamW, ZeroAdamW
+from .parallel.zero import ZeroAdamW
 from .precision import DynamicLossScaler
-
-# (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
-SkipRule = Callable[[float, float, "float | None"], bool]
-
-
-@dataclass
-class StepOutcome:
-    loss: float  # the global batch's mean loss
-    grad_norm: float | None  # before clipping; None when the step was skipped
-    skipped: bool
-    stop: bool  # some rank was asked to stop (SIGTERM): every rank checkpoints after this step
-    loss_scale: float  # the scale this step's backward used
-
-
-def held_names(tied: list[tuple[str, ...]], model: nn.Module) -> dict[str, str]:
-    """For each weight shared across pipeline stages: the name this stage holds it by -> its first name."""
-    held = dict(model.named_parameters())
-    return {name: names[0] for names in tied for name in names if name in held}
-
-
-def zero_adamw(model: nn.Module, layout: Layout, config, parallel: Parallelized) -> ZeroAdamW:
-    """ZeRO-1's optimizer, made before the weights exist: its flat buffers are where the parameters live."""
-    return ZeroAdamW(model, layout, AdamWSettings.of(config), held_names(parallel.tied, model))
 
 
 class TorchUpdates:

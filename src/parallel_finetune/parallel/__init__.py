@@ -13,9 +13,9 @@ from torch import nn
 from .. import lora
 from ..families.base import Family
 from ..layout import Layout
+from .fsdp import apply_fsdp
 from .memory import apply_activation_checkpointing
 from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_parameters
-from .sharding import apply_fsdp
 from .tensor import apply_tp
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def parallelize(
             len(family.blocks(model)),
             " of this stage" if layout.pp > 1 else "",
         )
-    if layout.sharding in ("full", "hybrid"):
+    if layout.dims.fsdp:
         apply_fsdp(model, family.blocks(model), layout, compute_dtype)
     return result
 

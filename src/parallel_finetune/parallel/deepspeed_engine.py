@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..interfaces import SkipRule, StepOutcome
+from ..layout import Sharding
 from ..precision import FP16_ON_CPU
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ def validate(config, where: str = "config") -> None:
             f"runs data parallel only here); use tensor_parallel_degree=1, or engine=torch for tensor "
             f"parallelism"
         )
-    if config.sharding != "none":
+    if Sharding(config.sharding).sharded:
         raise UserError(
             f"{where}: engine=deepspeed with sharding={config.sharding} is not supported; DeepSpeed "
             f"shards by zero_stage=1|2|3 (sharding=optimizer ~ zero_stage=1, sharding=full ~ "
@@ -320,10 +322,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 class DeepSpeedUpdates:
-    """`updates.py`'s interface over a DeepSpeed engine: ZeRO reduces, unscales, clips and updates (or skips).
+    """`interfaces.Updates` over a DeepSpeed engine: ZeRO reduces, unscales, clips and updates (or skips).
     Forwards go through `engine` (ZeRO-3 gathers parameters there)."""
 
-    checkpointable = False  # config.validate refuses checkpoint keys with engine=deepspeed
+    checkpointable = False  # no CheckpointableUpdates: config.validate refuses checkpoint keys with engine=deepspeed
 
     def __init__(self, model: nn.Module, config, layout, precision: str):
         self.config = preflight(config, layout.dp, layout.device.type, precision)
@@ -335,7 +337,7 @@ class DeepSpeedUpdates:
         from deepspeed.runtime.config import DeepSpeedConfigError
         from pydantic import ValidationError
 
-        from .sharding import optimizer_groups
+        from .adamw import optimizer_groups
 
         try:
             self.engine, _, _, _ = deepspeed.initialize(
@@ -367,10 +369,9 @@ class DeepSpeedUpdates:
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # counts the micro-step only; the update waits for the boundary
 
-    def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule):
+    def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule: SkipRule) -> StepOutcome:
         """The update at the accumulation boundary, then the step's one reduction of the loss and stop flag.
         DeepSpeed has applied (or skipped) the update already: `skip_rule` can only stop a diverged run here."""
-        from ..updates import StepOutcome
         from .gradients import reduce_norm_and_loss
 
         scale = self.loss_scale
@@ -407,15 +408,18 @@ class DeepSpeedUpdates:
             "optimizer": sum(t.numel() * t.element_size() for t in state),
         }
 
-    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The trained weights from the fp32 master copies (not the bf16/fp16 working copies), assembled from
-        every rank's partition (a collective: all ranks call it); rank 0 gets CPU tensors, the others nothing."""
+    def full_state_dict(self, dtype: torch.dtype, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights (only `names`, if given) from the fp32 master copies (not the bf16/fp16 working
+        copies), assembled from every rank's partition (a collective: all ranks call it); rank 0 gets CPU
+        tensors, the others nothing."""
         keep = self.layout.is_main
         from deepspeed.utils import safe_get_full_fp32_param
 
         full: dict[int, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if names is not None and name not in names:  # the same names on every rank: the gathers still pair up
+                continue
             if isinstance(tensor, nn.Parameter):
                 if id(tensor) not in full:  # tied weights: gathered once
                     master = safe_get_full_fp32_param(tensor)

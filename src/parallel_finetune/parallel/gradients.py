@@ -1,4 +1,5 @@
-"""Gradient summing over data-parallel ranks, and the one step-wide reduction of the gradient norm and loss.
+"""Gradient summing over data-parallel ranks, the one step-wide reduction of the gradient norm and loss, and sparse
+embedding gradients.
 
 A rank's gradients are a mix: tensor-parallel shards (DTensor), FSDP shards (DTensor), optimizer-sharding
 slices (plain tensors owned by one data-parallel rank) and replicated pieces (LayerNorms, or everything under
@@ -15,6 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 BUCKET_ELEMENTS = 32 * 1024 * 1024  # 128 MiB of fp32 per all-reduce: few collectives, bounded extra memory
@@ -98,3 +100,20 @@ def scale_gradients(grads: list[torch.Tensor], factor: float) -> None:
     if factor == 1.0 or not grads:
         return
     torch._foreach_mul_(grads, factor)
+
+
+def sparse_embedding_gradients(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """Embedding tables that get a gradient only in the rows a batch looks up. A dense embedding backward
+    allocates and zero-fills the whole table for every micro-batch and then adds it into `.grad` (a 30,522 x 384
+    table: 47 MB written twice per backward, 8 times per step with 8 pipeline micro-batches or accumulation
+    slices). Switched to sparse gradients, each backward adds only its rows into a dense `.grad` that stays
+    allocated and is zeroed once per step (returned here, re-attached by `zero_grad`): the same sums, a single
+    zero fill per step. Plain (non-DTensor) trainable tables only: a vocabulary-sharded DTensor table keeps its
+    dense gradient."""
+    grads = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is nn.Embedding and weight.requires_grad and not isinstance(weight, DTensor):
+            module.sparse = True
+            weight.grad = grads[weight] = torch.zeros_like(weight)
+    return grads

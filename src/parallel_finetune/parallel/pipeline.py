@@ -175,7 +175,7 @@ class StageForward(nn.Module):
 
 class Pipeline:
     """This rank's stages and the schedules that run them, one per (rows, sequence length, training): the pipeline
-    implementation of a micro-batch's forward and backward (`runner.WholeModel` is the other)."""
+    `interfaces.Runner` (`runner.WholeModel` is the other)."""
 
     pad_multiple = PAD_MULTIPLE  # a schedule per shape: fewer distinct lengths, fewer schedules
 

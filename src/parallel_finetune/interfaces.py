@@ -1,0 +1,92 @@
+"""The two interfaces the training loop is written against, so it has no engine or pipeline branches.
+
+    Runner    forward/backward of an accumulation slice: `runner.WholeModel` (the model this rank holds: whole,
+              tensor-parallel or FSDP-sharded) | `parallel.pipeline.Pipeline` (this rank's stages under a schedule)
+    Updates   gradients -> update: `updates.TorchUpdates` (our AdamW: every parameter, FSDP shards or ZeRO-1
+              slices) | `parallel.deepspeed_engine.DeepSpeedUpdates` (DeepSpeed's ZeRO)
+
+A leaf module: it imports nothing of the package, so every implementation imports it and none imports another's
+module (or the loop's) for a type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
+SkipRule = Callable[[float, float, "float | None"], bool]
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # the global batch's mean loss
+    grad_norm: float | None  # before clipping; None when the step was skipped
+    skipped: bool
+    stop: bool  # some rank was asked to stop (SIGTERM): every rank checkpoints after this step
+    loss_scale: float  # the scale this step's backward used
+
+
+@runtime_checkable
+class Runner(Protocol):
+    pad_multiple: int  # sequence lengths are padded to a multiple of it
+
+    def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
+        """This rank's share of the loss (summed over the batch / the global `count`); gradients accumulate in
+        .grad. `last`: the step's last slice on this rank."""
+        ...
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Logits, or None on a pipeline stage that is not the last."""
+        ...
+
+
+@runtime_checkable
+class Updates(Protocol):
+    # True: also a CheckpointableUpdates; the loop checkpoints and resumes only those (config.validate refuses
+    # checkpoint keys for the others)
+    checkpointable: bool
+    module: nn.Module  # the model as built (not an engine wrapping it): what export reads names and config from
+    optimizer: torch.optim.Optimizer  # whose lr the schedule sets
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 scale in use (1 otherwise)."""
+        ...
+
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """One slice's loss, already divided by the global count; `last`: the step's last backward on this rank."""
+        ...
+
+    def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule: SkipRule) -> StepOutcome:
+        """The step's one reduction (global norm and loss, the stop flag), then the update or a skip."""
+        ...
+
+    def state_bytes(self) -> dict[str, int] | None:
+        """This rank's bytes of parameters, gradients and optimizer state (None before the first update)."""
+        ...
+
+    def full_state_dict(self, dtype: torch.dtype, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The whole model's weights (only `names`, if given) in `dtype` for export: a collective every rank
+        calls; rank 0 gets CPU tensors, the others may get nothing."""
+        ...
+
+
+@runtime_checkable
+class CheckpointableUpdates(Updates, Protocol):
+    """Updates whose state a checkpoint holds (`checkpoint.TrainingState`), in a form every layout can write and
+    read."""
+
+    def moment_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's moments by layout-neutral parameter name, shaped and placed like their parameters."""
+        ...
+
+    def counters(self) -> dict:
+        """The update count and the fp16 loss scaler's state."""
+        ...
+
+    def restore(self, moments: dict[str, dict[str, torch.Tensor]], counters: dict) -> None: ...
