@@ -23,8 +23,12 @@ PYTEST_WORKERS ?= 2
 RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
-.PHONY: setup data gptj-tp gpt2-tp gptneo-tp bert-tp gptj-pp gpt2-pp gptneo-pp bert-pp \
-	gptj-tp-pp gpt2-tp-pp gptneo-tp-pp bert-tp-pp bert-minilm gptj-lora gpt2-lora gptneo-lora bert-lora \
+# A family's targets come from its recipes: recipes/<family>/tp.yaml (+ pp.yaml, tp_pp.yaml; lora.yaml for -lora).
+FAMILIES := $(patsubst recipes/%/tp.yaml,%,$(wildcard recipes/*/tp.yaml))
+LORA_FAMILIES := $(patsubst recipes/%/lora.yaml,%,$(wildcard recipes/*/lora.yaml))
+
+.PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
+	$(addsuffix -lora,$(LORA_FAMILIES)) bert-minilm \
 	bert-minilm-lora bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
@@ -67,34 +71,24 @@ define run_recipe
 	$(TORCHRUN) --nproc_per_node $(NPROC) scripts/train.py $(1) $(RUN_ARGS)
 endef
 
-gptj-tp: setup
-	$(call run_recipe,recipes/gptj/tp.yaml)
-
-gpt2-tp: setup
-	$(call run_recipe,recipes/gpt2/tp.yaml)
-
-gptneo-tp: setup
-	$(call run_recipe,recipes/gptneo/tp.yaml)
-
-bert-tp: setup
-	$(call run_recipe,recipes/bert/tp.yaml)
-
-# Pipeline parallelism, alone and with tensor parallelism: recipes/<family>/pp.yaml and tp_pp.yaml.
-FAMILIES := gptj gpt2 gptneo bert
-define pipeline_targets
+# Tensor parallelism (recipes/<family>/tp.yaml), pipeline parallelism alone and with tensor parallelism (pp.yaml
+# and tp_pp.yaml).
+define family_targets
+$(1)-tp: setup
+	$$(call run_recipe,recipes/$(1)/tp.yaml)
 $(1)-pp: setup
 	$$(call run_recipe,recipes/$(1)/pp.yaml)
 $(1)-tp-pp: setup
 	$$(call run_recipe,recipes/$(1)/tp_pp.yaml)
 endef
-$(foreach family,$(FAMILIES),$(eval $(call pipeline_targets,$(family))))
+$(foreach family,$(FAMILIES),$(eval $(call family_targets,$(family))))
 
 # LoRA (recipes/<family>/lora.yaml): the base frozen, adapters + head trained; adapter/ in peft's format.
 define lora_targets
 $(1)-lora: setup
 	$$(call run_recipe,recipes/$(1)/lora.yaml)
 endef
-$(foreach family,$(FAMILIES),$(eval $(call lora_targets,$(family))))
+$(foreach family,$(LORA_FAMILIES),$(eval $(call lora_targets,$(family))))
 
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in

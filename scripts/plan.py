@@ -9,8 +9,9 @@ import argparse
 import sys
 
 from parallel_finetune.errors import UserError
+from parallel_finetune.families import published_models
 from parallel_finetune.hardware import GPUS, INSTANCES
-from parallel_finetune.planner import KNOWN_MODELS, plan
+from parallel_finetune.planner import plan
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -21,11 +22,15 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrors(prog="plan.py", description=__doc__.splitlines()[0])
+    try:
+        known = ", ".join(published_models())  # a bad PARALLEL_FINETUNE_FAMILIES file: one line
+    except UserError as exc:
+        parser.error(str(exc))
     parser.add_argument(
         "model",
         nargs="?",
         default="EleutherAI/gpt-j-6b",
-        help=f"one of {', '.join(KNOWN_MODELS)}; a local folder; package:MODULE; tiny:FAMILY",
+        help=f"one of {known}; a local folder; package:MODULE; tiny:FAMILY",
     )
     parser.add_argument("--gpus", help="GPUs per node (default with --instance: all of its GPUs)")
     parser.add_argument("--gpu-mem-gb", help="memory per GPU in GB (1e9 bytes); required without --instance")

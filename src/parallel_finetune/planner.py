@@ -1,7 +1,7 @@
 """Layout planner: memory per GPU and time per SST-2 epoch for every tensor x pipeline x data-parallel layout.
 
-Nothing is downloaded: known models are built from their published config values (below) on the meta device, so
-parameter counts are exact. Assumptions, also printed under the table:
+Nothing is downloaded: published models are built from the config values their family lists (`published`) on
+the meta device, so parameter counts are exact. Assumptions, also printed under the table:
 - 1 GB = 1e9 bytes; GPU memory as sold (a 40 GB A100 counts 40e9; its real 40 GiB = 42.9e9 is left as margin).
   Total = 1.1 x (state + activations) + 1.5 GB for the CUDA context and allocator fragmentation.
 - Loading (before the first step): each rank allocates only its shards and reads one block at a time, so
@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from transformers import PretrainedConfig
 
 from .errors import UserError
-from .families import FAMILIES, Family
+from .families import Family, all_families, family_names, get_family, published_model, published_models
 from .families.base import resolve_model_path, tiny_vocab_size
 from .hardware import Hardware, hardware_for, positive_int, positive_number
 from .layout import ParallelDims, Sharding
@@ -56,62 +56,6 @@ SST2_TRAIN_SENTENCES = 67_349
 OVERHEAD_FRACTION, OVERHEAD_BYTES = 0.10, 1.5 * GB
 HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
 LINK_EFFICIENCY = 0.7
-
-_NEO = dict(vocab_size=50257, max_position_embeddings=2048, window_size=256)
-_GPT2 = dict(vocab_size=50257, n_positions=1024)
-_BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
-# Published config.json values of the Hub checkpoints, so planning needs no download.
-KNOWN_MODELS: dict[str, tuple[str, dict]] = {
-    "EleutherAI/gpt-j-6b": (
-        "gptj",
-        dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16, n_inner=16384, rotary_dim=64),
-    ),
-    "gpt2": ("gpt2", dict(_GPT2, n_embd=768, n_layer=12, n_head=12, n_inner=3072)),
-    "gpt2-medium": ("gpt2", dict(_GPT2, n_embd=1024, n_layer=24, n_head=16, n_inner=4096)),
-    "gpt2-large": ("gpt2", dict(_GPT2, n_embd=1280, n_layer=36, n_head=20, n_inner=5120)),
-    "gpt2-xl": ("gpt2", dict(_GPT2, n_embd=1600, n_layer=48, n_head=25, n_inner=6400)),
-    "EleutherAI/gpt-neo-125m": (
-        "gptneo",
-        dict(
-            _NEO,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            intermediate_size=3072,
-            attention_types=[[["global", "local"], 6]],
-        ),
-    ),
-    "EleutherAI/gpt-neo-1.3B": (
-        "gptneo",
-        dict(
-            _NEO,
-            hidden_size=2048,
-            num_layers=24,
-            num_heads=16,
-            intermediate_size=8192,
-            attention_types=[[["global", "local"], 12]],
-        ),
-    ),
-    "EleutherAI/gpt-neo-2.7B": (
-        "gptneo",
-        dict(
-            _NEO,
-            hidden_size=2560,
-            num_layers=32,
-            num_heads=20,
-            intermediate_size=10240,
-            attention_types=[[["global", "local"], 16]],
-        ),
-    ),
-    "bert-base-uncased": (
-        "bert",
-        dict(_BERT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-    ),
-    "bert-large-uncased": (
-        "bert",
-        dict(_BERT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
-    ),
-}
 
 
 @dataclass
@@ -144,28 +88,27 @@ class ModelShape:
 
 
 def model_config(model: str) -> tuple[Family, PretrainedConfig]:
-    known = {name.lower(): name for name in KNOWN_MODELS}
-    if model.lower() in known:
-        family_name, values = KNOWN_MODELS[known[model.lower()]]
-        family = FAMILIES[family_name]
-        return family, family.config_class(**values)
+    """A published checkpoint's config from its family's `published` values, a tiny model's, or a folder's."""
+    known = published_model(model)
+    if known is not None:
+        return known
     if model.startswith("tiny:"):
-        family = FAMILIES.get(model[len("tiny:") :])
-        if family is None:
-            raise UserError(f"model={model!r}: no such family; valid: {', '.join('tiny:' + f for f in FAMILIES)}")
+        if model[len("tiny:") :] not in family_names():
+            raise UserError(f"model={model!r}: no such family; valid: {', '.join('tiny:' + f for f in family_names())}")
+        family = get_family(model[len("tiny:") :])
         return family, family.hf_config(None, "tiny", tiny_vocab_size(8192), 128, {})
     folder = resolve_model_path(model)
     if not (Path(folder) / "config.json").is_file():
         raise UserError(
-            f"model={model!r} is not known offline; known: {', '.join(KNOWN_MODELS)}, "
+            f"model={model!r} is not known offline; known: {', '.join(published_models())}, "
             f"a local folder with config.json, package:MODULE or tiny:FAMILY"
         )
     config = load_hf_config(folder)
-    for family in FAMILIES.values():
+    for family in all_families():
         if isinstance(config, family.config_class):
             return family, config
     raise UserError(
-        f"model={model!r} is a {type(config).__name__}; the planner knows the families {', '.join(FAMILIES)}"
+        f"model={model!r} is a {type(config).__name__}; the planner knows the families {', '.join(family_names())}"
     )
 
 

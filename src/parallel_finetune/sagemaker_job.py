@@ -427,28 +427,20 @@ def _check_aws(settings: JobSettings):
 
 def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -> str:
     """The recipe's layout on the job's GPUs (degrees dividing heads, blocks and batch), checked here: a bad one
-    would otherwise surface minutes into a paid job. Full-size configs come from the planner's offline table,
-    the S3 model's own config.json, or the Hub."""
+    would otherwise surface minutes into a paid job. The model's config comes from `config_for`, as in the job:
+    a published checkpoint's sizes from its family (offline), else the S3 model's own config.json or the Hub's."""
     from .families import get_family
-    from .families.base import tiny_vocab_size
-    from .planner import KNOWN_MODELS
     from .preflight import check_layout
 
     family = get_family(config.family)
     name = str(model_folder) if model_folder else (config.model or family.default_model)
-    vocab, positions = tiny_vocab_size(config.tokenizer_vocab_size), max(config.max_length, 128)
-    if config.size == "full" and name in KNOWN_MODELS:
-        hf_config = family.config_class(**KNOWN_MODELS[name][1])
-        for key, value in config.model_config.items():
-            setattr(hf_config, key, value)
-    else:
-        try:
-            hf_config = family.hf_config(name, config.size, vocab, positions, config.model_config)
-        except OSError as exc:
-            raise UserError(
-                f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "
-                "pass a Hub name, model=s3://... or check the network"
-            ) from None
+    try:
+        hf_config = family.config_for(config, config.tokenizer_vocab_size, model_path=name, published=True)
+    except OSError as exc:
+        raise UserError(
+            f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "
+            "pass a Hub name, model=s3://... or check the network"
+        ) from None
     gpus = settings.gpus_per_instance
     degrees, pipeline = check_layout(config, hf_config, gpus * settings.instance_count, gpus)
     return (

@@ -12,76 +12,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import (
-    BertConfig,
-    BertModel,
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTJConfig,
-    GPTJForCausalLM,
-    GPTNeoConfig,
-    GPTNeoForCausalLM,
-)
 
 from .families import get_family
 from .precision import DTYPES
-
-
-def model_config(family: str, vocab_size: int, hidden: int, layers: int, heads: int, positions: int = 256):
-    """The saved class and its config: a causal LM for the decoders (GPT-2 and GPT-Neo tie their head to the
-    embedding), a bare encoder for BERT (a base-model checkpoint without the `bert.` prefix, as MiniLM's)."""
-    if family == "gptj":
-        return GPTJForCausalLM, GPTJConfig(
-            vocab_size=vocab_size,
-            n_positions=positions,
-            n_embd=hidden,
-            n_layer=layers,
-            n_head=heads,
-            rotary_dim=hidden // heads // 2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    if family == "gpt2":
-        return GPT2LMHeadModel, GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=positions,
-            n_embd=hidden,
-            n_layer=layers,
-            n_head=heads,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    if family == "gptneo":
-        return GPTNeoForCausalLM, GPTNeoConfig(
-            vocab_size=vocab_size,
-            max_position_embeddings=positions,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            attention_types=[[["global", "local"], layers // 2]],
-            window_size=8,
-            embed_dropout=0.0,
-            attention_dropout=0.0,
-            resid_dropout=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    return BertModel, BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=positions,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
 
 
 def write_checkpoint(
@@ -96,14 +29,16 @@ def write_checkpoint(
     vocab_size: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """A model folder at `folder` (written to a temporary sibling, then renamed: complete or absent)."""
+    """A model folder at `folder` (written to a temporary sibling, then renamed: complete or absent), saved from the
+    family's `synthetic_checkpoint` class and config: a causal LM for the decoders, a bare encoder for BERT."""
     from .data import train_tokenizer
 
+    model_family = get_family(family)  # an unknown family: one line, before anything is written
     folder = Path(folder)
     partial = folder.with_name(f".{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    tokenizer = train_tokenizer(get_family(family).tiny_tokenizer, sentences, vocab_size, partial / "tokenizer")
-    cls, config = model_config(family, -(-len(tokenizer) // 64) * 64, hidden, layers, heads)
+    tokenizer = train_tokenizer(model_family.tiny_tokenizer, sentences, vocab_size, partial / "tokenizer")
+    cls, config = model_family.synthetic_checkpoint(-(-len(tokenizer) // 64) * 64, 256, hidden, layers, heads)
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device="cpu")

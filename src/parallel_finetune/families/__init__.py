@@ -1,13 +1,107 @@
-"""Model families by recipe name. Adding a family = one module here with a `Family` subclass."""
+"""The family registry: the only place that knows which model families exist. Everything else (config checks,
+the planner's published models, synthetic checkpoints, SageMaker checks, notebooks, test tables) asks it.
 
+A family is a module that defines a `Family` subclass and ends with `register(TheFamily())`: every module of
+this package is imported here, and files named in PARALLEL_FINETUNE_FAMILIES (paths separated by ":") are
+imported on the first question asked, in every process that asks (the CLI, the planner, --check, each
+torchrun worker: they inherit the variable)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from ..errors import UserError
 from .base import Family
-from .bert import Bert
-from .gpt2 import GPT2
-from .gptj import GPTJ
-from .gptneo import GPTNeo
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (GPTJ(), GPT2(), GPTNeo(), Bert())}
+ENVIRONMENT = "PARALLEL_FINETUNE_FAMILIES"
+# The order listings show the built-in families in; any other module of this package follows, by name.
+LISTING_ORDER = ("gptj", "gpt2", "gptneo", "bert")
+
+_families: dict[str, Family] = {}
+_files_loaded: set[Path] = set()
+
+
+def register(family: Family) -> Family:
+    """Add `family` under its `name`; a name registered twice is an error (pick another name)."""
+    if not family.name:
+        raise UserError(f"{type(family).__name__} has no `name`; a family needs one (what recipes say as family:)")
+    if family.name in _families and type(_families[family.name]) is not type(family):
+        raise UserError(
+            f"family {family.name!r} of {type(family).__module__} is already registered by "
+            f"{type(_families[family.name]).__module__}; give it another name"
+        )
+    _families[family.name] = family
+    return family
+
+
+def register_from_file(path: str | Path) -> list[Family]:
+    """Import a Python file that registers families (as PARALLEL_FINETUNE_FAMILIES does); the families it added."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise UserError(f"{ENVIRONMENT}: no such file {str(path)!r} (a Python file that calls register(...))")
+    before = set(_families)
+    module_name = f"parallel_finetune_family_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    _files_loaded.add(path)
+    added = [_families[name] for name in _families if name not in before]
+    if not added:
+        raise UserError(f"{path} registered no family: end it with register(YourFamily())")
+    return added
+
+
+def _registry() -> dict[str, Family]:
+    """The families, once the files the environment names are imported (again when it names new ones)."""
+    for entry in os.environ.get(ENVIRONMENT, "").split(os.pathsep):
+        if entry.strip() and Path(entry.strip()).expanduser().resolve() not in _files_loaded:
+            register_from_file(entry.strip())
+    return _families
 
 
 def get_family(name: str) -> Family:
-    return FAMILIES[name]
+    families = _registry()
+    if name not in families:
+        raise UserError(f"family={name!r} is not known; valid: {', '.join(sorted(families))}")
+    return families[name]
+
+
+def all_families() -> list[Family]:
+    """Every registered family, in registration order."""
+    return list(_registry().values())
+
+
+def family_names() -> list[str]:
+    return list(_registry())
+
+
+def published_models() -> dict[str, Family]:
+    """Every published checkpoint any family knows offline (Hub name -> its family), family by family."""
+    return {name: family for family in all_families() for name in family.published}
+
+
+def published_model(model: str) -> tuple[Family, PretrainedConfig] | None:
+    """The family and config of a published checkpoint (any letter case), or None when no family knows it."""
+    for family in all_families():
+        config = family.published_config(model)
+        if config is not None:
+            return family, config
+    return None
+
+
+def _import_package_modules() -> None:
+    names = [module.name for module in pkgutil.iter_modules(__path__)]
+    ranked = sorted(names, key=lambda n: (LISTING_ORDER.index(n) if n in LISTING_ORDER else len(LISTING_ORDER), n))
+    for name in ranked:
+        importlib.import_module(f"{__name__}.{name}")
+
+
+_import_package_modules()

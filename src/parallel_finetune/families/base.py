@@ -24,10 +24,26 @@ class Family:
     config_class: type[PretrainedConfig]
     model_classes: dict[str, type[nn.Module]]  # task -> transformers class
     tiny_tokenizer: str = "bpe"  # what a tiny model learns from the training sentences: "bpe" or "wordpiece"
+    # Published checkpoints: Hub name -> the sizes of its config.json, so that the planner and the SageMaker
+    # checks build their configs offline (a run itself always reads the model's own config.json).
+    published: dict[str, dict] = {}
+    # The config's dropout probabilities: synthetic checkpoints write them as 0, parity tests switch them off
+    # (dropout draws different random numbers on differently sharded tensors).
+    dropout_keys: tuple[str, ...] = ()
+    # The class a pretrained checkpoint of this family is saved from (synthetic.py); None: the causal LM.
+    checkpoint_class: type[nn.Module] | None = None
 
     # --- what a family must define ---
-    def tiny_config(self, vocab_size: int, max_positions: int) -> PretrainedConfig:
+    def sized_config(
+        self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int
+    ) -> PretrainedConfig:
+        """A config of these sizes (inner MLP 4 x hidden), dropout as the family's default: the tiny model and
+        synthetic checkpoints are made from it."""
         raise NotImplementedError
+
+    def tiny_config(self, vocab_size: int, max_positions: int) -> PretrainedConfig:
+        """The small model CPUs and the tests train from scratch."""
+        return self.sized_config(vocab_size, max_positions, hidden=128, layers=2, heads=4)
 
     def tp_dimensions(self, hf_config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tensor parallelism splits, by the config's own names (heads, hidden, inner...)."""
@@ -105,18 +121,49 @@ class Family:
         the same name unless `build` did surgery (GPT-2). Loading and export both follow this one description."""
         return HFSource(name)
 
+    # transformers' class holds Conv1D layers (weights stored [in, out]): peft adapters say fan_in_fan_out
+    hf_conv1d: bool = False
+
+    def hf_out_features(self, path: str, rows: int, hf_config: PretrainedConfig) -> int:
+        """Output width of the transformers module that holds our Linear `path` (`rows` wide): wider where
+        surgery split one module into several (GPT-2's c_attn)."""
+        return rows
+
     def surgery(self, model: nn.Module) -> None:
         """Change the built structure (values still come from the loader, through `hf_source`): modules tensor
         parallelism cannot shard as they are (GPT-2), or work the task throws away (BERT); none by default."""
 
     # --- shared behaviour ---
+    def published_config(self, model: str) -> PretrainedConfig | None:
+        """The config of a published checkpoint from its values in `published` (any letter case), else None."""
+        known = {name.lower(): values for name, values in self.published.items()}
+        values = known.get(model.lower())
+        return None if values is None else self.config_class(**values)
+
+    def synthetic_checkpoint(
+        self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int
+    ) -> tuple[type[nn.Module], PretrainedConfig]:
+        """The class and config of a pretrained-style checkpoint with random weights (synthetic.py), dropout off."""
+        config = self.sized_config(vocab_size, max_positions, hidden, layers, heads)
+        for key in self.dropout_keys:
+            setattr(config, key, 0.0)
+        return self.checkpoint_class or self.model_classes["causal_lm"], config
+
     def hf_config(
-        self, model: str | None, size: str, vocab_size: int, max_positions: int, overrides: dict
+        self,
+        model: str | None,
+        size: str,
+        vocab_size: int,
+        max_positions: int,
+        overrides: dict,
+        published: bool = False,
     ) -> PretrainedConfig:
+        """`published`: a published checkpoint's config from `published` (offline) instead of its config.json."""
         if size == "tiny":
             config = self.tiny_config(vocab_size, max_positions)
         else:
-            config = load_hf_config(resolve_model_path(model or self.default_model))
+            name = model or self.default_model
+            config = (published and self.published_config(name)) or load_hf_config(resolve_model_path(name))
             if not isinstance(config, self.config_class):
                 raise UserError(
                     f"model={model!r} is a {type(config).__name__}, not a {self.name} "
@@ -183,16 +230,23 @@ class Family:
             hf_config.label2id = {"negative": 0, "positive": 1}
 
     def config_for(
-        self, config, tokenizer_size: int, pad_token_id: int | None = None, model_path: str | None = None
+        self,
+        config,
+        tokenizer_size: int,
+        pad_token_id: int | None = None,
+        model_path: str | None = None,
+        published: bool = False,
     ) -> PretrainedConfig:
         """The one rule that turns a run's Config into the model's transformers config: a tiny model's size, or
-        the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides."""
+        the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides.
+        `published`: a published checkpoint's sizes come from `published`, without reading its config.json."""
         hf_config = self.hf_config(
             model_path or config.model,
             config.size,
             tiny_vocab_size(tokenizer_size),
             max(config.max_length, 128),
             config.model_config,
+            published,
         )
         self.set_task(hf_config, config.task, pad_token_id)
         return hf_config

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, BertModel
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertLayer, eager_attention_forward
 
+from . import register
 from .base import Family, localize_heads
 
 
@@ -50,14 +51,28 @@ class Bert(Family):
     config_class = BertConfig
     model_classes = {"classification": BertForSequenceClassification}
     tiny_tokenizer = "wordpiece"  # the pooler reads the first token, so a tiny BERT needs [CLS] ... [SEP]
+    published = {
+        name: dict(
+            vocab_size=30522,
+            max_position_embeddings=512,
+            type_vocab_size=2,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+        )
+        for name, hidden, layers, heads in (("bert-base-uncased", 768, 12, 12), ("bert-large-uncased", 1024, 24, 16))
+    }
+    dropout_keys = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    checkpoint_class = BertModel  # a bare encoder without the `bert.` prefix, as MiniLM's
 
-    def tiny_config(self, vocab_size: int, max_positions: int) -> BertConfig:
+    def sized_config(self, vocab_size, max_positions, hidden, layers, heads) -> BertConfig:
         return BertConfig(
             vocab_size=vocab_size,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
             max_position_embeddings=max_positions,
         )
 
@@ -99,3 +114,6 @@ class Bert(Family):
 
     def pipeline_head(self, model, hidden, attention_mask):
         return model.classifier(model.dropout(model.bert.pooler(hidden)))
+
+
+register(Bert())

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
+from . import register
 from .base import DecoderFamily, HFSource, localize_heads
 
 
@@ -39,14 +40,24 @@ class GPT2(DecoderFamily):
     default_model = "gpt2-xl"
     config_class = GPT2Config
     model_classes = {"classification": GPT2ForSequenceClassification, "causal_lm": GPT2LMHeadModel}
+    published = {
+        name: dict(vocab_size=50257, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=4 * hidden)
+        for name, hidden, layers, heads in (
+            ("gpt2", 768, 12, 12),
+            ("gpt2-medium", 1024, 24, 16),
+            ("gpt2-large", 1280, 36, 20),
+            ("gpt2-xl", 1600, 48, 25),
+        )
+    }
+    dropout_keys = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
-    def tiny_config(self, vocab_size: int, max_positions: int) -> GPT2Config:
+    def sized_config(self, vocab_size, max_positions, hidden, layers, heads) -> GPT2Config:
         return GPT2Config(
             vocab_size=vocab_size,
             n_positions=max_positions,
-            n_embd=128,
-            n_layer=2,
-            n_head=4,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -80,6 +91,11 @@ class GPT2(DecoderFamily):
             return HFSource(name, transpose=True)
         return HFSource(name)
 
+    hf_conv1d = True
+
+    def hf_out_features(self, path: str, rows: int, hf_config: GPT2Config) -> int:
+        return 3 * hf_config.n_embd if ".c_attn." in path else rows
+
     # wte is tied to lm_head (one Parameter): both stay replicated so the tie survives; wpe too.
     block_path = "transformer.h"
     column_wise = ("attn.c_attn.q", "attn.c_attn.k", "attn.c_attn.v", "mlp.c_fc")
@@ -92,3 +108,6 @@ class GPT2(DecoderFamily):
 
     def pipeline_block(self, block, hidden, mask, position_ids):
         return block(hidden, None, mask, position_ids=position_ids)
+
+
+register(GPT2())

@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import GPTJConfig, GPTJForCausalLM, GPTJForSequenceClassification
 
+from . import register
 from .base import DecoderFamily, localize_heads
 
 
@@ -15,15 +16,21 @@ class GPTJ(DecoderFamily):
     default_model = "EleutherAI/gpt-j-6b"
     config_class = GPTJConfig
     model_classes = {"classification": GPTJForSequenceClassification, "causal_lm": GPTJForCausalLM}
+    published = {
+        "EleutherAI/gpt-j-6b": dict(
+            vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16, n_inner=16384, rotary_dim=64
+        ),
+    }
+    dropout_keys = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
-    def tiny_config(self, vocab_size: int, max_positions: int) -> GPTJConfig:
+    def sized_config(self, vocab_size, max_positions, hidden, layers, heads) -> GPTJConfig:
         return GPTJConfig(
             vocab_size=vocab_size,
             n_positions=max_positions,
-            n_embd=128,
-            n_layer=2,
-            n_head=4,
-            rotary_dim=16,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            rotary_dim=hidden // heads // 2,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -57,3 +64,6 @@ class GPTJ(DecoderFamily):
 
     def pipeline_block(self, block, hidden, mask, position_ids):
         return block(hidden, attention_mask=mask, position_ids=position_ids)[0]
+
+
+register(GPTJ())

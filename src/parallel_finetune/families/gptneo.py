@@ -6,6 +6,7 @@ from torch import nn
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, GPTNeoForSequenceClassification
 
 from ..errors import UserError
+from . import register
 from .base import DecoderFamily, localize_heads
 
 
@@ -14,16 +15,34 @@ class GPTNeo(DecoderFamily):
     default_model = "EleutherAI/gpt-neo-2.7B"
     config_class = GPTNeoConfig
     model_classes = {"classification": GPTNeoForSequenceClassification, "causal_lm": GPTNeoForCausalLM}
+    published = {
+        name: dict(
+            vocab_size=50257,
+            max_position_embeddings=2048,
+            window_size=256,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            intermediate_size=4 * hidden,
+            attention_types=[[["global", "local"], layers // 2]],
+        )
+        for name, hidden, layers, heads in (
+            ("EleutherAI/gpt-neo-125m", 768, 12, 12),
+            ("EleutherAI/gpt-neo-1.3B", 2048, 24, 16),
+            ("EleutherAI/gpt-neo-2.7B", 2560, 32, 20),
+        )
+    }
+    dropout_keys = ("embed_dropout", "attention_dropout", "resid_dropout")
 
-    def tiny_config(self, vocab_size: int, max_positions: int) -> GPTNeoConfig:
+    def sized_config(self, vocab_size, max_positions, hidden, layers, heads) -> GPTNeoConfig:
         # A window shorter than SST-2 sentences, so the local layers really differ from the global ones.
         return GPTNeoConfig(
             vocab_size=vocab_size,
             max_position_embeddings=max_positions,
-            hidden_size=128,
-            num_layers=2,
-            num_heads=4,
-            attention_types=[[["global", "local"], 1]],
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            attention_types=[[["global", "local"], layers // 2]],
             window_size=8,
             bos_token_id=0,
             eos_token_id=0,
@@ -50,8 +69,8 @@ class GPTNeo(DecoderFamily):
     def pipeline_block(self, block, hidden, mask, position_ids):
         return block(hidden, attention_mask=mask)[0]
 
-    def hf_config(self, model, size, vocab_size, max_positions, overrides):
-        config = super().hf_config(model, size, vocab_size, max_positions, overrides)
+    def hf_config(self, *args, **kwargs):
+        config = super().hf_config(*args, **kwargs)
         # transformers expands attention_types into one entry per layer only when the config is built
         config.attention_layers = GPTNeoConfig.expand_attention_types_params(config.attention_types)
         if len(config.attention_layers) != config.num_layers:
@@ -62,3 +81,6 @@ class GPTNeo(DecoderFamily):
                 f"{config.num_layers // 2}]]"
             )
         return config
+
+
+register(GPTNeo())
