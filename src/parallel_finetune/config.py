@@ -4,8 +4,8 @@ Each recipe section (`model:`, `data:`, `training:`, `parallel:`, `memory:`, `pe
 `logging:`) is a typed dataclass below, the one place its keys, types, defaults and meanings are written (the
 comments become docs/configuration.md; `Continues[...]` marks what may change when a run continues); `Config` holds
 every section's keys, flat. A recipe may nest its keys under their section or write them flat; both mean the same.
-A `tiny:` section holds overrides applied
-only when `size=tiny` (a from-scratch tiny model wants other hyperparameters than a pretrained 6B one).
+A `tiny:` section holds overrides applied only when `size=tiny` (a from-scratch tiny model wants other
+hyperparameters than a pretrained 6B one).
 `extends: tp.yaml` starts from another recipe (a path relative to this one) and changes only what it lists.
 Overrides on the command line win over everything and use the flat key (`lr=1e-4`) or the dotted one
 (`training.lr=1e-4`); dictionary keys take a dotted suffix (`model_config.n_layer=4`). An override of a string key
