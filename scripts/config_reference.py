@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from parallel_finetune import config as config_module
-from parallel_finetune.config import SECTIONS, Config
+from parallel_finetune.config import SECTION_CLASSES, SECTIONS, Config
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "configuration.md"
@@ -40,8 +40,10 @@ the line; share settings with `extends:`.
 
 
 def config_fields(source: str) -> list[ast.AnnAssign]:
-    (cls,) = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "Config"]
-    return [node for node in cls.body if isinstance(node, ast.AnnAssign)]
+    """The fields of every section class (`ModelSection`, ...), as written."""
+    names = {section.__name__ for section in SECTION_CLASSES.values()}
+    classes = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name in names]
+    return [node for cls in classes for node in cls.body if isinstance(node, ast.AnnAssign)]
 
 
 def field_comments(source: str) -> dict[str, str]:
@@ -63,7 +65,9 @@ def field_comments(source: str) -> dict[str, str]:
 
 
 def type_name(annotation: ast.expr) -> str:
-    """`Literal["a", "b"] | None` -> `"a"`, `"b"` or null."""
+    """`Literal["a", "b"] | None` -> `"a"`, `"b"` or null; `Continues[T]` (a mark, not a type) -> T's name."""
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Continues":
+        return type_name(annotation.slice)
     if isinstance(annotation, ast.BinOp):
         return f"{type_name(annotation.left)} or {type_name(annotation.right)}"
     if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Literal":
