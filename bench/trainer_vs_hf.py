@@ -38,10 +38,9 @@ from parallel_finetune import data  # noqa: E402
 from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.families.base import download_model  # noqa: E402
-from parallel_finetune.model import seed_everything  # noqa: E402
+from parallel_finetune.model import load_model, seed_everything  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
 from parallel_finetune.trainer import padding_fraction  # noqa: E402
-from parallel_finetune.weights import build_and_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +72,7 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     seed_everything(config.seed)
     # The same weights (the checkpoint's, and the same new classifier head) in transformers' own class: our
     # family's surgery (BERT's last layer computing only [CLS]) is part of what is measured, not of the baseline.
-    ours = build_and_load(family, "classification", hf_config, model_path, config.seed)
+    ours = load_model(family, "classification", hf_config, model_path, seed=config.seed).model
     model = family.hf_model("classification", hf_config)
     model.load_state_dict(family.to_hf_state_dict(ours.state_dict(), hf_config), strict=True)
     del ours

@@ -155,7 +155,7 @@ def test_a_family_registered_from_one_file_is_planned_checked_and_written_as_a_c
 
     from parallel_finetune import synthetic
     from parallel_finetune.data import column, read_glue_dir
-    from parallel_finetune.weights import build_and_load
+    from parallel_finetune.model import load_model
 
     assert "opt" in families.family_names() and "opt" not in families.LISTING_ORDER
     planned = python("scripts/plan.py", "facebook/opt-1.3b", "--gpus", "8", "--gpu-mem-gb", "40", env=registered)
@@ -183,7 +183,7 @@ def test_a_family_registered_from_one_file_is_planned_checked_and_written_as_a_c
     assert checked.returncode == 0, checked.stdout + checked.stderr
     family = families.get_family("opt")
     hf_config = family.hf_config(str(folder), "full", 0, 0, {})
-    model = build_and_load(family, "causal_lm", hf_config, str(folder), seed=0)
+    model = load_model(family, "causal_lm", hf_config, str(folder), seed=0).model
     written = load_file(folder / "model.safetensors")
     loaded = model.state_dict()
     assert written.keys() <= loaded.keys()

@@ -9,8 +9,8 @@ from conftest import FAMILIES
 from parallel_finetune.data import collate
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
+from parallel_finetune.model import load_model
 from parallel_finetune.runner import model_inputs
-from parallel_finetune.weights import build_and_load
 
 
 def tiny(family_name: str, task: str = "classification"):
@@ -18,7 +18,7 @@ def tiny(family_name: str, task: str = "classification"):
     torch.manual_seed(0)
     config = family.hf_config(None, "tiny", 256, 128, {})
     family.set_task(config, task, pad_token_id=0)
-    return family, build_and_load(family, task, config, None, seed=0).eval()
+    return family, load_model(family, task, config, None, seed=0).model.eval()
 
 
 @pytest.mark.parametrize("family_name", [name for name in FAMILIES if "causal_lm" in get_family(name).tasks])

@@ -221,9 +221,10 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
     from parallel_finetune.data import collate
     from parallel_finetune.families import get_family
     from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.model import load_model
     from parallel_finetune.parallel.tensor import apply_tp
     from parallel_finetune.runner import model_inputs
-    from parallel_finetune.weights import build_and_load, local_tensor, materialize
+    from parallel_finetune.weights import local_tensor, materialize
 
     family = get_family(family_name)
     hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
@@ -238,7 +239,7 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
 
     with fake_tp_mesh(2, rank=0) as mesh:
         torch.manual_seed(0)
-        model = build_and_load(family, "classification", hf_config, None, seed=0)
+        model = load_model(family, "classification", hf_config, None, seed=0).model
         apply_tp(model, family, mesh["tp"])
         before = collectives(model)
         names = lora.apply_lora(model, family, settings, mesh["tp"])
@@ -308,7 +309,7 @@ def test_lora_check_cli_refuses_a_head_that_matches_nothing(sst2):
 
 def test_lora_never_leaves_a_new_head_frozen(sst2, tmp_path):
     """A pretrained causal LM fine-tuned for classification: its score head is new (random); frozen, it would stay
-    random. --check reads the local checkpoint's names; the run refuses the same (model.ready_model)."""
+    random. --check reads the local checkpoint's names; the run refuses the same (model.load_model)."""
     from parallel_finetune import lora, synthetic
     from parallel_finetune.config import load_config
     from parallel_finetune.data import column, read_glue_dir

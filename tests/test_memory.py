@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from parallel_finetune.families import get_family
+from parallel_finetune.model import load_model
 from parallel_finetune.parallel.memory import apply_activation_checkpointing, peak_activation_bytes
-from parallel_finetune.weights import build_and_load
 
 
 def train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, float, dict[str, torch.Tensor]]:
@@ -19,7 +19,7 @@ def train_step_under_tracker(family_name: str, every: bool | int) -> tuple[int, 
     config.num_hidden_layers = 4
     config.use_cache = False
     family.set_task(config, "classification", pad_token_id=0)
-    model = build_and_load(family, "classification", config, None, seed=0)
+    model = load_model(family, "classification", config, None, seed=0).model
     apply_activation_checkpointing(family.blocks(model), every)
     input_ids = torch.randint(1, 8192, (16, 64), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(2))

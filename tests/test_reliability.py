@@ -538,8 +538,8 @@ def edited_gpt2(small_gpt2, tmp_path):
 
 def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt2, sst2, tmp_path, capsys):
     from parallel_finetune.families import get_family
+    from parallel_finetune.model import load_model
     from parallel_finetune.train import main
-    from parallel_finetune.weights import build_and_load
 
     family = get_family("gpt2")
     hf_config = family.hf_config(str(edited_gpt2), "full", 0, 128, {})
@@ -549,7 +549,7 @@ def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt
         "but the model built from the config needs [64, 128] for transformer.h.0.mlp.c_fc.weight"
     )
     with pytest.raises(UserError, match=re.escape(message)):
-        build_and_load(family, "classification", hf_config, str(edited_gpt2), seed=0)
+        load_model(family, "classification", hf_config, str(edited_gpt2), seed=0)
     check = [f"data_dir={sst2}", f"cache_dir={tmp_path}", f"output_dir={tmp_path / 'run'}"]
     assert main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), f"model={edited_gpt2}", *check]) == 2
     assert capsys.readouterr().err == f"error: {message}; the config does not describe these weights\n"

@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 from parallel_finetune import checkpoint, integrity
 from parallel_finetune.config import Config
 from parallel_finetune.loss import IGNORE, loss_count, summed_loss, targets
+from parallel_finetune.model import parameter_shapes
 from parallel_finetune.parallel import Parallelized
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss
 from parallel_finetune.precision import DynamicLossScaler
@@ -202,7 +203,7 @@ def training_state(layout, folder_config: Config, step: int):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
     return checkpoint.TrainingState(
         step, model, updates, scheduler, folder_config, tokenizer, layout, "gpt2",
-        checkpoint.parameter_shapes(model),
+        parameter_shapes(model),
     )  # fmt: skip
 
 

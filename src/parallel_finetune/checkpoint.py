@@ -278,11 +278,6 @@ def check_continuation(folder: Path, config, data: str | None = None) -> None:
         )
 
 
-def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Global (unsplit) shapes by name: what identifies a model whatever the layout."""
-    return {name: list(param.shape) for name, param in model.named_parameters()}
-
-
 @dataclass
 class TrainingState:
     """What a checkpoint writes and restores, passed explicitly: the model and its updates (AdamW moments, step
@@ -529,44 +524,17 @@ def load(state: TrainingState, folder: Path) -> int:
     return written["step"]
 
 
-def _lora_checkpoint_state(folder: Path, config, family, hf_config, model_path: str | None) -> dict:
-    """A LoRA checkpoint holds adapters and head only: the base is loaded again from its source (a tiny one from
-    the seed, as the run made it), the checkpoint's tensors on top, and B·A merged in."""
-    from . import lora
-    from .model import seed_everything
-    from .weights import NewWeights, load_weights, materialize, plan_load, tied_aliases, weights_source
-
-    settings = lora.settings_from_config(config, family)
-    seed_everything(config.seed)
-    weights = weights_source(family, config.task, hf_config, model_path)
-    model = family.build(config.task, hf_config)
-    aliases = tied_aliases(model)
-    plan = plan_load(model, family, weights, aliases)
-    new = NewWeights(model, list(plan.new), config.seed)
-    names = lora.apply_lora(model, family, settings, None)
-    materialize(model, torch.device("cpu"))
-    plan = plan_load(model, family, weights, aliases)
-    plan.new = {name: box for name, box in plan.new.items() if name not in names}
-    load_weights(model, plan, weights, new)
-    weights.close()
-    trainable = lora.trainable_names(model, names, settings)
-    state = model.state_dict()
-    written = {name: tensor for name, tensor in state.items() if name in trainable}
-    read_tensors({"model": written}, folder)
-    state.update(written)
-    return lora.merged_state({k: v.detach() for k, v in state.items()}, settings.scaling)
-
-
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
     that verifies), in one process (no process group)."""
+    from . import lora
     from .config import Config
     from .export import check_new_export_folder, save_hf
     from .families import get_family
     from .families.base import download_model
+    from .model import load_model
     from .precision import DTYPES, EXPORT_DTYPES
     from .pretrained import load_hf_tokenizer
-    from .weights import materialize
 
     check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
@@ -579,17 +547,22 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
+    # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
+    # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
+    ready = load_model(
+        family, config.task, hf_config, model_path, seed=config.seed, config=config, from_checkpoint=True
+    )
+    state = ready.model.state_dict()
+    trainable = ready.parallel.trainable
+    held = state if trainable is None else {name: tensor for name, tensor in state.items() if name in trainable}
     try:
-        if config.peft == "lora":
-            state = _lora_checkpoint_state(folder, config, family, hf_config, model_path)
-            model = family.build(config.task, hf_config)
-        else:
-            model = family.build(config.task, hf_config)  # shapes only: the checkpoint supplies every value
-            materialize(model, torch.device("cpu"))
-            state = model.state_dict()
-            read_tensors({"model": state}, folder)
+        read_tensors({"model": held}, folder)
     except integrity.Refused as exc:
         raise UserError(f"checkpoint {folder}: {exc}") from None
+    state.update(held)
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:
+        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
-    save_hf(model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
+    save_hf(ready.model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

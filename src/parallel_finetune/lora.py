@@ -170,14 +170,13 @@ def preflight(config, family, hf_config) -> None:
     if config.size != "full":
         return
     from .families.base import resolve_model_path
-    from .weights import open_checkpoint, plan_load, tied_aliases
+    from .weights import plan_whole
 
     folder = Path(resolve_model_path(config.model or family.default_model))
     if folder.is_dir():  # a Hub name is fetched by the run, which checks the same once it has the files
-        weights = open_checkpoint(folder, family.model_classes[config.task].base_model_prefix)
+        weights, _, _, plan = plan_whole(family, config.task, hf_config, str(folder))
         try:
-            new = plan_load(model, family, weights, tied_aliases(model)).new
-            check_new_trained(list(new), settings, weights.description)
+            check_new_trained(list(plan.new), settings, weights.description)
         finally:
             weights.close()
 

@@ -1,5 +1,6 @@
-"""From a run's config to the model this rank trains: built on `meta`, split by `parallelize`, then only this
-rank's shards allocated and loaded (weights.py). Returns everything the loop needs to know of the model."""
+"""The one way a model is made: built on `meta`, split by `parallelize`, then only this rank's shards allocated
+and loaded (weights.py). A run, resume (its checkpoint read on top by checkpoint.py), the offline export of a
+checkpoint, the tests and the benchmarks all call `load_model`."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ from .precision import DTYPES
 from .reporting import peak_memory_mib
 from .throughput import ModelFlops, model_flops
 from .weights import (
+    LoadPlan,
     NewWeights,
     load_weights,
     local_tensor,
     materialize,
     plan_load,
+    plan_whole,
     shard_box,
-    tied_aliases,
-    weights_source,
 )
 
 log = logging.getLogger(__name__)
@@ -61,24 +62,44 @@ class ReadyModel:
     load_peak_mib: float  # when the model is ready: no gradients, no optimizer state yet
 
 
-def ready_model(
-    config,
+def load_model(
     family: Family,
-    layout: Layout,
+    task: str,
     hf_config,
-    model_path: str | None,
-    precision: str,
+    pretrained: str | None,
+    *,
+    seed: int,
+    layout: Layout | None = None,
+    config=None,
+    precision: str = "fp32",
     deepspeed_config: dict | None = None,
+    from_checkpoint: bool = False,
 ) -> ReadyModel:
-    seed_everything(config.seed)  # identical initialisation on every rank and in every layout
-    started, before = time.perf_counter(), peak_memory_mib(layout.device)
-    weights = weights_source(family, config.task, hf_config, model_path)
-    model = family.build(config.task, hf_config)
-    aliases = tied_aliases(model)
-    whole_plan = plan_load(model, family, weights, aliases)  # of the unsplit model
-    new = NewWeights(model, list(whole_plan.new), config.seed)
+    """The model `hf_config` describes, its values loaded:
+
+        weights -> build on `meta` -> plan (the unsplit model's) -> new weights from the seed -> parallelize
+        -> allocate this rank's shards (materialize) -> load (plan this rank's blocks, read them)
+
+    `pretrained`: a Hugging Face model folder, or None: a tiny model, whose "checkpoint" is the unmodified
+    transformers model initialised in memory from `seed`. `layout`: this rank's place in a run (with `config`,
+    the settings `parallelize` reads, `precision` and DeepSpeed's config: ZeRO-3 partitions the model as it is
+    built); None: a world of one, whole, on the CPU, not parallelized (export, tests, benchmarks). `config` also
+    says peft=lora (adapters planned, initialised from the seed). `from_checkpoint`: a run's checkpoint supplies
+    the values, read on top by checkpoint.py (as resume does, with everything else it holds): the base is read
+    here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated only."""
+    seed_everything(seed)  # identical initialisation on every rank and in every layout
+    device = layout.device if layout is not None else torch.device("cpu")
+    started, before = time.perf_counter(), peak_memory_mib(device)
+    settings = lora.settings_from_config(config, family) if config is not None else None
+    weights = None
+    if from_checkpoint and settings is None:
+        model, aliases, whole_plan = family.build(task, hf_config), {}, LoadPlan()
+    else:
+        weights, model, aliases, whole_plan = plan_whole(family, task, hf_config, pretrained)
+    new = NewWeights(model, list(whole_plan.new), seed)
     total = sum(p.numel() for p in model.parameters())
-    if config.size == "tiny":
+    run = layout is not None  # a run says what it loaded; export, tests and benchmarks stay quiet
+    if run and config.size == "tiny":
         log.info(
             "model: tiny %s from config (%s), %.2fM parameters",
             family.name,
@@ -86,39 +107,45 @@ def ready_model(
             total / 1e6,
         )
     shapes = parameter_shapes(model)
-    settings = lora.settings_from_config(config, family)
     if settings is not None:
         lora.check_targets(model, family, settings)
         lora.check_new_trained(list(whole_plan.new), settings, weights.description)
         adapters = lora.planned_shapes(model, family, settings)
         shapes.update(adapters)
         for name, shape in adapters.items():
-            new.computed[name] = functools.partial(lora.initial_value, name, shape, config.seed)
+            new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
     flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
     box_of, write = shard_box, None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
         from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
 
         # Built again, partitioned as it is built: the meta model above gave the names, shapes and new weights.
-        model = family.build(config.task, hf_config, zero3_init(deepspeed_config, layout.device.type))
+        model = family.build(task, hf_config, zero3_init(deepspeed_config, device.type))
         box_of, write = zero3_box, zero3_write
-    parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
     adamw = None
-    if config.engine == "torch" and layout.dims.zero1:
-        adamw = zero_adamw(model, layout, config, parallel.tied)  # the model's only allocation
-    materialize(model, layout.device)
-    load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
-    weights.close()
+    if run:
+        parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
+        if config.engine == "torch" and layout.dims.zero1:
+            adamw = zero_adamw(model, layout, config, parallel.tied)  # the model's only allocation
+    else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
+        parallel = Parallelized()
+        if settings is not None:
+            parallel.lora = lora.apply_lora(model, family, settings, None)
+            parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
+    materialize(model, device)
+    if weights is not None:
+        load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
+        weights.close()
     keep_gradients_sharded(model)
-    if config.offload_activations and layout.device.type == "cpu":
+    if run and config.offload_activations and device.type == "cpu":
         log.warning(
             "offload_activations=true has no effect on a CPU run: activations already live in CPU "
             "memory (the offload still runs, so the code path is the one GPUs use)"
         )
     ready = ReadyModel(
-        model, parallel, shapes, flops, adamw, time.perf_counter() - started, before, peak_memory_mib(layout.device)
+        model, parallel, shapes, flops, adamw, time.perf_counter() - started, before, peak_memory_mib(device)
     )
-    if settings is not None:
+    if run and settings is not None:
         trained = lora.trainable_count(shapes, settings)
         log.info(
             "lora: rank %d, alpha %g (scaling %g), dropout %g on %d modules (%s); trainable %s of %s parameters "
@@ -135,7 +162,7 @@ def ready_model(
             ", ".join(settings.modules_to_save) or "no head",
             f" and held in {precision}" if precision != "fp32" else "",
         )
-    if config.size == "full":
+    if run and config.size == "full":
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
         log.info(
             "model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
@@ -150,7 +177,7 @@ def ready_model(
         if new.templates:
             log.info(
                 "new (not in the checkpoint), initialised from seed %d: %s",
-                config.seed,
+                seed,
                 ", ".join(sorted(new.templates)),
             )
         if whole_plan.unused:

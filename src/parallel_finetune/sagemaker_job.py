@@ -359,11 +359,13 @@ def load_config_like(config, **changes):
     return dataclasses.replace(config, **changes)
 
 
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
-
-
 def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
     """Everything in an S3 model folder except the weights: enough to tokenize SST-2 here."""
+    from .weights import WEIGHT_FILES
+
+    # what a tokenizer needs none of: the loader's weight files, and other frameworks' (raw torch, TF, Flax, GGUF)
+    other_frameworks = (".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
+    weights = tuple(Path(single).suffix for _, single, _ in WEIGHT_FILES) + other_frameworks
     bucket, prefix = split_s3_uri(model_uri.rstrip("/") + "/")
     s3 = boto_session.client("s3")
     found = False
@@ -371,7 +373,7 @@ def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
         for item in page.get("Contents", []):
             relative = item["Key"][len(prefix) :]
             found = True
-            if relative and "/" not in relative and not relative.endswith(WEIGHT_FILES):
+            if relative and "/" not in relative and not relative.endswith(weights):
                 folder.mkdir(parents=True, exist_ok=True)
                 s3.download_file(bucket, item["Key"], str(folder / relative))
     if not found:

@@ -39,7 +39,7 @@ from .layout import check_batch_split, init_distributed, rank0_decides, shutdown
 from .loggers import destinations
 from .loss import loss_count, scored_count, summed_loss, targets
 from .metrics import load_metric
-from .model import ready_model
+from .model import load_model
 from .parallel.pipeline import Pipeline, check_microbatches
 from .precision import DTYPES, autocast, resolve_precision
 from .preflight import check_heads, check_model_config
@@ -227,7 +227,17 @@ class Trainer:
         if config.compile == "auto":
             log.info("%s", why)
         built = dataclasses.replace(config, compile=compiled)
-        ready = ready_model(built, family, layout, hf_config, self.model_path, self.precision, self.deepspeed_config)
+        ready = load_model(
+            family,
+            config.task,
+            hf_config,
+            self.model_path,
+            seed=config.seed,
+            layout=layout,
+            config=built,
+            precision=self.precision,
+            deepspeed_config=self.deepspeed_config,
+        )
         self.ready, self.model = ready, ready.model
         if config.engine == "deepspeed":
             from .parallel.deepspeed_engine import DeepSpeedUpdates

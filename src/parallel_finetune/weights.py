@@ -22,7 +22,8 @@ little-endian arrays, which is all this needs. `.bin` checkpoints (pickle archiv
 Parameters the checkpoint lacks (a new classification head) are initialised by the model's own `_init_weights`
 on a CPU copy of their module, from the run's seed and the parameter's name: the same values in every layout.
 A tiny run loads the same way from an unmodified transformers model initialised in memory (`Family.hf_model`),
-so every layout of every test goes through this code.
+so every layout of every test goes through this code. `model.load_model` is the one caller of the whole sequence
+(a run, resume, export, tests, benchmarks); `--check` runs its first half (`plan_whole`: headers only).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -286,6 +287,7 @@ class Checkpoint:
             source.close()
 
 
+# The weight files of a Hugging Face model folder that the loader reads, preferred first: (index, single file, reader)
 WEIGHT_FILES = (
     ("model.safetensors.index.json", "model.safetensors", SafetensorsFile),
     ("pytorch_model.bin.index.json", "pytorch_model.bin", TorchBinFile),
@@ -538,28 +540,31 @@ def weights_source(family: Family, task: str, hf_config, model_path: str | None)
     return Checkpoint({key: StateDictSource(initial) for key in initial}, prefix, "initialised from the seed")
 
 
-def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
-    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read) have the shapes
-    of the model its config builds, on `meta`."""
+class Planned(NamedTuple):
+    """The first half of a load: the weights, the model built on `meta` (unsplit), the other names of its tied
+    weights (a pipeline stage may hold one name only), and the unsplit model's plan."""
+
+    weights: Checkpoint
+    model: nn.Module
+    aliases: dict[str, list[str]]
+    plan: LoadPlan
+
+
+def plan_whole(family: Family, task: str, hf_config, model_path: str | None) -> Planned:
+    """The first half of every load, on `meta`: the weights (`weights_source`), the model its config builds, and
+    the unsplit model's plan (each tensor's shape checked: `check_shape`). The weights are closed if the plan
+    fails; otherwise the caller closes them."""
     weights = weights_source(family, task, hf_config, model_path)
     try:
         model = family.build(task, hf_config)
-        plan_load(model, family, weights, tied_aliases(model))
-    finally:
+        aliases = tied_aliases(model)
+        return Planned(weights, model, aliases, plan_load(model, family, weights, aliases))
+    except BaseException:
         weights.close()
+        raise
 
 
-def build_and_load(
-    family: Family, task: str, hf_config, model_path: str | None, seed: int, device: torch.device | str = "cpu"
-) -> nn.Module:
-    """One process, the whole model: built, allocated and loaded as every rank of a run does it (benchmarks,
-    tests, the Hugging Face Trainer comparison)."""
-    weights = weights_source(family, task, hf_config, model_path)
-    model = family.build(task, hf_config)
-    aliases = tied_aliases(model)
-    plan = plan_load(model, family, weights, aliases)
-    new = NewWeights(model, list(plan.new), seed)
-    materialize(model, torch.device(device))
-    load_weights(model, plan, weights, new)
-    weights.close()
-    return model
+def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
+    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read) have the shapes
+    of the model its config builds, on `meta`."""
+    plan_whole(family, task, hf_config, model_path).weights.close()
