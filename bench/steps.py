@@ -33,7 +33,7 @@ def worker(argv: list[str]) -> None:
     config = load_config(RECIPE, argv)
 
     class FixedLengthTrainer(Trainer):
-        def batch_of(self, indices, ids=None, labels=None):
+        def batch_of(self, indices):
             generator = torch.Generator().manual_seed(len(indices))
             rows = len(indices)
             batch = {

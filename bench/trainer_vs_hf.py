@@ -36,11 +36,12 @@ from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # 
 
 from parallel_finetune import data  # noqa: E402
 from parallel_finetune.config import load_config  # noqa: E402
+from parallel_finetune.evaluation import evaluate  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.families.base import download_model  # noqa: E402
 from parallel_finetune.model import load_model, seed_everything  # noqa: E402
+from parallel_finetune.summary import padding_fraction  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
-from parallel_finetune.trainer import padding_fraction  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,10 @@ def our_run(config) -> dict:
     trainer.setup()
     trainer.fit()
     trainer.reporter.close()
-    results = trainer.evaluate()
+    dev, tokenizer = trainer.data.splits["validation"], trainer.data.tokenizer
+    results = evaluate(
+        trainer.model, trainer.runner, dev, tokenizer, config.task, config.eval_batch_size, trainer.layout
+    )
     seconds = trainer.timer.seconds["train"]
     torch.distributed.destroy_process_group()
     return {

@@ -379,34 +379,25 @@ def test_overwrite_refuses_outputs_no_run_recorded_and_deletes_nothing(tmp_path)
 def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp_path, monkeypatch):
     """A stray SM_MODEL_DIR / SM_OUTPUT_DATA_DIR in a shell redirects (and would empty) nothing; in a job, an
     output_dir the user gave wins, and a LoRA adapter goes inside the model folder, which the job uploads."""
-    from types import SimpleNamespace
-
-    from parallel_finetune.reporting import PhaseTimer, choose_output_dir
-    from parallel_finetune.trainer import Trainer
+    from parallel_finetune.export import export_target
+    from parallel_finetune.reporting import choose_output_dir
 
     monkeypatch.delenv("SM_TRAINING_ENV", raising=False)
     monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
     monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(tmp_path / "output"))
     monkeypatch.chdir(tmp_path)
 
-    def export_target(output_dir):
-        """Where Trainer.export sends a LoRA run's files: (`out`, whether adapter/ goes inside it)."""
-        trainer = SimpleNamespace(
-            config=SimpleNamespace(export=True, output_dir=output_dir),
-            output_dir=tmp_path / (output_dir or "output"),
-            timer=PhaseTimer(),
-            ready=SimpleNamespace(parallel=SimpleNamespace(trainable={"lora_A"})),
-            _export_lora=lambda out, inside=False: (out, inside),
-        )
-        return Trainer.export(trainer)
+    def target(output_dir):
+        """Where a run's export goes: (`out`, whether a LoRA run's adapter/ goes inside it)."""
+        return export_target(output_dir, tmp_path / (output_dir or "output"))
 
     assert choose_output_dir(None, "gptj-tp", False).parent == Path("runs")
-    assert export_target("run") == (tmp_path / "run" / "hf", False)
-    assert export_target(None) == (tmp_path / "output" / "hf", False)
+    assert target("run") == (tmp_path / "run" / "hf", False)
+    assert target(None) == (tmp_path / "output" / "hf", False)
     monkeypatch.setenv("SM_TRAINING_ENV", "{}")  # inside a SageMaker job
     assert choose_output_dir(None, "gptj-tp", False) == tmp_path / "output"
-    assert export_target("run") == (tmp_path / "run" / "hf", False)
-    assert export_target(None) == (tmp_path / "model", True)
+    assert target("run") == (tmp_path / "run" / "hf", False)
+    assert target(None) == (tmp_path / "model", True)
 
 
 def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):

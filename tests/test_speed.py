@@ -12,8 +12,8 @@ from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, Config, compile_dec
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import stage_costs
 from parallel_finetune.reporting import format_step, format_throughput
+from parallel_finetune.summary import padding_fraction
 from parallel_finetune.throughput import Peak, achieved, cpu_peak, gpu_peak_tflops, model_flops, probe_matmul_tflops
-from parallel_finetune.trainer import padding_fraction
 
 
 @pytest.mark.parametrize(

@@ -529,3 +529,17 @@ def collate(
     if labels is not None:
         batch["labels"] = torch.tensor(labels, dtype=torch.long)
     return batch
+
+
+def device_batch(
+    indices: list[int], ids: list, labels: list | None, tokenizer, pad_multiple: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Rows `indices` of `ids` (and `labels`) padded into tensors on `device`: a training slice or a dev chunk."""
+    batch = collate(
+        [ids[i] for i in indices],
+        tokenizer.pad_token_id,
+        tokenizer.padding_side,
+        [labels[i] for i in indices] if labels is not None else None,
+        pad_to_multiple_of=pad_multiple,
+    )
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,4 +1,7 @@
-"""Export a (tensor-parallel) model as a plain Hugging Face folder: safetensors + config + tokenizer."""
+"""Export a (tensor-parallel) model as a plain Hugging Face folder: safetensors + config + tokenizer.
+
+`export_model` is a run's export (hf/, or with peft=lora adapter/ and base/), from the updates' gathered weights;
+below it the writers: the gather, `save_hf`, and `write_folder` (staging folder, then one rename)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,94 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import lora
 from .errors import UserError, one_line
 from .integrity import nonfinite
-from .runfolder import LOCK, RECORD, _alive, _holder, _read_holder, checkpoint_holding
+from .interfaces import Updates
+from .layout import rank0_decides
+from .precision import DTYPES
+from .runfolder import LOCK, RECORD, _alive, _holder, _read_holder, checkpoint_holding, record_written, sagemaker_folder
 
 log = logging.getLogger(__name__)
+
+
+def export_target(output_dir: str | None, run_folder: Path) -> tuple[Path, bool]:
+    """Where a run's export goes: hf/ in the run folder, or in a SageMaker job given no `output_dir`, the job's
+    model folder, which it uploads to S3 as the model artifact; and whether a LoRA adapter goes inside that folder
+    (SageMaker's, so the artifact holds it) rather than beside it."""
+    model_dir = None if output_dir else sagemaker_folder("SM_MODEL_DIR")
+    return (model_dir, True) if model_dir is not None else (run_folder / "hf", False)
+
+
+def export_model(
+    updates: Updates, family, tokenizer, config, layout, run_folder: Path, out: Path | None = None
+) -> Path:
+    """The trained model as a Hugging Face folder: `out`, else `export_target`'s; with peft=lora the adapter
+    instead (`export_lora`). Every rank calls it (the gather is a collective); rank 0 writes, and a failure
+    there (NaN weights, a full disk) is every rank's one-line error."""
+    inside = False
+    if out is None:
+        out, inside = export_target(config.output_dir, run_folder)
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:
+        return export_lora(updates, family, tokenizer, config, settings, layout, run_folder, out, inside)
+    state, model = updates.full_state_dict(DTYPES[config.export_dtype]), updates.module
+
+    def write():
+        _record_exports(run_folder, out)
+        save_hf(model, family.to_hf_state_dict(state, model.config), tokenizer, out)
+
+    rank0_decides(layout, write)
+    log.info("exported a Hugging Face model to %s", out)
+    return out
+
+
+def export_lora(
+    updates: Updates, family, tokenizer, config, settings, layout, run_folder: Path, out: Path, inside: bool
+) -> Path:
+    """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out` (`inside` it: SageMaker's
+    model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
+    with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
+    names it."""
+    dtype, model = DTYPES[config.export_dtype], updates.module
+    whole = config.lora_export_merged or config.size == "tiny"
+    # every rank takes part in the gather; what to gather is the same on all of them
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    state = updates.full_state_dict(dtype, None if whole else trainable)
+    adapter, base_dir = (out / "adapter", out / "base") if inside else (out.with_name("adapter"), out.with_name("base"))
+    base = str(base_dir.resolve()) if config.size == "tiny" else (config.model or family.default_model)
+
+    def write():
+        tiny_base, merged = [base_dir] if config.size == "tiny" else [], [out] if config.lora_export_merged else []
+        _record_exports(run_folder, adapter, *tiny_base, *merged)
+        if config.lora_export_merged:  # first: written into an existing `out`, it replaces what `out` held
+            merged = lora.merged_state(state, settings.scaling)
+            save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
+        if config.size == "tiny":
+            frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
+            save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
+        write_folder(
+            adapter,
+            lambda folder: (
+                lora.export_adapter(state, family, model.config, settings, config.task, base, folder),
+                tokenizer.save_pretrained(folder),
+            ),
+        )
+
+    rank0_decides(layout, write)
+    log.info(
+        "exported the LoRA adapter (peft format) to %s%s",
+        adapter,
+        f" and the merged model to {out}" if config.lora_export_merged else "",
+    )
+    return adapter
+
+
+def _record_exports(run_folder: Path, *folders: Path) -> None:
+    """Put the export folders that lie in the run folder on its record, before writing them (rank 0)."""
+    ours = [folder.name for folder in folders if folder.parent.resolve() == run_folder.resolve()]
+    if ours:
+        record_written(run_folder, *ours)
 
 
 def gather_full_state_dict(

@@ -1,4 +1,5 @@
-"""What a run leaves behind and shows: run folder, Reporter (the loggers of loggers.py), phase timer, summary."""
+"""What a run leaves behind and shows: run folder, Reporter (the loggers of loggers.py), phase timer, the summary's
+throughput line (summary.json itself: summary.py)."""
 
 from __future__ import annotations
 

@@ -7,12 +7,14 @@ Every rank draws the same global batches; each slice's loss is a *sum* divided b
 The loop knows two interfaces (`interfaces.py`) and no engine or layout: a runner does a slice's forward and
 backward (`runner.WholeModel`, or the `parallel.pipeline.Pipeline`), the updates turn the gradients into an update
 (`updates.TorchUpdates`, or DeepSpeed's ZeRO: `parallel.deepspeed_engine.DeepSpeedUpdates`).
+
+`run` is a whole run: Trainer.setup -> Trainer.fit -> evaluate (evaluation.py) -> export_model (export.py) ->
+summary.json (summary.py); the last three are functions of plain inputs, not parts of the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import math
 import signal
@@ -26,49 +28,31 @@ import transformers
 
 from . import checkpoint
 from . import data as data_module
-from .checkpoint import TrainingState, continuing_run
+from .checkpoint import TrainingState
 from .config import Config, compile_decision
 from .divergence import NonFiniteGuard
 from .errors import Interrupted, RankError, UserError
-from .export import save_hf, write_folder
+from .evaluation import evaluate
+from .export import export_model
 from .families import get_family
-from .families.base import download_model
 from .interfaces import Runner, Updates
 from .launch import end_with_launcher
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
 from .loggers import destinations
-from .loss import loss_count, scored_count, summed_loss, targets
-from .metrics import load_metric
+from .loss import loss_count
 from .model import load_model
 from .parallel.pipeline import Pipeline, check_microbatches
 from .precision import DTYPES, autocast, resolve_precision
 from .preflight import check_heads, check_model_config
-from .reporting import (
-    PhaseTimer,
-    Reporter,
-    choose_output_dir,
-    format_throughput,
-    package_versions,
-    peak_memory_mib,
-    write_json,
-    write_yaml,
-)
-from .runfolder import (
-    RUN_FILES,
-    RunLock,
-    check_run_folders,
-    record_written,
-    replace_previous_run,
-    restarted,
-    run_folders,
-    sagemaker_folder,
-)
+from .reporting import PhaseTimer, Reporter
+from .runfolder import RunLock
 from .runner import WholeModel
+from .startup import claim_run_folders, fetch_model, open_run_folder
+from .summary import run_summary, write_summary
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
 
 log = logging.getLogger(__name__)
-DOWNLOAD_WAIT_S = 6 * 3600  # a checkpoint of tens of GB over a slow link
 
 
 class Trainer:
@@ -91,6 +75,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
         self.run_lock: RunLock | None = None  # rank 0's hold on the run folders, taken in setup
+        self.model_path: str | None = None  # a full-size model's local folder (tiny: built from its config)
+        self.deepspeed_config: dict | None = None  # engine=deepspeed: the config made for it
         self.reporter: Reporter | None = None  # made when training starts
 
     # ------------------------------------------------------------------------------------------- setup
@@ -109,85 +95,51 @@ class Trainer:
                 level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True
             )
             transformers.logging.set_verbosity_error()
-            self.precision = resolve_precision(config.precision, layout.device, config.engine)
-            if config.lr_note:
-                log.info("%s", config.lr_note)
-            self.peak = device_peak(layout.device, DTYPES[self.precision], config.peak_tflops)
-            self.peak_tflops = self.peak.tflops  # None: unknown
-            log.info("%s", self.peak.describe())
-            check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
-            if config.size == "tiny":  # (full size: once the model is fetched, in _build)
-                check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
-            self.microbatches = config.microbatches or 2 * layout.pp  # a pipeline's, per accumulation slice
-            if layout.pp > 1:
-                check_microbatches(
-                    config.batch_size // (layout.dp * config.gradient_accumulation_steps), self.microbatches
-                )
-            self.deepspeed_config = None
-            if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
-                from .parallel import deepspeed_engine
-
-                self.deepspeed_config = deepspeed_engine.preflight(
-                    config, layout.dp, layout.device.type, self.precision
-                )
-            self.output_dir = Path(
-                rank0_decides(
-                    layout,
-                    lambda: str(
-                        choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
-                    ),
-                )
-            )
-            self.checkpoint_root = checkpoint.checkpoint_root(config.checkpoint_dir, self.output_dir)
-            self.run_lock = RunLock(run_folders(self.output_dir, self.checkpoint_root))
-            rank0_decides(layout, self.run_lock.acquire)  # a second run into these folders stops here
-            replacing = config.overwrite and not restarted()
-            rank0_decides(layout, lambda: check_run_folders(self.output_dir, self.checkpoint_root, replacing))
-            self.model_path = self._fetch_model() if config.size == "full" else None
+            self._check_settings()
+            self.output_dir, self.checkpoint_root, self.run_lock = claim_run_folders(config, layout)
+            if config.size == "full":
+                name = config.model or self.family.default_model
+                self.model_path = fetch_model(name, config.revision, layout, config.collective_timeout_s)
         with self.timer("data"):
             self.data = self._prepare_data()
         with self.timer("model"):
             self._build()
         if self.updates.checkpointable:
-            # The newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0).
-            started, state = time.perf_counter(), self.training_state()
-            self.resumed_from = checkpoint.resume(state, self.checkpoint_root)
-            if self.resumed_from:
-                self.step = state.step
-                self.timer.seconds["resume"] = time.perf_counter() - started
-        # Only now, with every input accepted, is the run folder written (a failed start leaves nothing).
-        if layout.is_main:
-            if config.overwrite and not restarted():
-                replace_previous_run(self.output_dir, self.checkpoint_root)
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            deepspeed = ["deepspeed_config.json"] if self.deepspeed_config is not None else []
-            record_written(self.output_dir, *RUN_FILES, *deepspeed)  # before writing: a killed run's are on record
-            write_yaml(self.output_dir / "config.yaml", config.to_dict())
-            if self.deepspeed_config is not None:
-                write_json(self.output_dir / "deepspeed_config.json", self.updates.config)
+            self._resume()
+        if layout.is_main:  # only now, with every input accepted, is the run folder written
+            deepspeed_config = self.updates.config if self.deepspeed_config is not None else None
+            open_run_folder(self.output_dir, self.checkpoint_root, config, deepspeed_config)
         log.info("run folder %s | %s", self.output_dir, layout.describe())
 
-    def _fetch_model(self) -> str:
-        """The pretrained model's local folder. A Hub name is downloaded once per node, by its first process,
-        while the others wait; then all read the same cache. A local folder or SageMaker channel is used as is."""
+    def _check_settings(self) -> None:
+        """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
+        line on a bad input, before any work."""
         config, layout = self.config, self.layout
-        name = config.model or self.family.default_model
-        # Waiting for a download is no hung collective: this wait has its own limit, not collective_timeout_s.
-        waiting = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=max(config.collective_timeout_s, DOWNLOAD_WAIT_S))
-        )
-        problem = ""
-        if layout.local_rank == 0:
-            try:
-                download_model(name, config.revision)
-            except UserError as exc:
-                problem = str(exc)
-        problems: list = [None] * layout.world_size
-        dist.all_gather_object(problems, problem, group=waiting)  # no rank reads a half-downloaded cache
-        dist.destroy_process_group(waiting)
-        if any(problems):
-            raise UserError(next(p for p in problems if p))
-        return download_model(name, config.revision, local_only=True)
+        self.precision = resolve_precision(config.precision, layout.device, config.engine)
+        if config.lr_note:
+            log.info("%s", config.lr_note)
+        self.peak = device_peak(layout.device, DTYPES[self.precision], config.peak_tflops)
+        self.peak_tflops = self.peak.tflops  # None: unknown
+        log.info("%s", self.peak.describe())
+        check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
+        if config.size == "tiny":  # (full size: once the model is fetched, in _build)
+            check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
+        self.microbatches = config.microbatches or 2 * layout.pp  # a pipeline's, per accumulation slice
+        if layout.pp > 1:
+            check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps), self.microbatches)
+        if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
+            from .parallel import deepspeed_engine
+
+            self.deepspeed_config = deepspeed_engine.preflight(config, layout.dp, layout.device.type, self.precision)
+
+    def _resume(self) -> None:
+        """From the newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0),
+        if there is one."""
+        started, state = time.perf_counter(), self.training_state()
+        self.resumed_from = checkpoint.resume(state, self.checkpoint_root)
+        if self.resumed_from:
+            self.step = state.step
+            self.timer.seconds["resume"] = time.perf_counter() - started
 
     def _prepare_data(self) -> data_module.PreparedData:
         config = self.config
@@ -207,6 +159,8 @@ class Trainer:
         self.batches = data_module.GlobalBatches(
             self.train_lengths, config.batch_size, config.seed, config.group_by_length
         )
+        self.steps_per_epoch = len(self.batches)
+        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         log.info(
             "data: %s | %s",
             prepared.source.description,
@@ -222,8 +176,7 @@ class Trainer:
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
         family.check_tp(hf_config, layout.tp)
-        total_steps = config.max_steps or max(1, math.ceil(config.epochs * len(self.batches)))
-        compiled, why = compile_decision(config, total_steps, layout.device.type)
+        compiled, why = compile_decision(config, self.total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)
         built = dataclasses.replace(config, compile=compiled)
@@ -267,8 +220,6 @@ class Trainer:
                 config.offload_activations,
                 layout.device,
             )
-        self.steps_per_epoch = len(self.batches)
-        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
         try:
             self.scheduler = transformers.get_scheduler(
@@ -304,18 +255,16 @@ class Trainer:
         return f"{name}@{config.revision}" if config.revision else name
 
     # ------------------------------------------------------------------------------------------- training
-    def batch_of(self, indices: list[int], ids: list | None = None, labels: list | None = None) -> dict:
-        """Rows `indices` (of the training split, or of `ids`/`labels`) padded into tensors on this rank's device."""
-        tokenizer = self.data.tokenizer
-        ids, labels = (self.train_ids, self.train_labels) if ids is None else (ids, labels)
-        batch = data_module.collate(
-            [ids[i] for i in indices],
-            tokenizer.pad_token_id,
-            tokenizer.padding_side,
-            [labels[i] for i in indices] if labels is not None else None,
-            pad_to_multiple_of=self.runner.pad_multiple,
+    def batch_of(self, indices: list[int]) -> dict:
+        """Training rows `indices` padded into tensors on this rank's device."""
+        return data_module.device_batch(
+            indices,
+            self.train_ids,
+            self.train_labels,
+            self.data.tokenizer,
+            self.runner.pad_multiple,
+            self.layout.device,
         )
-        return {k: v.to(self.layout.device, non_blocking=True) for k, v in batch.items()}
 
     def _autocast(self):
         return autocast(self.precision, self.layout.device)
@@ -366,21 +315,20 @@ class Trainer:
         }
 
     def fit(self) -> list[dict]:
-        config = self.config
-        reporter = Reporter(
-            self.output_dir, self.total_steps, config.log_every, self.layout.is_main, resumed_at=self.step
-        )
+        config, layout = self.config, self.layout
+        tokenizer, dev = self.data.tokenizer, self.data.splits["validation"]
+        reporter = Reporter(self.output_dir, self.total_steps, config.log_every, layout.is_main, resumed_at=self.step)
         self.reporter = reporter
         trackers = destinations(config.report_to)
-        rank0_decides(self.layout, lambda: reporter.add_trackers(trackers, config.run_name, config.to_dict()))
+        rank0_decides(layout, lambda: reporter.add_trackers(trackers, config.run_name, config.to_dict()))
         log.info(
             "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
             self.total_steps,
             self.steps_per_epoch,
             config.batch_size,
-            self.layout.dp,
+            layout.dp,
             config.gradient_accumulation_steps,
-            config.batch_size // (self.layout.dp * config.gradient_accumulation_steps),
+            config.batch_size // (layout.dp * config.gradient_accumulation_steps),
             self.precision,
         )
         with self.timer("train"):
@@ -393,8 +341,10 @@ class Trainer:
                     reporter.step(record)
                     if config.eval_every and self.step % config.eval_every == 0 and self.step < self.total_steps:
                         with self.timer("eval"):
-                            reporter.evaluation(self.step, self.evaluate())
-                        self.model.train()
+                            results = evaluate(
+                                self.model, self.runner, dev, tokenizer, config.task, config.eval_batch_size, layout
+                            )
+                            reporter.evaluation(self.step, results)
                     if self.checkpoint_due():
                         self.save_checkpoint()
                     if self.stop_agreed:
@@ -428,186 +378,6 @@ class Trainer:
         """SIGTERM (a spot interruption, `docker stop`): the current step finishes, then every rank checkpoints."""
         self.stop_requested = True
 
-    # ------------------------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def evaluate(self, split: str = "validation") -> dict:
-        """Dev metrics over all data-parallel ranks: each row is scored exactly once."""
-        layout, config = self.layout, self.config
-        self.model.eval()
-        rows = self.data.splits[split]
-        ids, lengths = data_module.column(rows, "input_ids"), data_module.column(rows, "length")
-        labels = data_module.column(rows, "label") if config.task == "classification" else None
-        order = sorted(range(len(ids)), key=lambda i: lengths[i])
-        chunks = [order[i : i + config.eval_batch_size] for i in range(0, len(order), config.eval_batch_size)]
-        predictions: list[tuple[int, int]] = []
-        totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
-        mine = chunks[layout.dp_rank :: layout.dp]
-        # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
-        # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
-        rounds = -(-len(chunks) // layout.dp)
-        for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
-            batch = self.batch_of(chunk, ids, labels)
-            logits = self.runner.forward(batch)
-            if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
-                continue
-            totals[0] += summed_loss(logits, targets(batch, config.task)).double()
-            totals[1] += scored_count(batch, config.task)
-            if labels is not None:
-                predictions.extend(zip(chunk, logits.argmax(-1).tolist()))
-        if layout.dp > 1:
-            dist.all_reduce(totals, group=layout.dp_group)
-        gathered: list = [None] * layout.dp
-        if labels is not None and layout.dp > 1:
-            dist.all_gather_object(gathered, predictions, group=layout.dp_group)
-        else:
-            gathered = [predictions]
-        if layout.pp > 1:  # the last stage scored everything: hand its sums and predictions to the other stages
-            box = [(totals.tolist(), gathered)]
-            dist.broadcast_object_list(box, group=layout.pp_group, group_src=layout.pp - 1)
-            totals, gathered = torch.tensor(box[0][0], dtype=torch.float64), box[0][1]
-        mean_loss = (totals[0] / totals[1]).item()
-        if labels is None:
-            return {"eval_loss": mean_loss, "perplexity": math.exp(min(mean_loss, 700.0))}
-        by_row = dict(pair for part in gathered for pair in part)
-        assert len(by_row) == len(ids), "every dev row is predicted exactly once"
-        ordered = sorted(by_row)
-        accuracy = load_metric("accuracy").compute(
-            predictions=[by_row[i] for i in ordered], references=[labels[i] for i in ordered]
-        )["accuracy"]
-        return {"eval_loss": mean_loss, "accuracy": accuracy}
-
-    # ------------------------------------------------------------------------------------------- outputs
-    def export(self, out: Path | None = None) -> Path | None:
-        """The model as a Hugging Face folder: `out`, else (export=true) hf/ in the run folder, or in a SageMaker
-        job given no output_dir, the job's model folder, which it uploads to S3 as the model artifact. Every rank
-        calls it."""
-        if out is None and not self.config.export:
-            return None
-        model_dir = None if out is not None or self.config.output_dir else sagemaker_folder("SM_MODEL_DIR")
-        out = out or model_dir or self.output_dir / "hf"
-        with self.timer("export"):
-            if self.ready.parallel.trainable is not None:
-                return self._export_lora(out, inside=model_dir is not None)
-            state, model = self.updates.full_state_dict(DTYPES[self.config.export_dtype]), self.updates.module
-
-            def write():  # rank 0; its failure (NaN weights, a full disk) is every rank's one-line error
-                self._record_exports(out)
-                save_hf(model, self.family.to_hf_state_dict(state, model.config), self.data.tokenizer, out)
-
-            rank0_decides(self.layout, write)
-            log.info("exported a Hugging Face model to %s", out)
-        return out
-
-    def _record_exports(self, *folders: Path) -> None:
-        """Put the export folders that lie in the run folder on its record, before writing them (rank 0)."""
-        ours = [folder.name for folder in folders if folder.parent.resolve() == self.output_dir.resolve()]
-        if ours:
-            record_written(self.output_dir, *ours)
-
-    def _export_lora(self, out: Path, inside: bool = False) -> Path:
-        """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out` (`inside` it: SageMaker's
-        model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
-        with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
-        names it."""
-        from . import lora
-
-        config, family = self.config, self.family
-        dtype, model = DTYPES[config.export_dtype], self.updates.module
-        settings = lora.settings_from_config(config, family)
-        whole = config.lora_export_merged or config.size == "tiny"
-        # every rank takes part in the gather; what to gather is the same on all of them
-        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
-        state = self.updates.full_state_dict(dtype, None if whole else trainable)
-        adapter, base_dir = (
-            (out / "adapter", out / "base") if inside else (out.with_name("adapter"), out.with_name("base"))
-        )
-        base = str(base_dir.resolve()) if config.size == "tiny" else (config.model or family.default_model)
-        tokenizer = self.data.tokenizer
-
-        def write():
-            tiny_base, merged = [base_dir] if config.size == "tiny" else [], [out] if config.lora_export_merged else []
-            self._record_exports(adapter, *tiny_base, *merged)
-            if config.lora_export_merged:  # first: written into an existing `out`, it replaces what `out` held
-                merged = lora.merged_state(state, settings.scaling)
-                save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
-            if config.size == "tiny":
-                frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
-                save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
-            write_folder(
-                adapter,
-                lambda folder: (
-                    lora.export_adapter(state, family, model.config, settings, config.task, base, folder),
-                    tokenizer.save_pretrained(folder),
-                ),
-            )
-
-        rank0_decides(self.layout, write)
-        log.info(
-            "exported the LoRA adapter (peft format) to %s%s",
-            adapter,
-            f" and the merged model to {out}" if config.lora_export_merged else "",
-        )
-        return adapter
-
-    def summary(self, results: dict) -> dict:
-        layout = self.layout
-        memory = [None] * layout.world_size
-        dist.all_gather_object(memory, round(peak_memory_mib(layout.device), 1))
-        load_peaks = [None] * layout.world_size
-        dist.all_gather_object(load_peaks, round(self.ready.load_peak_mib, 1))
-        state_bytes = [None] * layout.world_size
-        dist.all_gather_object(state_bytes, self.updates.state_bytes())
-        trained = self.history
-        train_seconds = sum(r["step_time_s"] for r in trained) or float("nan")
-        samples = len(trained) * self.config.batch_size
-        return {
-            **results,
-            "task": self.config.task,
-            "family": self.family.name,
-            "model": (
-                f"tiny {self.family.name} (from config)"
-                if self.config.size == "tiny"
-                else self.config.model or self.family.default_model
-            ),
-            "data": self.data.source.description,
-            "steps": self.step,
-            "skipped_steps": sum(r["skipped"] for r in trained),
-            "final_loss": trained[-1]["loss"] if trained else None,
-            "train_samples_per_s": samples / train_seconds,
-            "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in trained) / train_seconds,
-            # model FLOPs of all trained steps over their time: the run's mean, not the mean of per-step MFUs
-            "train_tflops_per_device": (
-                tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in trained) / train_seconds
-            ),
-            "mfu": self.peak.mfu(tflops),  # None: unknown, and why
-            "mfu_unknown": self.peak.unknown_reason(tflops),
-            "peak_tflops_per_device": self.peak.tflops,
-            "peak_source": self.peak.source,
-            "achievable_matmul_tflops": self.peak.achievable_tflops,  # a CPU's matmul probe (what it reached)
-            "padding_fraction": padding_fraction(self.padding.values()),
-            "padding_fraction_per_epoch": {
-                epoch: padding_fraction([counts]) for epoch, counts in sorted(self.padding.items())
-            },
-            "layout": layout.describe(),
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-            "precision": self.precision,
-            "engine": self.config.engine,
-            **({"zero_stage": self.updates.zero_stage} if self.deepspeed_config is not None else {}),
-            "seconds": {k: round(v, 3) for k, v in self.timer.seconds.items()},
-            "peak_memory_mib_per_rank": memory,
-            # when the model was ready, before the first step: process peak RSS (CPU) or allocated bytes (CUDA)
-            "load_peak_mib_per_rank": load_peaks,
-            "load_seconds": round(self.ready.load_seconds, 3),
-            "state_bytes_per_rank": state_bytes,
-            "versions": package_versions(),
-        }
-
-
-def padding_fraction(counts) -> float | None:
-    """Share of the token slots that were padding, from [real tokens, slots] pairs."""
-    real, slots = (sum(c[i] for c in counts) for i in (0, 1))
-    return 1 - real / slots if slots else None
-
 
 def run(config: Config, after_backward: Callable | None = None) -> dict:
     """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content.
@@ -622,21 +392,37 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
             trainer.reporter.close("stopped")
             shutdown()
             return {"stopped_at_step": trainer.step}
+        layout, tokenizer, updates = trainer.layout, trainer.data.tokenizer, trainer.updates
         with trainer.timer("eval"):
-            results = trainer.evaluate()
-        trainer.reporter.evaluation(trainer.step, results)
-        trainer.export()
-        summary = trainer.summary(results)
-        trainer.reporter.close()
-        if trainer.layout.is_main:
-            write_json(trainer.output_dir / "summary.json", summary)
-            log.info(
-                "done: %s | %s",
-                ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
-                ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()),
+            dev = trainer.data.splits["validation"]
+            results = evaluate(
+                trainer.model, trainer.runner, dev, tokenizer, config.task, config.eval_batch_size, layout
             )
-            log.info("%s", format_throughput(summary))
-            log.info("outputs in %s", trainer.output_dir)
+        trainer.reporter.evaluation(trainer.step, results)
+        if config.export:
+            with trainer.timer("export"):
+                export_model(updates, trainer.family, tokenizer, config, layout, trainer.output_dir)
+        summary = run_summary(
+            results,
+            config,
+            trainer.family,
+            layout,
+            data=trainer.data.source.description,
+            steps=trainer.step,
+            history=trainer.history,
+            padding=trainer.padding,
+            peak=trainer.peak,
+            precision=trainer.precision,
+            resumed_from=trainer.resumed_from,
+            seconds=trainer.timer.seconds,
+            load_peak_mib=trainer.ready.load_peak_mib,
+            load_seconds=trainer.ready.load_seconds,
+            state_bytes=updates.state_bytes(),
+            zero_stage=updates.zero_stage if config.engine == "deepspeed" else None,
+        )
+        trainer.reporter.close()
+        if layout.is_main:
+            write_summary(trainer.output_dir, summary, results)
         shutdown()
         return summary
     except BaseException as exc:

@@ -8,6 +8,7 @@ import torch
 
 from parallel_finetune import data
 from parallel_finetune.config import load_config
+from parallel_finetune.export import export_model
 from parallel_finetune.trainer import Trainer
 
 
@@ -16,7 +17,7 @@ def main() -> None:
     trainer = Trainer(config)
     trainer.setup()
     trainer.fit()
-    trainer.export()
+    export_model(trainer.updates, trainer.family, trainer.data.tokenizer, config, trainer.layout, trainer.output_dir)
     dev = trainer.data.splits["validation"]
     ids = data.column(dev, "input_ids")[:16]
     batch = data.collate(ids, trainer.data.tokenizer.pad_token_id, trainer.data.tokenizer.padding_side)

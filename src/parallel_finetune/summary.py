@@ -1,0 +1,102 @@
+"""summary.json: what a run did (dev metrics, throughput, MFU, padding, memory per rank, seconds per phase), made
+from plain values that the trainer measured, and the closing lines rank 0 logs with it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .reporting import format_throughput, package_versions, peak_memory_mib, write_json
+from .throughput import Peak
+
+log = logging.getLogger(__name__)
+
+
+def padding_fraction(counts) -> float | None:
+    """Share of the token slots that were padding, from [real tokens, slots] pairs."""
+    real, slots = (sum(c[i] for c in counts) for i in (0, 1))
+    return 1 - real / slots if slots else None
+
+
+def per_rank(value, layout) -> list:
+    """`value` of every rank, in rank order (a collective)."""
+    values = [None] * layout.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def run_summary(
+    results: dict,
+    config,
+    family,
+    layout,
+    *,
+    data: str,
+    steps: int,
+    history: list[dict],
+    padding: dict[int, list[int]],
+    peak: Peak,
+    precision: str,
+    resumed_from: Path | None,
+    seconds: dict[str, float],
+    load_peak_mib: float,
+    load_seconds: float,
+    state_bytes: dict[str, int] | None,
+    zero_stage: int | None,
+) -> dict:
+    """summary.json's content: `results` (the dev metrics) first, then the run as trained: `history` (the train
+    records), `padding` (epoch -> [real tokens, token slots]), `seconds` per phase, this rank's `state_bytes`
+    and load figures (gathered from every rank: every rank calls it), `zero_stage` (DeepSpeed only)."""
+    train_seconds = sum(r["step_time_s"] for r in history) or float("nan")
+    samples = len(history) * config.batch_size
+    return {
+        **results,
+        "task": config.task,
+        "family": family.name,
+        "model": (
+            f"tiny {family.name} (from config)" if config.size == "tiny" else config.model or family.default_model
+        ),
+        "data": data,
+        "steps": steps,
+        "skipped_steps": sum(r["skipped"] for r in history),
+        "final_loss": history[-1]["loss"] if history else None,
+        "train_samples_per_s": samples / train_seconds,
+        "train_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in history) / train_seconds,
+        # model FLOPs of all trained steps over their time: the run's mean, not the mean of per-step MFUs
+        "train_tflops_per_device": (
+            tflops := sum(r["tflops_per_device"] * r["step_time_s"] for r in history) / train_seconds
+        ),
+        "mfu": peak.mfu(tflops),  # None: unknown, and why
+        "mfu_unknown": peak.unknown_reason(tflops),
+        "peak_tflops_per_device": peak.tflops,
+        "peak_source": peak.source,
+        "achievable_matmul_tflops": peak.achievable_tflops,  # a CPU's matmul probe (what it reached)
+        "padding_fraction": padding_fraction(padding.values()),
+        "padding_fraction_per_epoch": {epoch: padding_fraction([counts]) for epoch, counts in sorted(padding.items())},
+        "layout": layout.describe(),
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "precision": precision,
+        "engine": config.engine,
+        **({"zero_stage": zero_stage} if zero_stage is not None else {}),
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "peak_memory_mib_per_rank": per_rank(round(peak_memory_mib(layout.device), 1), layout),
+        # when the model was ready, before the first step: process peak RSS (CPU) or allocated bytes (CUDA)
+        "load_peak_mib_per_rank": per_rank(round(load_peak_mib, 1), layout),
+        "load_seconds": round(load_seconds, 3),
+        "state_bytes_per_rank": per_rank(state_bytes, layout),
+        "versions": package_versions(),
+    }
+
+
+def write_summary(run_folder: Path, summary: dict, results: dict) -> None:
+    """Rank 0: summary.json, and the run's closing lines."""
+    write_json(run_folder / "summary.json", summary)
+    log.info(
+        "done: %s | %s",
+        ", ".join(f"{k} {v:.4f}" for k, v in results.items()),
+        ", ".join(f"{k} {v:.1f}s" for k, v in summary["seconds"].items()),
+    )
+    log.info("%s", format_throughput(summary))
+    log.info("outputs in %s", run_folder)
