@@ -96,6 +96,8 @@ def test_trackers_get_rank0s_metrics_and_the_config(sst2, cache_dir, tmp_path):
     assert tracked.info.run_name == "gptj-tp2" and tracked.info.status == "FINISHED"
     assert tracked.data.params["lr"] == str(lr)
     assert tracked.data.params["tensor_parallel_degree"] == "auto" and tracked.data.params["report_to"] == "all"
+    assert json.loads(tracked.data.params["resolved.degrees"]) == {"pp": 1, "dp": 1, "tp": 2}  # what auto became
+    assert tracked.data.params["resolved.precision"] == "fp32"
     assert mlflow_history(client, tracked.info.run_id, "train/loss") == sorted(losses.items())
     assert mlflow_history(client, tracked.info.run_id, "eval/accuracy") == [(e["step"], e["accuracy"]) for e in evals]
     assert json.loads((run.output_dir / TRACKING_IDS).read_text())["mlflow"] == tracked.info.run_id

@@ -395,3 +395,32 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
     updates = TorchUpdates(model, world_of_one, config(), "fp32", Parallelized())
     runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
     assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)
+
+
+def test_a_recipe_is_resolved_once_into_the_values_components_receive():
+    """resolve.py: `model` falls back to the family's default once (None at size=tiny), `microbatches` to 2 per
+    stage, precision `auto` to the device's, dtypes from the names; the trackers get them beside the config."""
+    from parallel_finetune.config import load_config
+    from parallel_finetune.layout import ParallelDims
+    from parallel_finetune.precision import cpu_has_bf16
+    from parallel_finetune.resolve import resolve
+
+    dims = ParallelDims(1, 2, 1, 2, "optimizer")
+    full = resolve(load_config(REPO / "recipes/gptj/pp.yaml", ["export_dtype=bfloat16"]), torch.device("cpu"), dims)
+    assert full.model_name == "EleutherAI/gpt-j-6b" and full.family.name == "gptj"
+    assert full.microbatches == 4 and full.export_dtype == torch.bfloat16
+    assert full.precision == ("bf16" if cpu_has_bf16() else "fp32")
+    tiny = resolve(
+        load_config(REPO / "recipes/gptj/pp.yaml", ["size=tiny", "microbatches=6", "precision=fp32"]),
+        torch.device("cpu"),
+        dims,
+    )
+    assert tiny.model_name is None and tiny.microbatches == 6
+    assert tiny.compute_dtype == torch.float32 and tiny.autocast_dtype is None
+    assert tiny.as_params() == {
+        "resolved.model": None,
+        "resolved.precision": "fp32",
+        "resolved.degrees": {"pp": 2, "dp": 2, "tp": 1},
+        "resolved.sharding": "optimizer",
+        "resolved.microbatches": 6,
+    }

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import integrity
 from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
+from .resolve import pretrained_name
 from .runfolder import record_written, recorded, restarted
 
 log = logging.getLogger(__name__)
@@ -545,7 +546,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None
     if config.size == "full":  # its config.json gives the architecture
-        model_path = download_model(config.model or family.default_model, config.revision, local_only=True)
+        model_path = download_model(pretrained_name(config), config.revision, local_only=True)
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.

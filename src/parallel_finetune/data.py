@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from .errors import UserError
 from .pretrained import load_hf_tokenizer
 from .reporting import check_writable
+from .resolve import pretrained_name
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +429,7 @@ def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
         config.max_length,
         config.tokenizer,
         config.size,
-        model_path or config.model or family.default_model,
+        model_path or pretrained_name(config),
         config.tokenizer_vocab_size,
         family.tiny_tokenizer,
     )

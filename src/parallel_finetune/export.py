@@ -24,6 +24,7 @@ from .integrity import nonfinite
 from .interfaces import Updates
 from .layout import rank0_decides
 from .precision import DTYPES
+from .resolve import pretrained_name
 from .runfolder import LOCK, RECORD, _alive, _holder, _read_holder, checkpoint_holding, record_written, sagemaker_folder
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def export_lora(
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     state = updates.full_state_dict(dtype, None if whole else trainable)
     adapter, base_dir = (out / "adapter", out / "base") if inside else (out.with_name("adapter"), out.with_name("base"))
-    base = str(base_dir.resolve()) if config.size == "tiny" else (config.model or family.default_model)
+    base = str(base_dir.resolve()) if config.size == "tiny" else pretrained_name(config)
 
     def write():
         tiny_base, merged = [base_dir] if config.size == "tiny" else [], [out] if config.lora_export_merged else []

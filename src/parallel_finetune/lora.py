@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import UserError
+from .resolve import pretrained_name
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def preflight(config, family, hf_config) -> None:
     from .families.base import resolve_model_path
     from .weights import plan_whole
 
-    folder = Path(resolve_model_path(config.model or family.default_model))
+    folder = Path(resolve_model_path(pretrained_name(config)))
     if folder.is_dir():  # a Hub name is fetched by the run, which checks the same once it has the files
         weights, _, _, plan = plan_whole(family, config.task, hf_config, str(folder))
         try:

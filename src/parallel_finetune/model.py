@@ -24,6 +24,7 @@ from .parallel.tensor import keep_gradients_sharded
 from .parallel.zero import ZeroAdamW, zero_adamw
 from .precision import DTYPES
 from .reporting import peak_memory_mib
+from .resolve import pretrained_name
 from .throughput import ModelFlops, model_flops
 from .weights import (
     LoadPlan,
@@ -166,7 +167,7 @@ def load_model(
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
         log.info(
             "model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
-            config.model or family.default_model,
+            pretrained_name(config),
             total / 1e9,
             mine / 1e9,
             weights.description,

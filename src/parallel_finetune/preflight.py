@@ -15,6 +15,7 @@ from .families.base import check_model_source, resolve_model_path
 from .layout import check_batch_split, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
 from .reporting import check_writable, choose_output_dir
+from .resolve import pipeline_microbatches, pretrained_name
 from .runfolder import check_free, check_run_folders, run_folders
 
 
@@ -38,7 +39,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
 
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
-        microbatches = config.microbatches or 2 * dims.pp
+        microbatches = pipeline_microbatches(config, dims.pp)
         check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
     return dims, pipeline
@@ -130,14 +131,14 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_run_folders(output_dir, root, config.overwrite)
     check_resume(config, root)  # the checkpoint it would continue: intact, and of compatible settings
     if config.size == "full":
-        check_model_source(config.model or family.default_model)
+        check_model_source(pretrained_name(config))
     if config.tokenizer:
         refuse_custom_code(resolve_model_path(config.tokenizer))
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
     lora.preflight(config, family, hf_config)  # targets and heads that match nothing, a rank wider than a layer
-    if config.size == "full" and Path(folder := resolve_model_path(config.model or family.default_model)).is_dir():
+    if config.size == "full" and Path(folder := resolve_model_path(pretrained_name(config))).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
         check_fit(family, config.task, hf_config, folder)

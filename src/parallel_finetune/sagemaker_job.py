@@ -35,6 +35,7 @@ from pathlib import Path
 from .config import load_config, parse_override
 from .errors import UserError
 from .hardware import INSTANCES
+from .resolve import pretrained_name
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +436,7 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     from .preflight import check_layout
 
     family = get_family(config.family)
-    name = str(model_folder) if model_folder else (config.model or family.default_model)
+    name = str(model_folder) if model_folder else pretrained_name(config)
     try:
         hf_config = family.config_for(config, config.tokenizer_vocab_size, model_path=name, published=True)
     except OSError as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .reporting import format_throughput, package_versions, peak_memory_mib, write_json
+from .resolve import pretrained_name
 from .throughput import Peak
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,7 @@ def run_summary(
         **results,
         "task": config.task,
         "family": family.name,
-        "model": (
-            f"tiny {family.name} (from config)" if config.size == "tiny" else config.model or family.default_model
-        ),
+        "model": f"tiny {family.name} (from config)" if config.size == "tiny" else pretrained_name(config),
         "data": data,
         "steps": steps,
         "skipped_steps": sum(r["skipped"] for r in history),

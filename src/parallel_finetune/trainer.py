@@ -42,9 +42,10 @@ from .loggers import destinations
 from .loss import loss_count
 from .model import load_model
 from .parallel.pipeline import Pipeline, check_microbatches
-from .precision import DTYPES, autocast, resolve_precision
+from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer, Reporter
+from .resolve import resolve
 from .runfolder import RunLock
 from .runner import WholeModel
 from .startup import claim_run_folders, fetch_model, open_run_folder
@@ -98,7 +99,7 @@ class Trainer:
             self._check_settings()
             self.output_dir, self.checkpoint_root, self.run_lock = claim_run_folders(config, layout)
             if config.size == "full":
-                name = config.model or self.family.default_model
+                name = self.resolved.model_name
                 self.model_path = fetch_model(name, config.revision, layout, config.collective_timeout_s)
         with self.timer("data"):
             self.data = self._prepare_data()
@@ -115,16 +116,17 @@ class Trainer:
         """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
         line on a bad input, before any work."""
         config, layout = self.config, self.layout
-        self.precision = resolve_precision(config.precision, layout.device, config.engine)
+        self.resolved = resolve(config, layout.device, layout.dims)  # decided once; components receive these
+        self.precision = self.resolved.precision
         if config.lr_note:
             log.info("%s", config.lr_note)
-        self.peak = device_peak(layout.device, DTYPES[self.precision], config.peak_tflops)
+        self.peak = device_peak(layout.device, self.resolved.compute_dtype, config.peak_tflops)
         self.peak_tflops = self.peak.tflops  # None: unknown
         log.info("%s", self.peak.describe())
         check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
         if config.size == "tiny":  # (full size: once the model is fetched, in _build)
             check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
-        self.microbatches = config.microbatches or 2 * layout.pp  # a pipeline's, per accumulation slice
+        self.microbatches = self.resolved.microbatches
         if layout.pp > 1:
             check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps), self.microbatches)
         if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
@@ -251,7 +253,7 @@ class Trainer:
         config = self.config
         if config.size == "tiny":
             return f"tiny {self.family.name} from config, initialised from seed {config.seed}"
-        name = config.model or self.family.default_model
+        name = self.resolved.model_name
         return f"{name}@{config.revision}" if config.revision else name
 
     # ------------------------------------------------------------------------------------------- training
@@ -320,7 +322,8 @@ class Trainer:
         reporter = Reporter(self.output_dir, self.total_steps, config.log_every, layout.is_main, resumed_at=self.step)
         self.reporter = reporter
         trackers = destinations(config.report_to)
-        rank0_decides(layout, lambda: reporter.add_trackers(trackers, config.run_name, config.to_dict()))
+        params = config.to_dict() | self.resolved.as_params()  # as written, and what `auto` became
+        rank0_decides(layout, lambda: reporter.add_trackers(trackers, config.run_name, params))
         log.info(
             "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
             self.total_steps,
