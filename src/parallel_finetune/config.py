@@ -595,12 +595,34 @@ def validate(config: Config, where: str = "config") -> None:
         return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
 
     from .families import get_family  # local: families import transformers, which config users may not need
-    from .layout import Sharding  # (and the layout, torch)
 
     try:
         family = get_family(config.family)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
+    _check_training(config, bad)
+    _check_parallel(config, bad)
+    _check_peft(config, bad)
+    try:
+        destinations(config.report_to)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
+        raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
+    if config.task not in family.tasks:
+        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
+    if config.size == "full" and config.model is None and not family.default_model:
+        raise bad("model", "must name a Hub model or a local folder")
+    from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
+
+    deepspeed_engine.validate(config, where)
+
+
+BadKey = typing.Callable[[str, str], UserError]  # (key, why) -> the one-line error naming key and value
+
+
+def _check_training(config: Config, bad: BadKey) -> None:
+    """Finite numbers, then the ranges of the training, data and checkpoint keys."""
     for key in USER_KEYS:  # nan passes every range check below (all comparisons are false), inf most of them
         if isinstance(getattr(config, key), float) and not math.isfinite(getattr(config, key)):
             raise bad(key, "must be a finite number")
@@ -657,6 +679,12 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("max_grad_norm", "must be >= 0 (0 or null disables clipping)")
     if len(config.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in config.adam_betas):
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+def _check_parallel(config: Config, bad: BadKey) -> None:
+    """Degrees, sharding, micro-batches, partitions, and what does not combine with a pipeline."""
+    from .layout import Sharding  # local: the layout imports torch
+
     tp = config.tensor_parallel_degree
     if tp != "auto" and tp < 1:
         raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
@@ -700,31 +728,22 @@ def validate(config: Config, where: str = "config") -> None:
                 "does not combine with offload_activations=true (activations "
                 "cross stages); use activation_checkpointing instead",
             )
-    if config.peft == "lora":
-        if config.engine == "deepspeed":
-            raise bad("peft", "is engine=torch's (tensor, pipeline and sharded data parallelism); use engine=torch")
-        if config.lora_rank < 1:
-            raise bad("lora_rank", "must be at least 1, e.g. 8")
-        if config.lora_alpha <= 0:
-            raise bad("lora_alpha", "must be positive, e.g. 2 x lora_rank")
-        if not 0 <= config.lora_dropout < 1:
-            raise bad("lora_dropout", "must be in [0, 1)")
-        for key in ("lora_target_modules", "lora_modules_to_save"):
-            value = getattr(config, key)
-            if isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
-                raise bad(key, "must be a list of module names, e.g. [q_proj, v_proj]")
-        if config.lora_target_modules == []:
-            raise bad("lora_target_modules", "must name at least one module (or default, all-linear)")
-    try:
-        destinations(config.report_to)
-    except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
-    if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
-        raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
-    if config.task not in family.tasks:
-        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
-    if config.size == "full" and config.model is None and not family.default_model:
-        raise bad("model", "must name a Hub model or a local folder")
-    from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 
-    deepspeed_engine.validate(config, where)
+
+def _check_peft(config: Config, bad: BadKey) -> None:
+    if config.peft != "lora":
+        return
+    if config.engine == "deepspeed":
+        raise bad("peft", "is engine=torch's (tensor, pipeline and sharded data parallelism); use engine=torch")
+    if config.lora_rank < 1:
+        raise bad("lora_rank", "must be at least 1, e.g. 8")
+    if config.lora_alpha <= 0:
+        raise bad("lora_alpha", "must be positive, e.g. 2 x lora_rank")
+    if not 0 <= config.lora_dropout < 1:
+        raise bad("lora_dropout", "must be in [0, 1)")
+    for key in ("lora_target_modules", "lora_modules_to_save"):
+        value = getattr(config, key)
+        if isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
+            raise bad(key, "must be a list of module names, e.g. [q_proj, v_proj]")
+    if config.lora_target_modules == []:
+        raise bad("lora_target_modules", "must name at least one module (or default, all-linear)")
