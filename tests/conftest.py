@@ -93,10 +93,12 @@ def subprocess_env() -> dict:
     return env
 
 
-def python(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python *args` in the repository with subprocess_env() (plus `env`), output captured as text; forked from
-    the harness's pre-warmed zygote, which spares it ~8 s of imports."""
-    return harness.python(list(args), {**subprocess_env(), **(env or {})}, REPO, timeout)
+def python(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """`python *args` in the repository with subprocess_env() (plus `env`), output captured as text, `input` on
+    its stdin; forked from the harness's pre-warmed zygote, which spares it ~8 s of imports."""
+    return harness.python(list(args), {**subprocess_env(), **(env or {})}, REPO, timeout, input)
 
 
 def make_commands(target: str, *variables: str) -> list[list[str]]:

@@ -234,16 +234,8 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk
 
 
 def export_hf(checkpoint, out, answer: str | None = None) -> subprocess.CompletedProcess:
-    """scripts/export_hf.py; `answer`: what stdin holds for a question (none should be asked)."""
-    return subprocess.run(
-        [sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)],
-        input=answer,
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """scripts/export_hf.py (forked); `answer`: what stdin holds for a question (none should be asked)."""
+    return python("scripts/export_hf.py", str(checkpoint), str(out), input=answer, timeout=300)
 
 
 def assert_one_error(output: str, message: str) -> None:
