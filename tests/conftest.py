@@ -58,6 +58,17 @@ def sst2() -> Path:
     return path
 
 
+def short_dev(sst2: Path, folder: Path, rows: int = 128) -> Path:
+    """`folder` holding SST-2's real training rows and its first `rows` dev rows: for runs that compare losses,
+    checkpoints or errors but never dev metrics (scoring all 872 dev rows costs a tiny run as much as its
+    training steps). The same files in every worker, so the tokenized-data cache serves them all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.tsv").symlink_to(sst2 / "train.tsv")
+    lines = (sst2 / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (folder / "dev.tsv").write_text("".join(lines[: rows + 1]), encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, pytest-xdist workers included (their temp folders share a

@@ -16,7 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides, tmpfs
+from conftest import (
+    FAMILIES,
+    REPO,
+    check,
+    launch,
+    plant_payload,
+    python,
+    recipe,
+    short_dev,
+    subprocess_env,
+    tiny_overrides,
+    tmpfs,
+)
 from safetensors.torch import load_file
 
 from parallel_finetune import integrity
@@ -26,6 +38,12 @@ from parallel_finetune.runfolder import RECORD, RunLock
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def sst2(sst2, tmp_path_factory) -> Path:
+    """No test here compares dev metrics: 128 dev rows (conftest.short_dev)."""
+    return short_dev(sst2, tmp_path_factory.mktemp("sst2"))
 
 
 def overrides(sst2, cache_dir, *extra: str, family: str = "gptj") -> list[str]:
