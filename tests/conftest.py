@@ -58,6 +58,17 @@ def sst2() -> Path:
     return path
 
 
+def short_dev(sst2: Path, folder: Path, rows: int = 128) -> Path:
+    """`folder` holding SST-2's real training rows and its first `rows` dev rows: for runs that compare losses,
+    checkpoints or errors but never dev metrics (scoring all 872 dev rows costs a tiny run as much as its
+    training steps). The same files in every worker, so the tokenized-data cache serves them all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.tsv").symlink_to(sst2 / "train.tsv")
+    lines = (sst2 / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (folder / "dev.tsv").write_text("".join(lines[: rows + 1]), encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, pytest-xdist workers included (their temp folders share a
@@ -93,10 +104,12 @@ def subprocess_env() -> dict:
     return env
 
 
-def python(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python *args` in the repository with subprocess_env() (plus `env`), output captured as text; forked from
-    the harness's pre-warmed zygote, which spares it ~8 s of imports."""
-    return harness.python(list(args), {**subprocess_env(), **(env or {})}, REPO, timeout)
+def python(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """`python *args` in the repository with subprocess_env() (plus `env`), output captured as text, `input` on
+    its stdin; forked from the harness's pre-warmed zygote, which spares it ~8 s of imports."""
+    return harness.python(list(args), {**subprocess_env(), **(env or {})}, REPO, timeout, input)
 
 
 def make_commands(target: str, *variables: str) -> list[list[str]]:

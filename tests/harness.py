@@ -135,18 +135,27 @@ def run_ranks(nproc: int, argv: list[str], env: dict[str, str], cwd: Path, timeo
     return _fork(argv, nproc, env, cwd, timeout_s)
 
 
-def python(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    """subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...), forked from the zygote."""
-    (process,) = _fork(argv, None, env, cwd, timeout_s).ranks
+def python(
+    argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 600, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, *argv], capture_output=True, text=True, input=input, ...), forked from the
+    zygote."""
+    (process,) = _fork(argv, None, env, cwd, timeout_s, input).ranks
     command = [sys.executable, *argv]
     if process.killed:
         raise subprocess.TimeoutExpired(command, timeout_s, process.stdout, process.stderr)
     return subprocess.CompletedProcess(command, process.returncode, process.stdout, process.stderr)
 
 
-def _fork(argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
+def _fork(
+    argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, timeout_s: float, input: str | None = None
+) -> Ranks:
     log_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
+        stdin = None
+        if input is not None:
+            stdin = log_dir / "stdin"
+            stdin.write_text(input)
         request = {
             "argv": argv,
             "ranks": ranks,
@@ -154,6 +163,7 @@ def _fork(argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, ti
             "cwd": str(cwd),
             "log_dir": str(log_dir),
             "timeout_s": timeout_s,
+            "stdin": stdin and str(stdin),
         }
         reply = zygote(env, cwd).launch(request)
         if "refused" in reply:

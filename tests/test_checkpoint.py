@@ -16,7 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAMILIES, REPO, check, launch, plant_payload, python, recipe, subprocess_env, tiny_overrides, tmpfs
+from conftest import (
+    FAMILIES,
+    REPO,
+    check,
+    launch,
+    plant_payload,
+    python,
+    recipe,
+    short_dev,
+    subprocess_env,
+    tiny_overrides,
+    tmpfs,
+)
 from safetensors.torch import load_file
 
 from parallel_finetune import integrity
@@ -26,6 +38,12 @@ from parallel_finetune.runfolder import RECORD, RunLock
 
 SIGNAL_WORKER = str(REPO / "tests" / "workers" / "signal_at_step.py")
 TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def sst2(sst2, tmp_path_factory) -> Path:
+    """No test here compares dev metrics: 128 dev rows (conftest.short_dev)."""
+    return short_dev(sst2, tmp_path_factory.mktemp("sst2"))
 
 
 def overrides(sst2, cache_dir, *extra: str, family: str = "gptj") -> list[str]:
@@ -234,16 +252,8 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk
 
 
 def export_hf(checkpoint, out, answer: str | None = None) -> subprocess.CompletedProcess:
-    """scripts/export_hf.py; `answer`: what stdin holds for a question (none should be asked)."""
-    return subprocess.run(
-        [sys.executable, "scripts/export_hf.py", str(checkpoint), str(out)],
-        input=answer,
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """scripts/export_hf.py (forked); `answer`: what stdin holds for a question (none should be asked)."""
+    return python("scripts/export_hf.py", str(checkpoint), str(out), input=answer, timeout=300)
 
 
 def assert_one_error(output: str, message: str) -> None:

@@ -1,9 +1,9 @@
 """The pre-warmed parent of the test harness's ranks (tests/harness.py starts one per pytest process).
 
 It imports the training stack once (~8 s of CPU that every torchrun worker pays), then, for each request read
-from stdin (one JSON line: argv, ranks, env, cwd, log_dir, timeout_s), forks one process per rank (or one plain
-process where ranks is null), each running `python *argv` in itself (a script, or -m module), and answers one
-JSON line with every process's exit status once all have ended.
+from stdin (one JSON line: argv, ranks, env, cwd, log_dir, timeout_s, and stdin: a file for the processes' stdin
+or null), forks one process per rank (or one plain process where ranks is null), each running `python *argv` in
+itself (a script, or -m module), and answers one JSON line with every process's exit status once all have ended.
 
 A rank runs what a torchrun worker runs: the same `__main__` under the variables `torchrun
 --standalone` sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, a free
@@ -152,7 +152,7 @@ def run_child(request: dict, rank: int, port: int, reply_fd: int, zygote: int) -
         os.close(reply_fd)
         log = os.path.join(request["log_dir"], f"rank{rank}")
         for fd, path, flags in (
-            (0, os.devnull, os.O_RDONLY),
+            (0, request.get("stdin") or os.devnull, os.O_RDONLY),
             (1, log + ".stdout", os.O_WRONLY | os.O_CREAT),
             (2, log + ".stderr", os.O_WRONLY | os.O_CREAT),
         ):
