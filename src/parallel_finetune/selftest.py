@@ -143,24 +143,31 @@ def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
     return run_folder(check, work), proc.stdout + proc.stderr
 
 
+def export_as_loaded(trainer) -> None:
+    """Into the run folder's `loaded/`, the weights as loaded into every rank's shards: called after the first
+    step's backward, before any update (the selftest and tests/test_full_size.py compare it with the file)."""
+    from .export import export_model
+
+    export_model(
+        trainer.updates,
+        trainer.family,
+        trainer.data.tokenizer,
+        trainer.config,
+        trainer.layout,
+        trainer.output_dir,
+        out=trainer.output_dir / "loaded",
+    )
+
+
 def worker(spec: dict) -> int:
     """One torchrun rank: a normal run, with the selftest's hooks."""
     from .config import load_config
-    from .export import export_model
     from .parallel.gradients import local
     from .trainer import run
 
     def after_backward(trainer, step: int) -> None:
         if spec["export_loaded"] and step == 1:  # every rank still holds the pretrained values
-            export_model(
-                trainer.updates,
-                trainer.family,
-                trainer.data.tokenizer,
-                trainer.config,
-                trainer.layout,
-                trainer.output_dir,
-                out=trainer.output_dir / "loaded",
-            )
+            export_as_loaded(trainer)
         if spec["fp16_overflow"] and step == INJECT_STEP and trainer.layout.rank == trainer.layout.world_size - 1:
             # the last rank (last pipeline stage): an inf in a replicated weight's gradient, that no collective
             # of the model would carry to the other ranks; only the agreed skip decision can

@@ -5,21 +5,13 @@ folder with the checkpoint file and the losses with one process."""
 import sys
 
 from parallel_finetune.config import load_config
-from parallel_finetune.export import export_model
+from parallel_finetune.selftest import export_as_loaded
 from parallel_finetune.trainer import run
 
 
 def export_loaded(trainer, step: int) -> None:
     if step == 1:
-        export_model(
-            trainer.updates,
-            trainer.family,
-            trainer.data.tokenizer,
-            trainer.config,
-            trainer.layout,
-            trainer.output_dir,
-            out=trainer.output_dir / "loaded",
-        )
+        export_as_loaded(trainer)
 
 
 if __name__ == "__main__":
