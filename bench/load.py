@@ -115,7 +115,7 @@ def main() -> int:
     folder = args.work / f"gptj-h{args.hidden}-l{args.layers}-float16"
     if not (folder / "config.json").is_file():
         print(f"writing {folder} ...", flush=True)
-        sentences = column(read_glue_dir(REPO / "src" / "parallel_finetune" / "sample_data")["train"], "sentence")
+        sentences = column(read_glue_dir(REPO / "src" / "parallel_finetune" / "sample_data")["train"], "text")
         write_checkpoint(
             folder, "gptj", sentences, hidden=args.hidden, layers=args.layers, heads=16, dtype="float16", vocab_size=512
         )

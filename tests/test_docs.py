@@ -160,7 +160,7 @@ def test_a_family_registered_from_one_file_is_planned_checked_and_written_as_a_c
     assert "opt" in families.family_names() and "opt" not in families.LISTING_ORDER
     planned = python("scripts/plan.py", "facebook/opt-1.3b", "--gpus", "8", "--gpu-mem-gb", "40", env=registered)
     assert planned.returncode == 0 and "facebook/opt-1.3b" in planned.stdout, planned.stdout + planned.stderr
-    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:2000]
+    sentences = column(read_glue_dir(sst2)["train"], "text")[:2000]
     folder = synthetic.write_checkpoint(
         tmp_path / "opt", "opt", sentences, hidden=64, layers=2, heads=4, vocab_size=300
     )

@@ -78,7 +78,7 @@ def small_sst2(sst2, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(sst2):
     """family, dtype -> a model folder (written on first use, reused by later sessions)."""
-    sentences = column(read_glue_dir(sst2)["train"], "sentence")
+    sentences = column(read_glue_dir(sst2)["train"], "text")
 
     def get(family: str, dtype: str) -> Path:
         folder = CACHE / f"{family}-{dtype}"

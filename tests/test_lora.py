@@ -316,7 +316,7 @@ def test_lora_never_leaves_a_new_head_frozen(sst2, tmp_path):
     from parallel_finetune.errors import UserError
     from parallel_finetune.preflight import preflight
 
-    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:300]
+    sentences = column(read_glue_dir(sst2)["train"], "text")[:300]
     folder = synthetic.write_checkpoint(
         tmp_path / "gpt2", "gpt2", sentences, hidden=32, layers=1, heads=2, vocab_size=300
     )

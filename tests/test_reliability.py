@@ -477,7 +477,7 @@ def small_gpt2(sst2, tmp_path_factory):
     from parallel_finetune import synthetic
     from parallel_finetune.data import column, read_glue_dir
 
-    sentences = column(read_glue_dir(sst2)["train"], "sentence")[:300]
+    sentences = column(read_glue_dir(sst2)["train"], "text")[:300]
     folder = tmp_path_factory.mktemp("pretrained") / "gpt2"
     return synthetic.write_checkpoint(folder, "gpt2", sentences, hidden=64, layers=2, heads=4, vocab_size=512)
 

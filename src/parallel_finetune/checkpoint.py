@@ -50,6 +50,7 @@ from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
 from .resolve import pretrained_name
 from .runfolder import record_written, recorded, restarted
+from .tasks import LABEL_FILE, data_fingerprint, read_label_file, write_label_file
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +239,7 @@ def check_resume(config, root: Path) -> None:
 
     folder = _pick(effective_resume(config), root, problem_of)
     if folder is not None:
-        from .data import tsv_fingerprint
-
-        check_continuation(folder, config, tsv_fingerprint(config.data_dir) if config.data_dir else None)
+        check_continuation(folder, config, data_fingerprint(config))
 
 
 def check_continuation(folder: Path, config, data: str | None = None) -> None:
@@ -296,6 +295,7 @@ class TrainingState:
     trainable: set[str] | None = None  # peft=lora: only these are written (the base is named, not copied)
     base: str | None = None  # peft=lora: the frozen base model the adapters belong to
     data: str | None = None  # the training data's fingerprint (data.Source): a continuation must train on the same
+    task: object = None  # the data's tasks.Task: labels.json, so an export knows the head's labels
 
     def model_state(self) -> dict:
         state = self.model.state_dict()
@@ -372,6 +372,8 @@ def save(state: TrainingState, root: Path) -> Path | None:
         # What an export needs without the data: the run's configuration and tokenizer.
         (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
         state.tokenizer.save_pretrained(partial / "tokenizer")
+        if state.task is not None:
+            write_label_file(partial, state.task)
         (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
         entries = {name: entry for part in everyone for name, entry in part.items()}
         entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
@@ -547,7 +549,8 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     model_path = None
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(pretrained_name(config), config.revision, local_only=True)
-    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
+    labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
+    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=labels)
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(

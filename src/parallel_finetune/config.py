@@ -49,7 +49,12 @@ class ModelSection:
     model: str | None = None  # Hub name or local folder; None = the family's full-size default
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
-    task: Literal["classification", "causal_lm"] = "classification"  # SST-2 labels, or next-token prediction
+    # classification = a sequence-classification head (any number of classes, or one regression output), scored on
+    # the labels; causal_lm = next-token prediction on the text column
+    task: Literal["classification", "causal_lm"] = "classification"
+    num_labels: int | None = None  # the head's width; None = the number of distinct training labels (1: regression)
+    # transformers' name; auto = regression when the training labels are numbers with fractions, else classification
+    problem_type: Literal["auto", "single_label_classification", "regression"] = "auto"
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
     tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
     tokenizer_vocab_size: int = 8192  # of the BPE trained for tiny models
@@ -59,7 +64,24 @@ class ModelSection:
 class DataSection:
     """`data:` Where the rows come from and how they become batches."""
 
-    data_dir: str | None = None  # GLUE-format TSV folder; None = the Hub, else the shipped sample
+    # a GLUE task by name: its files read from data_dir in GLUE's own layout, else from the Hub (nyu-mll/glue); its
+    # official metric(s). Used when neither train_file nor dataset is given.
+    glue_task: Literal["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"] = "sst2"
+    data_dir: str | None = (
+        None  # the glue_task's folder (GLUE's files); None = the Hub, for sst2 else the shipped sample
+    )
+    # your own rows (transformers' run_glue.py names): .csv, .tsv, .jsonl/.json or .parquet files with a header
+    train_file: str | None = None
+    validation_file: str | None = None  # None = validation_split_percentage of train held out
+    test_file: str | None = None  # what predict=true predicts (labels, if any, are not needed)
+    dataset: str | None = (
+        None  # a datasets folder written by save_to_disk, or a Hub data set name (train, validation, test)
+    )
+    dataset_config: str | None = None  # the Hub data set's configuration name, if it has several
+    text_column: str | None = None  # the text; None = sentence, text or sentence1, the first the data has
+    text_pair_column: str | None = None  # the second text of a pair task; None = sentence2 beside sentence1, else none
+    label_column: str = "label"  # class names or ids (any values: sorted, they become ids), or regression targets
+    validation_split_percentage: float = 10.0  # with no validation split: this share of train held out (seeded by seed)
     cache_dir: Continues[str] = "data/cache"  # tokenized datasets, reused by every run with the same tokenizer and data
     max_length: int = 128  # truncation length (classification) or block size (causal_lm)
     group_by_length: bool = True  # fill each global batch with sentences of similar length (less padding)
@@ -192,6 +214,8 @@ class OutputSection:
     overwrite: Continues[bool] = False  # allow writing into an output_dir that already holds files
     export: Continues[bool] = True  # write the fine-tuned model as a Hugging Face folder (hf/) at the end
     export_dtype: Continues[Literal["float32", "bfloat16", "float16"]] = "float32"  # dtype of the exported weights
+    # after training, predict the test split: predictions.tsv in GLUE's submission format (index, prediction)
+    predict: Continues[bool] = False
 
 
 @dataclass
@@ -626,6 +650,10 @@ def _check_training(config: Config, bad: BadKey) -> None:
     for key in USER_KEYS:  # nan passes every range check below (all comparisons are false), inf most of them
         if isinstance(getattr(config, key), float) and not math.isfinite(getattr(config, key)):
             raise bad(key, "must be a finite number")
+    if not 0 < config.validation_split_percentage < 100:
+        raise bad("validation_split_percentage", "must be in (0, 100): the share of train rows held out, e.g. 10")
+    if config.num_labels is not None and config.num_labels < 1:
+        raise bad("num_labels", "must be 1 (regression) or more, or null to count the training labels")
     if not 0 <= config.seed < 2**32:
         raise bad("seed", "must be in [0, 4294967295] (the range numpy and torch seed from)")
     if config.adam_eps <= 0:

@@ -1,22 +1,18 @@
-"""SST-2 from its source to padded batches: read, validate, tokenize, cache, sample, collate.
+"""A task's rows to padded batches: tokenize (single texts, pairs, or language-model blocks), cache, sample, collate.
 
-Sources, in order of preference: a local folder of GLUE TSVs (`data_dir`), the Hugging Face Hub
-(`nyu-mll/glue`, config `sst2`), or the small sample shipped in `data/sst2-sample` (loudly announced).
-Batches are padded per batch, never to a fixed length: SST-2 sentences average ~10 words.
+Where rows come from and what their labels mean is tasks/'s business (`load_task`); this module turns the result
+into token ids once, caches them keyed by the rows, the task and the tokenizer, and batches them. Batches are
+padded per batch, never to a fixed length: SST-2 sentences average ~10 words.
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
-import stat
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,193 +25,46 @@ from .errors import UserError
 from .pretrained import load_hf_tokenizer
 from .reporting import check_writable
 from .resolve import pretrained_name
+from .tasks import CAUSAL_LM, Source, Task, load_task, read_label_file, write_label_file
+from .tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
 
 log = logging.getLogger(__name__)
 
-HUB_DATASET = ("nyu-mll/glue", "sst2")
-SAMPLE_DIR = Path(__file__).resolve().parent / "sample_data"
-SPLIT_FILES = {"train": "train.tsv", "validation": "dev.tsv", "test": "test.tsv"}
-REQUIRED_COLUMNS = {"train": ("sentence", "label"), "validation": ("sentence", "label"), "test": ("sentence",)}
 EOS = "<|endoftext|>"
-# Bounds on a data file, far above SST-2 (train.tsv 3.8 MB; longest row 270 characters, longest word 38): a file is
-# held in memory whole, and learning a tiny model's tokenizer takes time quadratic in a word's length (one word of
-# 100,000 characters costs seconds, of a few megabytes hours).
-MAX_DATA_FILE_BYTES = 2**30
-MAX_ROW_CHARS = 100_000
-MAX_WORD_CHARS = 1_000
 
 
-@dataclass(frozen=True)
-class Source:
-    kind: str  # "tsv" | "hub" | "sample"
-    description: str  # for logs and summary.json
-    fingerprint: str  # changes whenever the rows could change
+def load_raw(config) -> tuple[datasets.DatasetDict, Task, Source]:
+    """The run's splits (columns text[, text_pair][, label], index), its Task and where the rows came from."""
+    return load_task(config)
 
 
-# ----------------------------------------------------------------------------------------------- reading
+def read_glue_dir(data_dir: str | Path, glue_task: str = "sst2") -> datasets.DatasetDict:
+    """A GLUE task's folder as splits (columns text[, text_pair], label, index): for scripts and tests that want
+    the sentences."""
+    from types import SimpleNamespace
+
+    settings = dict(DATA_DEFAULTS, glue_task=glue_task, data_dir=str(data_dir))
+    return load_task(SimpleNamespace(**settings))[0]
 
 
-def read_glue_tsv(path: Path, split: str) -> dict[str, list]:
-    """One GLUE TSV file as columns; every problem is a one-line error naming the file (and line). A UTF-8 byte
-    order mark and any line ending (LF, CRLF, CR) are accepted; rows with an empty sentence are dropped and
-    counted (a 0-token row has nothing to classify). A file, row or word beyond MAX_DATA_FILE_BYTES,
-    MAX_ROW_CHARS or MAX_WORD_CHARS is refused (the file before it is read)."""
-    try:
-        info = path.stat()
-        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):  # a FIFO or device: the read blocks
-            raise UserError(f"{path}: not a regular file (a FIFO, socket or device); give a file of GLUE SST-2 rows")
-        if stat.S_ISREG(info.st_mode) and info.st_size > MAX_DATA_FILE_BYTES:
-            raise UserError(
-                f"{path}: {info.st_size / 2**30:.1f} GiB, more than the {MAX_DATA_FILE_BYTES / 2**30:g} GiB a data "
-                "file may have (it is read into memory whole; SST-2's train.tsv is 3.8 MB)"
-            )
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file (a GLUE SST-2 folder holds train.tsv and dev.tsv)") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot be read ({exc.strerror})") from None
-    lines = raw.removeprefix(codecs.BOM_UTF8).splitlines()
-    text_lines = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            text_lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise UserError(
-                f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})"
-            ) from None
-        if len(text_lines[-1]) > MAX_ROW_CHARS:
-            raise UserError(
-                f"{path}:{number}: {len(text_lines[-1]):,} characters, more than the {MAX_ROW_CHARS:,} a row may "
-                "have (SST-2's longest has 270)"
-            )
-    if not text_lines:
-        raise UserError(f"{path}: empty file; expected a header line ({chr(9).join(REQUIRED_COLUMNS[split])}) and rows")
-    header = text_lines[0].split("\t")
-    missing = [c for c in REQUIRED_COLUMNS[split] if c not in header]
-    if missing:
-        raise UserError(
-            f"{path}: header lacks column(s) {', '.join(missing)} "
-            f"(found: {', '.join(header) or 'nothing'}; GLUE SST-2 has sentence<TAB>label)"
-        )
-    columns: dict[str, list] = {"sentence": []}
-    sentence_at = header.index("sentence")
-    label_at = header.index("label") if "label" in header else None
-    if label_at is not None:
-        columns["label"] = []
-    empty: list[int] = []
-    for number, line in enumerate(text_lines[1:], start=2):
-        if not line.strip():
-            continue
-        fields = line.split("\t")
-        if len(fields) != len(header):
-            raise UserError(f"{path}:{number}: {len(fields)} tab-separated fields, the header has {len(header)}")
-        if label_at is not None:
-            label = fields[label_at].strip()
-            if label not in ("0", "1"):
-                raise UserError(f"{path}:{number}: label {label!r} is not 0 or 1")
-        if not fields[sentence_at].strip():
-            empty.append(number)
-            continue
-        longest = max(fields[sentence_at].split(), key=len) if len(fields[sentence_at]) > MAX_WORD_CHARS else ""
-        if len(longest) > MAX_WORD_CHARS:
-            raise UserError(
-                f"{path}:{number}: a word of {len(longest):,} characters ({longest[:20]!r}...), more than the "
-                f"{MAX_WORD_CHARS:,} a word may have (learning a tokenizer takes time quadratic in a word's length)"
-            )
-        columns["sentence"].append(fields[sentence_at].strip())
-        if label_at is not None:
-            columns["label"].append(int(label))
-    if empty:
-        log.warning(
-            "%s: dropped %d row(s) with an empty sentence (line%s %s)",
-            path,
-            len(empty),
-            "s" if len(empty) > 1 else "",
-            ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""),
-        )
-    if not columns["sentence"]:
-        raise UserError(f"{path}: no data rows (the {split} split is empty)")
-    return columns
-
-
-def write_glue_tsv(split_rows: datasets.Dataset, path: Path, split: str) -> None:
-    """The inverse of read_glue_tsv (sentence<TAB>label, or index<TAB>sentence for the unlabelled test split)."""
-    sentences = column(split_rows, "sentence")
-    if split == "test":
-        lines = ["index\tsentence", *(f"{i}\t{s}" for i, s in enumerate(sentences))]
-    else:
-        lines = ["sentence\tlabel", *(f"{s}\t{label}" for s, label in zip(sentences, column(split_rows, "label")))]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def read_glue_dir(data_dir: str | Path) -> datasets.DatasetDict:
-    folder = Path(data_dir).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"data_dir={str(data_dir)!r}: no such folder (expected GLUE SST-2 train.tsv and dev.tsv)")
-    splits = {}
-    for split, name in SPLIT_FILES.items():
-        if split == "test" and not (folder / name).exists():
-            continue
-        splits[split] = datasets.Dataset.from_dict(read_glue_tsv(folder / name, split))
-    return datasets.DatasetDict(splits)
-
-
-def _file_fingerprint(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for name in SPLIT_FILES.values():
-        if (folder / name).exists():
-            digest.update(name.encode())
-            with open(folder / name, "rb") as file:
-                while chunk := file.read(2**24):
-                    digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
-def tsv_fingerprint(data_dir: str | Path) -> str:
-    """A data_dir's fingerprint (its Source's), from its files alone: what a checkpoint records of its data."""
-    return "tsv-" + _file_fingerprint(Path(data_dir).expanduser().resolve())
-
-
-def hub_unreachable() -> str | None:
-    """Why the Hub cannot serve SST-2, found with one quick request (the datasets client retries each file five
-    times, ~25 s of warnings from each process, before giving up), or None. With HF_HUB_OFFLINE=1 nothing is
-    asked: the local Hub cache decides."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return None
-    from huggingface_hub import constants
-
-    request = urllib.request.Request(f"{constants.ENDPOINT}/api/datasets/{HUB_DATASET[0]}", method="HEAD")
-    try:
-        urllib.request.urlopen(request, timeout=float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "10"))).close()
-    except urllib.error.HTTPError:
-        return None  # it answered: anything else (a rate limit, a gated repo) is for datasets to report
-    except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-    return None
-
-
-def load_raw(data_dir: str | None) -> tuple[datasets.DatasetDict, Source]:
-    """The SST-2 splits (train, validation[, test]) with columns sentence[, label], and where they came from."""
-    if data_dir:
-        raw = read_glue_dir(data_dir)
-        folder = Path(data_dir).expanduser().resolve()
-        return raw, Source("tsv", str(folder), tsv_fingerprint(folder))
-    problem = hub_unreachable()
-    if problem is None:
-        try:
-            hub = datasets.load_dataset(*HUB_DATASET)
-        except Exception as exc:  # offline, blocked, or rate-limited: all leave only the sample
-            problem = type(exc).__name__
-    if problem is not None:
-        log.warning(
-            "THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON "
-            "SST-2; pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set",
-            problem,
-            SAMPLE_DIR,
-        )
-        return read_glue_dir(SAMPLE_DIR), Source("sample", str(SAMPLE_DIR), "sample-" + _file_fingerprint(SAMPLE_DIR))
-    raw = datasets.DatasetDict({split: hub[split].select_columns(["sentence", "label"]) for split in hub})
-    return raw, Source("hub", "/".join(HUB_DATASET), f"hub-{hub['train']._fingerprint}")
+# What load_task reads of a Config, at their defaults (read_glue_dir needs no Config).
+DATA_DEFAULTS = dict(
+    train_file=None,
+    validation_file=None,
+    test_file=None,
+    dataset=None,
+    dataset_config=None,
+    glue_task="sst2",
+    data_dir=None,
+    text_column=None,
+    text_pair_column=None,
+    label_column="label",
+    validation_split_percentage=10.0,
+    seed=42,
+    task="classification",
+    num_labels=None,
+    problem_type="auto",
+)
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -264,7 +113,7 @@ def train_tokenizer(kind: str, sentences: list[str], vocab_size: int, folder: Pa
         )
         cls, sep = raw.token_to_id("[CLS]"), raw.token_to_id("[SEP]")
         raw.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
         )
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=raw,
@@ -290,7 +139,8 @@ def load_tokenizer(
     cache_dir: Path,
 ) -> PreTrainedTokenizerFast:
     if name is None and size == "tiny":
-        folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-{source.fingerprint}"
+        # "-pairs": the WordPiece template encodes sentence pairs too (folders without it predate pair tasks)
+        folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-pairs-{source.fingerprint}"
         if folder.is_dir():
             return load_hf_tokenizer(folder)
         log.info(
@@ -321,18 +171,42 @@ def load_tokenizer(
 # ----------------------------------------------------------------------------------------------- tokenizing
 
 
-def tokenize_classification(split: datasets.Dataset, tokenizer, max_length: int, desc: str) -> datasets.Dataset:
+def tokenize_classification(
+    split: datasets.Dataset, tokenizer, max_length: int, desc: str, token_types: bool
+) -> datasets.Dataset:
+    """Token ids (and `length`) of each row's text, or of its pair: with the tokenizer's own pair template and
+    token type ids where the family has them (`token_types`, BERT: [CLS] A [SEP] B [SEP]), else the two texts
+    joined by the EOS token (A EOS B: GPT models have no pair template). A pair too long for `max_length` loses
+    tokens from the end of its longer text first (transformers' longest_first)."""
+    pairs = "text_pair" in split.column_names
+
     def encode(batch):
-        ids = tokenizer(batch["sentence"], truncation=True, max_length=max_length)["input_ids"]
+        if not pairs:
+            ids = tokenizer(batch["text"], truncation=True, max_length=max_length)["input_ids"]
+            return {"input_ids": ids, "length": [len(x) for x in ids]}
+        if token_types:
+            encoded = tokenizer(batch["text"], batch["text_pair"], truncation=True, max_length=max_length)
+            ids = encoded["input_ids"]
+            return {"input_ids": ids, "token_type_ids": encoded["token_type_ids"], "length": [len(x) for x in ids]}
+        firsts, seconds = tokenizer(batch["text"])["input_ids"], tokenizer(batch["text_pair"])["input_ids"]
+        ids = [joined_pair(a, b, tokenizer.eos_token_id, max_length) for a, b in zip(firsts, seconds)]
         return {"input_ids": ids, "length": [len(x) for x in ids]}
 
-    keep = ["label"] if "label" in split.column_names else []
+    keep = [c for c in ("label", "index") if c in split.column_names]
     return split.map(encode, batched=True, remove_columns=[c for c in split.column_names if c not in keep], desc=desc)
+
+
+def joined_pair(first: list[int], second: list[int], separator: int, max_length: int) -> list[int]:
+    """first + [separator] + second, cut to `max_length` by dropping the longer text's last tokens first."""
+    first, second = list(first), list(second)
+    while len(first) + len(second) + 1 > max_length and (first or second):
+        (first if len(first) > len(second) else second).pop()
+    return first + [separator] + second
 
 
 def tokenize_causal_lm(split: datasets.Dataset, tokenizer, block_size: int, desc: str) -> datasets.Dataset:
     """Sentences joined with EOS and cut into full blocks of `block_size` tokens (the remainder is dropped)."""
-    ids = tokenizer(column(split, "sentence"))["input_ids"]
+    ids = tokenizer(column(split, "text"))["input_ids"]
     stream: list[int] = []
     for sentence in tqdm(ids, desc=desc, disable=not _show_progress()):
         stream.extend(sentence)
@@ -364,53 +238,55 @@ def _save_atomically(folder: Path, save) -> None:
 
 @dataclass
 class PreparedData:
-    splits: datasets.DatasetDict  # tokenized: input_ids, length[, label]
+    splits: datasets.DatasetDict  # tokenized: input_ids, length[, token_type_ids][, label][, index]
     tokenizer: PreTrainedTokenizerFast
     source: Source
     cache_path: Path
+    task: Task
 
 
 def prepare(
-    task: str,
-    data_dir: str | None,
-    cache_dir: str | Path,
-    max_length: int,
-    tokenizer_name: str | None,
-    size: str,
+    config,
     model_name: str,
-    tokenizer_vocab_size: int,
     tiny_tokenizer: str = "bpe",
+    token_types: bool = False,
 ) -> PreparedData:
-    """Load (or build and cache) the tokenized splits. Safe to call on one rank while others wait."""
-    cache_dir = Path(cache_dir)
+    """Load (or build and cache) the tokenized splits of `config`'s data (tasks.load_task reads it); `model_name`:
+    where the pretrained tokenizer is; `token_types`: pairs get the tokenizer's template and token type ids (BERT).
+    Safe to call on one rank while others wait."""
+    cache_dir = Path(config.cache_dir)
     check_writable(cache_dir, "cache_dir")
-    raw, source = load_raw(data_dir)
+    raw, task, source = load_raw(config)
+    train = raw["train"]
     tokenizer = load_tokenizer(
-        tokenizer_name,
-        size,
+        config.tokenizer,
+        config.size,
         model_name,
         tiny_tokenizer,
-        tokenizer_vocab_size,
-        column(raw["train"], "sentence"),
+        config.tokenizer_vocab_size,
+        column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else []),
         source,
         cache_dir,
     )
-    key = f"sst2-{source.fingerprint}-tok{tokenizer_identity(tokenizer)}-{task}-len{max_length}"
-    path = cache_dir / key
+    described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
+    spec = hashlib.sha256(described.encode()).hexdigest()[:8]
+    tokens = f"tok{tokenizer_identity(tokenizer)}-{config.task}-len{config.max_length}"
+    path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)
-    log.info("tokenizing SST-2 (%s) for %s -> %s", source.description, task, path)
-    tokenize = tokenize_classification if task == "classification" else tokenize_causal_lm
+    log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if task == "causal_lm" and split == "test":
-            continue  # GLUE test has no labels and a language model needs none, but nothing evaluates it
-        splits[split] = tokenize(raw[split], tokenizer, max_length, split)
+        if task.problem_type == CAUSAL_LM:
+            splits[split] = tokenize_causal_lm(raw[split], tokenizer, config.max_length, split)
+        else:
+            splits[split] = tokenize_classification(raw[split], tokenizer, config.max_length, split, token_types)
     tokenized = datasets.DatasetDict(splits)
 
     def save(folder: Path) -> None:
         tokenized.save_to_disk(str(folder))
         tokenizer.save_pretrained(folder / "tokenizer")  # so other ranks and later runs need no Hub
+        write_label_file(folder, task)
 
     _save_atomically(path, save)
     return load_prepared(path, source)
@@ -422,22 +298,14 @@ def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
     from .families import get_family
 
     family = get_family(config.family)
-    return prepare(
-        config.task,
-        config.data_dir,
-        config.cache_dir,
-        config.max_length,
-        config.tokenizer,
-        config.size,
-        model_path or pretrained_name(config),
-        config.tokenizer_vocab_size,
-        family.tiny_tokenizer,
-    )
+    return prepare(config, model_path or pretrained_name(config), family.tiny_tokenizer, family.pair_token_types)
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:
     """A cache folder written by `prepare`."""
-    return PreparedData(datasets.load_from_disk(str(path)), load_hf_tokenizer(path / "tokenizer"), source, path)
+    return PreparedData(
+        datasets.load_from_disk(str(path)), load_hf_tokenizer(path / "tokenizer"), source, path, read_label_file(path)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- batching
@@ -514,10 +382,12 @@ def collate(
     input_ids: list[list[int]],
     pad_id: int,
     padding_side: str,
-    labels: list[int] | None = None,
+    labels: list | None = None,
     pad_to_multiple_of: int = 1,
+    token_type_ids: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores)."""
+    """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores). Labels are
+    class ids, or floats (regression targets, kept in fp32); token type ids (BERT pairs) are padded with 0."""
     longest = max(len(ids) for ids in input_ids)
     longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(input_ids), longest), pad_id, dtype=torch.long)
@@ -527,20 +397,35 @@ def collate(
         ids[row, span] = torch.tensor(seq, dtype=torch.long)
         mask[row, span] = 1
     batch = {"input_ids": ids, "attention_mask": mask}
+    if token_type_ids is not None:
+        types = torch.zeros_like(ids)
+        for row, seq in enumerate(token_type_ids):
+            span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
+            types[row, span] = torch.tensor(seq, dtype=torch.long)
+        batch["token_type_ids"] = types
     if labels is not None:
-        batch["labels"] = torch.tensor(labels, dtype=torch.long)
+        regression = any(isinstance(label, float) for label in labels)
+        batch["labels"] = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
     return batch
 
 
 def device_batch(
-    indices: list[int], ids: list, labels: list | None, tokenizer, pad_multiple: int, device: torch.device
+    indices: list[int],
+    ids: list,
+    labels: list | None,
+    tokenizer,
+    pad_multiple: int,
+    device: torch.device,
+    token_types: list | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rows `indices` of `ids` (and `labels`) padded into tensors on `device`: a training slice or a dev chunk."""
+    """Rows `indices` of `ids` (and `labels`, `token_types`) padded into tensors on `device`: a training slice or
+    a dev chunk."""
     batch = collate(
         [ids[i] for i in indices],
         tokenizer.pad_token_id,
         tokenizer.padding_side,
         [labels[i] for i in indices] if labels is not None else None,
         pad_to_multiple_of=pad_multiple,
+        token_type_ids=[token_types[i] for i in indices] if token_types is not None else None,
     )
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

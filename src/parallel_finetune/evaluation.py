@@ -2,13 +2,15 @@
 
 Rows are sorted by length and cut into chunks; data-parallel rank r scores chunks r, r + dp, ...; the loss sums
 and counts are all-reduced and the predictions gathered, and under pipeline parallelism the last stage, which
-scored everything, hands both to the other stages, so every rank returns the same metrics. Accuracy goes through
-`evaluate` with the metric shipped in metrics/accuracy.py; perplexity is exp of the mean token loss.
+scored everything, hands both to the other stages, so every rank returns the same metrics. A task's metrics go
+through metrics.compute_metrics (GLUE's official ones for a GLUE task); perplexity is exp of the mean token loss.
+`predict` gives the same per-row predictions without labels (a test split).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import datasets
 import torch
@@ -18,47 +20,70 @@ from torch import nn
 from .data import column, device_batch
 from .interfaces import Runner
 from .loss import scored_count, summed_loss, targets
-from .metrics import load_metric
+from .metrics import compute_metrics
+from .tasks import CAUSAL_LM, REGRESSION, Task
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, runner: Runner, split: datasets.Dataset, tokenizer, task: str, batch_size: int, layout
+    model: nn.Module, runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch_size: int, layout
 ) -> dict:
-    """`split`'s metrics (eval_loss, and accuracy or perplexity by `task`) through `runner`, in chunks of
-    `batch_size` rows; `model` (what the runner drives) is in eval mode meanwhile. Every rank calls it."""
+    """`split`'s metrics through `runner`, in chunks of `batch_size` rows: eval_loss, and the task's metric(s)
+    (metrics.compute_metrics) or perplexity; `model` (what the runner drives) is in eval mode meanwhile. Every rank
+    calls it and gets the same result."""
+    loss, predictions = _scored(model, runner, split, tokenizer, task, batch_size, layout, with_loss=True)
+    if task.problem_type == CAUSAL_LM:
+        return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+    references = column(split, "label")
+    scores = compute_metrics(task.metric, predictions, references, task.num_labels)
+    return {"eval_loss": loss, **scores}
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module, runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch_size: int, layout
+) -> list:
+    """Each row's prediction (a class id, or a regression value), in the split's order; every rank calls it."""
+    return _scored(model, runner, split, tokenizer, task, batch_size, layout, with_loss=False)[1]
+
+
+def _scored(model, runner, split, tokenizer, task: Task, batch_size: int, layout, with_loss: bool):
     training = model.training
     model.eval()
     try:
-        return _score(runner, split, tokenizer, task, batch_size, layout)
+        return _score(runner, split, tokenizer, task, batch_size, layout, with_loss)
     finally:
         model.train(training)
 
 
-def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: str, batch_size: int, layout) -> dict:
+def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch_size: int, layout, with_loss: bool):
     ids, lengths = column(split, "input_ids"), column(split, "length")
-    labels = column(split, "label") if task == "classification" else None
+    kind = "causal_lm" if task.problem_type == CAUSAL_LM else "classification"
+    labels = column(split, "label") if with_loss and kind == "classification" else None
+    types = column(split, "token_type_ids") if "token_type_ids" in split.column_names else None
     order = sorted(range(len(ids)), key=lambda i: lengths[i])
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    predictions: list[tuple[int, int]] = []
+    predictions: list[tuple[int, float | int]] = []
     totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
     mine = chunks[layout.dp_rank :: layout.dp]
     # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
     # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
     rounds = -(-len(chunks) // layout.dp)
     for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
-        batch = device_batch(chunk, ids, labels, tokenizer, runner.pad_multiple, layout.device)
+        batch = device_batch(chunk, ids, labels, tokenizer, runner.pad_multiple, layout.device, types)
         logits = runner.forward(batch)
         if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
             continue
-        totals[0] += summed_loss(logits, targets(batch, task)).double()
-        totals[1] += scored_count(batch, task)
-        if labels is not None:
-            predictions.extend(zip(chunk, logits.argmax(-1).tolist()))
-    if layout.dp > 1:
+        if with_loss:
+            totals[0] += summed_loss(logits, targets(batch, kind)).double()
+            totals[1] += scored_count(batch, kind)
+        if kind == "classification":
+            predicted = logits.float().squeeze(-1) if task.problem_type == REGRESSION else logits.argmax(-1)
+            predictions.extend(zip(chunk, predicted.tolist()))
+    if with_loss and layout.dp > 1:
         dist.all_reduce(totals, group=layout.dp_group)
     gathered: list = [None] * layout.dp
-    if labels is not None and layout.dp > 1:
+    if kind == "classification" and layout.dp > 1:
         dist.all_gather_object(gathered, predictions, group=layout.dp_group)
     else:
         gathered = [predictions]
@@ -66,13 +91,20 @@ def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: str, batch_
         box = [(totals.tolist(), gathered)]
         dist.broadcast_object_list(box, group=layout.pp_group, group_src=layout.pp - 1)
         totals, gathered = torch.tensor(box[0][0], dtype=torch.float64), box[0][1]
-    mean_loss = (totals[0] / totals[1]).item()
-    if labels is None:
-        return {"eval_loss": mean_loss, "perplexity": math.exp(min(mean_loss, 700.0))}
+    mean_loss = (totals[0] / totals[1]).item() if with_loss else float("nan")
+    if kind != "classification":
+        return mean_loss, []
     by_row = dict(pair for part in gathered for pair in part)
-    assert len(by_row) == len(ids), "every dev row is predicted exactly once"
-    ordered = sorted(by_row)
-    accuracy = load_metric("accuracy").compute(
-        predictions=[by_row[i] for i in ordered], references=[labels[i] for i in ordered]
-    )["accuracy"]
-    return {"eval_loss": mean_loss, "accuracy": accuracy}
+    assert len(by_row) == len(ids), "every row is predicted exactly once"
+    return mean_loss, [by_row[i] for i in range(len(ids))]
+
+
+def write_predictions(path: Path, index: list[int], predicted: list, task: Task) -> Path:
+    """GLUE's submission format: a header `index<TAB>prediction`, then one row per test row, the prediction as
+    the data writes its labels (GLUE's 0/1 or entailment names; a user's label names) or, for regression, the
+    value with three decimals."""
+    lines = ["index\tprediction"]
+    for row, value in zip(index, predicted):
+        lines.append(f"{row}\t{value:.3f}" if task.problem_type == REGRESSION else f"{row}\t{task.label_values[value]}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

@@ -1,4 +1,5 @@
-"""The loss, in one place: what the logits are compared with, summed (not averaged) in fp32, and what a global
+"""The loss, in one place: what the logits are compared with (class ids, regression targets, next tokens),
+summed (not averaged) in fp32, and what a global
 batch's loss is divided by. Each micro-batch's sum is divided by the *global* count, so summing over micro-batches
 and data-parallel ranks gives exactly the single-process mean, whatever the layout."""
 
@@ -18,7 +19,10 @@ def targets(batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
 
 
 def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the micro-batch, in fp32; `target` from `targets` (1-D: classification)."""
+    """The loss summed over the micro-batch, in fp32; `target` from `targets`: class ids (cross-entropy), float
+    targets (regression: squared error of the one output, transformers' MSELoss), or next tokens (2-D)."""
+    if target.ndim == 1 and target.is_floating_point():
+        return F.mse_loss(logits.float().squeeze(-1), target.float(), reduction="sum")
     if target.ndim == 1:
         return F.cross_entropy(logits.float(), target, reduction="sum")
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")

@@ -8,7 +8,7 @@ from pathlib import Path
 from . import lora
 from .checkpoint import check_resume, checkpoint_root, continuing_run
 from .config import Config
-from .data import read_glue_dir
+from .data import load_raw
 from .errors import UserError
 from .families import get_family
 from .families.base import check_model_source, resolve_model_path
@@ -117,8 +117,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
     family = get_family(config.family)
     resolve_device(config.device)
-    if config.data_dir:
-        raw = read_glue_dir(config.data_dir)
+    if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
+        raw, _, _ = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
         if config.task == "classification" and len(raw["train"]) < config.batch_size:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"

@@ -44,6 +44,9 @@ RUN_FILES = (
     "tensorboard",
     "tracking.json",  # report_to: the MLflow / W&B run ids (loggers.TRACKING_IDS)
     "wandb",  # report_to=wandb without WANDB_DIR: the offline run
+    "labels.json",  # the task: its label names and ids, columns, problem type (tasks.LABEL_FILE)
+    "predictions.tsv",  # predict=true: the test split's predictions (MNLI: also the mismatched ones)
+    "predictions_mismatched.tsv",
 )
 # Every name a run may write there: overwrite=true refuses a folder holding one that no run recorded.
 RUN_OUTPUTS = (*RUN_FILES, "deepspeed_config.json", "hf", "adapter", "base")

@@ -19,12 +19,15 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Positions count real tokens only, so a left-padded row sees the positions of its unpadded self
     (transformers would number the padding too); with right padding this equals 0, 1, 2, ..."""
     mask = batch["attention_mask"]
-    return {
+    inputs = {
         "input_ids": batch["input_ids"],
         "attention_mask": mask,
         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
         "use_cache": False,
     }
+    if "token_type_ids" in batch:  # sentence pairs of a family with token types (BERT)
+        inputs["token_type_ids"] = batch["token_type_ids"]
+    return inputs
 
 
 class WholeModel:

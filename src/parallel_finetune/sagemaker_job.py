@@ -323,27 +323,26 @@ def stage_code(recipe: Path, config, folder: Path) -> str:
 
 
 def stage_data(config, folder: Path) -> Path:
-    """SST-2 as GLUE TSVs plus the tokenized cache for `config`, in one folder (the sst2 channel).
+    """The GLUE task's files plus the tokenized cache for `config`, in one folder (the data channel).
 
     The job finds the cache because its key hashes the TSVs' bytes and the tokenizer, not their paths."""
     from . import data
+    from .tasks import TASKS, glue_folder_files
 
-    raw, source = data.load_raw(config.data_dir)
+    raw, task, source = data.load_raw(config)
     if source.kind == "sample":
         raise UserError(
             "the SST-2 data could not be read (Hub unreachable and no data_dir): pass "
             "data_dir=PATH, a folder with GLUE's train.tsv and dev.tsv, to ship it to the job"
         )
+    if source.kind != "glue":
+        raise UserError(f"a SageMaker job gets a GLUE folder (data_dir=PATH) for now; {source.description} is not one")
     folder.mkdir(parents=True)
-    for split, name in data.SPLIT_FILES.items():
-        if split not in raw:
-            continue
-        if source.kind == "tsv":
-            shutil.copy(Path(source.description) / name, folder / name)
-        else:  # the Hub: written in GLUE's TSV layout so the job reads it like any data_dir
-            data.write_glue_tsv(raw[split], folder / name, split)
+    for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
+        if path.is_file():
+            shutil.copy(path, folder / path.name)
     cache = folder / "cache"
-    if source.kind == "tsv":  # the user's own cache (made by an earlier run or `make data`) is reused as is
+    if source.kind == "glue":  # the user's own cache (made by an earlier run or `make data`) is reused as is
         prepared = data.prepare_for_config(config)
         shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
         for tokenizer in (Path(config.cache_dir) / "tokenizers").glob(f"*-{source.fingerprint}"):

@@ -214,7 +214,7 @@ def write_model(work: Path) -> Path:
     from .data import column, read_glue_dir
     from .synthetic import write_checkpoint
 
-    sentences = column(read_glue_dir(sample_data())["train"], "sentence")
+    sentences = column(read_glue_dir(sample_data())["train"], "text")
     return write_checkpoint(work / "pretrained-gptj", "gptj", sentences, hidden=128, layers=4, heads=4, vocab_size=512)
 
 

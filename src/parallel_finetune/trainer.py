@@ -32,7 +32,7 @@ from .checkpoint import TrainingState
 from .config import Config, compile_decision
 from .divergence import NonFiniteGuard
 from .errors import Interrupted, RankError, UserError
-from .evaluation import evaluate
+from .evaluation import evaluate, predict, write_predictions
 from .export import export_model
 from .families import get_family
 from .interfaces import Runner, Updates
@@ -50,6 +50,7 @@ from .runfolder import RunLock
 from .runner import WholeModel
 from .startup import claim_run_folders, fetch_model, open_run_folder
 from .summary import run_summary, write_summary
+from .tasks import write_label_file
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
 
@@ -110,6 +111,7 @@ class Trainer:
         if layout.is_main:  # only now, with every input accepted, is the run folder written
             deepspeed_config = self.updates.config if self.deepspeed_config is not None else None
             open_run_folder(self.output_dir, self.checkpoint_root, config, deepspeed_config)
+            write_label_file(self.output_dir, self.data.task)  # what the head's ids mean, beside the outputs
         log.info("run folder %s | %s", self.output_dir, layout.describe())
 
     def _check_settings(self) -> None:
@@ -157,7 +159,10 @@ class Trainer:
         train = prepared.splits["train"]
         self.train_ids = data_module.column(train, "input_ids")
         self.train_lengths = data_module.column(train, "length")
-        self.train_labels = data_module.column(train, "label") if config.task == "classification" else None
+        self.train_labels = data_module.column(train, "label") if "label" in train.column_names else None
+        self.train_types = (
+            data_module.column(train, "token_type_ids") if "token_type_ids" in train.column_names else None
+        )
         self.batches = data_module.GlobalBatches(
             self.train_lengths, config.batch_size, config.seed, config.group_by_length
         )
@@ -176,7 +181,9 @@ class Trainer:
         tokenizer = self.data.tokenizer
         if config.size == "full":
             check_heads(check_model_config(config, self.model_path))
-        hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, self.model_path)
+        hf_config = family.config_for(
+            config, len(tokenizer), tokenizer.pad_token_id, self.model_path, labels=self.data.task
+        )
         family.check_tp(hf_config, layout.tp)
         compiled, why = compile_decision(config, self.total_steps, layout.device.type)
         if config.compile == "auto":
@@ -212,6 +219,7 @@ class Trainer:
                 self._autocast,
                 config.task,
                 lambda: self.updates.loss_scale,
+                token_types=self.train_types is not None,
             )
         else:
             self.runner = WholeModel(
@@ -247,6 +255,7 @@ class Trainer:
             self.ready.parallel.trainable,
             self.base_description(),
             self.data.source.fingerprint,
+            self.data.task,
         )
 
     def base_description(self) -> str:
@@ -266,6 +275,7 @@ class Trainer:
             self.data.tokenizer,
             self.runner.pad_multiple,
             self.layout.device,
+            self.train_types,
         )
 
     def _autocast(self):
@@ -345,7 +355,7 @@ class Trainer:
                     if config.eval_every and self.step % config.eval_every == 0 and self.step < self.total_steps:
                         with self.timer("eval"):
                             results = evaluate(
-                                self.model, self.runner, dev, tokenizer, config.task, config.eval_batch_size, layout
+                                self.model, self.runner, dev, tokenizer, self.data.task, config.eval_batch_size, layout
                             )
                             reporter.evaluation(self.step, results)
                     if self.checkpoint_due():
@@ -377,6 +387,44 @@ class Trainer:
         with self.timer("checkpoint"):
             return checkpoint.save(self.training_state(), self.checkpoint_root)
 
+    def evaluate_all(self) -> dict:
+        """The metrics of every validation split: the first's as they are, a second's (MNLI's mismatched dev set)
+        prefixed with its name ("mismatched_accuracy")."""
+        results = {}
+        for split in self.data.task.validation_splits:
+            scores = evaluate(
+                self.model,
+                self.runner,
+                self.data.splits[split],
+                self.data.tokenizer,
+                self.data.task,
+                self.config.eval_batch_size,
+                self.layout,
+            )
+            prefix = "" if split == "validation" else split.removeprefix("validation_") + "_"
+            results.update({prefix + key: value for key, value in scores.items()})
+        return results
+
+    def predict_test(self) -> list[Path]:
+        """predictions.tsv (and predictions_mismatched.tsv for MNLI) in GLUE's submission format: every rank
+        predicts, rank 0 writes."""
+        task, written = self.data.task, []
+        if not task.test_splits:
+            raise UserError(
+                "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
+            )
+        for split in task.test_splits:
+            rows = self.data.splits[split]
+            predicted = predict(
+                self.model, self.runner, rows, self.data.tokenizer, task, self.config.eval_batch_size, self.layout
+            )
+            if self.layout.is_main:
+                name = "predictions.tsv" if split == "test" else f"predictions_{split.removeprefix('test_')}.tsv"
+                written.append(
+                    write_predictions(self.output_dir / name, data_module.column(rows, "index"), predicted, task)
+                )
+        return written
+
     def request_stop(self, signum=None, frame=None) -> None:
         """SIGTERM (a spot interruption, `docker stop`): the current step finishes, then every rank checkpoints."""
         self.stop_requested = True
@@ -397,11 +445,11 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
             return {"stopped_at_step": trainer.step}
         layout, tokenizer, updates = trainer.layout, trainer.data.tokenizer, trainer.updates
         with trainer.timer("eval"):
-            dev = trainer.data.splits["validation"]
-            results = evaluate(
-                trainer.model, trainer.runner, dev, tokenizer, config.task, config.eval_batch_size, layout
-            )
+            results = trainer.evaluate_all()
         trainer.reporter.evaluation(trainer.step, results)
+        if config.predict:
+            with trainer.timer("predict"):
+                trainer.predict_test()
         if config.export:
             with trainer.timer("export"):
                 export_model(updates, trainer.family, tokenizer, config, layout, trainer.output_dir)

@@ -24,6 +24,9 @@ class Family:
     config_class: type[PretrainedConfig]
     model_classes: dict[str, type[nn.Module]]  # task -> transformers class
     tiny_tokenizer: str = "bpe"  # what a tiny model learns from the training sentences: "bpe" or "wordpiece"
+    # Sentence pairs: True = the tokenizer's pair template with token type ids (BERT's [CLS] A [SEP] B [SEP]);
+    # False = the two texts joined by the EOS token (GPT models have neither a pair template nor token types).
+    pair_token_types: bool = False
     # Published checkpoints: Hub name -> the sizes of its config.json, so that the planner and the SageMaker
     # checks build their configs offline (a run itself always reads the model's own config.json).
     published: dict[str, dict] = {}
@@ -95,7 +98,10 @@ class Family:
     first_stage_modules: tuple[str, ...]  # what only the first stage holds (embeddings)
     last_stage_modules: tuple[str, ...]  # what only the last stage holds (final norm, heads); absent ones skipped
 
-    def pipeline_embed(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def pipeline_embed(
+        self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids=None
+    ) -> torch.Tensor:
+        """`token_type_ids`: given for sentence pairs when the family has `pair_token_types`."""
         raise NotImplementedError
 
     def pipeline_mask(
@@ -221,13 +227,22 @@ class Family:
         sizes = self.tp_dimensions(hf_config).values()
         return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)]
 
-    def set_task(self, hf_config: PretrainedConfig, task: str, pad_token_id: int | None) -> None:
-        """What the task and tokenizer add to a config: the padding id and, to classify, the two SST-2 labels."""
+    def set_task(self, hf_config: PretrainedConfig, task: str, pad_token_id: int | None, labels=None) -> None:
+        """What the task and tokenizer add to a config: the padding id and, to classify, the head's width, its
+        problem type and label names (`labels`: the data's tasks.Task; None: SST-2's two labels, for estimates
+        made without data). The names travel into the exported config.json, so transformers' pipeline prints them."""
         hf_config.pad_token_id = pad_token_id
-        if task == "classification":
-            hf_config.num_labels = 2
-            hf_config.id2label = {0: "negative", 1: "positive"}
-            hf_config.label2id = {"negative": 0, "positive": 1}
+        if task != "classification":
+            return
+        if labels is None:
+            names, problem_type = ("negative", "positive"), "single_label_classification"
+        else:
+            names, problem_type = labels.label_names, labels.problem_type
+        hf_config.num_labels = len(names) or 1
+        if names:
+            hf_config.id2label = dict(enumerate(names))
+            hf_config.label2id = {name: i for i, name in enumerate(names)}
+        hf_config.problem_type = problem_type
 
     def config_for(
         self,
@@ -236,10 +251,12 @@ class Family:
         pad_token_id: int | None = None,
         model_path: str | None = None,
         published: bool = False,
+        labels=None,
     ) -> PretrainedConfig:
         """The one rule that turns a run's Config into the model's transformers config: a tiny model's size, or
         the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides.
-        `published`: a published checkpoint's sizes come from `published`, without reading its config.json."""
+        `published`: a published checkpoint's sizes come from `published`, without reading its config.json;
+        `labels`: the data's tasks.Task (the head's width and label names)."""
         hf_config = self.hf_config(
             model_path or config.model,
             config.size,
@@ -248,7 +265,7 @@ class Family:
             config.model_config,
             published,
         )
-        self.set_task(hf_config, config.task, pad_token_id)
+        self.set_task(hf_config, config.task, pad_token_id, labels)
         return hf_config
 
     def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:
@@ -405,7 +422,7 @@ class DecoderFamily(Family):
     first_stage_modules = ("transformer.wte", "transformer.wpe")
     last_stage_modules = ("transformer.ln_f", "lm_head", "score")
 
-    def pipeline_embed(self, model, input_ids, position_ids):
+    def pipeline_embed(self, model, input_ids, position_ids, token_type_ids=None):
         transformer = model.transformer
         hidden = transformer.wte(input_ids)
         if getattr(transformer, "wpe", None) is not None:

@@ -51,6 +51,7 @@ class Bert(Family):
     config_class = BertConfig
     model_classes = {"classification": BertForSequenceClassification}
     tiny_tokenizer = "wordpiece"  # the pooler reads the first token, so a tiny BERT needs [CLS] ... [SEP]
+    pair_token_types = True
     published = {
         name: dict(
             vocab_size=30522,
@@ -103,8 +104,8 @@ class Bert(Family):
     first_stage_modules = ("bert.embeddings",)
     last_stage_modules = ("bert.pooler", "classifier")
 
-    def pipeline_embed(self, model, input_ids, position_ids):
-        return model.bert.embeddings(input_ids=input_ids, position_ids=position_ids)
+    def pipeline_embed(self, model, input_ids, position_ids, token_type_ids=None):
+        return model.bert.embeddings(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids)
 
     def pipeline_mask(self, model, hidden, attention_mask, position_ids):
         return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)

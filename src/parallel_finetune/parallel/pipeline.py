@@ -153,8 +153,9 @@ def cut_model(model: nn.Module, family: Family, mine: list[Stage]) -> None:
 
 
 class StageForward(nn.Module):
-    """What one stage computes. First stage in: (input_ids, attention_mask, position_ids); every stage out:
-    (hidden, attention_mask, position_ids), the last one logits."""
+    """What one stage computes. First stage in: (input_ids, attention_mask, position_ids[, token_type_ids]); every
+    stage out: (hidden, attention_mask, position_ids), the last one logits. Token type ids (BERT's sentence pairs)
+    are needed by the embeddings only, so only the first stage takes them."""
 
     def __init__(self, model: nn.Module, family: Family, stage: Stage):
         super().__init__()
@@ -162,9 +163,9 @@ class StageForward(nn.Module):
         holder = model.get_submodule(family.block_path)
         self.blocks = [holder[str(number)] for number in stage.blocks]
 
-    def forward(self, first, attention_mask, position_ids):
+    def forward(self, first, attention_mask, position_ids, token_type_ids=None):
         model, family = self.model, self.family
-        hidden = family.pipeline_embed(model, first, position_ids) if self.stage.first else first
+        hidden = family.pipeline_embed(model, first, position_ids, token_type_ids) if self.stage.first else first
         mask = family.pipeline_mask(model, hidden, attention_mask, position_ids)
         for block in self.blocks:
             hidden = family.pipeline_block(block, hidden, mask, position_ids)
@@ -190,10 +191,12 @@ class Pipeline:
         autocast: Callable,
         task: str,
         loss_scale: Callable[[], float],
+        token_types: bool = False,
     ):
         self.layout, self.schedule_name, self.microbatches = layout, schedule, microbatches
         self.autocast = autocast  # () -> the precision's autocast context
         self.task, self.loss_scale = task, loss_scale  # loss_scale: () -> the fp16 scale of this step
+        self.token_types = token_types  # the first stage also takes token type ids (sentence pairs, BERT)
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
         self.modules = [StageForward(model, family, stage) for stage in self.mine]
@@ -251,6 +254,8 @@ class Pipeline:
         hidden = torch.zeros(rows, length, config.hidden_size, dtype=dtype, device=device)
         first = torch.zeros_like(mask) if module.stage.first else hidden.clone().requires_grad_(training)
         inputs = (first, mask, positions)
+        if module.stage.first and self.token_types:
+            inputs += (torch.zeros_like(mask),)
         if module.stage.last:
             devices = [device] if device.type == "cuda" else []
             # a real forward on dummy inputs gives the logits' shape and dtype; its dropout must not move the RNG
@@ -264,7 +269,8 @@ class Pipeline:
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple:
         """What the first stage takes; the other stages pass zero-size placeholders (they receive theirs)."""
         mask = batch["attention_mask"]
-        return batch["input_ids"], mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = batch["input_ids"], mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        return (*inputs, batch["token_type_ids"]) if self.token_types else inputs
 
     def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
         """Forward and backward of one batch over all stages; returns this rank's share of the loss (summed over
