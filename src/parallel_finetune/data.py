@@ -185,7 +185,9 @@ def tokenize_classification(
             ids = tokenizer(batch["text"], truncation=True, max_length=max_length)["input_ids"]
             return {"input_ids": ids, "length": [len(x) for x in ids]}
         if token_types:
-            encoded = tokenizer(batch["text"], batch["text_pair"], truncation=True, max_length=max_length)
+            encoded = tokenizer(
+                batch["text"], batch["text_pair"], truncation=True, max_length=max_length, return_token_type_ids=True
+            )
             ids = encoded["input_ids"]
             return {"input_ids": ids, "token_type_ids": encoded["token_type_ids"], "length": [len(x) for x in ids]}
         firsts, seconds = tokenizer(batch["text"])["input_ids"], tokenizer(batch["text_pair"])["input_ids"]
