@@ -1,4 +1,5 @@
-"""SST-2 reading, validation, tokenizing, caching, batching and padding."""
+"""GLUE-folder reading (SST-2), validation, tokenizing, caching, batching and padding (other formats and tasks:
+test_tasks.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import logging
 import os
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+from conftest import REPO
 
 from parallel_finetune import data
+from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
+
+DEFAULTS = SimpleNamespace(**data.DATA_DEFAULTS)  # the data keys of a Config at their defaults: SST-2 from the Hub
 
 
 def test_real_sst2_rows(sst2):
@@ -19,7 +25,8 @@ def test_real_sst2_rows(sst2):
     assert Counter(raw["train"]["label"]) == {1: 37_569, 0: 29_780}
     assert Counter(raw["validation"]["label"]) == {1: 444, 0: 428}
     assert "label" not in raw["test"].column_names
-    assert not any(s != s.strip() for s in raw["train"]["sentence"][:1000])  # GLUE's trailing spaces removed
+    assert not any(s != s.strip() for s in raw["train"]["text"][:1000])  # GLUE's trailing spaces removed
+    assert raw["test"]["index"][:3] == [0, 1, 2]
 
 
 def write(folder, name, text: str | bytes):
@@ -37,10 +44,10 @@ GOOD = "sentence\tlabel\na good film \t1\na bad film \t0\n"
     [
         (None, GOOD, "train.tsv: no such file"),
         (GOOD, None, "dev.tsv: no such file"),
-        ("sentence\tscore\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) label (found: sentence, score"),
-        ("text\tlabel\nfine\t1\n", GOOD, "train.tsv: header lacks column(s) sentence"),
-        (GOOD, "sentence\tlabel\nfine\t1\nawful\t2\n", "dev.tsv:3: label '2' is not 0 or 1"),
-        (GOOD, "sentence\tlabel\nfine\tpositive\n", "dev.tsv:2: label 'positive' is not 0 or 1"),
+        ("sentence\tscore\nfine\t1\n", GOOD, "train.tsv: lacks column(s) label of GLUE sst2 (found: sentence, score"),
+        ("text\tlabel\nfine\t1\n", GOOD, "train.tsv: lacks column(s) sentence of GLUE sst2"),
+        (GOOD, "sentence\tlabel\nfine\t1\nawful\t2\n", "dev.tsv:3: label '2' is not among the training labels (0, 1)"),
+        (GOOD, "sentence\tlabel\nfine\tpositive\n", "dev.tsv:2: label 'positive' is not among the training labels"),
         (b"sentence\tlabel\nfine\t1\n" + b"caf\xe9\t1\n", GOOD, "train.tsv:3: not UTF-8 text (byte 0xe9"),
         ("sentence\tlabel\n", GOOD, "train.tsv: no data rows (the train split is empty)"),
         ("", GOOD, "train.tsv: empty file"),
@@ -66,22 +73,23 @@ def test_missing_data_dir(tmp_path):
 def test_unreadable_file(tmp_path):
     write(tmp_path, "dev.tsv", GOOD)
     (tmp_path / "train.tsv").mkdir()  # a folder where a file should be: reading fails
-    with pytest.raises(UserError, match="train.tsv: cannot be read"):
+    with pytest.raises(UserError, match="train.tsv: not a regular file"):
         data.read_glue_dir(tmp_path)
 
 
 def test_offline_hub_falls_back_to_the_sample_loudly(monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with caplog.at_level(logging.WARNING):
-        raw, source = data.load_raw(None)
-    assert source.kind == "sample"
+        raw, task, source = data.load_raw(DEFAULTS)
+    assert source.kind == "sample" and task.name == "sst2"
     assert "UNREACHABLE" in caplog.text and "SAMPLE" in caplog.text
     assert len(raw["train"]) >= 300 and len(raw["validation"]) >= 50
     assert set(raw["train"]["label"]) == {0, 1}
 
 
 def prepare(sst2, cache_dir, task="classification", max_length=64):
-    return data.prepare(task, str(sst2), cache_dir, max_length, None, "tiny", "", 8192)
+    overrides = ["size=tiny", f"task={task}", f"data_dir={sst2}", f"cache_dir={cache_dir}", f"max_length={max_length}"]
+    return data.prepare_for_config(load_config(REPO / "recipes/gptj/tp.yaml", overrides))
 
 
 def test_tokenized_cache_is_keyed_and_reused(sst2, cache_dir):
@@ -153,24 +161,29 @@ def test_a_byte_order_mark_and_any_line_ending_are_accepted(tmp_path):
         ("cr", "\r".join(rows) + "\r"),
         ("crlf", "\r\n".join(rows) + "\r\n"),
     ]:
-        path = write(tmp_path / name, "train.tsv", text)
-        assert data.read_glue_tsv(path, "train") == {"sentence": ["a good film", "a bad film"], "label": [1, 0]}
-    cr = write(tmp_path / "cr-bad", "train.tsv", "sentence\tlabel\rfine\t1\rawful\t2\r")
-    with pytest.raises(UserError, match=r"train.tsv:3: label '2' is not 0 or 1"):  # line 3, not the whole file
-        data.read_glue_tsv(cr, "train")
+        write(tmp_path / name, "train.tsv", text)
+        write(tmp_path / name, "dev.tsv", text)
+        train = data.read_glue_dir(tmp_path / name)["train"]
+        assert (train["text"], train["label"]) == (["a good film", "a bad film"], [1, 0])
+    write(tmp_path / "cr-bad", "train.tsv", "\r".join(rows) + "\r")
+    write(tmp_path / "cr-bad", "dev.tsv", "sentence\tlabel\rfine\t1\rawful\t2\r")
+    with pytest.raises(UserError, match=r"dev.tsv:3: label '2' is not among"):  # line 3, not the whole file
+        data.read_glue_dir(tmp_path / "cr-bad")
 
 
 def test_rows_with_an_empty_sentence_are_dropped_and_counted(tmp_path, caplog):
-    path = write(tmp_path, "train.tsv", "sentence\tlabel\na good film\t1\n\t0\n   \t1\nbad\t0\n")
+    write(tmp_path, "train.tsv", "sentence\tlabel\na good film\t1\n\t0\n   \t1\nbad\t0\n")
+    write(tmp_path, "dev.tsv", GOOD)
     with caplog.at_level(logging.WARNING):
-        assert data.read_glue_tsv(path, "train") == {"sentence": ["a good film", "bad"], "label": [1, 0]}
-    assert "train.tsv: dropped 2 row(s) with an empty sentence (lines 3, 4)" in caplog.text
+        train = data.read_glue_dir(tmp_path)["train"]
+    assert (train["text"], train["label"], train["index"]) == (["a good film", "bad"], [1, 0], [0, 3])
+    assert "train.tsv: dropped 2 row(s) with an empty text (lines 3, 4)" in caplog.text
 
 
 def test_a_fifo_is_refused_instead_of_hanging(tmp_path):
     write(tmp_path, "dev.tsv", GOOD)
     os.mkfifo(tmp_path / "train.tsv")
-    with pytest.raises(UserError, match=r"train.tsv: not a regular file \(a FIFO, socket or device\)"):
+    with pytest.raises(UserError, match=r"train.tsv: not a regular file"):
         data.read_glue_dir(tmp_path)
 
 
@@ -181,6 +194,6 @@ def test_an_unreachable_hub_is_one_line_without_retries(monkeypatch, caplog):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        raw, source = data.load_raw(None)
+        raw, task, source = data.load_raw(DEFAULTS)
     assert source.kind == "sample" and time.monotonic() - started < 5
     assert len(caplog.records) == 1 and "THE HUGGING FACE HUB IS UNREACHABLE (URLError" in caplog.text

@@ -280,8 +280,9 @@ def test_check_refuses_process_counts_below_one(flags, message, tmp_path, capsys
 def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path):
     import resource
 
-    from parallel_finetune.data import read_glue_tsv
+    from parallel_finetune.data import read_glue_dir
 
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
     big = tmp_path / "train.tsv"
     with open(big, "wb") as file:
         file.truncate(20 * 2**30)  # sparse: no disk, but reading it would take 20 GiB of memory
@@ -291,25 +292,26 @@ def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path)
     resource.setrlimit(resource.RLIMIT_AS, (used + 4 * 2**30, hard))
     try:
         with pytest.raises(UserError, match=r"train\.tsv: 20\.0 GiB, more than the 1 GiB a data file may have"):
-            read_glue_tsv(big, "train")
+            read_glue_dir(tmp_path)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
-    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS, read_glue_tsv
+    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS, read_glue_dir
 
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nfine\t1\nbad\t0\n")
     path = tmp_path / "train.tsv"
     word = "ab" * 500_000  # one megabyte "word": learning a BPE on it took hours
     path.write_text(f"sentence\tlabel\na good film\t1\nsee {word} now\t0\n")
     with pytest.raises(UserError) as error:
-        read_glue_tsv(path, "train")
-    assert str(error.value).startswith(f"{path}:3: 1,000,010 characters, more than the {MAX_ROW_CHARS:,} a row")
+        read_glue_dir(tmp_path)
+    assert str(error.value).startswith(f"{path}:3: 1,000,008 characters, more than the {MAX_ROW_CHARS:,} a row")
     path.write_text(f"sentence\tlabel\na good film\t1\n{'x' * (MAX_WORD_CHARS + 1)} now\t0\n")
     with pytest.raises(UserError, match=r"train\.tsv:3: a word of 1,001 characters \('x{20}'\.\.\.\), more than"):
-        read_glue_tsv(path, "train")
-    path.write_text(f"sentence\tlabel\n{'x' * MAX_WORD_CHARS} {'y ' * 40_000}\t1\n")  # at both limits: fine
-    assert read_glue_tsv(path, "train")["label"] == [1]
+        read_glue_dir(tmp_path)
+    path.write_text(f"sentence\tlabel\n{'x' * MAX_WORD_CHARS} {'y ' * 40_000}\t1\nok\t0\n")  # at both limits: fine
+    assert read_glue_dir(tmp_path)["train"]["label"] == [1, 0]
 
 
 # ---------------------------------------------------------------- issue 26: what a run deletes, where it exports

@@ -489,11 +489,13 @@ def _rows(table: Table, split: str, task: Task, text: str, pair: str | None, lab
             continue
         keep.append(row)
     if empty:
+        lines = [table.at(r).removeprefix(table.where + ":") for r in empty[:5]]
         log.warning(
-            "%s: dropped %d row(s) with an empty text (%s%s)",
+            "%s: dropped %d row(s) with an empty text (%s%s%s)",
             table.where,
             len(empty),
-            ", ".join(table.at(r).rsplit(":", 1)[-1] if ":" in table.at(r) else table.at(r) for r in empty[:5]),
+            "lines " if all(line.isdigit() for line in lines) else "",
+            ", ".join(lines),
             ", ..." if len(empty) > 5 else "",
         )
     if not keep:
