@@ -53,7 +53,7 @@ def our_run(config) -> dict:
     trainer.reporter.close()
     dev, tokenizer = trainer.data.splits["validation"], trainer.data.tokenizer
     results = evaluate(
-        trainer.model, trainer.runner, dev, tokenizer, config.task, config.eval_batch_size, trainer.layout
+        trainer.model, trainer.runner, dev, tokenizer, trainer.data.task, config.eval_batch_size, trainer.layout
     )
     seconds = trainer.timer.seconds["train"]
     torch.distributed.destroy_process_group()
@@ -72,7 +72,7 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     family = get_family(config.family)
     tokenizer = prepared.tokenizer
     model_path = download_model(config.model, config.revision) if config.size == "full" else None
-    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path)
+    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=prepared.task)
     seed_everything(config.seed)
     # The same weights (the checkpoint's, and the same new classifier head) in transformers' own class: our
     # family's surgery (BERT's last layer computing only [CLS]) is part of what is measured, not of the baseline.
@@ -82,7 +82,7 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     del ours
 
     def rows(split):
-        dataset = prepared.splits[split].rename_column("label", "labels")
+        dataset = prepared.splits[split].rename_column("label", "labels").remove_columns(["index"])
         if not (grouped and split == "train"):  # the length column spares LengthGroupedSampler a pass over the rows
             dataset = dataset.remove_columns(["length"])
         if pad_to_128:

@@ -67,16 +67,12 @@ class DataSection:
     # a GLUE task by name: its files read from data_dir in GLUE's own layout, else from the Hub (nyu-mll/glue); its
     # official metric(s). Used when neither train_file nor dataset is given.
     glue_task: Literal["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"] = "sst2"
-    data_dir: str | None = (
-        None  # the glue_task's folder (GLUE's files); None = the Hub, for sst2 else the shipped sample
-    )
+    data_dir: str | None = None  # the glue_task's folder of GLUE files; None = the Hub (sst2: else the sample)
     # your own rows (transformers' run_glue.py names): .csv, .tsv, .jsonl/.json or .parquet files with a header
     train_file: str | None = None
     validation_file: str | None = None  # None = validation_split_percentage of train held out
     test_file: str | None = None  # what predict=true predicts (labels, if any, are not needed)
-    dataset: str | None = (
-        None  # a datasets folder written by save_to_disk, or a Hub data set name (train, validation, test)
-    )
+    dataset: str | None = None  # a save_to_disk folder or a Hub data set name (splits train, validation, test)
     dataset_config: str | None = None  # the Hub data set's configuration name, if it has several
     text_column: str | None = None  # the text; None = sentence, text or sentence1, the first the data has
     text_pair_column: str | None = None  # the second text of a pair task; None = sentence2 beside sentence1, else none

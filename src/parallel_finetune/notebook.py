@@ -180,6 +180,19 @@ def plot_training(folder: str | Path):
     return figure
 
 
+DEV_METRICS = (
+    "accuracy",
+    "f1",
+    "macro_f1",
+    "matthews_correlation",
+    "pearson",
+    "spearmanr",
+    "mse",
+    "mismatched_accuracy",
+    "perplexity",
+)
+
+
 def read_summary(folder: str | Path) -> dict:
     path = Path(folder) / "summary.json"
     if not path.is_file():
@@ -190,10 +203,9 @@ def read_summary(folder: str | Path) -> dict:
 def report(folder: str | Path) -> dict:
     """Print the numbers a user looks at after a run; returns summary.json."""
     summary = read_summary(folder)
-    if "accuracy" in summary:
-        print(f"dev accuracy {summary['accuracy']:.4f} after {summary['steps']} steps")
-    if "perplexity" in summary:
-        print(f"dev perplexity {summary['perplexity']:.2f} after {summary['steps']} steps")
+    for key in DEV_METRICS:  # whichever the task reports (metrics.metric_keys), the main one first
+        if summary.get(key) is not None:
+            print(f"dev {key.replace('_', ' ')} {summary[key]:.4f} after {summary['steps']} steps")
     for key in (
         "layout",
         "precision",

@@ -165,7 +165,11 @@ class StageForward(nn.Module):
 
     def forward(self, first, attention_mask, position_ids, token_type_ids=None):
         model, family = self.model, self.family
-        hidden = family.pipeline_embed(model, first, position_ids, token_type_ids) if self.stage.first else first
+        if self.stage.first:  # token types only when there are some: a family without them keeps a 3-argument embed
+            types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            hidden = family.pipeline_embed(model, first, position_ids, **types)
+        else:
+            hidden = first
         mask = family.pipeline_mask(model, hidden, attention_mask, position_ids)
         for block in self.blocks:
             hidden = family.pipeline_block(block, hidden, mask, position_ids)
