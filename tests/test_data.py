@@ -197,3 +197,26 @@ def test_an_unreachable_hub_is_one_line_without_retries(monkeypatch, caplog):
         raw, task, source = data.load_raw(DEFAULTS)
     assert source.kind == "sample" and time.monotonic() - started < 5
     assert len(caplog.records) == 1 and "THE HUGGING FACE HUB IS UNREACHABLE (URLError" in caplog.text
+
+
+def test_the_fingerprint_check_computes_is_the_one_a_run_records(tmp_path, sst2):
+    """--check compares a checkpoint's data fingerprint with one computed from the files alone: for a GLUE folder,
+    for user files with a held-out validation split (its rows depend on the percentage and seed) and without."""
+    from parallel_finetune.tasks import data_fingerprint
+
+    write(tmp_path, "train.csv", 'text,label\n"a good, fine film",pos\nbad,neg\nawful,neg\ngreat,pos\n')
+    write(tmp_path, "dev.csv", "text,label\nfine,pos\n")
+    cases = [
+        dict(data_dir=str(sst2)),
+        dict(train_file=str(tmp_path / "train.csv"), validation_split_percentage=50.0),
+        dict(train_file=str(tmp_path / "train.csv"), validation_file=str(tmp_path / "dev.csv")),
+    ]
+    fingerprints = set()
+    for case in cases:
+        settings = SimpleNamespace(**{**data.DATA_DEFAULTS, **case})
+        raw, task, source = data.load_raw(settings)
+        assert data_fingerprint(settings) == source.fingerprint
+        fingerprints.add(source.fingerprint)
+    assert len(fingerprints) == 3
+    changed = SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1], "seed": 7})  # other held-out rows
+    assert data_fingerprint(changed) != data_fingerprint(SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1]}))
