@@ -5,10 +5,12 @@ wrote."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import inspect
 import json
 import os
 import pickle
+import random
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -67,6 +69,59 @@ def short_dev(sst2: Path, folder: Path, rows: int = 128) -> Path:
     lines = (sst2 / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
     (folder / "dev.tsv").write_text("".join(lines[: rows + 1]), encoding="utf-8")
     return folder
+
+
+def _sst2_rows(path: Path) -> list[tuple[str, int]]:
+    lines = path.read_text(encoding="utf-8").splitlines()[1:]
+    return [(text.strip(), int(label)) for text, label in (line.rsplit("\t", 1) for line in lines)]
+
+
+def _five_classes(text: str, label: int) -> int:
+    """Sentiment x length: a fragment of at most 3 words is class 4; else 2 x sentiment + (more than 10 words)."""
+    words = len(text.split())
+    return 4 if words <= 3 else 2 * label + (words > 10)
+
+
+def _similarity(first: tuple[str, int], second: tuple[str, int]) -> str:
+    """An STS-B-like score in [0, 5]: 2.5 for the same sentiment, plus 2.5 x the ratio of the two lengths."""
+    a, b = len(first[0].split()), len(second[0].split())
+    return f"{2.5 * (first[1] == second[1]) + 2.5 * min(a, b) / max(a, b):.3f}"
+
+
+@pytest.fixture(scope="session")
+def derived_tasks(sst2, tmp_path_factory) -> dict[str, list[str]]:
+    """Tasks of issue 28 made from real SST-2 rows, as a user's CSV files (train 2,000 rows, dev 128 rows): `pairs`
+    (sentence1, sentence2: another row drawn with a fixed seed; label "same"/"different" sentiment), `five_classes`
+    (sentence; label 0-4, _five_classes), `regression` (the pairs; label a float score, _similarity). Task name ->
+    the overrides that read it. Same content in every worker (the data fingerprint is the files' names and bytes),
+    so the tokenized-data cache and the tokenizers are built once."""
+    folder = tmp_path_factory.mktemp("derived_tasks")
+    rng = random.Random(28)
+    train = _sst2_rows(sst2 / "train.tsv")
+    splits = {
+        "train": [train[i] for i in rng.sample(range(len(train)), 2000)],
+        "dev": _sst2_rows(sst2 / "dev.tsv")[:128],
+    }
+    tables: dict[str, dict[str, list[list]]] = {"pairs": {}, "five_classes": {}, "regression": {}}
+    for split, rows in splits.items():
+        partners = [rows[rng.randrange(len(rows))] for _ in rows]
+        tables["pairs"][split] = [["sentence1", "sentence2", "label"]] + [
+            [a[0], b[0], "same" if a[1] == b[1] else "different"] for a, b in zip(rows, partners)
+        ]
+        tables["five_classes"][split] = [["sentence", "label"]] + [[t, _five_classes(t, y)] for t, y in rows]
+        tables["regression"][split] = [["sentence1", "sentence2", "label"]] + [
+            [a[0], b[0], _similarity(a, b)] for a, b in zip(rows, partners)
+        ]
+    overrides = {}
+    for task, files in tables.items():
+        for split, rows in files.items():
+            with open(folder / f"{task}_{split}.csv", "w", newline="", encoding="utf-8") as handle:
+                csv.writer(handle).writerows(rows)
+        overrides[task] = [
+            f"train_file={folder / f'{task}_train.csv'}",
+            f"validation_file={folder / f'{task}_dev.csv'}",
+        ]
+    return overrides
 
 
 @pytest.fixture(scope="session")
@@ -223,17 +278,28 @@ def tiny_overrides(
     return [f"{k}={v}" for k, v in base.items()] + no_dropout(family)
 
 
+# Every key a dev evaluation can write into summary.json (metrics.metric_keys of any metric, and perplexity), and
+# how closely it must match one process's. A rank statistic moves in steps: two predictions one fp32 rounding apart
+# (a barely trained regression head's cluster within a thousandth) tie or swap under another layout, which moves
+# Spearman's rho by up to 12 / (n (n + 1)), 7e-4 for 128 dev rows, while the values and mse agree to 1e-6.
+DEV_METRICS = ("accuracy", "f1", "macro_f1", "matthews_correlation", "pearson", "spearmanr", "mse", "perplexity")
+METRIC_TOLERANCE = {"spearmanr": {"abs": 1e-3}}
+
+
 def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1e-5) -> float:
-    """The project's promise, checked: the same loss at every step (within `tolerance`) and the same dev metric
+    """The project's promise, checked: the same loss at every step (within `tolerance`) and the same dev metrics
     as the single-process `reference`. Returns the largest loss difference."""
     assert len(run.losses) == len(reference.losses) >= 5
     differences = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
     assert max(differences) < tolerance, f"loss differences {differences}"
     # The loss must actually move, or equal trajectories would prove nothing.
     assert reference.losses[0] != reference.losses[-1]
-    # Evaluation: every dev row scored once, whatever the layout.
-    metric = "accuracy" if task == "classification" else "perplexity"
-    assert run.summary[metric] == pytest.approx(reference.summary[metric], rel=1e-5)
+    # Evaluation: every dev row scored once, whatever the layout; every metric of the task (metrics.metric_keys).
+    metrics = [key for key in reference.summary if key.removeprefix("mismatched_") in DEV_METRICS]
+    assert metrics and (task == "classification" or metrics == ["perplexity"]), f"dev metrics {metrics}"
+    for key in metrics:
+        close = METRIC_TOLERANCE.get(key.removeprefix("mismatched_"), {"rel": 1e-5})
+        assert run.summary[key] == pytest.approx(reference.summary[key], nan_ok=True, **close), key
     assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance)
     return max(differences)
 

@@ -75,6 +75,28 @@ def test_lora_layout_matches_single_process(family, name, layout, references, ss
     assert all(rank["optimizer"] > 0 for rank in per_rank)
 
 
+# Issue 28: a trained head wider than SST-2's (5 classes; GPT-J's `score`) and sentence pairs (BERT's token type
+# ids) under LoRA, from the user's CSV files of the `derived_tasks` fixture (real SST-2 rows).
+TASK_CASES = [
+    ("gptj", "five_classes", "tp2", TP2),
+    ("gptj", "five_classes", "pp2", PP2),
+    ("bert", "pairs", "tp2", TP2),
+]
+
+
+@pytest.mark.parametrize("family,task,name,layout", TASK_CASES, ids=[f"{f}-{n}-{t}" for f, t, n, _ in TASK_CASES])
+def test_lora_task_matches_single_process(
+    family, task, name, layout, derived_tasks, single_process_run, sst2, cache_dir, tmp_path
+):
+    overrides = lora_overrides(sst2, cache_dir, family, *derived_tasks[task])
+    reference = single_process_run(lora_recipe(family), overrides)
+    run = launch(2, overrides + layout, tmp_path / name, recipe=lora_recipe(family))
+    difference = assert_trains_like(run, reference, "classification", TOLERANCE)
+    print(f"{family} {name} {task}: largest loss difference {difference:.2e} over {len(run.losses)} steps")
+    assert "macro_f1" in run.summary if task == "five_classes" else "f1" in run.summary
+    assert "the base is frozen" in run.output
+
+
 def test_lora_optimizer_state_is_under_5_percent_of_full_fine_tuning(references, sst2, cache_dir, tmp_path):
     """Per-rank tensor accounting (TP=2, tiny GPT-J): AdamW state exists only for adapters and head; frozen
     weights have no gradient."""
