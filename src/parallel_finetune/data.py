@@ -179,10 +179,14 @@ def tokenize_classification(
     joined by the EOS token (A EOS B: GPT models have no pair template). A pair too long for `max_length` loses
     tokens from the end of its longer text first (transformers' longest_first)."""
     pairs = "text_pair" in split.column_names
+    # a test row's empty text (kept: every test row is predicted) is no token for GPT tokenizers; the model reads
+    # the EOS token in its place (or [PAD] for a tokenizer without one), as it does between a pair's texts
+    nothing = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id]
 
     def encode(batch):
         if not pairs:
             ids = tokenizer(batch["text"], truncation=True, max_length=max_length)["input_ids"]
+            ids = [x or nothing for x in ids]
             return {"input_ids": ids, "length": [len(x) for x in ids]}
         if token_types:
             encoded = tokenizer(

@@ -476,12 +476,10 @@ def _rows(table: Table, split: str, task: Task, text: str, pair: str | None, lab
     keep, empty = [], []
     for row in range(len(table)):
         texts = [table.columns[text][row]] + ([table.columns[pair][row]] if pair else [])
-        if any(not isinstance(t, str) for t in texts):
-            bad = next(t for t in texts if not isinstance(t, str))
-            if bad is None:
-                empty.append(row)
-                continue
+        bad = next((t for t in texts if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
             raise UserError(f"{table.at(row)}: text {bad!r} is a {type(bad).__name__}, not text")
+        texts = [t or "" for t in texts]  # None (a Parquet or JSON null): no text, as an empty cell
         for t in texts:
             check_text(table, row, t)
         if any(not t.strip() for t in texts) and not split.startswith("test"):
@@ -501,9 +499,9 @@ def _rows(table: Table, split: str, task: Task, text: str, pair: str | None, lab
     if not keep:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
     kept = table.take(keep) if len(keep) < len(table) else table
-    columns = {"text": [t.strip() for t in kept.columns[text]]}
+    columns = {"text": [(t or "").strip() for t in kept.columns[text]]}
     if pair:
-        columns["text_pair"] = [t.strip() for t in kept.columns[pair]]
+        columns["text_pair"] = [(t or "").strip() for t in kept.columns[pair]]
     if labelled and task.problem_type != CAUSAL_LM:
         columns["label"] = _ids(kept, label, task, split)
     columns["index"] = keep

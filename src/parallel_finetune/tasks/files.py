@@ -101,7 +101,9 @@ def read_delimited(path: Path, delimiter: str, quoting: bool = True, names: tupl
         line = reader.line_num
         for fields in reader:
             start, line = line + 1, reader.line_num
-            if not fields or (len(fields) == 1 and not fields[0].strip()):
+            # a blank line, or a whitespace line among several columns; in a one-column file `""` or spaces are a
+            # row with an empty text (a test row still gets a prediction, at its own index)
+            if not fields or (len(header) > 1 and len(fields) == 1 and not fields[0].strip()):
                 continue
             if len(fields) != len(header):
                 raise UserError(
