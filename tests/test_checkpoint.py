@@ -422,7 +422,7 @@ def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
     run = launch(1, overrides(sst2, cache_dir, "overwrite=true", "resume=none", "max_steps=3"), copied_run)
     assert (
         f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
-        f"tensorboard, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
+        f"tensorboard, labels.json, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
     ) in run.output
     assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == [RECORD, "step-00000003"]
     assert [r["step"] for r in run.records] == [1, 2, 3] and run.summary["steps"] == 3
@@ -444,6 +444,7 @@ def test_export_to_a_full_disk_leaves_no_partial_hf(sst2, cache_dir, tmp_path):
             RECORD,
             "config.yaml",
             "eval.jsonl",
+            "labels.json",
             "metrics.jsonl",
             "tensorboard",
         ]
