@@ -169,7 +169,7 @@ def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, t
     run = launch(2, ["size=tiny", f"data_dir={bad}", f"cache_dir={cache_dir}"], out, check=False)
     assert run.returncode != 0
     assert run.output.count("error: ") == 1
-    assert f"error: {bad / 'train.tsv'}:3: label '3' is not 0 or 1" in run.output
+    assert f"error: {bad / 'train.tsv'}:3: label '3' is not among the labels (0, 1)" in run.output
     assert not out.exists()
 
 
