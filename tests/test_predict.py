@@ -7,10 +7,11 @@ and pairs as training did and reads the labels the run learned."""
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, launch, python, tiny_overrides
+from conftest import REPO, launch, plant_custom_code, python, tiny_overrides
 
 from parallel_finetune.inference import main as predict_main
 
@@ -160,3 +161,15 @@ def test_bad_input_is_one_line(reviews, tmp_path, capsys, case, message):
     assert code == 2
     assert err.startswith("error: " + message.format(tmp=tmp_path)), err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_asking_for_custom_code_is_refused(reviews, tmp_path, capsys, file):
+    run, new = reviews
+    folder = shutil.copytree(run / "hf", tmp_path / "hf")
+    marker = tmp_path / "payload-ran"
+    plant_custom_code(folder, file, marker)
+    assert predict_main([str(folder), str(new)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder / file} asks for custom code (auto_map: ") and err.count("\n") == 1, err
+    assert not marker.exists()
