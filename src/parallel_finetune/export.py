@@ -26,6 +26,7 @@ from .layout import rank0_decides
 from .precision import DTYPES
 from .resolve import pretrained_name
 from .runfolder import LOCK, RECORD, _alive, _holder, _read_holder, checkpoint_holding, record_written, sagemaker_folder
+from .tasks import LABEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,13 @@ def export_lora(
         if config.size == "tiny":
             frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
             save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
+        labels = run_folder / LABEL_FILE  # the head's width and names travel with the adapter (scripts/predict.py)
         write_folder(
             adapter,
             lambda folder: (
                 lora.export_adapter(state, family, model.config, settings, config.task, base, folder),
                 tokenizer.save_pretrained(folder),
+                labels.is_file() and shutil.copy(labels, folder / LABEL_FILE),
             ),
         )
 

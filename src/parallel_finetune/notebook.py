@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .tasks.files import FORMATS
 
 
 def gpu_count() -> int:
@@ -72,6 +73,38 @@ def launch_local(recipe: str | Path, overrides: list[str], nproc: int, check: bo
     )
 
 
+def data_overrides(data: str | Path) -> list[str]:
+    """DATA as the Makefile reads it: a file of rows -> train_file, a save_to_disk folder -> dataset, another folder
+    (GLUE's files) -> data_dir; made absolute, since the notebook moves to the repository root."""
+    if not data:
+        return []
+    path = Path(data).expanduser().resolve()
+    if path.is_dir():
+        saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+        return [f"{'dataset' if saved else 'data_dir'}={path}"]
+    return [f"{'train_file' if path.is_file() or path.suffix.lower() in FORMATS else 'data_dir'}={path}"]
+
+
+def write_labelled_csv(path: str | Path, glue_folder: str | Path | None = None, rows: int = 2000) -> Path:
+    """A CSV of SST-2 sentences labelled with words (columns review, sentiment: awful or great), the shape your own
+    data may have: from `glue_folder`'s train.tsv, else the small sample shipped in the package."""
+    import csv
+
+    from .data import read_glue_dir
+    from .tasks import SAMPLE_DIR
+
+    train = read_glue_dir(Path(glue_folder).expanduser() if glue_folder else SAMPLE_DIR)["train"]
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        writer.writerow(["review", "sentiment"])
+        for row in train.select(range(min(rows, len(train)))):
+            writer.writerow([row["text"], ("awful", "great")[row["label"]]])
+    print(f"{path}: {min(rows, len(train)):,} rows, labels awful / great")
+    return path
+
+
 @dataclass
 class Walkthrough:
     """A notebook's run, from its parameters cell: `start` once, then `prepare_data`, `check`, `launch`."""
@@ -89,15 +122,16 @@ class Walkthrough:
         cls, launch, recipe, size, data, max_steps, nproc, args, instance_type, instance_count, role, region, bucket,
         wait,
     ) -> Walkthrough:  # fmt: skip
-        """Resolve the parameters (DATA relative to where the notebook started) and move to the repository root,
-        where recipes, the data cache and runs/ live."""
+        """Resolve the parameters (DATA relative to where the notebook started: a GLUE folder, a datasets folder or
+        a file of rows, as in `make`) and move to the repository root, where recipes, the data cache and runs/
+        live."""
         if launch not in ("local", "sagemaker"):
             raise UserError(f"LAUNCH={launch!r}: use 'local' or 'sagemaker'")
-        data_dir = str(Path(data).expanduser().resolve()) if data else None
+        data_keys = data_overrides(data)
         repo = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
         os.chdir(repo)
         size = size or ("full" if launch == "sagemaker" else default_size())
-        overrides = [f"size={size}", *([f"data_dir={data_dir}"] if data_dir else [])]
+        overrides = [f"size={size}", *data_keys]
         overrides += [*([f"max_steps={max_steps}"] if max_steps else []), *args]
         settings = None
         if launch == "sagemaker":
@@ -109,7 +143,7 @@ class Walkthrough:
         return walk
 
     def prepare_data(self):
-        """Tokenize and cache SST-2 as the run will (a tiny model's tokenizer is learned here); print the splits."""
+        """Tokenize and cache the data as the run will (a tiny model's tokenizer is learned here); print the splits."""
         from .config import load_config
         from .data import prepare_for_config
 

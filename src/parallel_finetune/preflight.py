@@ -117,8 +117,11 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
     family = get_family(config.family)
     resolve_device(config.device)
+    offline = " (sample if offline)" if not config.dataset and config.glue_task == "sst2" else ""
+    data = f"Hub {config.dataset or 'nyu-mll/glue ' + config.glue_task}{offline}"  # the rows a run reads
     if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
-        raw, _, _ = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
+        raw, _, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
+        data = source.description
         if config.task == "classification" and len(raw["train"]) < config.batch_size:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
@@ -160,5 +163,5 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
         f"{pipeline}{dims.dp} data-parallel x {dims.tp} tensor-parallel{sharding} | "
-        f"data {config.data_dir or 'Hub (sample if offline)'}"
+        f"data {data}"
     )

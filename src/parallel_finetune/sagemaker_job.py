@@ -5,15 +5,16 @@ instance. What the job gets, and where:
 
   code channel   this package, the recipe's folder (less what looks like a secret or is large, each named in a
                  warning), requirements.txt (the versions installed here) and train.py
-  sst2 channel   SST-2 TSVs plus the tokenized cache, prepared here: the job tokenizes nothing
+  training       the rows (train_file/validation_file/test_file, a datasets folder, or a GLUE folder's files)
+                 plus their tokenized cache, prepared here: the job tokenizes nothing
   model channel  only when the recipe's model is an s3:// URI: the weights are on the instance before the
                  script starts (no Hub download at start-up)
   checkpoints    /opt/ml/checkpoints, synced with the checkpoint S3 URI (a rerun with the same URI resumes)
   model.tar.gz   the exported Hugging Face folder (SM_MODEL_DIR); with LoRA, adapter/ (and base/) inside it
   output.tar.gz  metrics.jsonl, eval.jsonl, summary.json, tensorboard (SM_OUTPUT_DATA_DIR)
 
-Hyperparameters are the recipe path and the overrides as written, except keys that name local paths (data_dir,
-cache_dir, output_dir, and an s3:// model), which become the channel paths above. Every check that can fail on
+Hyperparameters are the recipe path and the overrides as written, except keys that name local paths (the data
+keys, cache_dir, output_dir, and an s3:// model), which become the channel paths above. Every check that can fail on
 bad input (instance type, role, region, bucket, credentials, recipe) runs before anything is uploaded.
 """
 
@@ -76,6 +77,10 @@ def tracking_environment(environ=os.environ) -> dict[str, str]:
 
 EFA_RDMA_INSTANCES = ("ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge")
 LOCAL_PATH_KEYS = ("data_dir", "cache_dir", "output_dir", "checkpoint_dir")
+# Where the rows can come from: the job gets those stage_data shipped, by their channel paths (train_file beats a
+# data_dir also given, as in a local run, so the job's keys are exactly the staged ones).
+DATA_KEYS = ("train_file", "validation_file", "test_file", "dataset", "dataset_config", "data_dir")
+DATA_CHANNEL = "training"  # /opt/ml/input/data/training: the rows and their tokenized cache
 ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs
 `torchrun ... train.py --recipe R --key value ...`."""
 import sys
@@ -86,7 +91,7 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 # Left out of the recipe folder's upload, with a warning: names that usually hold credentials or keys, and large
-# files (a recipe folder holds YAML; data goes through the sst2 channel, weights through model=s3://).
+# files (a recipe folder holds YAML; data goes through the training channel, weights through model=s3://).
 SECRET_PATTERNS = (
     ".env",
     ".env.*",
@@ -322,35 +327,53 @@ def stage_code(recipe: Path, config, folder: Path) -> str:
     return f"recipe/{recipe.name}"
 
 
-def stage_data(config, folder: Path) -> Path:
-    """The GLUE task's files plus the tokenized cache for `config`, in one folder (the data channel).
+def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
+    """The data channel: the rows as this machine has them (train_file/validation_file/test_file, a datasets folder,
+    or a GLUE folder's files) plus their tokenized cache, in `folder`. Returns the data keys that point the job at
+    the channel (its paths) and the cache folder's name.
 
-    The job finds the cache because its key hashes the TSVs' bytes and the tokenizer, not their paths."""
+    The job finds the cache because its key hashes the files' names and bytes and the tokenizer, not their paths:
+    files keep their names here (one that shares another's name goes into a folder named for its split)."""
     from . import data
     from .tasks import TASKS, glue_folder_files
 
-    raw, task, source = data.load_raw(config)
-    if source.kind == "sample":
-        raise UserError(
-            "the SST-2 data could not be read (Hub unreachable and no data_dir): pass "
-            "data_dir=PATH, a folder with GLUE's train.tsv and dev.tsv, to ship it to the job"
+    local_dataset = bool(config.dataset) and Path(config.dataset).expanduser().is_dir()
+    if not (config.train_file or local_dataset or (config.data_dir and not config.dataset)):
+        wanted = (
+            f"dataset={config.dataset!r} is a Hub data set: save it with datasets' save_to_disk and pass dataset=FOLDER"
+            if config.dataset
+            else f"glue_task={config.glue_task} from the Hub: pass data_dir=PATH, a folder with GLUE's "
+            f"{', '.join(TASKS[config.glue_task].split_files().values())}"
         )
-    if source.kind != "glue":
-        raise UserError(f"a SageMaker job gets a GLUE folder (data_dir=PATH) for now; {source.description} is not one")
+        raise UserError(f"a SageMaker job trains on rows shipped from this machine; {wanted}, or train_file=PATH")
+    # read and tokenized from the user's paths (a bad row names the user's file); the cache made by an earlier run
+    # or `make data` is reused as is
+    prepared = data.prepare_for_config(config)
     folder.mkdir(parents=True)
-    for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
-        if path.is_file():
-            shutil.copy(path, folder / path.name)
-    cache = folder / "cache"
-    if source.kind == "glue":  # the user's own cache (made by an earlier run or `make data`) is reused as is
-        prepared = data.prepare_for_config(config)
-        shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
-        for tokenizer in (Path(config.cache_dir) / "tokenizers").glob(f"*-{source.fingerprint}"):
-            shutil.copytree(tokenizer, cache / "tokenizers" / tokenizer.name)
+    staged: dict[str, str] = {}
+    if config.train_file:
+        for key in ("train_file", "validation_file", "test_file"):
+            if getattr(config, key):
+                path = Path(getattr(config, key)).expanduser()
+                name = path.name if path.name not in staged.values() else f"{key.split('_')[0]}/{path.name}"
+                (folder / name).parent.mkdir(exist_ok=True)
+                shutil.copy(path, folder / name)
+                staged[key] = name
+    elif config.dataset:
+        shutil.copytree(Path(config.dataset).expanduser(), folder / "dataset")
+        staged["dataset"] = "dataset"
     else:
-        prepared = data.prepare_for_config(load_config_like(config, data_dir=str(folder), cache_dir=str(cache)))
-    log.info("SST-2 for the job: %s (%s)", prepared.cache_path.name, source.description)
-    return folder
+        for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
+            if path.is_file():
+                shutil.copy(path, folder / path.name)
+        staged["data_dir"] = ""
+    cache = folder / "cache"
+    shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
+    for tokenizer in (Path(config.cache_dir).expanduser() / "tokenizers").glob(f"*-{prepared.source.fingerprint}"):
+        shutil.copytree(tokenizer, cache / "tokenizers" / tokenizer.name)
+    log.info("data for the job: %s (%s)", prepared.cache_path.name, prepared.source.description)
+    channel = CHANNELS / DATA_CHANNEL
+    return {key: str(channel / name) for key, name in staged.items()}, prepared.cache_path.name
 
 
 def load_config_like(config, **changes):
@@ -360,7 +383,7 @@ def load_config_like(config, **changes):
 
 
 def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
-    """Everything in an S3 model folder except the weights: enough to tokenize SST-2 here."""
+    """Everything in an S3 model folder except the weights: enough to tokenize the data here."""
     from .weights import WEIGHT_FILES
 
     # what a tokenizer needs none of: the loader's weight files, and other frameworks' (raw torch, TF, Flax, GGUF)
@@ -384,16 +407,19 @@ def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
     return folder
 
 
-def job_hyperparameters(recipe_in_code: str, overrides: list[str], model_is_s3: bool) -> dict[str, str]:
-    """The overrides as written (SageMaker shows and passes them on), local paths swapped for channel paths."""
+def job_hyperparameters(
+    recipe_in_code: str, overrides: list[str], model_is_s3: bool, data_keys: dict[str, str]
+) -> dict[str, str]:
+    """The overrides as written (SageMaker shows and passes them on), local paths swapped for channel paths
+    (`data_keys`: stage_data's)."""
     hyperparameters = {"recipe": recipe_in_code}
     for text in overrides:
         key, _ = parse_override(text)
-        if key in LOCAL_PATH_KEYS or (key == "model" and model_is_s3):
+        if key in LOCAL_PATH_KEYS or key in DATA_KEYS or (key == "model" and model_is_s3):
             continue
         hyperparameters[key] = text.split("=", 1)[1].strip()
-    hyperparameters["data_dir"] = str(CHANNELS / "sst2")
-    hyperparameters["cache_dir"] = str(CHANNELS / "sst2" / "cache")
+    hyperparameters.update(data_keys)
+    hyperparameters["cache_dir"] = str(CHANNELS / DATA_CHANNEL / "cache")
     if model_is_s3:
         hyperparameters["model"] = str(CHANNELS / "model")
     return hyperparameters
@@ -510,14 +536,13 @@ def launch(
             prep_config = load_config_like(config, model=str(model_folder))
         log.info("layout: %s", check_job_layout(config, settings, model_folder))
         recipe_in_code = stage_code(recipe, config, tmp / "code")
-        data_folder = stage_data(prep_config, tmp / "sst2")
+        data_keys, cache_key = stage_data(prep_config, tmp / DATA_CHANNEL)
         # Keyed by the cache folder's name (data and tokenizer hashes): a later job with the same data reuses it.
-        cache_key = next((data_folder / "cache").glob("sst2-*")).name
         data_uri = session.upload_data(
-            str(data_folder), bucket=settings.bucket, key_prefix=f"{settings.prefix}/data/{cache_key}"
+            str(tmp / DATA_CHANNEL), bucket=settings.bucket, key_prefix=f"{settings.prefix}/data/{cache_key}"
         )
-        hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3)
-        inputs = [InputData(channel_name="sst2", data_source=data_uri)]
+        hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3, data_keys)
+        inputs = [InputData(channel_name=DATA_CHANNEL, data_source=data_uri)]
         if model_is_s3:
             inputs.append(InputData(channel_name="model", data_source=config.model))
         environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
