@@ -22,7 +22,7 @@ import torch
 
 from .data import collate, joined_pair
 from .errors import UserError, one_line
-from .tasks import LABEL_FILE, PAIR_OF, REGRESSION, TEXT_COLUMNS, Task, read_label_file
+from .tasks import LABEL_FILE, PAIR_OF, REGRESSION, TEXT_COLUMNS, Task, configure_head, read_label_file
 from .tasks.files import Table, check_text, read_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -143,11 +143,7 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
         if task is not None:  # the head's width and names (a pretrained base's config.json knows nothing of them)
             if task.problem_type not in (REGRESSION, "single_label_classification"):
                 raise UserError(f"{folder}: trained with task={task.problem_type}; predict.py classifies")
-            hf_config.num_labels = task.num_labels
-            if task.label_names:
-                hf_config.id2label = dict(enumerate(task.label_names))
-                hf_config.label2id = {name: i for i, name in enumerate(task.label_names)}
-            hf_config.problem_type = task.problem_type
+            configure_head(hf_config, task)
         if hf_config.pad_token_id is None:  # GPT configs: the padding id training used, to find each last token
             hf_config.pad_token_id = tokenizer.pad_token_id
         try:

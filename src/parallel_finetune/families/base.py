@@ -234,15 +234,9 @@ class Family:
         hf_config.pad_token_id = pad_token_id
         if task != "classification":
             return
-        if labels is None:
-            names, problem_type = ("negative", "positive"), "single_label_classification"
-        else:
-            names, problem_type = labels.label_names, labels.problem_type
-        hf_config.num_labels = len(names) or 1
-        if names:
-            hf_config.id2label = dict(enumerate(names))
-            hf_config.label2id = {name: i for i, name in enumerate(names)}
-        hf_config.problem_type = problem_type
+        from ..tasks import CLASSIFICATION, Task, configure_head
+
+        configure_head(hf_config, labels or Task("sst2", CLASSIFICATION, False, ("negative", "positive"), ("0", "1")))
 
     def config_for(
         self,

@@ -71,6 +71,16 @@ class Task:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
+def configure_head(hf_config, task: Task) -> None:
+    """What a classification task writes into a transformers config: the head's width, its label names (the
+    exported config.json's id2label/label2id, which transformers' pipeline prints) and the problem type."""
+    hf_config.num_labels = task.num_labels
+    if task.label_names:
+        hf_config.id2label = dict(enumerate(task.label_names))
+        hf_config.label2id = {name: i for i, name in enumerate(task.label_names)}
+    hf_config.problem_type = task.problem_type
+
+
 @dataclass(frozen=True)
 class Source:
     kind: str  # "files" | "dataset" | "glue" | "hub" | "sample"
@@ -331,7 +341,7 @@ def infer_problem_type(config, table: Table, label: str) -> str:
 def user_labels(config, train: Table, label: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(names, values) by id: the sorted distinct training labels, or ids 0..num_labels-1 when num_labels is given
     and the labels are those ids."""
-    values = [train.columns[label][i] for i in range(len(train))]
+    values = train.columns[label]
     for row, value in enumerate(values):
         if _is_missing(value):
             raise UserError(f"{train.at(row)}: no label in column {label!r}")
@@ -384,7 +394,7 @@ def _ids(table: Table, label: str, task: Task, split: str) -> list:
 # ----------------------------------------------------------------------------------------------- the task
 
 
-def _column(config, table: Table, key: str, name: str | None, needed_for: str) -> str:
+def _column(table: Table, key: str, name: str | None, needed_for: str) -> str:
     if name is not None and name not in table.columns:
         raise UserError(
             f"{key}={name!r}: {table.where} has no such column ({', '.join(table.columns) or 'none'}){needed_for}"
@@ -401,15 +411,15 @@ def _user_columns(config, train: Table) -> tuple[str, str | None, str | None]:
                 f"{train.where}: no text column named {', '.join(TEXT_COLUMNS)}; set text_column= one of "
                 f"{', '.join(train.columns)}"
             )
-    _column(config, train, "text_column", text, "")
+    _column(train, "text_column", text, "")
     pair = config.text_pair_column
     if pair is None and text in PAIR_OF and PAIR_OF[text] in train.columns:
         pair = PAIR_OF[text]
-    _column(config, train, "text_pair_column", pair, "")
+    _column(train, "text_pair_column", pair, "")
     label = None
     if config.task != "causal_lm":
         label = config.label_column
-        _column(config, train, "label_column", label, "; set label_column= the column holding the labels")
+        _column(train, "label_column", label, "; set label_column= the column holding the labels")
     return text, pair, label
 
 
@@ -563,6 +573,7 @@ __all__ = [
     "Task",
     "TASKS",
     "files",
+    "configure_head",
     "data_fingerprint",
     "glue_fingerprint",
     "hub_unreachable",
