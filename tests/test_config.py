@@ -66,7 +66,7 @@ def test_every_issue_spelling_is_a_key():
         ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
         ("batch_size=0", "batch_size=0 must be at least 1"),
         ("task=translation", "task='translation' is not valid"),
-        ("family=llama", f"family='llama' is not known; valid: {', '.join(sorted(FAMILIES))}"),
+        ("family=nonesuch", f"family='nonesuch' is not known; valid: {', '.join(sorted(FAMILIES))}"),
         ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),
         ("lr", "must look like key=value"),
         ("training.nope=1", "unknown key 'nope'"),

@@ -104,11 +104,14 @@ def test_minilm_real_checkpoint_loads_offline_and_learns(sst2, cache_dir, tmp_pa
 
 def test_an_unknown_family_is_one_line_naming_the_valid_ones_and_never_written_as_bert(tmp_path):
     from parallel_finetune import synthetic
+    from parallel_finetune.families import family_names
 
-    with pytest.raises(UserError, match=rf"^family='llama' is not known; valid: {', '.join(sorted(FAMILIES))}$"):
-        get_family("llama")
-    with pytest.raises(UserError, match="family='llama' is not known"):
-        synthetic.write_checkpoint(tmp_path / "llama", "llama", ["a b c"], hidden=8, layers=1, heads=1)
+    valid = ", ".join(sorted(family_names()))
+    expected = rf"^family='nonesuch' is not known; valid: {valid}, or a transformers model type whose config ships "
+    with pytest.raises(UserError, match=expected + r"a parallel plan \(e.g. olmo2, qwen2\)$"):
+        get_family("nonesuch")
+    with pytest.raises(UserError, match="family='nonesuch' is not known"):
+        synthetic.write_checkpoint(tmp_path / "nonesuch", "nonesuch", ["a b c"], hidden=8, layers=1, heads=1)
     assert not list(tmp_path.iterdir())
 
 

@@ -45,7 +45,7 @@ Continues = Annotated[T, CONTINUES]
 class ModelSection:
     """`model:` What is fine-tuned: the family, the checkpoint (or a tiny model built from config), the task."""
 
-    family: str = ""  # a registered model family (families/), e.g. gptj, gpt2, gptneo, bert; each recipe sets it
+    family: str = ""  # gptj|gpt2|gptneo|bert|llama|qwen3|mistral, a model type with plans (olmo2), or auto
     model: str | None = None  # Hub name or local folder; None = the family's full-size default
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
@@ -575,6 +575,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     where = f"recipe {recipe}" if recipe is not None else "config"
     typed = {key: _coerce(key, value, where) for key, value in values.items()}
     config = Config(**typed)
+    _resolve_auto_family(config, where)
     family = config.family or "unknown"
     config.recipe = f"{family}-{name}" if name else family
     if config.lr_scaling == "linear":
@@ -606,6 +607,33 @@ def _scale_lr(config: Config, where: str, recipe_batch: int, recipe_lr: float, l
         f"lr_scaling=linear: lr {recipe_lr:g} x batch_size {config.batch_size} / recipe batch_size "
         f"{recipe_batch} = {config.lr:g}"
     )
+
+
+def _resolve_auto_family(config: Config, where: str) -> None:
+    """family: auto -> the family of the checkpoint's config.json `model_type` (a registered one, or one made from
+    the model type's parallel plans), decided once, here: config.yaml and every rank then name it."""
+    from .families import AUTO, family_for_model_type
+
+    if config.family != AUTO:
+        return
+    if config.size == "tiny" or not config.model:
+        raise UserError(
+            f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
+            f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
+        )
+    from .families.base import resolve_model_path
+    from .pretrained import load_hf_config
+
+    try:
+        hf_config = load_hf_config(resolve_model_path(config.model))
+    except UserError:
+        raise
+    except Exception as exc:  # transformers and the Hub client raise many types; all mean "cannot read it"
+        raise UserError(
+            f"{where}: family=auto cannot read the config.json of model={config.model!r} ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
+        ) from None
+    config.family = family_for_model_type(hf_config.model_type, f"model={config.model!r} (config.json)")
 
 
 def validate(config: Config, where: str = "config") -> None:

@@ -22,7 +22,8 @@ from .base import Family
 
 ENVIRONMENT = "PARALLEL_FINETUNE_FAMILIES"
 # The order listings show the built-in families in; any other module of this package follows, by name.
-LISTING_ORDER = ("gptj", "gpt2", "gptneo", "bert")
+LISTING_ORDER = ("gptj", "gpt2", "gptneo", "bert", "llama", "qwen3", "mistral")
+AUTO = "auto"  # family: auto = the family of the checkpoint's config.json model_type
 
 _families: dict[str, Family] = {}
 _files_loaded: set[Path] = set()
@@ -68,10 +69,52 @@ def _registry() -> dict[str, Family]:
 
 
 def get_family(name: str) -> Family:
+    """A registered family, or one made from the plans of transformers' model type `name` (e.g. olmo2), registered
+    on first use in each process that asks."""
     families = _registry()
-    if name not in families:
-        raise UserError(f"family={name!r} is not known; valid: {', '.join(sorted(families))}")
-    return families[name]
+    if name in families:
+        return families[name]
+    for family in families.values():  # a model type a registered family covers (gpt_neo -> gptneo)
+        if family.config_class.model_type == name:
+            return family
+    config_class = _config_class(name)
+    if config_class is None:
+        raise UserError(
+            f"family={name!r} is not known; valid: {', '.join(sorted(families))}, "
+            f"or a transformers model type whose config ships a parallel plan (e.g. olmo2, qwen2)"
+        )
+    from .plans import PlanFamily
+
+    return register(PlanFamily(config_class))
+
+
+def family_for_model_type(model_type: str, where: str) -> str:
+    """The family name for a checkpoint of `model_type` (`where`: its config.json, for the error): the registered
+    family of that model type (gpt_neo -> gptneo), else the model type itself when its config has plans."""
+    for family in all_families():
+        if family.config_class.model_type == model_type:
+            return family.name
+    config_class = _config_class(model_type)
+    if config_class is None:
+        raise UserError(f"{where}: model_type={model_type!r} is not a transformers model type this version knows")
+    from .plans import plan_problem
+
+    problem = plan_problem(config_class)
+    if problem:
+        raise UserError(
+            f"{where}: {problem}, so family=auto cannot make a parallel plan for it; families: "
+            f"{', '.join(family_names())} or any model type whose config ships base_model_tp_plan"
+        )
+    return model_type
+
+
+def _config_class(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, ValueError, ImportError):
+        return None
 
 
 def all_families() -> list[Family]:

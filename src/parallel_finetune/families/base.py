@@ -119,6 +119,10 @@ class Family:
     def pipeline_block(self, block: nn.Module, hidden: torch.Tensor, mask, position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def check_pipeline(self, hf_config: PretrainedConfig, task: str) -> None:
+        """A one-line error when the pipeline pieces cannot reproduce this model's forward. Hand-written families
+        are held to it by the tests; a family made from plans checks at run time (plans.py)."""
+
     def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

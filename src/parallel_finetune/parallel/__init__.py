@@ -41,6 +41,7 @@ def parallelize(
     result = Parallelized()
     n_blocks = len(family.blocks(model))
     if layout.pp > 1:
+        family.check_pipeline(model.config, config.task)
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         result.stages = plan_stages(model, family, layout.pp, virtual, config.partition)
         result.tied = tied_parameters(model)
