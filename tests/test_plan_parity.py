@@ -23,7 +23,7 @@ LAYOUTS = {
     "gpipe": (2, PP2 + ["pipeline_schedule=gpipe"]),
     "1f1b": (2, PP2 + ["pipeline_schedule=1f1b"]),
     "pp2_tp2": (4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
-    "fsdp_dp2": (2, ["tensor_parallel_degree=1", "sharding=full"]),
+    "fsdp_dp2": (2, ["tensor_parallel_degree=1", "sharding=full", "activation_checkpointing=true"]),
     "tp2": (2, ["tensor_parallel_degree=2"]),
 }
 # (family, layout, task): each named family under each layout, the tasks alternating so that both are covered.
