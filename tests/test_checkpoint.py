@@ -106,11 +106,18 @@ def test_fsdp_checkpoint_resumes_under_tp2(sharded_writer, reference, sst2, cach
     assert_same_losses(run, reference, 6)
 
 
-@pytest.mark.parametrize("family,task", [("gptj", "classification"), ("gpt2", "causal_lm")])
-def test_pipeline_checkpoint_resumes_under_tp2(family, task, sst2, cache_dir, tmp_path):
-    """Stages write their own blocks under the unsplit names (GPT-2's tied embedding from both ends): a checkpoint
-    of a PP=2 run is an ordinary checkpoint that TP=2 continues."""
-    model = ["model_config.n_layer=4", f"task={task}"]
+@pytest.mark.parametrize(
+    "family,task,layers",
+    [
+        ("gptj", "classification", "n_layer"),
+        ("gpt2", "causal_lm", "n_layer"),
+        ("qwen3", "causal_lm", "num_hidden_layers"),  # made from transformers' plans; tied, q/k norms, GQA
+    ],
+)
+def test_pipeline_checkpoint_resumes_under_tp2(family, task, layers, sst2, cache_dir, tmp_path):
+    """Stages write their own blocks under the unsplit names (GPT-2's and Qwen 3's tied embedding from both ends):
+    a checkpoint of a PP=2 run is an ordinary checkpoint that TP=2 continues."""
+    model = [f"model_config.{layers}=4", f"task={task}"]
     pipeline = launch(
         2,
         overrides(

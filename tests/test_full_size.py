@@ -23,13 +23,25 @@ from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
 from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
 
 WORKER = str(REPO / "tests" / "workers" / "export_loaded.py")
-TASK = {"gptj": "classification", "gpt2": "causal_lm", "gptneo": "causal_lm", "bert": "classification"}
+TASK = {
+    "gptj": "classification",
+    "gpt2": "causal_lm",
+    "gptneo": "causal_lm",
+    "bert": "classification",
+    "llama": "classification",
+    "qwen3": "causal_lm",  # tied embeddings: the file holds the embedding only
+    "mistral": "causal_lm",  # untied: the LM head sharded by columns under TP
+}
 # GPT-J ~100M parameters (400 MB in fp32): big enough that its bytes dominate a process's memory; the others small.
 SIZES = {
     "gptj": dict(hidden=1024, layers=8, heads=16),
     "gpt2": dict(hidden=256, layers=4, heads=8),
     "gptneo": dict(hidden=256, layers=4, heads=8),
     "bert": dict(hidden=256, layers=4, heads=8),
+    # families made from transformers' plans: grouped-query attention, 8 query heads for 2 key/value heads
+    "llama": dict(hidden=128, layers=4, heads=8),
+    "qwen3": dict(hidden=128, layers=4, heads=8),
+    "mistral": dict(hidden=128, layers=4, heads=8),
 }
 LAYOUTS = {
     "one": (1, []),
@@ -59,6 +71,12 @@ CASES = [
     ("bert", "pp2", "bfloat16"),
     ("bert", "fsdp2", "float16"),
     ("bert", "pp2_tp2", "float32"),
+    ("llama", "tp2", "float16"),
+    ("llama", "pp2", "float32"),
+    ("qwen3", "tp2", "float32"),
+    ("qwen3", "pp2", "float16"),
+    ("mistral", "tp2", "float32"),
+    ("mistral", "pp2", "float16"),
 ]
 COMPARED_WITH_ONE_PROCESS = {("gptj", "tp2"), ("gptj", "pp2_tp2"), ("gpt2", "pp2"), ("gpt2", "pp2_tp2")}
 CACHE = REPO / ".cache" / "test-checkpoints-v1"
@@ -157,7 +175,13 @@ def test_loaded_shards_equal_the_checkpoint(family, layout, dtype, runs, checkpo
     exported = load_file(run.output_dir / "loaded" / "model.safetensors")
     prefix = get_family(family).model_classes[TASK[family]].base_model_prefix
     new = compare_with_file(exported, checkpoint(family, dtype), prefix)
-    expected_new = {"classification": {"gptj": {"score.weight"}, "bert": {"classifier.weight", "classifier.bias"}}}
+    expected_new = {
+        "classification": {
+            "gptj": {"score.weight"},
+            "bert": {"classifier.weight", "classifier.bias"},
+            "llama": {"score.weight"},
+        }
+    }
     assert new == expected_new.get(TASK[family], {}).get(family, set())
     if new:
         assert "new (not in the checkpoint), initialised from seed 42: " + ", ".join(sorted(new)) in run.output

@@ -39,6 +39,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
 
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
+        family.check_pipeline(hf_config, config.task)  # as every rank does before cutting (a shrunk copy)
         microbatches = pipeline_microbatches(config, dims.pp)
         check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "

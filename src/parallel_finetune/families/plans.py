@@ -166,6 +166,18 @@ class PlanFamily(Family):
         known = _default_values(self.config_class)
         return self.config_class(**{key: value for key, value in values.items() if key in known or key in SPLIT_SIZES})
 
+    def hf_config(self, model, size, vocab_size, max_positions, overrides, published=False) -> PretrainedConfig:
+        config = super().hf_config(model, size, vocab_size, max_positions, overrides, published)
+        layer_types = getattr(config, "layer_types", None)
+        layers = config.num_hidden_layers
+        if layer_types and "layer_types" not in overrides and len(layer_types) != layers:
+            # model_config.num_hidden_layers alone: every block looks up its own entry of `layer_types`. Fewer
+            # layers keep the first ones' kinds (those whose weights load); more follow the config class's rule.
+            if layers > len(layer_types):
+                layer_types = self.config_class(**{**config.to_dict(), "layer_types": None}).layer_types
+            config.layer_types = list(layer_types[:layers])
+        return config
+
     def tp_dimensions(self, hf_config: PretrainedConfig) -> dict[str, int]:
         sizes = {key: getattr(hf_config, key) for key in SPLIT_SIZES if getattr(hf_config, key, None)}
         if shards_vocabulary(hf_config):
@@ -178,13 +190,16 @@ class PlanFamily(Family):
         super().check_tp(hf_config, tp)
 
     def refuse_unimplemented_styles(self) -> None:
-        for key, style in self.config_class.base_model_tp_plan.items():
+        plan = self.config_class.base_model_tp_plan.items()
+        # experts first: their plans list the packed expert weights (packed_colwise) before the experts' own style
+        for key, style in plan:
             if style in EXPERT_STYLES or style.startswith("moe"):
                 raise UserError(
                     f"family={self.name}: {self.config_class.__name__}'s tensor-parallel plan shards mixture-of-"
                     f"experts layers ({key}: {style}), which this project does not train yet; use "
                     f"tensor_parallel_degree=1 (FSDP and pipelines work without it)"
                 )
+        for key, style in plan:
             if style not in IMPLEMENTED_STYLES:
                 raise UserError(
                     f"family={self.name}: {self.config_class.__name__}'s tensor-parallel plan names style "
@@ -343,6 +358,8 @@ def shrunk(config: PretrainedConfig) -> PretrainedConfig:
         value = getattr(small, key, None)
         if isinstance(value, int) and value >= 128:
             setattr(small, key, 0)
+    if small.pad_token_id is None:  # a config not yet given its tokenizer's (--check): classifiers need one
+        small.pad_token_id = 0
     small._attn_implementation = "eager"
     return small
 
