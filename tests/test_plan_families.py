@@ -234,6 +234,13 @@ def test_check_pipeline_refuses_a_forward_that_does_more_than_its_plan(small_dat
     assert main(classifier) == 0  # checked before the tokenizer gives the config its padding id
 
 
+def test_pipelines_are_refused_without_a_pp_plan():
+    family = get_family("nemotron")  # a tensor-parallel plan only
+    with pytest.raises(UserError) as exc:
+        family.check_pipeline(family.tiny_config(256, 128), "causal_lm")
+    assert_one_line(exc, "family=nemotron: transformers' NemotronConfig declares no base_model_pp_plan", "=1")
+
+
 @pytest.mark.parametrize(
     "model_type", ["llama", "qwen3", "mistral", "qwen2", "starcoder2", "olmo2", "gemma3_text", "phi3"]
 )

@@ -127,10 +127,10 @@ class PlanFamily(Family):
         self.column_wise = tuple(name for name, style in self.block_styles.items() if style == "colwise")
         self.row_wise = tuple(name for name, style in self.block_styles.items() if style == "rowwise")
         self.pp_plan = list(getattr(config_class, "base_model_pp_plan", None) or {})
-        layers = next((key for key in self.pp_plan if key == "layers"), "layers")
-        self.block_path = f"{self.prefix}.{layers}"
-        before = self.pp_plan[: self.pp_plan.index(layers)] if layers in self.pp_plan else []
-        after = self.pp_plan[self.pp_plan.index(layers) + 1 :] if layers in self.pp_plan else []
+        # transformers names the blocks `layers` in every plan; without a pp plan no stage is cut
+        self.block_path = f"{self.prefix}.layers"
+        cut = self.pp_plan.index("layers") if "layers" in self.pp_plan else len(self.pp_plan)
+        before, after = self.pp_plan[:cut], self.pp_plan[cut + 1 :]
         self.first_stage_modules = tuple(f"{self.prefix}.{key}" for key in before)
         self.last_stage_modules = tuple(f"{self.prefix}.{key}" for key in after) + ("lm_head", "score")
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
@@ -283,6 +283,11 @@ class PlanFamily(Family):
     def check_pipeline(self, hf_config: PretrainedConfig, task: str) -> None:
         """Refuse, in one line, an architecture whose forward the pipeline pieces do not reproduce: both run on a
         shrunk copy of `hf_config` (same architecture flags, width 64, 2 to 4 layers) in fp32, on padded rows."""
+        if "layers" not in self.pp_plan:
+            raise UserError(
+                f"family={self.name}: transformers' {self.config_class.__name__} declares no base_model_pp_plan, "
+                f"so pipelines are refused for it; use pipeline_parallel_degree=1"
+            )
         key = (task, hf_config.to_json_string(use_diff=False))
         if key in self._pipeline_checked:
             return
