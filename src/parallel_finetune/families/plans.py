@@ -344,6 +344,7 @@ def shrunk(config: PretrainedConfig) -> PretrainedConfig:
         if isinstance(value, int) and value >= 128:
             setattr(small, key, 0)
     small._attn_implementation = "eager"
+    small.dtype = torch.float32  # not the checkpoint's 16-bit storage dtype (see Family.build)
     return small
 
 
