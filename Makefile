@@ -68,6 +68,7 @@ help:
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
+	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
 setup: $(VENV)/.installed

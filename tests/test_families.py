@@ -143,3 +143,19 @@ def test_published_models_are_their_familys_and_build_offline():
     for name, family in known.items():
         found, config = model_config(name.upper())  # any letter case, no download
         assert found is family and isinstance(config, family.config_class)
+
+
+# --- issue 29: families from transformers' plans, from a real checkpoint's config ---
+
+
+@pytest.mark.parametrize("family_name", ["llama", "qwen3", "mistral"])
+def test_a_16_bit_checkpoint_config_builds_fp32_parameters_and_passes_the_pipeline_check(family_name):
+    """A config.json says the dtype its files are stored in (Llama 3.1: bfloat16); transformers' generic sequence
+    classification class built its decoder in it, so the pipeline check's forward met bf16 and fp32 weights, and a
+    run's master weights would have been bf16."""
+    family = get_family(family_name)
+    config = family.tiny_config(256, 128)
+    config.dtype = torch.bfloat16
+    family.set_task(config, "classification", pad_token_id=0)
+    family.check_pipeline(config, "classification")
+    assert {param.dtype for param in family.build("classification", config).parameters()} == {torch.float32}

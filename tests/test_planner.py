@@ -57,6 +57,11 @@ def test_gptj_6b_on_p4d_needs_tensor_parallelism_or_sharding():
         ("EleutherAI/gpt-neo-2.7B", "causal_lm", 2_651_307_520),
         ("bert-base-uncased", "classification", 109_482_240 + 768 * 2 + 2),  # BertModel + the 2-way classifier
         ("bert-large-uncased", "classification", 335_141_888 + 1024 * 2 + 2),
+        ("meta-llama/Llama-3.1-8B", "causal_lm", 8_030_261_248),
+        ("meta-llama/Llama-3.2-1B", "causal_lm", 1_235_814_400),  # tied: the head reuses the embedding
+        ("Qwen/Qwen3-4B", "causal_lm", 4_022_468_096),  # tied
+        ("Qwen/Qwen3-8B", "causal_lm", 8_190_735_360),
+        ("mistralai/Mistral-7B-v0.3", "causal_lm", 7_248_023_552),
     ],
 )
 def test_offline_config_table_gives_the_published_parameter_counts(model, task, published):
@@ -238,3 +243,26 @@ def test_fits_needs_the_load_peak_too():
     assert tp8.fits and tp8.memory["load_total"] < 6 * GB
     replicas = row(result, tp=1, pp=1, dp=8, sharding="optimizer", ac=True)
     assert replicas.memory["load_total"] > 24 * GB and not replicas.fits
+
+
+# --- issue 29: families from transformers' plans (grouped-query attention, gated MLPs, Qwen 3's head_dim) ---
+
+
+def test_plan_families_widths_come_from_the_config():
+    """Llama 3.1 8B: 8 k/v heads of 128 for 32 query heads, a gated MLP of 14336; Qwen 3 4B: 32 heads of 128 on a
+    2560-wide residual stream and per-head q/k norms, which TP keeps whole on every rank."""
+    llama, qwen = model_shape("meta-llama/Llama-3.1-8B"), model_shape("Qwen/Qwen3-4B")
+    assert model_shape("EleutherAI/gpt-j-6b").split_activations == 24  # the paper's 4h GeLU MLP, as before
+    assert llama.split_activations == (4 * 4096 + 4 * 1024 + 4 * 2 * 14336) / 4096 == 33
+    assert (qwen.attention_width, qwen.hidden) == (32 * 128, 2560)
+    assert {replicated for _, replicated in qwen.blocks} == {2 * 2560 + 2 * 128}  # 2 RMSNorms + q_norm, k_norm
+
+    layout = Candidate(tp=8, pp=1, dp=1, sharding="none", ac=False, microbatches=1)
+    sbh = 128 * 32 * 4096
+    layer = sbh * (10 + 33 / 8 + 5 * 32 * 128 / (4096 * 8))
+    assert memory_per_gpu(llama, layout, 128, 32)["activations"] == pytest.approx(32 * layer)
+
+    one_gpu = plan("tiny:gptj", 1, 40).hardware
+    flops = 32 * 13.4 * (6 * qwen.matmul + 12 * 36 * 13.4 * 4096)  # attention at 32 x 128, not 2560
+    single = Candidate(1, 1, 1, "none", False, 1)
+    assert step_seconds(qwen, one_gpu, single, 32, 13.4, 0.35) == pytest.approx(flops / (312e12 * 0.35))

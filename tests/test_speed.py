@@ -41,7 +41,7 @@ def test_model_flops_by_hand():
     flops = model_flops(*stage_costs(model, family), config.hidden_size)
     # per block q, k, v, out_proj 4 x 128x128 + fc_in 128x512 + fc_out 512x128; the score head 128x2
     assert flops.matmul_params == 2 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 2 == 393_472
-    assert (flops.layers, flops.hidden) == (2, 128)
+    assert (flops.layers, flops.attention_width) == (2, 128)
     assert flops.sequence(10) == 6 * 393_472 * 10 + 12 * 2 * 128 * 10 * 10 == 23_915_520
     assert flops.batch([10, 4]) == flops.sequence(10) + flops.sequence(4)
     assert achieved(1e12, 2.0, 4, Peak(0.5, "test")) == (

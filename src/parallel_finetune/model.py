@@ -25,7 +25,7 @@ from .parallel.zero import ZeroAdamW, zero_adamw
 from .precision import DTYPES
 from .reporting import peak_memory_mib
 from .resolve import pretrained_name
-from .throughput import ModelFlops, model_flops
+from .throughput import ModelFlops, attention_width, model_flops
 from .weights import (
     LoadPlan,
     NewWeights,
@@ -115,7 +115,7 @@ def load_model(
         shapes.update(adapters)
         for name, shape in adapters.items():
             new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
-    flops = model_flops(*stage_costs(model, family), hf_config.hidden_size)
+    flops = model_flops(*stage_costs(model, family), attention_width(hf_config))
     box_of, write = shard_box, None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
         from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write

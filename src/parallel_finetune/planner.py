@@ -17,15 +17,19 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
 - Pipeline: contiguous stages, later ones take the extra blocks; the first holds the embeddings, the last the final
   norm and head (and a copy of tied embeddings); the worst stage is reported. 1F1B: stage i holds min(m, pp - i)
   micro-batches in flight; m = the largest divisor of batch/dp that is <= 4 x pp (m = 1 without pipeline).
-- Activations (Korthikanti et al. 2022, 16-bit, no sequence parallelism): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
+- Activations (Korthikanti et al. 2022, 16-bit, no sequence parallelism): s*b*h*(10 + S/t + 5*a*s/(h*t)) bytes
   per layer and micro-batch, s = max_length (the worst batch), b = micro-batch size; with checkpointing 2*s*b*h
-  per layer (its input) plus one layer's full activations. causal_lm adds 10*s*b*vocab for the logits (16-bit,
-  the fp32 copy and the fp32 log-softmax the loss keeps).
-- Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers, plus attention
-  12*L*s*h (+4*L*s*h), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1). Here s = tokens
-  per sample, 13.4 by default: SST-2 with dynamic padding and length-grouped batches (measured 13.3 real, 13.9
-  padded WordPiece tokens per sentence incl. [CLS]/[SEP]; GPT-2 BPE has no special tokens); max_length with
-  `padded`. An epoch is 67,349 // batch steps, as the trainer draws them.
+  per layer (its input) plus one layer's full activations. S, what tensor parallelism splits, is the paper's 24 for
+  attention as wide as the block and a 4h GeLU MLP; in general 4*q/h + 4*kv/h (q, k, v and the attention output
+  kept, q = heads x head dimension, kv the key/value width: grouped-query attention) + 4*m/h, m the width of what
+  the MLP's input layers write (inner, or twice it for a gated MLP: Llama's gate and up), so 33 for Llama 3.1 8B.
+  causal_lm adds 10*s*b*vocab for the logits (16-bit, the fp32 copy and the fp32 log-softmax the loss keeps).
+- Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
+  grouped-query attention and gated MLPs), plus attention 12*L*s*d (+4*L*s*d), d = heads x head dimension
+  (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
+  Here s = tokens per sample, 13.4 by default: SST-2 with dynamic padding and length-grouped batches (measured
+  13.3 real, 13.9 padded WordPiece tokens per sentence incl. [CLS]/[SEP]; GPT-2 BPE has no special tokens);
+  max_length with `padded`. An epoch is 67,349 // batch steps, as the trainer draws them.
 - Communication, not overlapped (the trainer all-reduces after the backward), ring algorithms at 70% of the nominal
   link: tensor parallel 4 (+2 recomputed) all-reduces of s*b*h*2 bytes per layer and micro-batch; data parallel
   an all-reduce of the fp32 gradients (ZeRO-1 the same volume); FSDP two 16-bit all-gathers and an fp32
@@ -49,7 +53,9 @@ from .families import Family, all_families, family_names, get_family, published_
 from .families.base import resolve_model_path, tiny_vocab_size
 from .hardware import Hardware, hardware_for, positive_int, positive_number
 from .layout import ParallelDims, Sharding
+from .parallel.tensor import ReplicatedWithGradAllReduce
 from .pretrained import load_hf_config
+from .throughput import attention_width
 
 GB = 1e9
 SST2_TRAIN_SENTENCES = 67_349
@@ -76,6 +82,7 @@ class ModelShape:
     block_linear_in_out: int = 0  # sum of in + out features over the blocks' Linear layers (LoRA all-linear: x rank)
     head_total: int = 0  # parameters after the last block (the classification head LoRA trains in full)
     lora_rank: int = 0  # > 0: plan LoRA (see `with_lora`)
+    split_activations: float = 24  # S: activation bytes per token and unit of hidden width that TP splits
 
     @property
     def lora_elements(self) -> int:
@@ -85,6 +92,7 @@ class ModelShape:
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
     layers = property(lambda self: len(self.blocks))
+    attention_width = property(lambda self: attention_width(self.hf_config))  # heads x head dimension
 
 
 def model_config(model: str) -> tuple[Family, PretrainedConfig]:
@@ -128,7 +136,11 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
     for name, param in built.named_parameters(remove_duplicate=False):
         module, _, leaf = name.rpartition(".")
         style = plan.get(module)
-        replicated = style is None or (isinstance(style, RowwiseParallel) and leaf == "bias")
+        replicated = (
+            style is None
+            or isinstance(style, ReplicatedWithGradAllReduce)  # Qwen 3's per-head norms: whole on every rank
+            or (isinstance(style, RowwiseParallel) and leaf == "bias")
+        )
         if name.startswith(prefix):
             place, counts = "block", blocks[int(name[len(prefix) :].split(".")[0])]
             after_blocks = True
@@ -164,7 +176,23 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         tuple(largest),
         in_out,
         sum(head) - sum(tied),
+        split_activations=split_activations(hf_config, family.blocks(built)[0]),
     )
+
+
+def split_activations(hf_config: PretrainedConfig, block: nn.Module) -> float:
+    """S of the module docstring: 4*q/h + 4*kv/h + 4*m/h, the MLP's input layers found as the block's Linear
+    layers that read the hidden state into the inner width (one: GeLU MLP; two, or one twice as wide: gated)."""
+    h, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    head_dim = attention_width(hf_config) // heads
+    kv = (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim
+    inner = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * h
+    into_inner = sum(
+        m.out_features
+        for m in block.modules()
+        if isinstance(m, nn.Linear) and m.in_features == h and m.out_features in (inner, 2 * inner)
+    )
+    return (4 * attention_width(hf_config) + 4 * kv + 4 * (into_inner or inner)) / h
 
 
 @dataclass(frozen=True)
@@ -221,7 +249,7 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
     load (this rank's shards + the largest block being read, before the first step), load_total, and peak."""
     s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
     b = batch_size // (layout.dp * layout.microbatches)
-    layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t))
     fsdp = layout.dims.fsdp
     state_divisor = layout.shard_degree if fsdp else 1
     optimizer_divisor = layout.shard_degree if layout.dims.sharded else 1
@@ -257,10 +285,10 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
 def step_seconds(
     shape: ModelShape, hardware: Hardware, layout: Candidate, batch_size: int, tokens_per_sample: float, mfu: float
 ) -> float:
-    s, h, L, recompute = tokens_per_sample, shape.hidden, shape.layers, int(layout.ac)
+    s, h, d, L, recompute = tokens_per_sample, shape.hidden, shape.attention_width, shape.layers, int(layout.ac)
     m, pp, dp, t = layout.microbatches, layout.pp, layout.dp, layout.tp
     weight_grads = 0 if shape.lora_rank else 2  # LoRA: no weight gradients of the frozen matmuls
-    flops = batch_size * s * ((4 + weight_grads + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * h)
+    flops = batch_size * s * ((4 + weight_grads + 2 * recompute) * shape.matmul + (12 + 4 * recompute) * L * s * d)
     compute = flops / (hardware.world * hardware.spec.tflops * 1e12 * mfu) * (m + pp - 1) / m
     intra = hardware.spec.link_gb_s * GB * LINK_EFFICIENCY
     inter = hardware.internode_gbits / 8 / hardware.gpus_per_node * GB * LINK_EFFICIENCY
@@ -431,11 +459,13 @@ class Plan:
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
             "- LoRA (--lora R): frozen parameters 2 B (16-bit), adapters + head 4 + 4 + 8 B; 4N FLOPs per token",
             "  instead of 6N (no weight gradients of the frozen matmuls); data parallel moves trainable gradients.",
-            "- Activations: Korthikanti et al. 2022, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer at",
-            "  s = max_length; ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i micro-batches;",
-            "  micro = count x size.",
-            "- Time: (6N + 12*L*s*h) FLOPs per token (+ 2N + 4*L*s*h with ac) at the MFU of peak, / pipeline",
-            "  efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link rate, not overlapped.",
+            "- Activations: Korthikanti et al. 2022, s*b*h*(10 + S/t + 5*a*s/(h*t)) bytes per layer at",
+            f"  s = max_length, S = {self.shape.split_activations:.4g} (24 for a 4h GeLU MLP; grouped-query attention",
+            "  and gated MLPs change it); ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i",
+            "  micro-batches; micro = count x size.",
+            "- Time: (6N + 12*L*s*d) FLOPs per token (+ 2N + 4*L*s*d with ac), d = heads x head dimension, at the",
+            "  MFU of peak, / pipeline efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link",
+            "  rate, not overlapped.",
             "- The trainer runs every layout today except pp > 1 with sharding full or hybrid (a planned feature).",
         ]
 

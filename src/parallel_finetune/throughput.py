@@ -2,9 +2,12 @@
 
 Model FLOPs of a training step (forward + backward, PaLM's convention, so activation checkpointing's recompute
 is not counted as useful work): for a sequence of n real tokens through a model whose tokens pass N matrix
-parameters (blocks and head; embedding lookups are not matmuls) in L blocks of width h,
+parameters (blocks and head; embedding lookups are not matmuls) in L blocks whose attention is d wide,
 
-    6 N n  +  12 L h n^2       (the second term: attention scores and their weighted sum)
+    6 N n  +  12 L d n^2       (the second term: attention scores and their weighted sum)
+
+d = heads x head dimension (`attention_width`): the hidden width, except where a head has a dimension of its own
+(Qwen 3 4B: 32 x 128 = 4096 for width 2560); grouped-query attention shares k/v, not these FLOPs.
 
 summed over the real sequences of the global batch (padding is not useful work). Achieved FLOP/s per device =
 step FLOPs / step time / world size; MFU = that / the device's peak.
@@ -39,17 +42,23 @@ GPU_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 70.0, "L40S": 
 class ModelFlops:
     matmul_params: int  # N: matrix parameters a token goes through (blocks and head)
     layers: int
-    hidden: int
+    attention_width: int  # d: heads x head dimension
 
     def sequence(self, n: int) -> float:
-        return 6.0 * self.matmul_params * n + 12.0 * self.layers * self.hidden * n * n
+        return 6.0 * self.matmul_params * n + 12.0 * self.layers * self.attention_width * n * n
 
     def batch(self, lengths) -> float:
         return sum(self.sequence(n) for n in lengths)
 
 
-def model_flops(block_costs: list[int], head_cost: int, hidden: int) -> ModelFlops:
-    return ModelFlops(sum(block_costs) + head_cost, len(block_costs), hidden)
+def model_flops(block_costs: list[int], head_cost: int, attention_width: int) -> ModelFlops:
+    return ModelFlops(sum(block_costs) + head_cost, len(block_costs), attention_width)
+
+
+def attention_width(hf_config) -> int:
+    """Heads x head dimension: what the attention scores and their weighted sum cost per token and key."""
+    heads = hf_config.num_attention_heads
+    return heads * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
 
 
 def gpu_peak_tflops(name: str) -> float | None:

@@ -277,6 +277,10 @@ class Family:
         zero.Init partitions each one as its module is built)."""
         from accelerate import init_empty_weights
 
+        # A checkpoint's config.json names the dtype its files are stored in, and transformers' generic task
+        # classes (Llama's and every plan family's sequence classification) build their decoder in it: parameters
+        # here are fp32 whatever the files hold (the precision decides what is computed in 16-bit).
+        hf_config.dtype = torch.float32
         with context if context is not None else init_empty_weights(include_buffers=False):
             model = self.model_classes[task](hf_config)
             self.surgery(model)

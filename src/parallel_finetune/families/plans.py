@@ -366,6 +366,7 @@ def shrunk(config: PretrainedConfig) -> PretrainedConfig:
     if small.pad_token_id is None:  # a config not yet given its tokenizer's (--check): classifiers need one
         small.pad_token_id = 0
     small._attn_implementation = "eager"
+    small.dtype = torch.float32  # not the checkpoint's 16-bit storage dtype (see Family.build)
     return small
 
 
