@@ -17,6 +17,7 @@ from parallel_finetune import synthetic
 from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
+from parallel_finetune.families.plans import PlanFamily
 from parallel_finetune.train import main
 
 WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
@@ -234,6 +235,20 @@ def test_check_pipeline_refuses_a_forward_that_does_more_than_its_plan(small_dat
     assert main(classifier) == 0  # checked before the tokenizer gives the config its padding id
 
 
+def test_check_pipeline_sees_a_soft_cap_the_pieces_would_miss(monkeypatch):
+    """Gemma 2 caps its logits at 30 after the head; random weights give logits far below that, so the check scales
+    the head up: pieces without the cap are refused, with it (plans.py) they pass."""
+    family = get_family("gemma2")
+    config = family.config_class()
+    family.set_task(config, "causal_lm", 0)
+    family.check_pipeline(config, "causal_lm")
+    uncapped = PlanFamily(family.config_class, name="gemma2_uncapped")
+    monkeypatch.setattr(uncapped, "pipeline_head", lambda model, hidden, mask: model.lm_head(model.model.norm(hidden)))
+    with pytest.raises(UserError) as exc:
+        uncapped.check_pipeline(config, "causal_lm")
+    assert_one_line(exc, "Gemma2ForCausalLM's forward does more than its pipeline plan")
+
+
 def test_pipelines_are_refused_without_a_pp_plan():
     family = get_family("nemotron")  # a tensor-parallel plan only
     with pytest.raises(UserError) as exc:
@@ -242,7 +257,7 @@ def test_pipelines_are_refused_without_a_pp_plan():
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "qwen3", "mistral", "qwen2", "starcoder2", "olmo2", "gemma3_text", "phi3"]
+    "model_type", ["llama", "qwen3", "mistral", "qwen2", "starcoder2", "olmo2", "gemma3_text", "phi3", "gemma2"]
 )
 def test_check_pipeline_passes_where_the_plan_is_the_forward(model_type):
     family = get_family(model_type)

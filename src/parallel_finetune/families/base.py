@@ -179,10 +179,6 @@ class Family:
                     f"model={model!r} is a {type(config).__name__}, not a {self.name} "
                     f"({self.config_class.__name__}); pick the recipe of its family"
                 )
-            # Master weights are fp32 whatever the file stores (each block is converted as it is read): the file's
-            # dtype must not reach transformers' task classes that build their base with `from_config`, which
-            # builds it in `config.dtype` (Llama's sequence classifier: an fp16 body under an fp32 head).
-            config.dtype = torch.float32
         pretrained = None if size == "tiny" or not overrides else copy.deepcopy(config)
         for key, value in overrides.items():
             if not hasattr(config, key):
