@@ -65,7 +65,7 @@ def test_overflow_on_one_rank_skips_everywhere(nproc, layout, sst2, cache_dir, t
     assert all(d == decisions[0] for d in decisions), "every rank logged the same steps, losses, norms and scales"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gptneo", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "gptneo", "bert", "llama", "qwen3", "mistral"])
 def test_fp16_loss_scaling_runs_for_every_family(family, sst2, cache_dir, tmp_path):
     from conftest import recipe
 
