@@ -518,3 +518,16 @@ def test_a_lora_job_writes_its_adapter_into_the_model_folder(sst2, cache_dir, tm
     assert sorted(p.name for p in (opt_ml / "model").iterdir()) == ["adapter", "base"]
     assert (opt_ml / "model" / "adapter" / "adapter_config.json").is_file()
     assert (opt_ml / "output" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("layout", ["tp", "pp", "tp_pp", "lora"])
+def test_the_plan_families_full_size_jobs_fit_a_p4d_before_any_upload(family, layout):
+    """The job's layout for the published default (its sizes known offline), as the launch checks it: 8 GPUs."""
+    from parallel_finetune.config import load_config
+    from parallel_finetune.sagemaker_job import JobSettings, check_job_layout
+
+    config = load_config(REPO / "recipes" / family / f"{layout}.yaml", ["size=full"])
+    described = check_job_layout(config, JobSettings(), None)
+    tp = {"tp": 8, "lora": 8, "pp": 1, "tp_pp": 4}[layout]
+    assert described.startswith("1 x ml.p4d.24xlarge = ") and described.endswith(f"x {tp} tensor-parallel"), described
