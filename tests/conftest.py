@@ -71,6 +71,16 @@ def short_dev(sst2: Path, folder: Path, rows: int = 128) -> Path:
     return folder
 
 
+def sst2_head(sst2: Path, folder: Path, train_rows: int, dev_rows: int) -> Path:
+    """`folder` holding the first rows of SST-2's train and dev files (each with its header): for runs whose point
+    is not the data (loading, --check, refusals), fast to tokenize."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.tsv", train_rows), ("dev.tsv", dev_rows)):
+        lines = (sst2 / name).read_text(encoding="utf-8").splitlines(keepends=True)[: rows + 1]
+        (folder / name).write_text("".join(lines), encoding="utf-8")
+    return folder
+
+
 def _sst2_rows(path: Path) -> list[tuple[str, int]]:
     lines = path.read_text(encoding="utf-8").splitlines()[1:]
     return [(text.strip(), int(label)) for text, label in (line.rsplit("\t", 1) for line in lines)]

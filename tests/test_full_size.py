@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fake_tp_mesh, launch, recipe
+from conftest import REPO, fake_tp_mesh, launch, recipe, sst2_head
 from safetensors.torch import load_file
 
 from parallel_finetune import synthetic
@@ -86,11 +86,7 @@ CACHE = REPO / ".cache" / "test-checkpoints-v1"
 def small_sst2(sst2, tmp_path_factory) -> Path:
     """The first rows of the real SST-2: the checkpoint's size is what these runs prove (memory at load), not the
     number of rows they train on or score, and a 100M model on a CPU core costs seconds per step."""
-    folder = tmp_path_factory.mktemp("sst2-head")
-    for name, rows in (("train.tsv", 257), ("dev.tsv", 17)):
-        lines = (sst2 / name).read_text(encoding="utf-8").splitlines(keepends=True)[:rows]
-        (folder / name).write_text("".join(lines), encoding="utf-8")
-    return folder
+    return sst2_head(sst2, tmp_path_factory.mktemp("sst2-head"), 256, 16)
 
 
 @pytest.fixture(scope="module")

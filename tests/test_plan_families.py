@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, check, launch, recipe, tiny_overrides
+from conftest import REPO, check, launch, recipe, sst2_head, tiny_overrides
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 
@@ -82,11 +82,7 @@ def assert_one_line(exc: pytest.ExceptionInfo, *fragments: str) -> str:
 @pytest.fixture(scope="module")
 def small_data(sst2, tmp_path_factory):
     """The first SST-2 rows: enough for `--check` to read and validate, fast."""
-    folder = tmp_path_factory.mktemp("sst2-head")
-    for name, rows in (("train.tsv", 201), ("dev.tsv", 33)):
-        lines = (sst2 / name).read_text(encoding="utf-8").splitlines(keepends=True)[:rows]
-        (folder / name).write_text("".join(lines), encoding="utf-8")
-    return folder
+    return sst2_head(sst2, tmp_path_factory.mktemp("sst2-head"), 200, 32)
 
 
 @pytest.fixture(scope="module")
