@@ -75,16 +75,25 @@ def test_named_family_layout_matches_single_process(family, name, task, referenc
 
 
 LORA = ["lora_dropout=0", "lora_rank=8", "lora_alpha=16"]
-LORA_CASES = [("llama", "classification"), ("qwen3", "causal_lm"), ("mistral", "classification")]
+# (family, task, extra): OLMo 2's q/k/v are `colwise_gather_output` and o_proj `rowwise_split_input`, so all-linear
+# puts adapters on layers whose output is gathered: they stay replicated, and still train as one process does.
+LORA_CASES = [
+    ("llama", "classification", ()),
+    ("qwen3", "causal_lm", ()),
+    ("mistral", "classification", ()),
+    ("olmo2", "classification", ("lora_target_modules=all-linear",)),
+]
 
 
-@pytest.mark.parametrize("family,task", LORA_CASES, ids=[f"{f}-lora_tp2-{t}" for f, t in LORA_CASES])
-def test_named_family_lora_tp2_matches_single_process(family, task, reference, sst2, cache_dir, tmp_path):
-    lora_recipe = REPO / "recipes" / family / "lora.yaml"
-    single = reference(family, task, tuple(LORA), lora_recipe)
+@pytest.mark.parametrize("family,task,extra", LORA_CASES, ids=[f"{f}-lora_tp2-{t}" for f, t, _ in LORA_CASES])
+def test_family_lora_tp2_matches_single_process(family, task, extra, reference, sst2, cache_dir, tmp_path):
+    named = (REPO / "recipes" / family).is_dir()
+    lora_recipe = REPO / "recipes" / (family if named else "llama") / "lora.yaml"
+    lora = LORA + list(extra) + ([] if named else [f"family={family}"])
+    single = reference(family, task, tuple(lora), lora_recipe)
     run = launch(
         2,
-        tiny_overrides(sst2, cache_dir, task, family, max_steps=5) + LORA + ["tensor_parallel_degree=2"],
+        tiny_overrides(sst2, cache_dir, task, family, max_steps=5) + lora + ["tensor_parallel_degree=2"],
         tmp_path / "lora",
         recipe=lora_recipe,
     )
