@@ -36,7 +36,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.auto import modeling_auto
 
 from ..errors import UserError
-from .base import Family, last_token_logits
+from .base import Family, has_module, last_token_logits
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "ep_router", "grouped_
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 CHECK_TOLERANCE = 1e-5  # relative, fp32 on a width-64 copy: the same math agrees to ~1e-7
 LOGIT_BOOST = 300.0
+TINY_KV_HEADS = 2  # tiny and synthetic models use grouped-query attention, as the real ones
 
 
 def style_for(name: str) -> ParallelStyle:
@@ -105,7 +106,6 @@ class PlanFamily(Family):
         default_model: str = "",
         published: dict[str, dict] | None = None,
         tie_tiny: bool = False,
-        kv_heads_tiny: int = 2,
     ):
         problem = plan_problem(config_class)
         if problem:
@@ -115,7 +115,7 @@ class PlanFamily(Family):
         self.name = name or self.model_type
         self.default_model = default_model
         self.published = published or {}
-        self.tie_tiny, self.kv_heads_tiny = tie_tiny, kv_heads_tiny
+        self.tie_tiny = tie_tiny
         self.model_classes = model_classes_for(self.model_type)
         self.tasks = tuple(task for task in ("classification", "causal_lm") if task in self.model_classes)
         any_class = next(iter(self.model_classes.values()))
@@ -156,7 +156,7 @@ class PlanFamily(Family):
             intermediate_size=4 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=min(self.kv_heads_tiny, heads),  # grouped-query attention, as the real models
+            num_key_value_heads=min(TINY_KV_HEADS, heads),  # grouped-query attention, as the real models
             head_dim=hidden // heads,
             max_position_embeddings=max_positions,
             bos_token_id=0,
@@ -215,11 +215,11 @@ class PlanFamily(Family):
         for number in self.block_numbers(model):
             for relative, style in self.block_styles.items():
                 path = f"{self.block_path}.{number}.{relative}"
-                if _has(model, path):
+                if has_module(model, path):
                     plan[path] = style_for(style)
         if shards_vocabulary(model.config):
             for path in self.first_stage_modules[:1]:
-                if _has(model, path) and isinstance(model.get_submodule(path), nn.Embedding):
+                if has_module(model, path) and isinstance(model.get_submodule(path), nn.Embedding):
                     plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             if getattr(model, "lm_head", None) is not None:
                 plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
@@ -384,10 +384,3 @@ def _default_values(config_class: type[PretrainedConfig]) -> dict:
         return config_class().to_dict()
     finally:
         transformers.logging.set_verbosity(verbosity)
-
-
-def _has(model: nn.Module, path: str) -> bool:
-    try:
-        return model.get_submodule(path) is not None
-    except AttributeError:
-        return False
