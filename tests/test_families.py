@@ -139,7 +139,9 @@ def test_published_models_are_their_familys_and_build_offline():
     from parallel_finetune.planner import model_config
 
     known = families.published_models()
-    assert {family.default_model for family in families.all_families()} <= set(known)
+    # every default a family names is published (a family made on demand from a model type, e.g. olmo2 by an
+    # earlier test in this process, names none)
+    assert {family.default_model for family in families.all_families() if family.default_model} <= set(known)
     for name, family in known.items():
         found, config = model_config(name.upper())  # any letter case, no download
         assert found is family and isinstance(config, family.config_class)
