@@ -264,6 +264,21 @@ def check(*overrides: str, nproc: int = 2, recipe: Path = RECIPE) -> subprocess.
     )
 
 
+def assert_mfu_as_documented(records: list[dict], summary: dict, output: str) -> None:
+    """MFU as docs/running.md promises it, on any CPU of this kind: a number in (0, 1] at every step, or null
+    everywhere with `mfu_unknown` saying why (e.g. an AVX2-only CPU whose understated clock puts the computed peak
+    below what the matmul probe measures), and the log saying which."""
+    values = [r["mfu"] for r in records] + [summary["mfu"]]
+    if summary["mfu"] is None:
+        assert isinstance(summary["mfu_unknown"], str) and summary["mfu_unknown"], summary
+        assert "MFU is unknown" in output or "MFU unknown" in output, "the log says why MFU is withheld"
+        assert all(v is None or 0 < v <= 1 for v in values), values
+    else:
+        assert all(isinstance(v, float) and 0 < v <= 1 for v in values), values
+        assert summary["mfu_unknown"] is None and "MFU is measured against" in output
+    assert all(r["tflops_per_device"] > 0 for r in records) and summary["train_tflops_per_device"] > 0
+
+
 def tiny_overrides(
     sst2: Path, cache_dir: Path, task: str = "classification", family: str = "gptj", **extra
 ) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -220,3 +221,73 @@ def test_the_fingerprint_check_computes_is_the_one_a_run_records(tmp_path, sst2)
     assert len(fingerprints) == 3
     changed = SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1], "seed": 7})  # other held-out rows
     assert data_fingerprint(changed) != data_fingerprint(SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1]}))
+
+
+# ------------------------------------------------ issue 34: token ids depend on the special tokens; EOS must exist
+@pytest.fixture(scope="module")
+def pretrained_gpt2(sst2, tmp_path_factory):
+    """A small pretrained GPT-2 folder (random weights, a tokenizer learned from SST-2), and 300 SST-2 rows as a
+    CSV to train on."""
+    from parallel_finetune import synthetic
+
+    sentences = data.column(data.read_glue_dir(sst2)["train"], "text")[:300]
+    root = tmp_path_factory.mktemp("pretrained")
+    rows = root / "rows.csv"
+    rows.write_text("text,label\n" + "".join(f'"{s}",{i % 2}\n' for i, s in enumerate(sentences)))
+    folder = synthetic.write_checkpoint(root / "gpt2", "gpt2", sentences, hidden=64, layers=2, heads=4, vocab_size=512)
+    return folder, rows
+
+
+def edit_json(path, **changes):
+    import json
+
+    settings = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+
+
+def prepare_pretrained(folder, rows, cache_dir, task="causal_lm"):
+    overrides = [f"model={folder}", f"task={task}", f"train_file={rows}", f"cache_dir={cache_dir}", "max_length=32"]
+    return data.prepare_for_config(load_config(REPO / "recipes/gpt2/tp.yaml", overrides))
+
+
+def test_the_cache_key_follows_the_special_tokens_the_data_code_inserts(pretrained_gpt2, tmp_path):
+    """Changing a checkpoint's eos_token (the vocabulary unchanged) makes new token ids, not a reuse of the old."""
+    import shutil
+
+    folder, rows = pretrained_gpt2
+    folder = shutil.copytree(folder, tmp_path / "model")
+    tokenizer = data.load_hf_tokenizer(folder)  # a second special token, as chat tokenizers have (<|im_end|>)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.save_pretrained(folder)
+    before = prepare_pretrained(folder, rows, tmp_path / "cache")
+    old_eos, new_eos = before.tokenizer.eos_token_id, before.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    edit_json(folder / "tokenizer_config.json", eos_token="<|im_end|>")
+    after = prepare_pretrained(folder, rows, tmp_path / "cache")
+    assert after.cache_path != before.cache_path and after.tokenizer.eos_token_id == new_eos
+    separators = [block.count(new_eos) for block in data.column(after.splits["train"], "input_ids")]
+    assert sum(separators) >= sum(block.count(old_eos) for block in data.column(before.splits["train"], "input_ids"))
+
+
+def test_a_tokenizer_without_eos_is_refused_up_front_or_takes_the_model_configs(pretrained_gpt2, tmp_path, capsys):
+    import shutil
+
+    from parallel_finetune.train import main
+
+    folder, rows = pretrained_gpt2
+    folder = shutil.copytree(folder, tmp_path / "model")
+    specials = dict(eos_token=None, bos_token=None, pad_token=None, unk_token=None)
+    edit_json(folder / "tokenizer_config.json", **specials)
+    # the model's config.json names eos_token_id 0: the run uses it, and says so
+    prepared = prepare_pretrained(folder, rows, tmp_path / "cache")
+    assert prepared.tokenizer.eos_token_id == 0 and prepared.tokenizer.pad_token_id == 0
+    edit_json(folder / "config.json", eos_token_id=None, bos_token_id=None)
+    message = f"tokenizer {str(folder)!r} has no EOS token (eos_token in tokenizer_config.json)"
+    with pytest.raises(UserError, match=re.escape(message)):
+        prepare_pretrained(folder, rows, tmp_path / "cache")
+    with pytest.raises(UserError, match="has neither a padding token nor an EOS token"):
+        prepare_pretrained(folder, rows, tmp_path / "cache", task="classification")
+    check = [f"model={folder}", "task=causal_lm", f"train_file={rows}", f"cache_dir={tmp_path / 'cache'}"]
+    capsys.readouterr()
+    assert main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), *check, f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {message}"), err

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .errors import UserError
+from .families.base import resolve_model_path
 from .pretrained import load_hf_tokenizer
 from .reporting import check_writable
 from .resolve import pretrained_name
@@ -70,13 +71,30 @@ DATA_DEFAULTS = dict(
 # ----------------------------------------------------------------------------------------------- tokenizer
 
 
+# The special tokens a tokenizer's wrapper names; which vocabulary entry plays each part is set in
+# tokenizer_config.json, not in the vocabulary, so the cache key must name them itself.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A short hash of everything that decides token ids, for cache keys."""
+    """A short hash of everything that decides token ids, for cache keys: the vocabulary and its pipeline (merges,
+    normalizer, post-processor, added tokens), the special tokens the data code inserts (EOS between causal-LM
+    rows and between the texts of a pair, BOS, padding) with their ids, the sides, and the chat template."""
     state = (
         tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     )
     digest = hashlib.sha256(state.encode())
-    digest.update(f"{tokenizer.padding_side}|{tokenizer.pad_token}".encode())
+    specials = {name: [getattr(tokenizer, name), getattr(tokenizer, f"{name}_id")] for name in SPECIAL_TOKENS}
+    decided = {
+        "specials": specials,
+        "padding_side": tokenizer.padding_side,
+        "truncation_side": tokenizer.truncation_side,
+        # slow (and some fast) tokenizers add BOS/EOS by flags rather than by their post-processor
+        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    digest.update(json.dumps(decided, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
 
 
@@ -151,8 +169,6 @@ def load_tokenizer(
             folder,
         )
         return train_tokenizer(tiny_kind, train_sentences, vocab_size, folder)
-    from .families.base import resolve_model_path
-
     where = name or model_name
     try:
         tokenizer = load_hf_tokenizer(resolve_model_path(where))
@@ -162,10 +178,51 @@ def load_tokenizer(
         raise UserError(
             f"tokenizer {where!r}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
         ) from None
+    if tokenizer.eos_token is None:
+        take_eos_from_model_config(tokenizer, where, model_name)
     if tokenizer.pad_token is None:
         # GPT tokenizers have no pad token; padding positions are masked out, so any id works, EOS is customary.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def take_eos_from_model_config(tokenizer, *folders: str) -> None:
+    """A tokenizer whose files name no EOS token takes the one the model's config.json names (`eos_token_id`, the
+    first of a list), as generation would, and says so; without one it stays None (check_inserted_tokens)."""
+    for folder in dict.fromkeys(folders):
+        config_file = Path(resolve_model_path(folder)) / "config.json"
+        if not config_file.is_file():
+            continue
+        try:
+            eos = json.loads(config_file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue  # the model's own load reports an unreadable config in one line
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < len(tokenizer):
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+            log.info(
+                "the tokenizer names no EOS token: using %r (id %d), the eos_token_id of %s",
+                tokenizer.eos_token,
+                eos,
+                config_file,
+            )
+            return
+
+
+def check_inserted_tokens(tokenizer, where: str, causal_lm: bool, joined_pairs: bool) -> None:
+    """The tokens the data code inserts exist: EOS between causal-LM rows and between the two texts of a pair (GPT
+    families), and a padding token for every batch (EOS stands in for a missing one)."""
+    needs = "task=causal_lm puts it between rows" if causal_lm else "sentence pairs are joined with it"
+    if tokenizer.eos_token_id is None and (causal_lm or joined_pairs):
+        raise UserError(
+            f"tokenizer {where!r} has no EOS token (eos_token in tokenizer_config.json) and its model's config.json "
+            f"names no eos_token_id, but {needs}; set eos_token in tokenizer_config.json or use another tokenizer="
+        )
+    if tokenizer.pad_token_id is None:
+        raise UserError(
+            f"tokenizer {where!r} has neither a padding token nor an EOS token to pad batches with; set pad_token "
+            "(or eos_token) in its tokenizer_config.json or use another tokenizer="
+        )
 
 
 # ----------------------------------------------------------------------------------------------- tokenizing
@@ -273,6 +330,9 @@ def prepare(
         column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else []),
         source,
         cache_dir,
+    )
+    check_inserted_tokens(
+        tokenizer, config.tokenizer or model_name, task.problem_type == CAUSAL_LM, task.pair and not token_types
     )
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]

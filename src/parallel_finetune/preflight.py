@@ -8,7 +8,7 @@ from pathlib import Path
 from . import lora
 from .checkpoint import check_resume, checkpoint_root, continuing_run
 from .config import Config
-from .data import load_raw
+from .data import check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
 from .families.base import check_model_source, resolve_model_path
@@ -108,6 +108,18 @@ def check_heads(hf_config) -> None:
         )
 
 
+def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
+    """A local pretrained tokenizer has the tokens the data code will insert (EOS, padding), as data.prepare checks
+    after the launch; a Hub name's files are checked by the run, once downloaded."""
+    if config.size != "full" and not config.tokenizer:
+        return  # a tokenizer learned from the training rows has them all
+    where = config.tokenizer or pretrained_name(config)
+    if not Path(resolve_model_path(where)).is_dir():
+        return
+    tokenizer = load_tokenizer(where, "full", pretrained_name(config), family.tiny_tokenizer, 0, [], None, Path())
+    check_inserted_tokens(tokenizer, where, config.task == "causal_lm", pairs and not family.pair_token_types)
+
+
 def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     """Raise UserError on the first problem; return a one-line description of what will run (`nproc` processes in
     all, spread evenly over `nnodes` nodes)."""
@@ -120,8 +132,9 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     resolve_device(config.device)
     offline = " (sample if offline)" if not config.dataset and config.glue_task == "sst2" else ""
     data = f"Hub {config.dataset or 'nyu-mll/glue ' + config.glue_task}{offline}"  # the rows a run reads
+    task = None
     if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
-        raw, _, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
+        raw, task, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
         data = source.description
         if config.task == "classification" and len(raw["train"]) < config.batch_size:
             raise UserError(
@@ -138,6 +151,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         check_model_source(pretrained_name(config))
     if config.tokenizer:
         refuse_custom_code(resolve_model_path(config.tokenizer))
+    check_pretrained_tokenizer(config, family, pairs=task.pair if task else False)
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
