@@ -6,8 +6,9 @@ Sources, first match wins: `train_file` (+ `validation_file`, `test_file`: CSV, 
 `dataset` (a `save_to_disk` folder or a Hub name), a GLUE task (`glue_task`) from `data_dir` in GLUE's file layout,
 else from the Hub (`nyu-mll/glue`), else, for SST-2 only, the small sample shipped in sample_data (loudly).
 Labels: a GLUE task's are GLUE's (names and order as the Hub's `nyu-mll/glue`); a user's are the sorted distinct
-training labels (as transformers' run_glue.py does), numbers sorted as numbers. Float labels (or
-`problem_type: regression`) make a regression task.
+training labels (as transformers' run_glue.py does), whole numbers sorted as numbers (`1`, `01`, `1.0`: one label).
+Labels that are numbers, one of them with a fraction (or `problem_type: regression`), make a regression task.
+Every label is one finite value: an empty or null cell, a nan or inf, a list or an object is refused, naming its row.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ with `save_to_disk`, a Hub data set, and GLUE's own tab-separated files.
 
 Every reader returns a Table: named columns plus, for each row, where it came from (`file:line`, or `file row N`),
 so that every later problem (a missing label, a label dev has but train lacks) names the row. CSV and TSV go
-through Python's csv reader (quoted fields with commas, tabs and newlines read as one field); GLUE's files are
-read unquoted, as GLUE writes them. A file is held in memory whole, so one above MAX_DATA_FILE_BYTES is refused
-before it is read.
+through Python's csv reader (quoted fields with commas, tabs and newlines read as one field); a .csv file whose
+header line holds `;` and no comma is read as `;`-separated (Excel's CSV where the decimal separator is a comma).
+GLUE's files are read unquoted, as GLUE writes them. A file is held in memory whole, so one above
+MAX_DATA_FILE_BYTES is refused before it is read.
 """
 
 from __future__ import annotations
