@@ -441,6 +441,9 @@ def test_a_semicolon_separated_csv_reads_as_its_comma_twin(tmp_path, cache_dir, 
     assert loaded["comma.csv"]["text"] == [text for text, _ in rows]
     assert f"{tmp_path / 'semicolon.csv'}: its header line holds no ',' but ';': read as ';'-separated" in caplog.text
     assert "comma.csv: its header" not in caplog.text
+    scores = write(tmp_path / "scores.csv", "sentence;label\ngood;4,5\nbad;1\n")  # the decimal comma Excel writes
+    with pytest.raises(UserError, match=r"scores\.csv:2: label '4,5' in column 'label' is a number with a decimal "):
+        load_task(load_config(RECIPE, tiny(cache_dir, train_file=scores, validation_file=dev)))
 
 
 def test_the_validation_file_must_not_be_the_training_file(tmp_path, cache_dir):

@@ -411,14 +411,14 @@ def _label_text(value) -> str:
     return value.strip() if isinstance(value, str) else str(value)
 
 
-def check_label(table: Table, row: int, label: str, value) -> None:
+def _check_label(table: Table, row: int, label: str, value) -> None:
     """One line for a label cell that is no label: empty, a nested value (a JSON list or object, a Parquet list), or
     a number that is not finite (`nan`, `inf`: a NaN target makes every gradient it touches NaN, and a NaN among
     0/1 labels would make the task a regression)."""
     if _is_missing(value):
         raise UserError(f"{table.at(row)}: no label in column {label!r}; every labelled row needs one")
-    if not isinstance(value, (str, int, float)):  # bool is an int
-        kind = "a list" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+    if isinstance(value, (list, tuple, dict)):  # a JSON array or object, a Parquet list or struct
+        kind = "a list" if isinstance(value, (list, tuple)) else "a mapping"
         raise UserError(
             f"{table.at(row)}: label {_shown(value)} in column {label!r} is {kind}; a label is one value: a class "
             "name, a class id or a regression target"
@@ -442,8 +442,17 @@ def infer_problem_type(config, table: Table, label: str) -> str:
     the log, and why."""
     if config.problem_type != "auto":
         return config.problem_type
-    numbers = [_number(v) for v in table.columns[label]]
+    values = table.columns[label]
+    numbers = [_number(v) for v in values]
     if any(n is None for n in numbers):
+        commas = [_number(v.replace(",", ".")) if isinstance(v, str) else n for v, n in zip(values, numbers)]
+        if all(n is not None for n in commas):  # a ';'-separated CSV's decimal commas: numbers, not class names
+            row = next(row for row, n in enumerate(numbers) if n is None)
+            raise UserError(
+                f"{table.at(row)}: label {values[row]!r} in column {label!r} is a number with a decimal comma; write "
+                f"{values[row].replace(',', '.').strip()}, or give problem_type=single_label_classification for "
+                "class names"
+            )
         log.info("%s: labels in column %r are text: classes", table.where, label)
         return CLASSIFICATION
     fraction = next((row for row, n in enumerate(numbers) if _whole(n) is None), None)
@@ -495,7 +504,7 @@ def _ids(table: Table, label: str, task: Task, split: str) -> list:
     out = []
     index = {value: i for i, value in enumerate(task.label_values)}
     for row, value in enumerate(table.columns[label]):
-        check_label(table, row, label, value)
+        _check_label(table, row, label, value)
         if task.problem_type == REGRESSION:
             number = _number(value)
             if number is None:
@@ -614,7 +623,7 @@ def define_task(config, tables: dict[str, Table], glue: GlueTask | None) -> tupl
     if config.task == "causal_lm":
         return Task("custom", CAUSAL_LM, False, columns=(text,), validation_splits=("validation",)), text, None, None
     for row, value in enumerate(train.columns[label]):  # before the labels decide the problem type
-        check_label(train, row, label, value)
+        _check_label(train, row, label, value)
     problem = infer_problem_type(config, train, label)
     names, values = ((), ()) if problem == REGRESSION else user_labels(config, train, label)
     if problem == CLASSIFICATION and len(names) < 2:
