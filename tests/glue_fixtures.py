@@ -1,6 +1,7 @@
 """Small folders of the nine GLUE tasks in GLUE's own file layout (what the GLUE download unpacks: tab-separated,
 unquoted, each task's own header and column order; CoLA's train and dev files headerless; MRPC's train and dev
-beginning with the byte order mark of Microsoft's files), for tests that read `data_dir` without the real data.
+beginning with the byte order mark of Microsoft's files; some STS-B lines with more fields than the header, the
+score last), for tests that read `data_dir` without the real data.
 
 `write_glue_task(folder, "mnli")` writes the files and returns what a reader should find: per split (train,
 validation[, validation_mismatched], test[, test_mismatched]) the rows as (text, text_pair, label value as the file
@@ -91,6 +92,8 @@ def _header_and_fields(task: str, kind: str, number: int, row: GlueRow) -> tuple
     if task == "stsb":
         header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2"]
         fields = [str(number), "main-captions", "MSRvid", "2012test", f"{number:04d}", "none", "none", text, pair]
+        if number % 5 == 4:  # real STS-B lines carrying extra tab-separated fields after sentence2
+            fields += ["none", "2012"]
         return (header, fields) if kind == "test" else (header + ["score"], fields + [label])
     if task == "mnli":
         header = ["index", "promptID", "pairID", "genre", *MNLI_PARSES, "sentence1", "sentence2"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RECIPE, check, launch, no_dropout
+from conftest import RECIPE, check, launch, no_dropout, python
 from glue_fixtures import LABELS, split_files, write_glue_task
 
 from parallel_finetune import data
@@ -252,6 +253,62 @@ def write(path: Path, text: str) -> Path:
             [],
             r"validation_file and test_file need train_file .*; set train_file=PATH",
         ),
+        (
+            {"train.csv": "sentence,label\ngood,4.5\nbad,nan\n", "dev.csv": "sentence,label\nok,3\n"},
+            [],
+            r"\S*train\.csv:3: label 'nan' in column 'label' is not a finite number; a label is a class name, a "
+            r"class id or a finite regression target",
+        ),
+        (
+            {"train.csv": "sentence,label\ngood,4.5\nbad,1.5\n", "dev.csv": "sentence,label\nok,3\nmeh,-inf\n"},
+            ["problem_type=regression"],
+            r"\S*dev\.csv:3: label '-inf' in column 'label' is not a finite number",
+        ),
+        (
+            {"train.csv": "sentence,label\ngood,1\nbad,0\nmeh,NaN\n", "dev.csv": "sentence,label\nok,1\n"},
+            [],
+            r"\S*train\.csv:4: label 'NaN' in column 'label' is not a finite number",
+        ),
+        (
+            {"train.csv": "sentence,label\n", "dev.csv": "sentence,label\nok,pos\n"},
+            [],
+            r"\S*train\.csv: no data rows \(the train split is empty\)$",
+        ),
+        (
+            {"train.tsv": "sentence;label\ngood;pos\nbad;neg\n", "dev.csv": "sentence,label\nok,pos\n"},
+            [],
+            r"no text column named sentence, text, sentence1; set text_column= one of sentence;label; the header is "
+            r"one column: is the file separated by ';'\?",
+        ),
+        (
+            {"train.jsonl": '{"sentence": "good", "label": ["pos"]}\n', "dev.csv": "sentence,label\nok,pos\n"},
+            [],
+            r"\S*train\.jsonl:1: label \['pos'\] in column 'label' is a list; a label is one value",
+        ),
+        (
+            {
+                "train.jsonl": '{"sentence": "good", "label": 1}\n{"sentence": {"t": "bad"}, "label": 0}\n',
+                "dev.csv": "sentence,label\nok,1\n",
+            },
+            [],
+            r"\S*train\.jsonl:2: \{'t': 'bad'\} in column 'sentence' is a dict, not text",
+        ),
+        (
+            {"train.csv": "sentence,label\ngood,pos\nbad,neg\n", "dev.csv": "sentence,label\nok,pos\n"},
+            ["text_pair_column=label"],
+            r"text_pair_column='label' and label_column='label': one column for two uses; the text, the text pair "
+            r"and the label are different columns of \S*train\.csv \(sentence, label\)",
+        ),
+        (
+            {"train.csv": "sentence,label\ngood,pos\nbad,neg\n", "dev.csv": "sentence,label\nok,pos\n"},
+            ["text_column=label"],
+            r"text_column='label' and label_column='label': one column for two uses",
+        ),
+        (
+            {"train.csv": "sentence,label\ngood,pos\nbad,neg\n", "dev.csv": "sentence,label\nok,pos\n"},
+            ["predict=true"],
+            r"predict=true: the data has no test split; give test_file=PATH",
+        ),
     ],
     ids=[
         "unknown-column",
@@ -261,6 +318,16 @@ def write(path: Path, text: str) -> Path:
         "empty-dev",
         "extension",
         "no-train",
+        "nan-target",
+        "inf-target-in-dev",
+        "nan-among-0-1-labels",
+        "header-only-train",
+        "semicolon-header-hint",
+        "list-label",
+        "nested-text",
+        "pair-is-the-label",
+        "text-is-the-label",
+        "predict-without-test",
     ],
 )
 def test_bad_input_is_one_line_naming_file_row_and_what_is_valid(tmp_path, cache_dir, files, overrides, message):
@@ -279,6 +346,129 @@ def test_bad_input_through_check_is_an_error_line_and_exit_2(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: text_column='nope': "), proc.stderr
     assert "has no such column (sentence, label)" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train_file={train}", "validation_file={nan_dev}"], r"\S*dev\.csv:3: label 'nan' in column 'label' is not a"),
+        (["train_file={train}", "predict=true"], r"predict=true: the data has no test split; give test_file=PATH"),
+        (["dataset={train}"], r"dataset='\S*train\.csv' is a file: .*; for a file of rows give train_file="),
+        (["glue_task=rte"], r"glue_task=rte: the Hugging Face Hub is unreachable \(.*\); give data_dir=PATH"),
+    ],
+    ids=["nan-target", "predict-without-test", "dataset-is-a-file", "glue-task-offline"],
+)
+def test_data_check_refuses_what_the_run_would_fail_on(tmp_path, overrides, message):
+    """--check (what make runs before torchrun) stops each of these in one line, exit code 2, before any training:
+    a non-finite target, predict=true without a test split, a file given as dataset=, a GLUE task whose rows
+    cannot be had (offline, nothing in an empty Hub cache)."""
+    train = write(tmp_path / "train.csv", "sentence,label\n" + "".join(f"row {i},{i % 3 * 1.5}\n" for i in range(40)))
+    nan_dev = write(tmp_path / "dev.csv", "sentence,label\nok,1.5\nmeh,nan\n")
+    given = [o.format(train=train, nan_dev=nan_dev) for o in overrides]
+    empty_cache = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets")}
+    proc = python(
+        "-m", "parallel_finetune.train", "--check", "--nproc", "1", str(RECIPE), "size=tiny", *given, env=empty_cache
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), proc.stderr
+
+
+def test_non_finite_and_missing_targets_in_json_parquet_and_glue_files(tmp_path, cache_dir, glue_folders):
+    """A NaN or an infinity is refused as not finite wherever it comes from (a JSON `NaN`, a Parquet float NaN, an
+    STS-B score); a null is a missing label, refused as such."""
+    dev = write(tmp_path / "dev.csv", "sentence,label\nok,1.5\n")
+    cases = {
+        "nan.jsonl": ('{"sentence": "a", "label": 1.5}\n{"sentence": "b", "label": NaN}\n', ":2: label nan in"),
+        "inf.jsonl": ('{"sentence": "a", "label": Infinity}\n{"sentence": "b", "label": 2.5}\n', ":1: label inf in"),
+        "null.jsonl": ('{"sentence": "a", "label": 1.5}\n{"sentence": "b", "label": null}\n', ":2: no label in"),
+        "nan.parquet": (pa.table({"sentence": ["a", "b"], "label": [0.5, float("nan")]}), " row 2: label nan in"),
+        "null.parquet": (pa.table({"sentence": ["a", "b"], "label": [0.5, None]}), " row 2: no label in"),
+    }
+    for name, (content, expected) in cases.items():
+        path = tmp_path / name
+        if isinstance(content, str):
+            write(path, content)
+        else:
+            pq.write_table(content, path)
+        config = load_config(RECIPE, tiny(cache_dir, train_file=path, validation_file=dev))
+        with pytest.raises(UserError) as error:
+            load_task(config)
+        assert str(error.value).startswith(f"{path}{expected} column 'label'"), (name, str(error.value))
+    stsb = tmp_path / "stsb"
+    write_glue_task(stsb, "stsb")
+    lines = (stsb / "dev.tsv").read_text(encoding="utf-8").splitlines()
+    lines[3] = "\t".join(lines[3].split("\t")[:-1] + ["nan"])
+    write(stsb / "dev.tsv", "\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"dev\.tsv:4: label 'nan' in column 'score' is not a finite number"):
+        load_task(glue_config(stsb, "stsb", cache_dir))
+
+
+def test_whole_number_labels_are_classes_however_written(tmp_path, cache_dir, caplog):
+    """`0`, `01`, `1.0` and a float Parquet column of 0.0/1.0 (what pandas writes once a value is missing) are the
+    class ids 0 and 1, in train and dev alike; a fraction makes a regression. The log says which, and why."""
+    train = write(tmp_path / "train.csv", "sentence,label\na,0\nb,01\nc,1.0\nd,1\n")
+    dev = write(tmp_path / "dev.csv", "sentence,label\nx,01\ny,0.0\n")
+    floats = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"sentence": ["a", "b", "c"], "label": [0.0, 1.0, 1.0]}), floats)
+    for source in (train, floats):
+        with caplog.at_level(logging.INFO, logger="parallel_finetune"):
+            raw, task, _ = load_task(load_config(RECIPE, tiny(cache_dir, train_file=source, validation_file=dev)))
+        assert task.problem_type == "single_label_classification" and task.label_values == ("0", "1"), source
+        assert raw["validation"]["label"] == [1, 0]
+        assert f"{source}: labels in column 'label' are whole numbers: class ids" in caplog.text
+    assert raw["train"]["label"] == [0, 1, 1]
+    fraction = write(tmp_path / "scores.csv", "sentence,label\na,0\nb,0.5\n")
+    with caplog.at_level(logging.INFO, logger="parallel_finetune"):
+        task = load_task(load_config(RECIPE, tiny(cache_dir, train_file=fraction, validation_file=dev)))[1]
+    assert task.problem_type == "regression"
+    assert f"{fraction}: labels in column 'label' are numbers, 0.5 ({fraction}:3) with a fraction" in caplog.text
+
+
+def test_a_semicolon_separated_csv_reads_as_its_comma_twin(tmp_path, cache_dir, caplog):
+    """Excel writes `;`-separated CSV where the decimal separator is a comma: its header line says so."""
+    rows = [("a good, fine film", "pos"), ("bad; very bad", "neg"), ("ok", "pos")]
+    for name, delimiter in (("comma.csv", ","), ("semicolon.csv", ";")):
+        with open(tmp_path / name, "w", encoding="utf-8", newline="") as handle:
+            csv.writer(handle, delimiter=delimiter).writerows([("sentence", "label"), *rows])
+    dev = write(tmp_path / "dev.csv", "sentence,label\nok,pos\n")
+    loaded = {}
+    for name in ("comma.csv", "semicolon.csv"):
+        with caplog.at_level(logging.INFO, logger="parallel_finetune"):
+            config = load_config(RECIPE, tiny(cache_dir, train_file=tmp_path / name, validation_file=dev))
+            loaded[name] = load_task(config)[0]["train"].to_dict()
+    assert loaded["semicolon.csv"] == loaded["comma.csv"]
+    assert loaded["comma.csv"]["text"] == [text for text, _ in rows]
+    assert f"{tmp_path / 'semicolon.csv'}: its header line holds no ',' but ';': read as ';'-separated" in caplog.text
+    assert "comma.csv: its header" not in caplog.text
+    scores = write(tmp_path / "scores.csv", "sentence;label\ngood;4,5\nbad;1\n")  # the decimal comma Excel writes
+    with pytest.raises(UserError, match=r"scores\.csv:2: label '4,5' in column 'label' is a number with a decimal "):
+        load_task(load_config(RECIPE, tiny(cache_dir, train_file=scores, validation_file=dev)))
+
+
+def test_the_validation_file_must_not_be_the_training_file(tmp_path, cache_dir):
+    train = write(tmp_path / "train.csv", "sentence,label\ngood,pos\nbad,neg\n")
+    (tmp_path / "link.csv").symlink_to(train)
+    for validation in (train, tmp_path / "link.csv"):
+        config = load_config(RECIPE, tiny(cache_dir, train_file=train, validation_file=validation))
+        with pytest.raises(UserError, match=r"validation_file='\S*' is the train_file: the validation rows would be"):
+            load_task(config)
+
+
+@pytest.mark.parametrize(
+    "folder,task,hint",
+    [
+        ("wnli", "rte", "'0' is a label of GLUE cola, sst2, mrpc, qqp, wnli"),
+        ("rte", "wnli", "'entailment' is a label of GLUE mnli, qnli, rte"),
+        ("sst2", "cola", "the header has 4 (source, label, original_label, sentence)"),
+        ("qnli", "cola", "its first line reads like a header, which cola lacks"),
+    ],
+    ids=["wnli-as-rte", "rte-as-wnli", "sst2-as-cola", "qnli-as-cola"],
+)
+def test_a_glue_folder_of_another_task_asks_if_data_dir_is_the_right_one(folder, task, hint, glue_folders, cache_dir):
+    with pytest.raises(UserError) as error:
+        load_task(glue_config(glue_folders[folder][0], task, cache_dir))
+    assert hint in str(error.value) and f"is data_dir the {task} folder?" in str(error.value), str(error.value)
 
 
 def test_an_empty_test_text_keeps_its_row_and_gets_a_token(sst2, cache_dir, tmp_path):

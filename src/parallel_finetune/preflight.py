@@ -17,6 +17,7 @@ from .pretrained import refuse_custom_code
 from .reporting import check_writable, choose_output_dir
 from .resolve import pipeline_microbatches, pretrained_name
 from .runfolder import check_free, check_run_folders, run_folders
+from .tasks import check_hub_data
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -130,9 +131,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
     family = get_family(config.family)
     resolve_device(config.device)
-    offline = " (sample if offline)" if not config.dataset and config.glue_task == "sst2" else ""
-    data = f"Hub {config.dataset or 'nyu-mll/glue ' + config.glue_task}{offline}"  # the rows a run reads
-    task = None
+    task = None  # known before the launch for local rows only
     if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
         raw, task, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
         data = source.description
@@ -140,6 +139,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
             )
+    else:  # rows from the Hub: whether the run can have them (nothing is downloaded here)
+        data = check_hub_data(config)
     check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
     output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
     check_writable(output_dir, "output_dir")

@@ -6,8 +6,9 @@ Sources, first match wins: `train_file` (+ `validation_file`, `test_file`: CSV, 
 `dataset` (a `save_to_disk` folder or a Hub name), a GLUE task (`glue_task`) from `data_dir` in GLUE's file layout,
 else from the Hub (`nyu-mll/glue`), else, for SST-2 only, the small sample shipped in sample_data (loudly).
 Labels: a GLUE task's are GLUE's (names and order as the Hub's `nyu-mll/glue`); a user's are the sorted distinct
-training labels (as transformers' run_glue.py does), numbers sorted as numbers. Float labels (or
-`problem_type: regression`) make a regression task.
+training labels (as transformers' run_glue.py does), whole numbers sorted as numbers (`1`, `01`, `1.0`: one label).
+Labels that are numbers, one of them with a fraction (or `problem_type: regression`), make a regression task.
+Every label is one finite value: an empty or null cell, a nan or inf, a list or an object is refused, naming its row.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import urllib.error
@@ -118,8 +120,16 @@ def read_glue_folder(task: GlueTask, folder: Path) -> dict[str, Table]:
         )
     tables = {}
     for split, path in glue_folder_files(task, folder).items():
-        headerless = task.headerless if not split.startswith("test") else ()
-        table = read_delimited(path, "\t", quoting=False, names=headerless)
+        test = split.startswith("test")
+        headerless = task.headerless if not test else ()
+        extra = ("after" if test else "before_last") if task.score_last else "refuse"
+        try:
+            table = read_delimited(path, "\t", quoting=False, names=headerless, extra_fields=extra)
+        except UserError as exc:
+            if not headerless or "fields, the header has" not in str(exc):
+                raise
+            # a file with a header line read by a headerless task's names: another task's folder
+            raise UserError(f"{exc}; is data_dir the {task.name} folder?") from None
         needed = [task.text] + ([task.text_pair] if task.text_pair else [])
         needed += [task.label] if not split.startswith("test") else []
         missing = [name for name in needed if name not in table.columns]
@@ -174,11 +184,15 @@ def glue_fingerprint(task_name: str, data_dir: str | Path) -> str:
     return "tsv-" + _fingerprint(present, task.name if task.name != "sst2" else "")
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def hub_unreachable(name: str = HUB_GLUE) -> str | None:
     """Why the Hub cannot serve a data set, found with one quick request (the datasets client retries each file
     five times, ~25 s of warnings from each process, before giving up), or None. With HF_HUB_OFFLINE=1 nothing is
     asked: the local Hub cache decides."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if _offline():
         return None
     from huggingface_hub import constants
 
@@ -222,18 +236,67 @@ def _glue_hub_tables(task: GlueTask, hub) -> dict[str, Table]:
     return tables
 
 
+def _refuse_training_on_validation(config) -> None:
+    """validation_file naming train_file's file (by any path): the model would be scored on rows it trained on."""
+    if not config.validation_file:
+        return
+    train, validation = (Path(getattr(config, key)).expanduser() for key in ("train_file", "validation_file"))
+    try:
+        same = train.resolve() == validation.resolve() or os.path.samefile(train, validation)
+    except OSError:  # a file that is not there: read_file names it
+        same = False
+    if same:
+        raise UserError(
+            f"validation_file={str(validation)!r} is the train_file: the validation rows would be trained on; give "
+            "a file of other rows, or drop validation_file to hold out validation_split_percentage of train"
+        )
+
+
+def _glue_unreachable(task: GlueTask, problem: str) -> UserError:
+    return UserError(
+        f"glue_task={task.name}: the Hugging Face Hub is unreachable ({problem}); give data_dir=PATH (a folder "
+        f"with GLUE's {', '.join(task.split_files().values())})"
+    )
+
+
+def _refuse_files_without_train(config) -> None:
+    if config.validation_file or config.test_file:
+        raise UserError("validation_file and test_file need train_file (the rows to train on); set train_file=PATH")
+
+
+def check_hub_data(config) -> str:
+    """What --check says of rows a run fetches from the Hub (no train_file, data_dir, or dataset folder): a
+    description of them, or one line why the run cannot have them (one quick request online; offline, the local
+    Hub cache decides, read without fetching anything). Nothing is downloaded."""
+    _refuse_files_without_train(config)
+    if config.dataset:
+        _refuse_file_as_dataset(config.dataset)
+    name, subset = (config.dataset, config.dataset_config) if config.dataset else (HUB_GLUE, config.glue_task)
+    problem = hub_unreachable(name)
+    if problem is None and _offline():
+        problem = _hub_dataset(name, subset)[1]
+    where = f"Hub {name}" + (f"/{subset}" if subset else "")
+    if problem is None:
+        return where
+    if config.dataset:
+        raise _dataset_unloadable(name, problem)
+    if config.glue_task != "sst2":
+        raise _glue_unreachable(TASKS[config.glue_task], problem)
+    return f"the small shipped SST-2 sample {SAMPLE_DIR}, NOT SST-2 (the Hub is unreachable: {problem})"
+
+
 def read_sources(config) -> tuple[dict[str, Table], Source, GlueTask | None]:
     """The splits as tables (train, validation[_mismatched], test[_mismatched]), where they came from, and the GLUE
     task they are (None: the user's own files or data set)."""
     if config.train_file:
+        _refuse_training_on_validation(config)
         tables = {"train": read_file(config.train_file, "train_file")}
         for split, key in (("validation", "validation_file"), ("test", "test_file")):
             if getattr(config, key):
                 tables[split] = read_file(getattr(config, key), key)
         paths = _user_files(config)
         return tables, Source("files", ", ".join(map(str, paths)), _files_fingerprint(config)), None
-    if config.validation_file or config.test_file:
-        raise UserError("validation_file and test_file need train_file (the rows to train on); set train_file=PATH")
+    _refuse_files_without_train(config)
     if config.dataset:
         return (*_dataset_tables(config.dataset, config.dataset_config), None)
     task = TASKS[config.glue_task]
@@ -249,10 +312,7 @@ def read_sources(config) -> tuple[dict[str, Table], Source, GlueTask | None]:
             task,
         )
     if task.name != "sst2":
-        raise UserError(
-            f"glue_task={task.name}: the Hugging Face Hub is unreachable ({problem}); give data_dir=PATH (a folder "
-            f"with GLUE's {', '.join(task.split_files().values())})"
-        )
+        raise _glue_unreachable(task, problem)
     log.warning(
         "THE HUGGING FACE HUB IS UNREACHABLE (%s): TRAINING ON THE SMALL SHIPPED SAMPLE %s, NOT ON "
         "SST-2; pass data_dir=PATH (a folder with GLUE's train.tsv and dev.tsv) for the real data set",
@@ -266,8 +326,23 @@ def read_sources(config) -> tuple[dict[str, Table], Source, GlueTask | None]:
     )
 
 
+def _dataset_unloadable(name: str, problem: str) -> UserError:
+    file_hint = f"; a file of rows is train_file={name}" if Path(name).suffix.lower() in files.FORMATS else ""
+    return UserError(f"dataset={name!r}: no such folder, and not loadable from the Hub ({problem}){file_hint}")
+
+
+def _refuse_file_as_dataset(name: str) -> None:
+    """dataset= is a save_to_disk folder or a Hub name; a file of rows (or what reads as one) is train_file's."""
+    if Path(name).expanduser().is_file():
+        raise UserError(
+            f"dataset={name!r} is a file: dataset= is a folder written by save_to_disk or a Hub data set name; for "
+            f"a file of rows give train_file={name}"
+        )
+
+
 def _dataset_tables(name: str, config_name: str | None) -> tuple[dict[str, Table], Source]:
     folder = Path(name).expanduser()
+    _refuse_file_as_dataset(name)
     if folder.is_dir():
         try:
             loaded = datasets.load_from_disk(str(folder))
@@ -282,7 +357,7 @@ def _dataset_tables(name: str, config_name: str | None) -> tuple[dict[str, Table
     else:
         loaded, problem = _hub_dataset(name, config_name)
         if loaded is None:
-            raise UserError(f"dataset={name!r}: no such folder, and not loadable from the Hub ({problem})")
+            raise _dataset_unloadable(name, problem)
         source = Source("hub", name + (f"/{config_name}" if config_name else ""), f"hub-{loaded['train']._fingerprint}")
     aliases = {"train": "train", "validation": "validation", "dev": "validation", "test": "test"}
     if "train" not in loaded:
@@ -318,41 +393,99 @@ def _number(value):
     return None
 
 
+def _whole(number) -> int | None:
+    """A number without a fraction as an int (`1`, `1.0`, `01`: class id 1), else None."""
+    if isinstance(number, int):
+        return number
+    if isinstance(number, float) and number.is_integer():
+        return int(number)
+    return None
+
+
 def _is_missing(value) -> bool:
-    return (
-        value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, float) and value != value)
-    )
+    """No label: an empty cell, a JSON or Parquet null. (A NaN is a value, and refused as not finite.)"""
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 def _label_text(value) -> str:
     return value.strip() if isinstance(value, str) else str(value)
 
 
+def _check_label(table: Table, row: int, label: str, value) -> None:
+    """One line for a label cell that is no label: empty, a nested value (a JSON list or object, a Parquet list), or
+    a number that is not finite (`nan`, `inf`: a NaN target makes every gradient it touches NaN, and a NaN among
+    0/1 labels would make the task a regression)."""
+    if _is_missing(value):
+        raise UserError(f"{table.at(row)}: no label in column {label!r}; every labelled row needs one")
+    if isinstance(value, (list, tuple, dict)):  # a JSON array or object, a Parquet list or struct
+        kind = "a list" if isinstance(value, (list, tuple)) else "a mapping"
+        raise UserError(
+            f"{table.at(row)}: label {_shown(value)} in column {label!r} is {kind}; a label is one value: a class "
+            "name, a class id or a regression target"
+        )
+    number = _number(value)
+    if isinstance(number, float) and not math.isfinite(number):
+        raise UserError(
+            f"{table.at(row)}: label {_shown(value)} in column {label!r} is not a finite number; a label is a class "
+            "name, a class id or a finite regression target (drop or fill the row)"
+        )
+
+
+def _shown(value) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
 def infer_problem_type(config, table: Table, label: str) -> str:
-    """regression when asked, or when every training label is a number and one of them has a fraction."""
+    """regression when asked, or when every training label is a number and one of them has a fraction; whole
+    numbers (`1`, `1.0`: pandas writes a 0/1 column with a missing value as floats) are class ids. Says which in
+    the log, and why."""
     if config.problem_type != "auto":
         return config.problem_type
-    numbers = [_number(v) for v in table.columns[label] if not _is_missing(v)]
-    if numbers and all(n is not None for n in numbers) and any(isinstance(n, float) for n in numbers):
+    values = table.columns[label]
+    numbers = [_number(v) for v in values]
+    if any(n is None for n in numbers):
+        commas = [_number(v.replace(",", ".")) if isinstance(v, str) else n for v, n in zip(values, numbers)]
+        if all(n is not None for n in commas):  # a ';'-separated CSV's decimal commas: numbers, not class names
+            row = next(row for row, n in enumerate(numbers) if n is None)
+            raise UserError(
+                f"{table.at(row)}: label {values[row]!r} in column {label!r} is a number with a decimal comma; write "
+                f"{values[row].replace(',', '.').strip()}, or give problem_type=single_label_classification for "
+                "class names"
+            )
+        log.info("%s: labels in column %r are text: classes", table.where, label)
+        return CLASSIFICATION
+    fraction = next((row for row, n in enumerate(numbers) if _whole(n) is None), None)
+    if fraction is not None:
+        log.info(
+            "%s: labels in column %r are numbers, %s (%s) with a fraction: a regression "
+            "(problem_type=single_label_classification makes them classes)",
+            table.where,
+            label,
+            table.columns[label][fraction],
+            table.at(fraction),
+        )
         return REGRESSION
+    log.info(
+        "%s: labels in column %r are whole numbers: class ids (problem_type=regression makes them regression targets)",
+        table.where,
+        label,
+    )
     return CLASSIFICATION
 
 
 def user_labels(config, train: Table, label: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(names, values) by id: the sorted distinct training labels, or ids 0..num_labels-1 when num_labels is given
-    and the labels are those ids."""
+    """(names, values) by id: the sorted distinct training labels (whole numbers as numbers: `1`, `01` and `1.0`
+    are one label, `1`), or ids 0..num_labels-1 when num_labels is given and the labels are those ids."""
     values = train.columns[label]
-    for row, value in enumerate(values):
-        if _is_missing(value):
-            raise UserError(f"{train.at(row)}: no label in column {label!r}")
-    numbers = [_number(v) for v in values]
-    if all(isinstance(n, int) for n in numbers):
-        distinct = sorted(set(numbers))
+    wholes = [_whole(_number(v)) for v in values]
+    if all(n is not None for n in wholes):
+        distinct = sorted(set(wholes))
         if config.num_labels:
-            bad = next((i for i, n in enumerate(numbers) if not 0 <= n < config.num_labels), None)
+            bad = next((i for i, n in enumerate(wholes) if not 0 <= n < config.num_labels), None)
             if bad is not None:
                 raise UserError(
-                    f"{train.at(bad)}: label {numbers[bad]} is not an id below num_labels={config.num_labels}"
+                    f"{train.at(bad)}: label {wholes[bad]} is not an id below num_labels={config.num_labels}"
                 )
             distinct = list(range(config.num_labels))
         texts = tuple(str(n) for n in distinct)
@@ -371,8 +504,7 @@ def _ids(table: Table, label: str, task: Task, split: str) -> list:
     out = []
     index = {value: i for i, value in enumerate(task.label_values)}
     for row, value in enumerate(table.columns[label]):
-        if _is_missing(value):
-            raise UserError(f"{table.at(row)}: no label in column {label!r}")
+        _check_label(table, row, label, value)
         if task.problem_type == REGRESSION:
             number = _number(value)
             if number is None:
@@ -381,23 +513,48 @@ def _ids(table: Table, label: str, task: Task, split: str) -> list:
             continue
         text = _label_text(value)
         if text not in index:
-            number = _number(value)  # 1.0 in a JSON file where train wrote 1
-            text = str(int(number)) if isinstance(number, float) and number.is_integer() else text
+            whole = _whole(_number(value))  # 1.0 in a JSON file, or 01, where train wrote 1
+            text = str(whole) if whole is not None else text
         if text not in index:
             valid = ", ".join(task.label_values[:10]) + (", ..." if len(task.label_values) > 10 else "")
             where = "the training labels" if split != "train" else "the labels"
-            raise UserError(f"{table.at(row)}: label {text!r} is not among {where} ({valid})")
+            raise UserError(
+                f"{table.at(row)}: label {text!r} is not among {where} ({valid}){_other_glue(task, text, row)}"
+            )
         out.append(index[text])
     return out
 
 
+def _other_glue(task: Task, value: str, row: int) -> str:
+    """For a GLUE task's refused label that suggests another task's files (WNLI's 0/1 read as RTE; a header line
+    read as CoLA's first row): the question whether data_dir is the folder of this task."""
+    if task.name not in TASKS:
+        return ""
+    others = [name for name, glue in TASKS.items() if name != task.name and value in glue.values]
+    if others:
+        return f"; is data_dir the {task.name} folder? ({value!r} is a label of GLUE {', '.join(others)})"
+    if row == 0 and TASKS[task.name].headerless:
+        return f"; is data_dir the {task.name} folder? (its first line reads like a header, which {task.name} lacks)"
+    return ""
+
+
 # ----------------------------------------------------------------------------------------------- the task
+
+
+def _separator_hint(table: Table) -> str:
+    """For a file read as one column whose name holds another separator: which one it seems to use."""
+    if len(table.columns) != 1:
+        return ""
+    name = next(iter(table.columns))
+    found = [shown for separator, shown in ((";", "';'"), ("\t", "a tab"), (",", "','")) if separator in name]
+    return f"; the header is one column: is the file separated by {found[0]}?" if found else ""
 
 
 def _column(table: Table, key: str, name: str | None, needed_for: str) -> str:
     if name is not None and name not in table.columns:
         raise UserError(
             f"{key}={name!r}: {table.where} has no such column ({', '.join(table.columns) or 'none'}){needed_for}"
+            f"{_separator_hint(table)}"
         )
     return name
 
@@ -409,7 +566,7 @@ def _user_columns(config, train: Table) -> tuple[str, str | None, str | None]:
         if text is None:
             raise UserError(
                 f"{train.where}: no text column named {', '.join(TEXT_COLUMNS)}; set text_column= one of "
-                f"{', '.join(train.columns)}"
+                f"{', '.join(train.columns)}{_separator_hint(train)}"
             )
     _column(train, "text_column", text, "")
     pair = config.text_pair_column
@@ -420,12 +577,22 @@ def _user_columns(config, train: Table) -> tuple[str, str | None, str | None]:
     if config.task != "causal_lm":
         label = config.label_column
         _column(train, "label_column", label, "; set label_column= the column holding the labels")
+    used = [(key, name) for key, name in (("text_column", text), ("text_pair_column", pair), ("label_column", label))]
+    for number, (key, name) in enumerate(used):
+        twin = next((other for other, same in used[:number] if same is not None and same == name), None)
+        if twin is not None:
+            raise UserError(
+                f"{twin}={name!r} and {key}={name!r}: one column for two uses; the text, the text pair and the "
+                f"label are different columns of {train.where} ({', '.join(train.columns)})"
+            )
     return text, pair, label
 
 
 def define_task(config, tables: dict[str, Table], glue: GlueTask | None) -> tuple[Task, str, str | None, str | None]:
     """The Task and the (text, pair, label) columns of the sources."""
     train = tables["train"]
+    if not len(train):
+        raise UserError(f"{train.where}: no data rows (the train split is empty)")
     tests = tuple(s for s in tables if s.startswith("test"))
     validations = tuple(s for s in tables if s.startswith("validation")) or ("validation",)
     if glue is not None:
@@ -455,6 +622,8 @@ def define_task(config, tables: dict[str, Table], glue: GlueTask | None) -> tupl
     text, pair, label = _user_columns(config, train)
     if config.task == "causal_lm":
         return Task("custom", CAUSAL_LM, False, columns=(text,), validation_splits=("validation",)), text, None, None
+    for row, value in enumerate(train.columns[label]):  # before the labels decide the problem type
+        _check_label(train, row, label, value)
     problem = infer_problem_type(config, train, label)
     names, values = ((), ()) if problem == REGRESSION else user_labels(config, train, label)
     if problem == CLASSIFICATION and len(names) < 2:
@@ -486,9 +655,13 @@ def _rows(table: Table, split: str, task: Task, text: str, pair: str | None, lab
     keep, empty = [], []
     for row in range(len(table)):
         texts = [table.columns[text][row]] + ([table.columns[pair][row]] if pair else [])
-        bad = next((t for t in texts if t is not None and not isinstance(t, str)), None)
+        bad = next((n for n, t in zip((text, pair), texts) if t is not None and not isinstance(t, str)), None)
         if bad is not None:
-            raise UserError(f"{table.at(row)}: text {bad!r} is a {type(bad).__name__}, not text")
+            value = table.columns[bad][row]
+            raise UserError(
+                f"{table.at(row)}: {_shown(value)} in column {bad!r} is a {type(value).__name__}, not text; a text "
+                "column holds strings"
+            )
         texts = [t or "" for t in texts]  # None (a Parquet or JSON null): no text, as an empty cell
         for t in texts:
             check_text(table, row, t)
@@ -534,6 +707,12 @@ def load_task(config) -> tuple[datasets.DatasetDict, Task, Source]:
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row."""
     tables, source, glue = read_sources(config)
     task, text, pair, label = define_task(config, tables, glue)
+    if getattr(config, "predict", False) and not task.test_splits:  # refused now, not after the training it follows
+        if task.problem_type == CAUSAL_LM:
+            raise UserError("predict=true: a task=causal_lm run predicts no test split; drop predict")
+        raise UserError(
+            "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
+        )
     if "validation" not in tables:
         tables["train"], tables["validation"] = carve_validation(
             tables["train"], config.validation_split_percentage, config.seed
@@ -573,6 +752,7 @@ __all__ = [
     "Task",
     "TASKS",
     "files",
+    "check_hub_data",
     "configure_head",
     "data_fingerprint",
     "glue_fingerprint",

@@ -3,9 +3,10 @@ with `save_to_disk`, a Hub data set, and GLUE's own tab-separated files.
 
 Every reader returns a Table: named columns plus, for each row, where it came from (`file:line`, or `file row N`),
 so that every later problem (a missing label, a label dev has but train lacks) names the row. CSV and TSV go
-through Python's csv reader (quoted fields with commas, tabs and newlines read as one field); GLUE's files are
-read unquoted, as GLUE writes them. A file is held in memory whole, so one above MAX_DATA_FILE_BYTES is refused
-before it is read.
+through Python's csv reader (quoted fields with commas, tabs and newlines read as one field); a .csv file whose
+header line holds `;` and no comma is read as `;`-separated (Excel's CSV where the decimal separator is a comma).
+GLUE's files are read unquoted, as GLUE writes them. A file is held in memory whole, so one above
+MAX_DATA_FILE_BYTES is refused before it is read.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+
+log = logging.getLogger(__name__)
 
 # Bounds on a data file, far above SST-2 (train.tsv 3.8 MB; longest row 270 characters, longest word 38): a file is
 # held in memory whole, and learning a tiny model's tokenizer takes time quadratic in a word's length (one word of
@@ -83,11 +87,30 @@ def _header(path: Path, header: list[str]) -> list[str]:
     return names
 
 
-def read_delimited(path: Path, delimiter: str, quoting: bool = True, names: tuple[str, ...] = ()) -> Table:
+def read_delimited(
+    path: Path,
+    delimiter: str,
+    quoting: bool = True,
+    names: tuple[str, ...] = (),
+    extra_fields: str = "refuse",
+    semicolon_fallback: bool = False,
+) -> Table:
     """A CSV or TSV file with a header line (or `names` for a headerless one). `quoting`: fields may be quoted (the
-    csv standard); GLUE's files are not, and hold stray quote characters."""
+    csv standard); GLUE's files are not, and hold stray quote characters. A line with more fields than the header
+    is refused, unless `extra_fields` says where the extra ones sit: "before_last" (the header's last column is the
+    line's last field: STS-B's score) or "after" (dropped). `semicolon_fallback`: a header that is one column
+    holding `;` (Excel's CSV where the decimal separator is a comma) makes the file `;`-separated, said in the log."""
     text = _decode(path, _read_bytes(path, "a file of rows"))
     csv.field_size_limit(MAX_DATA_FILE_BYTES)  # the row bound is checked on the texts, naming the line
+    if semicolon_fallback and not names:
+        try:
+            first = next(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter), [])
+        except csv.Error:  # the reader below names the line
+            first = []
+        if len(first) == 1 and ";" in first[0]:
+            log.info("%s: its header line holds no %r but ';': read as ';'-separated", path, delimiter)
+            delimiter = ";"
+    kind = {";": "';'-separated CSV", "\t": "TSV"}.get(delimiter, "CSV")
     reader = csv.reader(
         io.StringIO(text, newline=""),
         delimiter=delimiter,
@@ -105,18 +128,21 @@ def read_delimited(path: Path, delimiter: str, quoting: bool = True, names: tupl
             # row with an empty text (a test row still gets a prediction, at its own index)
             if not fields or (len(header) > 1 and len(fields) == 1 and not fields[0].strip()):
                 continue
+            if len(fields) > len(header) and extra_fields == "before_last":
+                fields = fields[: len(header) - 1] + fields[-1:]
+            elif len(fields) > len(header) and extra_fields == "after":
+                fields = fields[: len(header)]
             if len(fields) != len(header):
+                separated = {"\t": "tab-separated ", ";": "';'-separated "}.get(delimiter, "")
                 raise UserError(
-                    f"{path}:{start}: {len(fields)} {'tab-separated ' if delimiter == chr(9) else ''}fields, the "
-                    f"header has {len(header)} ({', '.join(header)})"
+                    f"{path}:{start}: {len(fields)} {separated}fields, the header has {len(header)} "
+                    f"({', '.join(header)})"
                 )
             for name, value in zip(header, fields):
                 columns[name].append(value)
             places.append(f"{path}:{start}")
     except csv.Error as exc:
-        raise UserError(
-            f"{path}:{reader.line_num}: not a valid {'TSV' if delimiter == chr(9) else 'CSV'} row ({exc})"
-        ) from None
+        raise UserError(f"{path}:{reader.line_num}: not a valid {kind} row ({exc})") from None
     return Table(str(path), columns, places)
 
 
@@ -177,7 +203,7 @@ def read_file(path: str | Path, key: str) -> Table:
             f"{key}={str(path)!r}: unknown file type {path.suffix or '(none)'!r}; valid: {', '.join(FORMATS)}"
         )
     if kind == "csv":
-        return read_delimited(path, ",")
+        return read_delimited(path, ",", semicolon_fallback=True)
     if kind == "tsv":
         return read_delimited(path, "\t")
     if kind == "json":

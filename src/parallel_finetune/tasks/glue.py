@@ -24,6 +24,9 @@ class GlueTask:
     headerless: tuple[str, ...] = ()  # CoLA's train/dev: source, label, original label, sentence
     hub_text: str = "sentence"  # the Hub data set's column names
     hub_text_pair: str | None = None
+    # STS-B: some lines carry more tab-separated fields than the header; the texts are the header's columns and the
+    # score is the line's last field (as transformers' StsbProcessor reads it); a test line's extra fields are dropped
+    score_last: bool = False
 
     @property
     def regression(self) -> bool:
@@ -72,7 +75,17 @@ TASKS = {
             hub_text="question1",
             hub_text_pair="question2",
         ),
-        GlueTask("stsb", "sentence1", "sentence2", "score", (), (), hub_text="sentence1", hub_text_pair="sentence2"),
+        GlueTask(
+            "stsb",
+            "sentence1",
+            "sentence2",
+            "score",
+            (),
+            (),
+            hub_text="sentence1",
+            hub_text_pair="sentence2",
+            score_last=True,
+        ),
         GlueTask(
             "mnli",
             "sentence1",
