@@ -91,9 +91,10 @@ def test_predict_prints_the_label_names_the_run_predicted(reviews, tmp_path):
     )
 
 
-def test_a_lora_adapter_on_gpt2_classifies_pairs_as_training_joined_them(sst2, cache_dir, tmp_path):
-    """adapter/ (peft) onto the tiny base/ beside it; the pair joined by EOS, three word labels (labels.json in
-    adapter/ gives the head's width and names)."""
+@pytest.fixture(scope="module")
+def pairs_adapter(sst2, cache_dir, tmp_path_factory):
+    """A LoRA run on GPT-2 pairs with three word labels, exported as adapter/ with the tiny base/ beside it."""
+    tmp_path = tmp_path_factory.mktemp("pairs")
     texts = [text for text, _ in sst2_rows(sst2, 240)]
     rows = [[texts[i], texts[-i - 1], ("yes", "no", "maybe")[i % 3]] for i in range(len(texts))]
     train_file = write_csv(tmp_path / "pairs.csv", ["premise", "hypothesis", "verdict"], rows[:200])
@@ -111,12 +112,48 @@ def test_a_lora_adapter_on_gpt2_classifies_pairs_as_training_joined_them(sst2, c
         lr=0.01,
         export="true",
     )
+    return run, new
+
+
+def test_a_lora_adapter_on_gpt2_classifies_pairs_as_training_joined_them(pairs_adapter):
+    """adapter/ (peft) onto the tiny base/ beside it; the pair joined by EOS, three word labels (labels.json in
+    adapter/ gives the head's width and names)."""
+    run, new = pairs_adapter
     assert (run / "adapter" / "labels.json").is_file() and not (run / "hf").exists()
     done = python(SCRIPT, str(run / "adapter"), str(new))
     assert done.returncode == 0, done.stderr[-3000:]
     header, *rows = rows_of(done.stdout)
     assert [r[1] for r in rows] == predicted(run) and len(rows) == 40
     assert done.stderr == ""  # no warnings about the base's fresh head (the adapter brings the trained one)
+
+
+def test_adapter_labels_naming_more_labels_than_its_head_are_refused(pairs_adapter, tmp_path, capsys):
+    run, new = pairs_adapter
+    adapter = shutil.copytree(run / "adapter", tmp_path / "adapter")
+    shutil.copytree(run / "base", tmp_path / "base")
+    labels = json.loads((adapter / "labels.json").read_text())
+    labels["label_names"] = labels["label_values"] = [*labels["label_names"], "never"]
+    (adapter / "labels.json").write_text(json.dumps(labels))
+    assert predict_main([str(adapter), str(new)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {adapter}/adapter_model.safetensors: score.weight has shape [3, 128], but the labels beside the "
+        "adapter make it [4, 128] (4 label(s)); labels.json does not belong to this adapter: restore the one the run "
+        "exported\n"
+    )
+
+
+def test_an_adapter_on_a_hub_base_offline_says_where_to_point_it(pairs_adapter, tmp_path):
+    run, new = pairs_adapter
+    adapter = shutil.copytree(run / "adapter", tmp_path / "adapter")
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    settings["base_model_name_or_path"] = "nonesuch-org/gpt2-never-cached"
+    (adapter / "adapter_config.json").write_text(json.dumps(settings))
+    done = python(SCRIPT, str(adapter), str(new))  # HF_HUB_OFFLINE=1
+    assert done.returncode == 2 and done.stderr == (
+        f"error: {adapter}/adapter_config.json: base model 'nonesuch-org/gpt2-never-cached' is a Hub name and "
+        "HF_HUB_OFFLINE=1, and the local Hugging Face cache does not hold it; set base_model_name_or_path to a local "
+        "folder holding that model, or run with the network\n"
+    ), done.stderr[-3000:]
 
 
 def test_regression_on_bert_pairs_prints_values(sst2, cache_dir, tmp_path):
