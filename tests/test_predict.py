@@ -142,6 +142,25 @@ def test_adapter_labels_naming_more_labels_than_its_head_are_refused(pairs_adapt
     )
 
 
+def test_an_adapter_that_does_not_load_says_why_in_full(pairs_adapter, tmp_path, capsys):
+    """peft's error starts "Error(s) in loading state_dict for ...:", the cause on the lines below: all of it, on one
+    line (a rank edited out of adapter_config.json: its weights no longer fit)."""
+    run, new = pairs_adapter
+    adapter = shutil.copytree(run / "adapter", tmp_path / "adapter")
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    assert settings["rank_pattern"] == {"c_attn": 48}
+    (adapter / "adapter_config.json").write_text(json.dumps({**settings, "rank_pattern": {}, "alpha_pattern": {}}))
+    assert predict_main([str(adapter), str(new)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: {adapter}: the adapter does not load onto {run / 'base'} (RuntimeError: Error(s) in loading "
+        "state_dict for PeftModelForSequenceClassification: size mismatch for base_model.model.transformer.h.0.attn."
+        "c_attn.lora_A.default.weight: copying a param with shape torch.Size([48, 128]) from checkpoint, the shape "
+        "in current model is torch.Size([16, 128]). size mismatch for"
+    ), err
+    assert err.count("\n") == 1 and err.endswith(".)\n"), err
+
+
 def test_an_adapter_on_a_hub_base_offline_says_where_to_point_it(pairs_adapter, tmp_path):
     run, new = pairs_adapter
     adapter = shutil.copytree(run / "adapter", tmp_path / "adapter")
