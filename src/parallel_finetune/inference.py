@@ -5,7 +5,9 @@ format: loaded onto the base its adapter_config.json names, or, when that path i
 run folder holding one. Texts are encoded as training encoded them (data.tokenize_classification): BERT-like
 families get the tokenizer's pair template and token type ids, GPT-like ones the two texts joined by EOS. Nothing
 is loaded with code from a folder (pretrained.py). Label names come from the exported config's id2label (and
-labels.json beside the model, which also names the columns the model was trained on).
+labels.json beside the model, which also names the columns the model was trained on). Every weight comes from the
+files: a config whose label count differs from the trained head's rows, or a head the files lack, is refused, never
+loaded with a fresh random head (transformers would only log it, and predict.py keeps its log quiet).
 """
 
 from __future__ import annotations
