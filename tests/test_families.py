@@ -134,6 +134,27 @@ def test_a_family_file_must_register_a_family_of_a_new_name(tmp_path, monkeypatc
         families.family_names()
 
 
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("X = 1\ndef broken(:\n    pass\n", "{path}:2: SyntaxError: invalid syntax"),
+        ("import os\n\nos.environ['NEEDED_KEY']\n", "{path}:3: importing it raised KeyError: 'NEEDED_KEY'"),
+    ],
+)
+def test_a_family_file_that_fails_to_import_is_one_line_naming_it(tmp_path, monkeypatch, source, error):
+    from parallel_finetune import families
+
+    monkeypatch.setattr(families, "_families", dict(families._families))
+    monkeypatch.setattr(families, "_files_loaded", set())
+    monkeypatch.delenv("NEEDED_KEY", raising=False)
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    monkeypatch.setenv(families.ENVIRONMENT, str(path))
+    with pytest.raises(UserError) as raised:
+        families.family_names()
+    assert str(raised.value) == "PARALLEL_FINETUNE_FAMILIES: " + error.format(path=path)
+
+
 def test_published_models_are_their_familys_and_build_offline():
     from parallel_finetune import families
     from parallel_finetune.planner import model_config

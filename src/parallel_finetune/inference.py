@@ -5,7 +5,9 @@ format: loaded onto the base its adapter_config.json names, or, when that path i
 run folder holding one. Texts are encoded as training encoded them (data.tokenize_classification): BERT-like
 families get the tokenizer's pair template and token type ids, GPT-like ones the two texts joined by EOS. Nothing
 is loaded with code from a folder (pretrained.py). Label names come from the exported config's id2label (and
-labels.json beside the model, which also names the columns the model was trained on).
+labels.json beside the model, which also names the columns the model was trained on). Every weight comes from the
+files: a config whose label count differs from the trained head's rows, or a head the files lack, is refused, never
+loaded with a fresh random head (transformers would only log it, and predict.py keeps its log quiet).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from .data import collate, joined_pair
 from .errors import UserError, one_line
-from .tasks import LABEL_FILE, PAIR_OF, REGRESSION, TEXT_COLUMNS, Task, configure_head, read_label_file
+from .tasks import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, PAIR_OF, REGRESSION, TEXT_COLUMNS, Task, configure_head
 from .tasks.files import Table, check_text, read_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -64,65 +66,244 @@ def _labels_beside(folder: Path) -> Task | None:
     """labels.json in the model's folder or the run folder above it."""
     for place in (folder, folder.parent):
         if (place / LABEL_FILE).is_file():
-            try:
-                return read_label_file(place)
-            except (ValueError, TypeError) as exc:
-                raise UserError(f"{place / LABEL_FILE}: not a labels file ({one_line(exc)})") from None
+            return _read_labels(place / LABEL_FILE)
     return None
+
+
+def _read_labels(path: Path) -> Task:
+    """A labels.json as a run writes it (tasks.write_label_file), checked: its columns choose the texts to read
+    and its label names the head's rows, so a hand-edited one must not pass for another model's."""
+    valid = (
+        "valid: the object a run writes, with problem_type (single_label_classification or regression), pair "
+        "(true/false), label_names (two or more names for classification, none for regression) and columns (the "
+        "text[, pair] and label column names)"
+    )
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not readable JSON ({one_line(exc)}); {valid}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: a JSON {type(values).__name__}, not an object; {valid}")
+    problem, pair = values.get("problem_type"), values.get("pair")
+    names, columns = values.get("label_names", []), values.get("columns", [])
+    texts = 2 if pair is True else 1
+
+    def strings(value) -> bool:
+        return isinstance(value, list) and all(isinstance(item, str) and item for item in value)
+
+    if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
+        wrong = f"problem_type {problem!r}"
+    elif not isinstance(pair, bool):
+        wrong = f"pair {pair!r} is not true or false"
+    elif not strings(names) or (problem == CLASSIFICATION) != (len(names) >= 2):
+        wrong = f"label_names {names!r} for problem_type {problem}"
+    elif not strings(columns) or len(columns) != texts + (problem != CAUSAL_LM):
+        texts_named = "the text and pair column names" if pair else "the text column name"
+        wrong = f"columns {columns!r} ({texts_named}{', then the label column' if problem != CAUSAL_LM else ''})"
+    else:
+        try:
+            return Task.from_json(values)
+        except TypeError as exc:  # a key no Task has
+            wrong = one_line(exc)
+    raise UserError(f"{path}: {wrong}; {valid}")
 
 
 def _pair_token_types(hf_config) -> bool:
     """What training did for this model's family (Family.pair_token_types); a model of no registered family: BERT-like
     when it has token type embeddings to use."""
-    from .families import all_families
+    from .families import family_of_model_type
 
-    for family in all_families():
-        if family.config_class.model_type == hf_config.model_type:
-            return family.pair_token_types
+    family = family_of_model_type(hf_config.model_type)
+    if family is not None:
+        return family.pair_token_types
     return getattr(hf_config, "type_vocab_size", 0) > 1
 
 
 def _check_classifier(hf_config, where: Path) -> None:
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures and not any(name.endswith("ForSequenceClassification") for name in architectures):
+        language_model = architectures[0].endswith(("ForCausalLM", "LMHeadModel"))
+        made_by = "a task=causal_lm run, " if language_model else ""
         raise UserError(
-            f"{where}: a {architectures[0]}, not a classifier (a task=causal_lm run); predict.py needs a model "
-            "trained with task=classification"
+            f"{where / 'config.json'}: a {architectures[0]} ({made_by}not a sequence classifier); predict.py needs "
+            "a model trained with task=classification (its hf/ config names a ...ForSequenceClassification)"
         )
 
 
-def _from_pretrained(where, hf_config):
+def _full_cause(exc: BaseException) -> str:
+    """The whole message of a library's exception on one line (its first line alone often says only "see above")."""
+    return f"{type(exc).__name__}: {' '.join(line.strip() for line in str(exc).splitlines() if line.strip())}"
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a .safetensors file's JSON header (8 bytes of length, then the header); no
+    tensor is read."""
+    try:
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable safetensors file ({one_line(exc)})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return {name: entry["shape"] for name, entry in header.items() if isinstance(entry, dict) and "shape" in entry}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The .safetensors files of an hf/ folder: model.safetensors, or the shards its index names."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index}: not a safetensors index ({one_line(exc)})") from None
+        return [folder / shard for shard in shards]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def _expected_shapes(hf_config) -> tuple[dict[str, list[int]], str]:
+    """Parameter name -> the shape `hf_config` gives it, and the base model's prefix (bert., transformer.)."""
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        model = AutoModelForSequenceClassification.from_config(hf_config, trust_remote_code=False)
+    return {name: list(tensor.shape) for name, tensor in model.state_dict().items()}, model.base_model_prefix
+
+
+def _check_shapes_match(folder: Path, hf_config) -> None:
+    """Every tensor of the weight files has the shape config.json makes it. A config.json whose id2label names more
+    (or fewer) labels than the trained head has rows would otherwise load with a fresh random head: predictions
+    that mean nothing."""
+    files = _weight_files(folder)
+    if not files:
+        return  # pytorch_model.bin: transformers itself refuses a mismatch (ignore_mismatched_sizes=False)
+    expected, prefix = _expected_shapes(hf_config)
+    for path in files:
+        for name, shape in _safetensors_shapes(path).items():
+            model_name = name if name in expected or not prefix else f"{prefix}.{name}"
+            wanted = expected.get(model_name)
+            if wanted is None or wanted == list(shape):
+                continue
+            labels = hf_config.num_labels
+            head = wanted[:1] == [labels] and shape[:1] != [labels]
+            why = (
+                f" (num_labels={labels}: its id2label names {labels} label(s), the trained head has {shape[0]})"
+                if head
+                else ""
+            )
+            raise UserError(
+                f"{path}: {name} has shape {list(shape)}, but {folder / 'config.json'} makes it {wanted}{why}; "
+                "this config.json does not belong to these weights: restore the one the run exported"
+            )
+
+
+def _from_pretrained(where, hf_config, head_from_adapter: bool = False):
+    """The model with every weight from `where`'s files. `head_from_adapter`: a LoRA base, whose head is missing
+    or of another width; the adapter brings the trained one (checked by _check_adapter_head)."""
     from transformers import AutoModelForSequenceClassification
 
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
-            where, config=hf_config, trust_remote_code=False, ignore_mismatched_sizes=True
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            where,
+            config=hf_config,
+            trust_remote_code=False,
+            ignore_mismatched_sizes=head_from_adapter,
+            output_loading_info=True,
         )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{where}: the model cannot be loaded ({one_line(exc)})") from None
+    except RuntimeError as exc:
+        if "ignore_mismatched_sizes" in str(exc):  # transformers' report of the shapes went to its (quiet) log
+            raise UserError(
+                f"{where}: weights whose shapes differ from its config.json (a config.json that does not belong to "
+                "these weights: restore the one the run exported)"
+            ) from None
+        raise UserError(f"{where}: the model cannot be loaded ({_full_cause(exc)})") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{where}: the model cannot be loaded ({_full_cause(exc)})") from None
+    fresh = sorted(set(loading["missing_keys"]) | {name for name, *_ in loading["mismatched_keys"]})
+    if fresh and not head_from_adapter:
+        raise UserError(
+            f"{where}: its weight files hold no {', '.join(fresh[:4])}{', ...' if len(fresh) > 4 else ''}; "
+            "those would be random (give the hf/ folder a run exported, config.json and weights together)"
+        )
+    return model, fresh
 
 
-def _adapter_base(folder: Path) -> str:
-    """The base an adapter names; a local path that no longer exists (a run folder moved, a SageMaker job's
-    /opt/ml/model/base) falls back to the base/ folder beside the adapter, where a tiny run writes it."""
-    from .families.base import resolve_model_path
-
+def _adapter_settings(folder: Path) -> dict:
     try:
         settings = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{folder / ADAPTER_CONFIG}: not readable JSON ({one_line(exc)})") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"{folder / ADAPTER_CONFIG}: not a JSON object (peft's adapter settings)")
     if settings.get("task_type") not in (None, "SEQ_CLS"):
         raise UserError(
             f"{folder / ADAPTER_CONFIG}: task_type {settings['task_type']}, not SEQ_CLS (a task=causal_lm run); "
             "predict.py needs a model trained with task=classification"
         )
+    return settings
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _adapter_base(folder: Path, settings: dict) -> str:
+    """The base an adapter names; a local path that no longer exists (a run folder moved, a SageMaker job's
+    /opt/ml/model/base) falls back to the base/ folder beside the adapter, where a tiny run writes it."""
+    from .families.base import resolve_model_path
+
     base = settings.get("base_model_name_or_path") or ""
     beside = folder.parent / "base"
     if base.startswith("/") and not Path(base).is_dir() and (beside / "config.json").is_file():
         return str(beside)
     if not base:
         raise UserError(f"{folder / ADAPTER_CONFIG}: names no base model (base_model_name_or_path)")
-    return resolve_model_path(base)
+    resolved = resolve_model_path(base)
+    if not Path(resolved).is_dir() and _hub_offline():
+        from huggingface_hub import snapshot_download
+
+        try:  # a Hub name offline: only the local Hugging Face cache can have it
+            return snapshot_download(resolved, local_files_only=True)
+        except Exception:  # the Hub client raises many types; all mean "not in the cache"
+            raise UserError(
+                f"{folder / ADAPTER_CONFIG}: base model {base!r} is a Hub name and HF_HUB_OFFLINE=1, and the local "
+                "Hugging Face cache does not hold it; set base_model_name_or_path to a local folder holding that "
+                f"model, or run with the network"
+            ) from None
+    return resolved
+
+
+def _check_adapter_head(folder: Path, settings: dict, fresh: list[str], hf_config) -> None:
+    """The base's weights it lacks or holds at another width (a pretrained LM has no classifier head; a tiny run's
+    base/ one of its own) must come with the adapter (peft's modules_to_save), at the width labels.json gives;
+    else they would stay random."""
+    saved = settings.get("modules_to_save") or []
+    in_file = {}
+    weights = folder / "adapter_model.safetensors"
+    if weights.is_file():
+        in_file = {
+            name.removeprefix("base_model.model."): shape for name, shape in _safetensors_shapes(weights).items()
+        }
+    expected, _ = _expected_shapes(hf_config)
+    for name in fresh:
+        module = name.rsplit(".", 1)[0]
+        brought = any(module == kept or module.endswith("." + kept) for kept in saved)
+        if not brought or (weights.is_file() and name not in in_file):
+            raise UserError(
+                f"{folder}: the base has no trained {name} and the adapter does not bring one (modules_to_save: "
+                f"{', '.join(saved) or 'none'}); it would be random: use the adapter/ a task=classification run "
+                "exported"
+            )
+        if name in in_file and in_file[name] != expected.get(name, in_file[name]):
+            labels = hf_config.num_labels
+            raise UserError(
+                f"{weights}: {name} has shape {in_file[name]}, but the labels beside the adapter make it "
+                f"{expected[name]} ({labels} label(s)); labels.json does not belong to this adapter: restore the one "
+                "the run exported"
+            )
 
 
 def load_classifier(model_dir: str | Path, max_length: int | None = None, device: str | None = None) -> Classifier:
@@ -134,22 +315,31 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
     if kind == "hf":
         hf_config = load_hf_config(folder)
         _check_classifier(hf_config, folder)
-        model = _from_pretrained(folder, hf_config)
+        _check_shapes_match(folder, hf_config)
+        model, _ = _from_pretrained(folder, hf_config)
     else:
         from peft import PeftModel
 
-        base = _adapter_base(folder)
-        hf_config = load_hf_config(base)
+        settings = _adapter_settings(folder)
+        base = _adapter_base(folder, settings)
+        try:
+            hf_config = load_hf_config(base)
+        except OSError as exc:
+            raise UserError(
+                f"{folder / ADAPTER_CONFIG}: base model {base!r} cannot be loaded ({_full_cause(exc)})"
+            ) from None
         if task is not None:  # the head's width and names (a pretrained base's config.json knows nothing of them)
-            if task.problem_type not in (REGRESSION, "single_label_classification"):
+            if task.problem_type not in (REGRESSION, CLASSIFICATION):
                 raise UserError(f"{folder}: trained with task={task.problem_type}; predict.py classifies")
             configure_head(hf_config, task)
         if hf_config.pad_token_id is None:  # GPT configs: the padding id training used, to find each last token
             hf_config.pad_token_id = tokenizer.pad_token_id
+        base_model, fresh = _from_pretrained(base, hf_config, head_from_adapter=True)
+        _check_adapter_head(folder, settings, fresh, hf_config)
         try:
-            model = PeftModel.from_pretrained(_from_pretrained(base, hf_config), str(folder))
+            model = PeftModel.from_pretrained(base_model, str(folder))
         except (OSError, ValueError, RuntimeError) as exc:
-            raise UserError(f"{folder}: the adapter does not load onto {base} ({one_line(exc)})") from None
+            raise UserError(f"{folder}: the adapter does not load onto {base} ({_full_cause(exc)})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -157,10 +347,16 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
     problem = getattr(hf_config, "problem_type", None)
     regression = problem == REGRESSION or (problem is None and hf_config.num_labels == 1)
     names = [] if regression else [hf_config.id2label[i] for i in range(hf_config.num_labels)]
+    positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if max_length is not None and positions and max_length > positions:
+        raise UserError(
+            f"--max-length {max_length}: the model has {positions} positions (config.json's "
+            f"{'n_positions' if getattr(hf_config, 'n_positions', None) else 'max_position_embeddings'}); give at "
+            f"most {positions}"
+        )
     if max_length is None:
         max_length = _trained_max_length(folder)
     if max_length is None:
-        positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
         max_length = min(tokenizer.model_max_length, positions or tokenizer.model_max_length)
     return Classifier(model, tokenizer, _pair_token_types(hf_config), names, task, max_length, chosen)
 
@@ -207,19 +403,24 @@ def choose_columns(classifier: Classifier, table: Table, text: str | None, pair:
 
 
 def _texts(table: Table, name: str) -> list[str]:
-    texts = table.columns[name]
-    for row, value in enumerate(texts):
-        if not isinstance(value, str) or not value.strip():
-            raise UserError(f"{table.at(row)}: no text in column {name!r} (every row needs one to be classified)")
-        check_text(table, row, value)
-    return [value.strip() for value in texts]
+    """The column's texts as a test split's (tasks.model_columns): every row is classified, an empty cell (or a
+    Parquet or JSON null) as no text."""
+    texts = []
+    for row, value in enumerate(table.columns[name]):
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{table.at(row)}: text {value!r} in column {name!r} is a {type(value).__name__}, not text")
+        check_text(table, row, value or "")
+        texts.append((value or "").strip())
+    return texts
 
 
 def encode(classifier: Classifier, texts: list[str], pairs: list[str] | None) -> tuple[list, list | None]:
     """Token ids (and token type ids) as training made them (data.tokenize_classification)."""
     tokenizer, limit = classifier.tokenizer, classifier.max_length
     if pairs is None:
-        return tokenizer(texts, truncation=True, max_length=limit)["input_ids"], None
+        # an empty text is no token for GPT tokenizers: the EOS token (or [PAD]) in its place, as in training
+        nothing = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id]
+        return [ids or nothing for ids in tokenizer(texts, truncation=True, max_length=limit)["input_ids"]], None
     if classifier.token_types:
         encoded = tokenizer(texts, pairs, truncation=True, max_length=limit, return_token_type_ids=True)
         return encoded["input_ids"], encoded["token_type_ids"]
@@ -265,6 +466,15 @@ def format_rows(classifier: Classifier, results: list[tuple[str, float]]) -> lis
     return ["index\tlabel\tscore"] + [f"{i}\t{label}\t{score:.4f}" for i, (label, score) in enumerate(results)]
 
 
+def _check_output(out: Path, given: Path, overwrite: bool) -> None:
+    if out.exists() and given.exists() and os.path.samefile(out, given):
+        raise UserError(f"--output {out}: the FILE being classified; writing there would replace its texts")
+    if out.exists() and not (overwrite and out.is_file()):
+        raise UserError(f"--output {out}: already exists; choose a new file (or pass --overwrite for a file)")
+    if not out.parent.is_dir():
+        raise UserError(f"--output {out}: no such folder {str(out.parent)!r}; create it or write elsewhere")
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print the usage too; every bad input here is one line
         print(f"error: {message}", file=sys.stderr)
@@ -298,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         out = Path(args.output).expanduser() if args.output else None
-        if out is not None and out.exists() and not (args.overwrite and out.is_file()):
-            raise UserError(f"--output {out}: already exists; choose a new file (or pass --overwrite for a file)")
+        if out is not None:
+            _check_output(out, Path(args.file).expanduser(), args.overwrite)
         table = read_file(args.file, "FILE")
         if not len(table):
             raise UserError(f"{table.where}: no rows to classify")

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import traceback
 from pathlib import Path
 
 from transformers import PretrainedConfig
@@ -52,12 +53,32 @@ def register_from_file(path: str | Path) -> list[Family]:
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except UserError:
+        sys.modules.pop(module_name, None)
+        raise
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)
+        raise UserError(f"{ENVIRONMENT}: {exc.filename or path}:{exc.lineno}: SyntaxError: {exc.msg}") from None
+    except Exception as exc:  # whatever the file's own code raised: where, and what
+        sys.modules.pop(module_name, None)
+        raise UserError(f"{ENVIRONMENT}: {path}:{_line_in(exc, path)}: importing it raised {_cause(exc)}") from None
     _files_loaded.add(path)
     added = [_families[name] for name in _families if name not in before]
     if not added:
         raise UserError(f"{path} registered no family: end it with register(YourFamily())")
     return added
+
+
+def _line_in(exc: BaseException, path: Path) -> int | str:
+    """The line of `path` that the exception passed through last (the file's own line, not the library's)."""
+    lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if Path(frame.filename) == path]
+    return lines[-1] if lines else "?"
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(line.strip() for line in str(exc).splitlines() if line.strip())}"
 
 
 def _registry() -> dict[str, Family]:
@@ -115,6 +136,17 @@ def _config_class(model_type: str):
         return CONFIG_MAPPING[model_type]
     except (KeyError, ValueError, ImportError):
         return None
+
+
+def family_of_model_type(model_type: str) -> Family | None:
+    """The registered family of a checkpoint's model_type: the built-in ones first, and the files
+    PARALLEL_FINETUNE_FAMILIES names imported only when none of those has it (so a command that needs no plugin,
+    predict.py on a BERT, runs none of their code)."""
+    for families in (lambda: _families.values(), all_families):
+        for family in families():
+            if family.config_class.model_type == model_type:
+                return family
+    return None
 
 
 def all_families() -> list[Family]:
