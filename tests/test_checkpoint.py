@@ -428,8 +428,8 @@ def test_overwrite_replaces_the_previous_run(copied_run, sst2, cache_dir):
     (copied_run / "notes.txt").write_text("mine")
     run = launch(1, overrides(sst2, cache_dir, "overwrite=true", "resume=none", "max_steps=3"), copied_run)
     assert (
-        f"overwrite=true: deleted the previous run's metrics.jsonl, eval.jsonl, summary.json, config.yaml, "
-        f"tensorboard, labels.json, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
+        f"overwrite=true: deleted the previous run's config.yaml, labels.json, metrics.jsonl, eval.jsonl, "
+        f"tensorboard, summary.json, 2 checkpoint(s) in {copied_run / 'checkpoints'} from {copied_run}"
     ) in run.output
     assert sorted(p.name for p in (copied_run / "checkpoints").iterdir()) == [RECORD, "step-00000003"]
     assert [r["step"] for r in run.records] == [1, 2, 3] and run.summary["steps"] == 3

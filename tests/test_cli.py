@@ -366,3 +366,16 @@ def test_check_with_a_csv_of_your_own_names_it(tmp_path):
         check("size=tiny", f"train_file={rows}", "label_column=sentiment"),
         f"{rows}: no text column named sentence, text, sentence1; set text_column= one of review, sentiment",
     )
+
+
+def test_make_help_names_every_family_in_recipes():
+    """The README's targets for every family (llama-tp, qwen3-lora, ...) are in `make help` too."""
+    shown = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    targets = [
+        f"{recipe.parent.name}-{recipe.stem}"
+        for kind in ("tp", "lora")
+        for recipe in REPO.glob(f"recipes/*/{kind}.yaml")
+    ]
+    assert {"llama-tp", "qwen3-tp", "mistral-tp"} <= set(targets)
+    assert [target for target in targets if target not in shown.split()] == []
+    assert "FAMILY-pp" in shown and "FAMILY-tp-pp" in shown

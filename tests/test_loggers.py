@@ -5,18 +5,24 @@ config as parameters; a resumed run continues the same tracker run; a failed one
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import struct
+import textwrap
+import threading
+import time
 from pathlib import Path
 
 import mlflow
 import pytest
 import yaml
-from conftest import launch, tiny_overrides
+from conftest import launch, python, tiny_overrides, tmpfs
 from wandb.proto import wandb_internal_pb2
 
 from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
-from parallel_finetune.loggers import DESTINATIONS, TRACKING_IDS, destinations
+from parallel_finetune.loggers import DESTINATIONS, TRACKER_GRACE_S, TRACKING_IDS, destinations
 from parallel_finetune.reporting import Reporter, format_step
 
 WANDB_BLOCK = 32768  # a .wandb file is a LevelDB-style log: 32 KiB blocks of [crc32, length, type] + payload
@@ -159,12 +165,143 @@ def test_a_resumed_run_continues_its_tracker_run_and_failure_is_recorded(tmp_pat
     assert format_step(record(3, 0.7), 4).startswith("step 3/4 | epoch 0.30 | loss 0.7000")
 
 
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: a connection is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def silent_server():
+    """A server on 127.0.0.1 that takes connections and never answers: its URL."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def start_mlflow(tmp_path, monkeypatch, uri: str, timeout_s: float = 5) -> Reporter:
+    """A Reporter in tmp_path/run that starts MLflow at `uri` within `timeout_s`."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    reporter = Reporter(tmp_path / "run", 4, 1, True)
+    reporter.add_trackers(("mlflow",), None, {"lr": 1e-4}, timeout_s)
+    return reporter
+
+
+@pytest.mark.parametrize("server", ["closed", "silent", "nosuchscheme"])
+def test_a_tracker_that_cannot_start_fails_in_one_line_within_tracker_timeout(
+    server, silent_server, tmp_path, monkeypatch
+):
+    """MLflow's own retries at a closed port took ~250 s; a server that never answers is cut by our deadline."""
+    uri = {"closed": f"http://127.0.0.1:{closed_port()}", "silent": silent_server, "nosuchscheme": "nosuchscheme://x"}
+    started = time.monotonic()
+    with pytest.raises(UserError) as refused:
+        start_mlflow(tmp_path, monkeypatch, uri[server], timeout_s=5)
+    assert time.monotonic() - started < 5 + TRACKER_GRACE_S + 5
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("report_to=mlflow: "), message
+    expected = {
+        "closed": f"cannot start a run at {uri['closed']!r} (MLFLOW_TRACKING_URI): ",
+        "silent": f"no run started at {uri['silent']!r} (MLFLOW_TRACKING_URI) within tracker_timeout_s=5 s",
+        "nosuchscheme": "cannot start a run at 'nosuchscheme://x' (MLFLOW_TRACKING_URI): ",
+    }[server]
+    assert expected in message, message
+    assert "Connection refused" in message or server != "closed", message
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_a_tracker_start_at_once(name, silent_server, tmp_path, monkeypatch):
+    """SIGTERM (the trainer's handler: stop) abandons the start and says so; Ctrl-C stops it. Either within a second
+    or two of the signal, not after MLflow's retries."""
+    asked = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), getattr(signal, name)))
+    timer.start()
+    started = time.monotonic()
+    try:
+        if name == "SIGTERM":
+            reporter = Reporter(tmp_path, 4, 1, True)
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", silent_server)
+            assert reporter.add_trackers(("tensorboard", "mlflow"), None, {}, timeout_s=60) is False
+            assert asked == [signal.SIGTERM]
+            assert [type(logger).__name__ for logger in reporter.loggers] == ["ProgressLogger", "JsonlLogger"]
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                start_mlflow(tmp_path, monkeypatch, silent_server, timeout_s=60)
+    finally:
+        timer.cancel()  # where the start ended before the signal (it failed): none stops pytest later
+        timer.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_an_unwritable_mlflow_store_is_named_with_the_reason(tmp_path, monkeypatch):
+    """Not MLflow's notice that file stores are deprecated (or SQLite's minutes of retries): the folder and why."""
+    folder = tmp_path / "read-only"
+    if os.geteuid() == 0:  # root writes through permission bits: a read-only mount
+        with tmpfs(folder, "ro,size=1m"):
+            with pytest.raises(UserError) as refused:
+                start_mlflow(tmp_path, monkeypatch, f"file:{folder / 'mlruns'}")
+        reason = "Read-only file system"
+    else:
+        folder.mkdir()
+        folder.chmod(0o555)
+        with pytest.raises(UserError) as refused:
+            start_mlflow(tmp_path, monkeypatch, f"file:{folder / 'mlruns'}")
+        reason = "Permission denied"
+    assert str(refused.value) == (
+        f"report_to=mlflow: the MLflow store {folder / 'mlruns'} (MLFLOW_TRACKING_URI='file:{folder / 'mlruns'}') "
+        f"cannot be written ({reason}: {folder}); choose a writable store"
+    )
+
+
+WANDB_ONLINE = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from parallel_finetune.errors import UserError
+    from parallel_finetune.reporting import Reporter
+
+    reporter = Reporter(Path(sys.argv[1]), 4, 1, True)
+    started = time.monotonic()
+    try:
+        reporter.add_trackers(("wandb",), None, {"lr": 1e-4}, float(sys.argv[2]))
+    except UserError as exc:
+        print(f"{time.monotonic() - started:.1f}", exc, sep="\\n")
+    """
+)
+
+
+def test_wandb_online_without_a_server_fails_within_tracker_timeout(tmp_path):
+    """W&B online with an API key and no server waited until killed: init_timeout is tracker_timeout_s."""
+    pytest.importorskip("wandb")
+    (tmp_path / "run").mkdir()
+    env = {
+        "WANDB_MODE": "online",
+        "WANDB_API_KEY": "x" * 40,
+        "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+    }
+    started = time.monotonic()
+    (tmp_path / "start_wandb.py").write_text(WANDB_ONLINE)
+    ran = python(str(tmp_path / "start_wandb.py"), str(tmp_path / "run"), "5", env=env, timeout=120)
+    lines = ran.stdout.strip().splitlines()
+    assert ran.returncode == 0 and len(lines) == 2, ran.stdout + ran.stderr
+    assert float(lines[0]) < 5 + TRACKER_GRACE_S + 5 and time.monotonic() - started < 60
+    assert lines[1].startswith("report_to=wandb: "), lines[1]
+
+
 def test_a_tracker_that_cannot_start_stops_every_rank_in_one_line(sst2, cache_dir, tmp_path):
-    """Rank 0 alone starts trackers; its error reaches rank 1 at once instead of a collective timing out."""
-    env = {"MLFLOW_TRACKING_URI": "nosuchscheme://tracker"}
-    overrides = tiny_overrides(sst2, cache_dir, report_to="mlflow", collective_timeout_s=60)
-    run = launch(2, overrides, tmp_path / "run", env=env, check=False, timeout=120)
+    """Rank 0 alone starts trackers, within tracker_timeout_s; its error reaches rank 1 at once instead of a
+    collective timing out."""
+    uri = f"http://127.0.0.1:{closed_port()}"
+    overrides = tiny_overrides(sst2, cache_dir, report_to="mlflow", collective_timeout_s=60, tracker_timeout_s=5)
+    run = launch(2, overrides, tmp_path / "run", env={"MLFLOW_TRACKING_URI": uri}, check=False, timeout=120)
     assert run.returncode == 2, run.output[-2000:]
     (line,) = [line for line in run.output.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: report_to=mlflow: cannot start a run at 'nosuchscheme://tracker'"), line
+    assert line.startswith(f"error: report_to=mlflow: cannot start a run at {uri!r}"), line
     assert not (tmp_path / "run" / "metrics.jsonl").read_text(), "no step was trained"

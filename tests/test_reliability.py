@@ -38,7 +38,7 @@ from parallel_finetune import integrity
 from parallel_finetune.config import load_config
 from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
-from parallel_finetune.runfolder import LOCK, RECORD, RunLock
+from parallel_finetune.runfolder import LOCK, RECORD, RUN_OUTPUTS, RunLock
 
 
 @pytest.fixture
@@ -376,6 +376,61 @@ def test_overwrite_refuses_outputs_no_run_recorded_and_deletes_nothing(tmp_path)
     (plain / "notes").mkdir(parents=True)
     replace_previous_run(plain, plain / "checkpoints")
     assert [p.name for p in plain.iterdir()] == ["notes"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(sst2, cache_dir, tmp_path_factory) -> Path:
+    """A run that writes few of the names a run may write: report_to=none, no predictions, no export."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    launch(1, tiny_overrides(sst2, cache_dir, max_steps=1, report_to="none"), out)
+    return out
+
+
+def users_copy(run_folder: Path, folder: Path, *names: str) -> Path:
+    """`run_folder` copied to `folder` (its checkpoints left out), then a user's file under each of `names`: a file
+    of that name, or for a name a run writes as a folder, my_notes.txt inside it."""
+    shutil.copytree(run_folder, folder, ignore=shutil.ignore_patterns("checkpoints"))
+    for name in names:
+        target = folder / name
+        if "." in name:
+            target.write_text("mine")
+        else:
+            target.mkdir()
+            (target / "my_notes.txt").write_text("mine")
+    return folder
+
+
+@pytest.mark.parametrize("name", RUN_OUTPUTS)
+def test_a_name_is_on_the_record_only_if_the_run_wrote_it(name, plain_run, tmp_path):
+    """What a run did not write is not its to delete: a user's file under that name survives overwrite=true (the
+    folder is refused, as one holding outputs no run recorded)."""
+    from parallel_finetune.runfolder import check_run_folders, recorded, replace_previous_run
+
+    written = (plain_run / name).exists()
+    assert (name in recorded(plain_run)) == written, (name, written, recorded(plain_run))
+    if written:
+        return
+    folder = users_copy(plain_run, tmp_path / "run", name)
+    checkpoints = folder / "checkpoints"
+    for replace in (
+        lambda: check_run_folders(folder, checkpoints, True),
+        lambda: replace_previous_run(folder, checkpoints),
+    ):
+        with pytest.raises(UserError, match=rf"^overwrite=true: {re.escape(str(folder / name))} was not written by"):
+            replace()
+    assert (folder / name).exists() and name not in recorded(folder)
+
+
+def test_overwrite_spares_what_the_previous_run_did_not_write(plain_run, sst2, cache_dir, tmp_path):
+    """End to end: a user's wandb/my_notes.txt and predictions_mismatched.tsv in a report_to=none run's folder stop
+    a run with overwrite=true in one line, and stay."""
+    folder = users_copy(plain_run, tmp_path / "run", "wandb", "predictions_mismatched.tsv")
+    run = launch(1, tiny_overrides(sst2, cache_dir, max_steps=1, overwrite="true"), folder, check=False)
+    assert run.returncode == 2, run.output[-2000:]
+    (line,) = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: overwrite=true: {folder / 'predictions_mismatched.tsv'}, {folder / 'wandb'} were")
+    assert (folder / "wandb" / "my_notes.txt").read_text() == "mine"
+    assert (folder / "predictions_mismatched.tsv").read_text() == "mine"
 
 
 def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 
 from .errors import UserError
-from .loggers import destinations
+from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 
 T = TypeVar("T")
 
@@ -223,6 +223,10 @@ class LoggingSection:
     # (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, WANDB_MODE, WANDB_PROJECT, WANDB_DIR)
     report_to: Continues[Literal["tensorboard", "mlflow", "wandb", "all", "none"] | list] = "tensorboard"
     run_name: Continues[str | None] = None  # the run's name in MLflow / W&B; None = the run folder's name
+    # How long MLflow and W&B may take to start their run (an unreachable server, a store that hangs) before the run
+    # stops with an error naming the tracker; the other ranks wait for rank 0 that long. From 1 s to 10 minutes,
+    # and below collective_timeout_s.
+    tracker_timeout_s: Continues[float] = 30.0
 
 
 # The recipe's sections, in the order a recipe and docs/configuration.md list them; `Config` has every key of each.
@@ -286,6 +290,7 @@ COMPILE_AUTO_MIN_STEPS = 1000
 # collective_timeout_s: under a second is a healthy collective's jitter (or milliseconds meant); beyond a week no
 # hang is worth waiting for, and 1e300 overflows the timedelta the process group is given.
 COLLECTIVE_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+TRACKER_TIMEOUT_RANGE_S = (1.0, 600.0)
 
 
 def compile_decision(config: Config, total_steps: int, device_type: str) -> tuple[bool, str]:
@@ -652,9 +657,18 @@ def validate(config: Config, where: str = "config") -> None:
     _check_parallel(config, bad)
     _check_peft(config, bad)
     try:
-        destinations(config.report_to)
+        trackers = destinations(config.report_to)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
+    if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
+        raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
+    waiting = set(trackers) & set(TIMED_TRACKERS)
+    if waiting and config.tracker_timeout_s + TRACKER_GRACE_S >= config.collective_timeout_s:
+        raise bad(
+            "tracker_timeout_s",
+            f"must be more than {TRACKER_GRACE_S:g} s below collective_timeout_s={config.collective_timeout_s:g}: "
+            f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
+        )
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in family.tasks:

@@ -6,22 +6,34 @@ library's own environment variables keep their meaning because each library read
 MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME (unset: MLflow's own defaults), WANDB_MODE, WANDB_PROJECT and
 WANDB_DIR (unset here: offline, project "parallel-finetune", the run folder). Only rank 0 makes loggers.
 
+MLflow and W&B may wait on a server or a store when their run starts: `tracker_timeout_s` bounds that, through the
+libraries' own settings (MLflow's HTTP timeout and retries, W&B's init_timeout) and, TRACKER_GRACE_S later, a
+deadline of ours (SIGALRM) that ends whatever they still wait in. SIGTERM during the start abandons it (the run stops
+before its first step, as SIGTERM stops it elsewhere) and Ctrl-C stops the run; a helper process the abandoned start
+left (W&B's service) is ended, so the process exits at once.
+
 A logger is three calls (train record, evaluation, close); adding a destination is one class here and its name in
 `DESTINATIONS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import tempfile
+import threading
+import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
 from tqdm.auto import tqdm
 
 from .errors import UserError
+from .runfolder import record_written
 
 # The optional destinations, in the order they are set up; "none" = only the run folder's files and the bar.
 DESTINATIONS = ("tensorboard", "mlflow", "wandb")
@@ -29,6 +41,13 @@ DESTINATIONS = ("tensorboard", "mlflow", "wandb")
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu")
 # Tracker run ids of this run folder, so that a resumed run continues the same MLflow / W&B run.
 TRACKING_IDS = "tracking.json"
+# The trackers whose start may wait on a server or a store: tracker_timeout_s bounds it.
+TIMED_TRACKERS = ("mlflow", "wandb")
+# The libraries' own timeouts (tracker_timeout_s) end a start first, with their reason; ours ends it this much later.
+TRACKER_GRACE_S = 5.0
+# MLflow's HTTP retries while its run starts, unless the environment sets them: its defaults (7 retries, backoff
+# factor 2) wait about 250 s for an unreachable server before they give up.
+MLFLOW_START_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 class MetricLogger(Protocol):
@@ -134,6 +153,7 @@ class JsonlLogger:
     """metrics.jsonl (every step's whole record) and eval.jsonl in the run folder."""
 
     def __init__(self, output_dir: Path, resumed_at: int):
+        record_written(output_dir, "metrics.jsonl", "eval.jsonl")
         self.metrics = _continue_jsonl(output_dir / "metrics.jsonl", resumed_at)
         self.evals = _continue_jsonl(output_dir / "eval.jsonl", resumed_at)
 
@@ -156,6 +176,7 @@ class TensorBoardLogger:
     def __init__(self, output_dir: Path, **_):
         from torch.utils.tensorboard import SummaryWriter
 
+        record_written(output_dir, "tensorboard")
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
 
     def log_train(self, record: dict) -> None:
@@ -177,22 +198,36 @@ class MLflowLogger:
 
     STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
-    def __init__(self, output_dir: Path, run_name: str, params: dict, run_id: str | None, **_):
+    def __init__(self, output_dir: Path, run_name: str, params: dict, run_id: str | None, timeout_s: float, **_):
         import mlflow
 
         self.mlflow = mlflow
+        uri = mlflow.get_tracking_uri()
+        _check_local_store(uri)
         if mlflow.active_run() is not None:  # one process, one run: a caller's leftover run would absorb ours
             mlflow.end_run()
         try:
-            if run_id:
-                self.run = mlflow.start_run(run_id=run_id)
-            else:
-                self.run = mlflow.start_run(run_name=run_name)
-                mlflow.log_params(flat_params(params))
+            with _environment(MLFLOW_HTTP_REQUEST_TIMEOUT=str(max(1, int(timeout_s))), **MLFLOW_START_RETRIES):
+                if run_id:
+                    self.run = mlflow.start_run(run_id=run_id)
+                else:
+                    self.run = mlflow.start_run(run_name=run_name)
+                    mlflow.log_params(flat_params(params))
         except Exception as exc:  # a bad URI or an unreachable server: one line, before any step is trained
-            uri = mlflow.get_tracking_uri()
-            raise UserError(f"report_to=mlflow: cannot start a run at {uri!r} (MLFLOW_TRACKING_URI): {exc}") from None
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            where = f"{uri!r} (MLFLOW_TRACKING_URI)"
+            raise UserError(f"report_to=mlflow: cannot start a run at {where}: {reason}") from None
         self.run_id = self.run.info.run_id
+
+    @staticmethod
+    def destination() -> str:
+        import mlflow
+
+        return f"{mlflow.get_tracking_uri()!r} (MLFLOW_TRACKING_URI)"
+
+    @staticmethod
+    def abandon() -> None:
+        pass
 
     def log_train(self, record: dict) -> None:
         self.mlflow.log_metrics(_scalars(record), step=record["step"])
@@ -210,22 +245,40 @@ class WandbLogger:
 
     EXIT_CODE = {"finished": 0, "stopped": 0, "failed": 1}
 
-    def __init__(self, output_dir: Path, run_name: str, params: dict, run_id: str | None, **_):
+    def __init__(self, output_dir: Path, run_name: str, params: dict, run_id: str | None, timeout_s: float, **_):
         import wandb
 
+        folder = os.environ.get("WANDB_DIR") or str(output_dir)
+        if not os.environ.get("WANDB_DIR"):
+            record_written(output_dir, "wandb")  # where W&B writes its files under `dir`
         try:
             self.run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT") or "parallel-finetune",
-                dir=os.environ.get("WANDB_DIR") or str(output_dir),
+                dir=folder,
                 mode=os.environ.get("WANDB_MODE") or "offline",
                 name=run_name,
                 config=params,
                 id=run_id,
                 resume="allow" if run_id else None,
+                settings=wandb.Settings(init_timeout=timeout_s),
             )
-        except Exception as exc:  # e.g. WANDB_MODE=online without an API key
+        except Exception as exc:  # e.g. WANDB_MODE=online without an API key, or no answer within init_timeout
             raise UserError(f"report_to=wandb: cannot start a run: {str(exc).strip().splitlines()[0]}") from None
         self.run_id = self.run.id
+
+    @staticmethod
+    def destination() -> str:
+        if (os.environ.get("WANDB_MODE") or "offline") in ("offline", "disabled"):
+            return f"{os.environ.get('WANDB_DIR') or 'the run folder'} (WANDB_DIR)"
+        return f"{os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai'} (WANDB_BASE_URL)"
+
+    @staticmethod
+    def abandon() -> None:
+        """Forget the abandoned start (its service process is ended by then), so that exiting waits for nothing."""
+        import wandb
+
+        with contextlib.suppress(Exception):
+            wandb.teardown(1)
 
     def log_train(self, record: dict) -> None:
         self.run.log(_scalars(record), step=record["step"])
@@ -240,19 +293,136 @@ class WandbLogger:
 TRACKERS = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "wandb": WandbLogger}
 
 
+class StartStopped(Exception):
+    """SIGTERM arrived while a tracker started: the start was abandoned, and the run stops before its first step."""
+
+
+class _Deadline(BaseException):
+    """Our deadline on a tracker's start (SIGALRM). A BaseException, as KeyboardInterrupt is, so that a library's
+    own `except Exception` does not swallow it."""
+
+
+class _StopAsked(BaseException):
+    """SIGTERM while a tracker starts."""
+
+
 def make_loggers(
-    names: tuple[str, ...], output_dir: Path, run_name: str, params: dict, resumed_at: int
+    names: tuple[str, ...], output_dir: Path, run_name: str, params: dict, resumed_at: int, timeout_s: float = 30.0
 ) -> list[MetricLogger]:
-    """The chosen trackers. A resumed run continues the runs whose ids tracking.json recorded; new ids are
-    recorded there."""
+    """The chosen trackers, MLflow's and W&B's start bounded by `timeout_s` (a UserError past it; StartStopped on
+    SIGTERM). A resumed run continues the runs whose ids tracking.json recorded; new ids are recorded there. If one
+    cannot start, those started before it are closed as failed."""
     ids_path = output_dir / TRACKING_IDS
     ids = json.loads(ids_path.read_text(encoding="utf-8")) if resumed_at and ids_path.is_file() else {}
     loggers = []
-    for name in names:
-        logger = TRACKERS[name](output_dir=output_dir, run_name=run_name, params=params, run_id=ids.get(name))
-        loggers.append(logger)
-        if hasattr(logger, "run_id"):
-            ids[name] = logger.run_id
+    try:
+        for name in names:
+            logger = _start(name, output_dir, run_name, params, ids.get(name), timeout_s)
+            loggers.append(logger)
+            if hasattr(logger, "run_id"):
+                ids[name] = logger.run_id
+    except BaseException as exc:
+        for logger in loggers:
+            with contextlib.suppress(Exception):
+                logger.close("stopped" if isinstance(exc, StartStopped) else "failed")
+        raise
     if ids:
+        record_written(output_dir, TRACKING_IDS)
         ids_path.write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
     return loggers
+
+
+def _start(name: str, output_dir: Path, run_name: str, params: dict, run_id: str | None, timeout_s: float):
+    tracker = TRACKERS[name]
+    if name not in TIMED_TRACKERS:
+        return tracker(output_dir=output_dir, run_name=run_name, params=params, run_id=run_id)
+    helpers = _child_processes()
+    try:
+        with _bounded(timeout_s):
+            return tracker(output_dir=output_dir, run_name=run_name, params=params, run_id=run_id, timeout_s=timeout_s)
+    except (_Deadline, _StopAsked, KeyboardInterrupt) as exc:
+        for pid in _child_processes() - helpers:  # the abandoned start's helper would hold the exit until it gives up
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        tracker.abandon()
+        if isinstance(exc, _Deadline):
+            raise UserError(
+                f"report_to={name}: no run started at {tracker.destination()} within tracker_timeout_s={timeout_s:g} s "
+                "(unreachable, or not answering?); check that it is up, or raise tracker_timeout_s"
+            ) from None
+        if isinstance(exc, _StopAsked):
+            raise StartStopped(name) from None
+        raise
+
+
+@contextlib.contextmanager
+def _bounded(timeout_s: float):
+    """While a tracker starts: SIGALRM at timeout_s + TRACKER_GRACE_S raises _Deadline, and SIGTERM runs its own
+    handler (the trainer's stop request) then raises _StopAsked, so neither waits for the library to give up. Only
+    the main thread takes signals; elsewhere the libraries' own timeouts alone bound the start."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    on_term = signal.getsignal(signal.SIGTERM)
+
+    def deadline(signum, frame):
+        raise _Deadline
+
+    def stop(signum, frame):
+        on_term(signum, frame)
+        raise _StopAsked
+
+    on_alarm = signal.signal(signal.SIGALRM, deadline)
+    if callable(on_term):  # SIG_DFL ends the process by itself
+        signal.signal(signal.SIGTERM, stop)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s + TRACKER_GRACE_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.signal(signal.SIGTERM, on_term)
+
+
+def _child_processes() -> set[int]:
+    """This process's children (Linux's /proc; elsewhere none are known)."""
+    pids: set[int] = set()
+    for listing in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(int(pid) for pid in listing.read_text().split())
+    return pids
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """`values` as environment variables meanwhile, except those the environment already sets (the user's)."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _check_local_store(uri: str) -> None:
+    """A local MLflow store (file:, a plain path, sqlite:///) in a folder that cannot be written: one line naming
+    the folder and why, before MLflow answers with something else (a file store's deprecation notice) or retries
+    for minutes (SQLite)."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        store = Path(urllib.parse.unquote(parsed.path))
+    elif parsed.scheme == "sqlite" and uri.startswith("sqlite:///") and ":memory:" not in uri:
+        store = Path(uri.removeprefix("sqlite:///").split("?")[0])
+    else:
+        return
+    folder = store
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise UserError(
+            f"report_to=mlflow: the MLflow store {store} (MLFLOW_TRACKING_URI={uri!r}) cannot be written "
+            f"({exc.strerror}: {folder}); choose a writable store"
+        ) from None

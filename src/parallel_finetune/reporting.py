@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from .errors import UserError
-from .loggers import JsonlLogger, MetricLogger, ProgressLogger, make_loggers
+from .loggers import JsonlLogger, MetricLogger, ProgressLogger, StartStopped, make_loggers
 from .runfolder import LOCK, sagemaker_folder
 
 RUNS_DIR = Path("runs")
@@ -114,11 +114,16 @@ class Reporter:
         if enabled:
             self.loggers.append(JsonlLogger(output_dir, resumed_at))
 
-    def add_trackers(self, names: tuple[str, ...], run_name: str | None, params: dict) -> None:
-        """Rank 0: start the trackers `report_to` names (a UserError if one cannot start; the trainer hands it to
-        every rank through rank0_decides)."""
+    def add_trackers(self, names: tuple[str, ...], run_name: str | None, params: dict, timeout_s: float = 30.0) -> bool:
+        """Rank 0: start the trackers `report_to` names, MLflow's and W&B's within `timeout_s` (a UserError if one
+        cannot start; the trainer hands it to every rank through rank0_decides). False where SIGTERM arrived
+        meanwhile: the start was abandoned, and the run stops before its first step."""
         run_name = run_name or self.output_dir.name
-        self.loggers += make_loggers(names, self.output_dir, run_name, params, self.resumed_at)
+        try:
+            self.loggers += make_loggers(names, self.output_dir, run_name, params, self.resumed_at, timeout_s)
+        except StartStopped:
+            return False
+        return True
 
     def step(self, record: dict) -> None:
         for logger in self.loggers:

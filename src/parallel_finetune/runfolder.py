@@ -9,11 +9,12 @@ holder on this host that no longer runs is stale and taken over; one on another 
 to delete once that run is over.
 
 Every folder a run writes into keeps a record of ours, `.parallel-finetune-outputs`: the names (plain children,
-one a line under a fixed first line) that runs wrote there, each added before it is written, so even a killed run
-leaves its names on record. overwrite=true deletes those names and nothing else: a folder without our record loses
-nothing, and one holding a name a run writes that no run recorded (someone's tensorboard/, an older run's) is
-refused rather than written over. SageMaker's folders ($SM_MODEL_DIR, $SM_OUTPUT_DATA_DIR) are used only inside a
-SageMaker training job, and never where the user named a folder.
+one a line under a fixed first line) that runs wrote there, each added just before it is written and only if it
+is, so even a killed run leaves its names on record and a name no run wrote is never on it. overwrite=true deletes
+those names and nothing else: a folder without our record loses nothing, and one holding a name a run writes that
+no run recorded (someone's tensorboard/, an older run's) is refused rather than written over. SageMaker's folders
+($SM_MODEL_DIR, $SM_OUTPUT_DATA_DIR) are used only inside a SageMaker training job, and never where the user named
+a folder.
 """
 
 from __future__ import annotations
@@ -35,21 +36,25 @@ log = logging.getLogger(__name__)
 LOCK = ".run.lock"
 RECORD = ".parallel-finetune-outputs"
 RECORD_HEADER = "# parallel-finetune: what runs wrote in this folder; overwrite=true deletes these names only"
-# What every run writes into its output folder (recorded in setup, before any of them is written).
-RUN_FILES = (
-    "metrics.jsonl",
-    "eval.jsonl",
-    "summary.json",
-    "config.yaml",
-    "tensorboard",
-    "tracking.json",  # report_to: the MLflow / W&B run ids (loggers.TRACKING_IDS)
-    "wandb",  # report_to=wandb without WANDB_DIR: the offline run
+# Every name a run may write into its output folder, each recorded just before it is written, and only when it is
+# (report_to=none writes no tensorboard/, predict=false no predictions.tsv): overwrite=true deletes recorded names
+# only, and refuses a folder holding one of these that no run recorded.
+RUN_OUTPUTS = (
+    "config.yaml",  # every run (startup.open_run_folder), as labels.json
     "labels.json",  # the task: its label names and ids, columns, problem type (tasks.LABEL_FILE)
-    "predictions.tsv",  # predict=true: the test split's predictions (MNLI: also the mismatched ones)
-    "predictions_mismatched.tsv",
+    "metrics.jsonl",  # every run, once training starts (loggers.JsonlLogger), as eval.jsonl
+    "eval.jsonl",
+    "summary.json",  # a run that finished
+    "deepspeed_config.json",  # engine=deepspeed
+    "tensorboard",  # report_to=tensorboard
+    "tracking.json",  # report_to=mlflow / wandb: their run ids (loggers.TRACKING_IDS)
+    "wandb",  # report_to=wandb without WANDB_DIR: the offline run
+    "predictions.tsv",  # predict=true: the test split's predictions
+    "predictions_mismatched.tsv",  # predict=true on MNLI: the mismatched test split's
+    "hf",  # export=true (export.py), as the LoRA run's adapter/ and, from a tiny model, base/
+    "adapter",
+    "base",
 )
-# Every name a run may write there: overwrite=true refuses a folder holding one that no run recorded.
-RUN_OUTPUTS = (*RUN_FILES, "deepspeed_config.json", "hf", "adapter", "base")
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting
 
 

@@ -14,7 +14,6 @@ from .families.base import download_model
 from .layout import rank0_decides
 from .reporting import choose_output_dir, write_json, write_yaml
 from .runfolder import (
-    RUN_FILES,
     RunLock,
     check_run_folders,
     record_written,
@@ -22,6 +21,7 @@ from .runfolder import (
     restarted,
     run_folders,
 )
+from .tasks import LABEL_FILE, write_label_file
 
 DOWNLOAD_WAIT_S = 6 * 3600  # a checkpoint of tens of GB over a slow link
 
@@ -48,16 +48,19 @@ def claim_run_folders(config, layout) -> tuple[Path, Path, RunLock]:
     return output_dir, root, lock
 
 
-def open_run_folder(output_dir: Path, root: Path, config, deepspeed_config: dict | None) -> None:
+def open_run_folder(output_dir: Path, root: Path, config, deepspeed_config: dict | None, task) -> None:
     """Rank 0, once every input is accepted (a failed start leaves nothing): overwrite=true's replacement of the
-    previous run, the folder's record of what this run writes, config.yaml (and deepspeed_config.json)."""
+    previous run, then config.yaml, labels.json (what the head's ids mean, beside the outputs) and
+    deepspeed_config.json, each put on the folder's record just before it is written (a killed run's are on record;
+    what this run does not write stays off it)."""
     if config.overwrite and not restarted():
         replace_previous_run(output_dir, root)
     output_dir.mkdir(parents=True, exist_ok=True)
-    deepspeed = ["deepspeed_config.json"] if deepspeed_config is not None else []
-    record_written(output_dir, *RUN_FILES, *deepspeed)  # before writing: a killed run's are on record
+    record_written(output_dir, "config.yaml", LABEL_FILE)
     write_yaml(output_dir / "config.yaml", config.to_dict())
+    write_label_file(output_dir, task)
     if deepspeed_config is not None:
+        record_written(output_dir, "deepspeed_config.json")
         write_json(output_dir / "deepspeed_config.json", deepspeed_config)
 
 

@@ -46,11 +46,10 @@ from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer, Reporter
 from .resolve import resolve
-from .runfolder import RunLock
+from .runfolder import RunLock, record_written
 from .runner import WholeModel
 from .startup import claim_run_folders, fetch_model, open_run_folder
 from .summary import run_summary, write_summary
-from .tasks import write_label_file
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
 
@@ -110,8 +109,7 @@ class Trainer:
             self._resume()
         if layout.is_main:  # only now, with every input accepted, is the run folder written
             deepspeed_config = self.updates.config if self.deepspeed_config is not None else None
-            open_run_folder(self.output_dir, self.checkpoint_root, config, deepspeed_config)
-            write_label_file(self.output_dir, self.data.task)  # what the head's ids mean, beside the outputs
+            open_run_folder(self.output_dir, self.checkpoint_root, config, deepspeed_config, self.data.task)
         log.info("run folder %s | %s", self.output_dir, layout.describe())
 
     def _check_settings(self) -> None:
@@ -333,7 +331,13 @@ class Trainer:
         self.reporter = reporter
         trackers = destinations(config.report_to)
         params = config.to_dict() | self.resolved.as_params()  # as written, and what `auto` became
-        rank0_decides(layout, lambda: reporter.add_trackers(trackers, config.run_name, params))
+        started = rank0_decides(
+            layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
+        )
+        if not started:  # SIGTERM while rank 0 started the trackers: every rank stops before training a step
+            self.stop_agreed = True
+            log.info("stopping before step %d as asked (SIGTERM), while the trackers started", self.step + 1)
+            return self.history
         log.info(
             "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
             self.total_steps,
@@ -420,6 +424,7 @@ class Trainer:
             )
             if self.layout.is_main:
                 name = "predictions.tsv" if split == "test" else f"predictions_{split.removeprefix('test_')}.tsv"
+                record_written(self.output_dir, name)
                 written.append(
                     write_predictions(self.output_dir / name, data_module.column(rows, "index"), predicted, task)
                 )
@@ -473,6 +478,7 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         )
         trainer.reporter.close()
         if layout.is_main:
+            record_written(trainer.output_dir, "summary.json")
             write_summary(trainer.output_dir, summary, results)
         shutdown()
         return summary
