@@ -42,7 +42,7 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
     import torch.distributed as dist
 
     from parallel_finetune.config import load_config
-    from parallel_finetune.reporting import peak_memory_mib
+    from parallel_finetune.hardware import peak_memory_mib
     from parallel_finetune.trainer import Trainer
 
     config = load_config(

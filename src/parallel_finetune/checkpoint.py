@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -48,15 +47,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import integrity
 from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
-from .resolve import pretrained_name
+from .run_files import CHECKPOINT_NAME as NAME
+from .run_files import CONFIG_FILE, STATE_FILE
 from .runfolder import record_written, recorded, restarted
-from .tasks import LABEL_FILE, data_fingerprint, read_label_file, write_label_file
+from .tasks import data_fingerprint, write_label_file
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-NAME = re.compile(r"^step-(\d{8})$")
 SAGEMAKER_CHECKPOINTS = Path("/opt/ml/checkpoints")  # synced to S3 through the job's checkpoint URI
 
 
@@ -525,48 +522,3 @@ def load(state: TrainingState, folder: Path) -> int:
         ),
     )
     return written["step"]
-
-
-def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
-    """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
-    that verifies), in one process (no process group)."""
-    from . import lora
-    from .config import Config
-    from .export import check_new_export_folder, save_hf
-    from .families import get_family
-    from .families.base import download_model
-    from .model import load_model
-    from .precision import DTYPES, EXPORT_DTYPES
-    from .pretrained import load_hf_tokenizer
-
-    check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
-    folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
-    if dtype not in EXPORT_DTYPES:
-        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
-    config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
-    family = get_family(config.family)
-    tokenizer = load_hf_tokenizer(folder / "tokenizer")
-    model_path = None
-    if config.size == "full":  # its config.json gives the architecture
-        model_path = download_model(pretrained_name(config), config.revision, local_only=True)
-    labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
-    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=labels)
-    # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
-    # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
-    ready = load_model(
-        family, config.task, hf_config, model_path, seed=config.seed, config=config, from_checkpoint=True
-    )
-    state = ready.model.state_dict()
-    trainable = ready.parallel.trainable
-    held = state if trainable is None else {name: tensor for name, tensor in state.items() if name in trainable}
-    try:
-        read_tensors({"model": held}, folder)
-    except integrity.Refused as exc:
-        raise UserError(f"checkpoint {folder}: {exc}") from None
-    state.update(held)
-    settings = lora.settings_from_config(config, family)
-    if settings is not None:
-        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
-    state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
-    save_hf(ready.model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
-    return out

@@ -15,18 +15,34 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import lora
+from . import integrity, lora
+from .checkpoint import read_tensors, resolve_resume
+from .config import Config
 from .errors import UserError, one_line
-from .integrity import nonfinite
+from .families import get_family
+from .families.base import download_model
 from .interfaces import Updates
 from .layout import rank0_decides
-from .precision import DTYPES
+from .model import load_model
+from .precision import DTYPES, EXPORT_DTYPES
+from .pretrained import load_hf_tokenizer
 from .resolve import pretrained_name
-from .runfolder import LOCK, RECORD, _alive, _holder, _read_holder, checkpoint_holding, record_written, sagemaker_folder
-from .tasks import LABEL_FILE
+from .run_files import CONFIG_FILE, LOCK, RECORD
+from .run_files import EXPORT_STAGING as STAGING
+from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
+from .runfolder import (
+    checkpoint_holding,
+    holder_of_this_process,
+    process_alive,
+    read_holder,
+    record_written,
+    sagemaker_folder,
+)
+from .tasks import LABEL_FILE, read_label_file
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +154,7 @@ def gather_full_state_dict(
 def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
     """Write a folder that `from_pretrained` loads, built from a fresh, unsharded copy of the model. Weights
     holding NaN/inf are refused; a failed write (a full disk) leaves `out` as it was."""
-    bad = nonfinite(state)
+    bad = integrity.nonfinite(state)
     if bad:
         raise UserError(f"not exporting to {out}: {bad} holds NaN or inf (the run diverged; lower lr)")
     with torch.device("meta"):
@@ -147,10 +163,6 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     clean.tie_weights()  # assign=True replaced tied parameters one by one; tie them again (GPT-2, GPT-Neo)
     clean.config.dtype = next(iter(state.values())).dtype
     write_folder(out, lambda folder: (clean.save_pretrained(folder), tokenizer.save_pretrained(folder)))
-
-
-STAGING = ".export-in-progress-"  # + pid: a staging folder of ours, holding STAGING_MARKER
-STAGING_MARKER = ".parallel-finetune-export"
 
 
 def check_export_target(out: Path) -> None:
@@ -185,11 +197,11 @@ def _remove_stale_staging(out: Path) -> None:
     for folder in [
         p for place, prefix in places if place.is_dir() for p in place.iterdir() if p.name.startswith(prefix)
     ]:
-        writer = _read_holder(folder / STAGING_MARKER)
+        writer = read_holder(folder / STAGING_MARKER)
         pid = folder.name.rsplit(STAGING, 1)[1]
         if folder.is_symlink() or not folder.is_dir() or str(writer.get("pid")) != pid:
             continue
-        if writer.get("host") == socket.gethostname() and not _alive(pid):
+        if writer.get("host") == socket.gethostname() and not process_alive(pid):
             log.info("removing %s, left by an export that was killed", folder)
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -206,7 +218,7 @@ def write_folder(out: Path, write: Callable[[Path], object]) -> None:
     try:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        (staging / STAGING_MARKER).write_text(json.dumps(_holder()))
+        (staging / STAGING_MARKER).write_text(json.dumps(holder_of_this_process()))
         write(staging)
         (staging / STAGING_MARKER).unlink()
         if not existing:
@@ -225,3 +237,39 @@ def write_folder(out: Path, write: Callable[[Path], object]) -> None:
     except BaseException:  # Ctrl-C, SystemExit: no model-sized staging folder stays behind either
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
+    """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
+    that verifies), in one process (no process group)."""
+    check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
+    folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
+    config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
+    family = get_family(config.family)
+    tokenizer = load_hf_tokenizer(folder / "tokenizer")
+    model_path = None
+    if config.size == "full":  # its config.json gives the architecture
+        model_path = download_model(pretrained_name(config), config.revision, local_only=True)
+    labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
+    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=labels)
+    # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
+    # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
+    ready = load_model(
+        family, config.task, hf_config, model_path, seed=config.seed, config=config, from_checkpoint=True
+    )
+    state = ready.model.state_dict()
+    trainable = ready.parallel.trainable
+    held = state if trainable is None else {name: tensor for name, tensor in state.items() if name in trainable}
+    try:
+        read_tensors({"model": held}, folder)
+    except integrity.Refused as exc:
+        raise UserError(f"checkpoint {folder}: {exc}") from None
+    state.update(held)
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:
+        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
+    state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    save_hf(ready.model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
+    return out

@@ -6,7 +6,10 @@ Links are nominal per-direction rates: NVLink where the instance has it, else PC
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
+
+import torch
 
 from .errors import UserError
 
@@ -112,3 +115,9 @@ def hardware_for(
         gpu = next((name for name, spec in GPUS.items() if spec.memory_gb == memory), "A100-80GB")
         note += f"; speed of {gpu} assumed (--gpu TYPE to choose)"
     return Hardware(gpu, memory or GPUS[gpu].memory_gb, count, nodes, DEFAULT_INTERNODE_GBITS, None, note)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: peak RSS

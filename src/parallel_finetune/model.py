@@ -17,13 +17,13 @@ from torch import nn
 
 from . import lora
 from .families.base import Family
+from .hardware import peak_memory_mib
 from .layout import Layout
 from .parallel import Parallelized, parallelize
 from .parallel.pipeline import stage_costs
 from .parallel.tensor import keep_gradients_sharded
 from .parallel.zero import ZeroAdamW, zero_adamw
 from .precision import DTYPES
-from .reporting import peak_memory_mib
 from .resolve import pretrained_name
 from .throughput import ModelFlops, attention_width, model_flops
 from .weights import (

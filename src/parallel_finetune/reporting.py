@@ -6,13 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
-import resource
 import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 
-import torch
 import yaml
 
 from .errors import UserError
@@ -73,12 +71,6 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: peak RSS
 
 
 def package_versions() -> dict[str, str]:

@@ -30,31 +30,10 @@ import time
 from pathlib import Path
 
 from .errors import UserError
+from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
 
 log = logging.getLogger(__name__)
 
-LOCK = ".run.lock"
-RECORD = ".parallel-finetune-outputs"
-RECORD_HEADER = "# parallel-finetune: what runs wrote in this folder; overwrite=true deletes these names only"
-# Every name a run may write into its output folder, each recorded just before it is written, and only when it is
-# (report_to=none writes no tensorboard/, predict=false no predictions.tsv): overwrite=true deletes recorded names
-# only, and refuses a folder holding one of these that no run recorded.
-RUN_OUTPUTS = (
-    "config.yaml",  # every run (startup.open_run_folder), as labels.json
-    "labels.json",  # the task: its label names and ids, columns, problem type (tasks.LABEL_FILE)
-    "metrics.jsonl",  # every run, once training starts (loggers.JsonlLogger), as eval.jsonl
-    "eval.jsonl",
-    "summary.json",  # a run that finished
-    "deepspeed_config.json",  # engine=deepspeed
-    "tensorboard",  # report_to=tensorboard
-    "tracking.json",  # report_to=mlflow / wandb: their run ids (loggers.TRACKING_IDS)
-    "wandb",  # report_to=wandb without WANDB_DIR: the offline run
-    "predictions.tsv",  # predict=true: the test split's predictions
-    "predictions_mismatched.tsv",  # predict=true on MNLI: the mismatched test split's
-    "hf",  # export=true (export.py), as the LoRA run's adapter/ and, from a tiny model, base/
-    "adapter",
-    "base",
-)
 RESTART_WAIT_S = 60  # a torchrun restart may start while the previous attempt's rank 0 is still exiting
 
 
@@ -63,7 +42,7 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
-def _holder() -> dict:
+def holder_of_this_process() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -71,7 +50,7 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
 
-def _read_holder(path: Path) -> dict:
+def read_holder(path: Path) -> dict:
     try:
         holder = json.loads(path.read_text(encoding="utf-8"))
         return holder if isinstance(holder, dict) else {}
@@ -79,7 +58,7 @@ def _read_holder(path: Path) -> dict:
         return {}
 
 
-def _alive(pid) -> bool:
+def process_alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, ValueError, TypeError):
@@ -131,7 +110,7 @@ class RunLock:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 handle.close()
                 raise UserError(
-                    f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for it "
+                    f"{folder} is in use by another run ({_describe(read_holder(path))}); wait for it "
                     "to end, or choose another output_dir"
                 ) from None
             self._check_recorded_holder(folder, path, handle)
@@ -140,16 +119,16 @@ class RunLock:
             return self._lock(folder)
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps(_holder()))
+        handle.write(json.dumps(holder_of_this_process()))
         handle.flush()
         self.handles.append((path, handle))
 
     def _check_recorded_holder(self, folder: Path, path: Path, handle) -> None:
         """No flock on this file system: judge the pid the file records."""
-        holder = _read_holder(path)
+        holder = read_holder(path)
         if not holder or holder.get("pid") == os.getpid():
             return
-        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+        if holder.get("host") == socket.gethostname() and not process_alive(holder.get("pid")):
             log.warning("taking over the stale lock %s (%s no longer runs)", path, _describe(holder))
             return
         handle.close()
@@ -182,7 +161,7 @@ def check_free(folders: list[Path]) -> None:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise UserError(
-                    f"{folder} is in use by another run ({_describe(_read_holder(path))}); wait for "
+                    f"{folder} is in use by another run ({_describe(read_holder(path))}); wait for "
                     "it to end, or choose another output_dir"
                 ) from None
             except OSError:
@@ -233,21 +212,17 @@ def record_written(folder: Path, *names: str) -> None:
 def checkpoint_holding(path: Path) -> Path | None:
     """The checkpoint that `path` is or lies inside (a step-… or .tmp-step-… folder, or one holding DCP's
     .metadata), or None."""
-    from .checkpoint import NAME
-
     path = path.expanduser().resolve()
     for folder in (path, *path.parents):
-        if NAME.match(folder.name.removeprefix(".tmp-")) or (folder / ".metadata").is_file():
+        if CHECKPOINT_NAME.match(folder.name.removeprefix(".tmp-")) or (folder / ".metadata").is_file():
             return folder
     return None
 
 
 def _unrecorded(output_dir: Path, checkpoint_root: Path) -> list[Path]:
     """What overwrite=true would have to write over without any run having recorded writing it."""
-    from .checkpoint import NAME
-
     found = []
-    for folder, belongs in ((output_dir, RUN_OUTPUTS.__contains__), (checkpoint_root, NAME.match)):
+    for folder, belongs in ((output_dir, RUN_OUTPUTS.__contains__), (checkpoint_root, CHECKPOINT_NAME.match)):
         if folder.is_dir():
             ours = set(recorded(folder))
             found += sorted(p for p in folder.iterdir() if belongs(p.name) and p.name not in ours)
@@ -278,8 +253,6 @@ def check_run_folders(output_dir: Path, checkpoint_root: Path, overwrite: bool) 
 def replace_previous_run(output_dir: Path, checkpoint_root: Path) -> None:
     """overwrite=true: delete what previous runs recorded writing in `output_dir` and in the checkpoint folder,
     and say so. Nothing else is touched (check_run_folders has refused names a run writes that are not ours)."""
-    from .checkpoint import NAME
-
     check_run_folders(output_dir, checkpoint_root, overwrite=True)
     removed, steps = [], 0
     folders = [output_dir] + ([checkpoint_root] if checkpoint_root.resolve() != output_dir.resolve() else [])
@@ -294,7 +267,7 @@ def replace_previous_run(output_dir: Path, checkpoint_root: Path) -> None:
             if not target.exists():
                 continue
             shutil.rmtree(target) if target.is_dir() else target.unlink()
-            if NAME.match(name):
+            if CHECKPOINT_NAME.match(name):
                 steps += 1
             else:
                 removed.append(name)

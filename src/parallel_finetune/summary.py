@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .reporting import format_throughput, package_versions, peak_memory_mib, write_json
+from .hardware import peak_memory_mib
+from .reporting import format_throughput, package_versions, write_json
 from .resolve import pretrained_name
 from .throughput import Peak
 
