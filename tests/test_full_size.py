@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fake_tp_mesh, launch, recipe, sst2_head
-from safetensors.torch import load_file
+from conftest import REPO, check, fake_tp_mesh, launch, recipe, sst2_head
+from safetensors.torch import load_file, save_file
 
 from parallel_finetune import synthetic
+from parallel_finetune.config import load_config
 from parallel_finetune.data import column, read_glue_dir
+from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
+from parallel_finetune.model import load_model
 from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
 from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
 
@@ -324,3 +327,32 @@ def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2,
     compare_with_file(
         load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"), "transformer"
     )
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(checkpoint, small_sst2, cache_dir, tmp_path):
+    """One dense tensor removed from a Llama checkpoint: `--check` and the run refuse it in one line naming it,
+    instead of training that layer from random values. The new classification head alone may be missing."""
+    folder = tmp_path / "llama-without-q"
+    folder.mkdir()
+    for file in checkpoint("llama", "float32").iterdir():
+        if file.name != "model.safetensors":
+            (folder / file.name).symlink_to(file)
+    tensors = load_file(checkpoint("llama", "float32") / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    message = (
+        f"{folder / 'model.safetensors'}: 1 of the model's parameters are not in the checkpoint: "
+        f"model.layers.1.self_attn.q_proj.weight; a pretrained model takes every weight from its checkpoint"
+    )
+    for task in ("causal_lm", "classification"):
+        args = overrides("llama", folder, small_sst2, cache_dir, task=task)
+        checked = check(*args, f"output_dir={tmp_path / task}", nproc=1, recipe=recipe("llama"))
+        assert checked.returncode == 2 and checked.stderr.startswith(f"error: {message}"), checked.stderr
+        assert checked.stderr.count("\n") == 1, checked.stderr
+        config = load_config(recipe("llama"), args)
+        family = get_family("llama")
+        hf_config = family.config_for(config, 0, pad_token_id=0)
+        with pytest.raises(UserError) as exc:
+            load_model(family, task, hf_config, str(folder), seed=42)
+        assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+    assert "(only the new classification head, score, starts from the seed)" in str(exc.value)
