@@ -356,3 +356,25 @@ def test_a_checkpoint_missing_a_weight_is_refused(checkpoint, small_sst2, cache_
             load_model(family, task, hf_config, str(folder), seed=42)
         assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
     assert "(only the new classification head, score, starts from the seed)" in str(exc.value)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "fsdp2"])
+def test_mixture_of_experts_loads_each_ranks_experts(layout, small_sst2, cache_dir, tmp_path_factory):
+    """A Mixtral checkpoint in the Hub's per-expert layout (save_pretrained writes it) under `family: auto`: each
+    pipeline stage builds its own layers' fused experts, each FSDP rank its block of them, through transformers'
+    conversion; the weights as loaded equal what transformers' from_pretrained loads from the file."""
+    from transformers import AutoModelForCausalLM
+
+    folder = CACHE / "mixtral-float32"
+    if not (folder / "config.json").is_file():
+        sentences = column(read_glue_dir(small_sst2)["train"], "text")
+        synthetic.write_checkpoint(folder, "mixtral", sentences, hidden=64, layers=4, heads=4, vocab_size=1024)
+    out = tmp_path_factory.mktemp(f"mixtral-{layout}")
+    args = overrides("llama", folder, small_sst2, cache_dir, task="causal_lm") + ["family=auto"]
+    run = launch(2, args + LAYOUTS[layout][1], out, script=WORKER, recipe=recipe("llama"))
+    expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(run.output_dir / "loaded").state_dict()
+    assert set(loaded) == set(expected) and any(name.endswith("experts.gate_up_proj") for name in expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert "new (not in the checkpoint)" not in run.output

@@ -19,8 +19,15 @@ destination-sized buffer keeps the transient extra at one block. The safetensors
 little-endian arrays, which is all this needs. `.bin` checkpoints (pickle archives) are read with
 `torch.load(mmap=True, weights_only=True)`: no code runs, slices read only their pages, but mapped pages count.
 
-Parameters the checkpoint lacks (a new classification head) are initialised by the model's own `_init_weights`
-on a CPU copy of their module, from the run's seed and the parameter's name: the same values in every layout.
+A checkpoint's keys go through transformers' own conversion for the model (`get_model_conversion_mapping`, what
+from_pretrained applies): renamings (LayerNorm gamma/beta, Mixtral's block_sparse_moe -> mlp) are aliases read
+block by block; a converted tensor (a mixture-of-experts layer's experts, stored one per expert on the Hub, fused
+into one 3-D parameter) is built by transformers' operations from that layer's per-expert tensors only, then cut to
+the rank's block: a pipeline stage builds its own layers' experts, never the model's.
+
+Parameters the checkpoint lacks are an error (`refuse_missing`), except the head the task adds (a new
+classification head), initialised by the model's own `_init_weights` on a CPU copy of its module, from the run's
+seed and the parameter's name: the same values in every layout.
 A tiny run loads the same way from an unmodified transformers model initialised in memory (`Family.hf_model`),
 so every layout of every test goes through this code. `model.load_model` is the one caller of the whole sequence
 (a run, resume, export, tests, benchmarks); `--check` runs its first half (`plan_whole`: headers only).
