@@ -660,7 +660,7 @@ def refuse_missing(family: Family, task: str, new: list[str], description: str) 
     Anything else missing would train from random values while looking pretrained: a checkpoint of another
     architecture, an edited or truncated one, or a layout transformers' conversion does not cover."""
     heads = tuple(f"{module}." for module in family.new_modules(task))
-    missing = [name for name in new if ".lora_" not in name and not name.startswith(heads)]
+    missing = [name for name in new if not name.startswith(heads)]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         head = (
@@ -675,6 +675,6 @@ def refuse_missing(family: Family, task: str, new: list[str], description: str) 
 
 
 def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
-    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read) have the shapes
-    of the model its config builds, on `meta`."""
+    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read), after transformers'
+    conversion, are every parameter of the model its config builds on `meta` (but a new head), in its shapes."""
     plan_whole(family, task, hf_config, model_path).weights.close()
