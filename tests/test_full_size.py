@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, fake_tp_mesh, launch, recipe, sst2_head
-from safetensors.torch import load_file
+from conftest import REPO, check, fake_tp_mesh, launch, recipe, sst2_head
+from safetensors.torch import load_file, save_file
 
 from parallel_finetune import synthetic
+from parallel_finetune.config import load_config
 from parallel_finetune.data import column, read_glue_dir
+from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
+from parallel_finetune.model import load_model
 from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
 from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
 
@@ -324,3 +327,54 @@ def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2,
     compare_with_file(
         load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"), "transformer"
     )
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(checkpoint, small_sst2, cache_dir, tmp_path):
+    """One dense tensor removed from a Llama checkpoint: `--check` and the run refuse it in one line naming it,
+    instead of training that layer from random values. The new classification head alone may be missing."""
+    folder = tmp_path / "llama-without-q"
+    folder.mkdir()
+    for file in checkpoint("llama", "float32").iterdir():
+        if file.name != "model.safetensors":
+            (folder / file.name).symlink_to(file)
+    tensors = load_file(checkpoint("llama", "float32") / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    message = (
+        f"{folder / 'model.safetensors'}: 1 of the model's parameters are not in the checkpoint: "
+        f"model.layers.1.self_attn.q_proj.weight; a pretrained model takes every weight from its checkpoint"
+    )
+    for task in ("causal_lm", "classification"):
+        args = overrides("llama", folder, small_sst2, cache_dir, task=task)
+        checked = check(*args, f"output_dir={tmp_path / task}", nproc=1, recipe=recipe("llama"))
+        assert checked.returncode == 2 and checked.stderr.startswith(f"error: {message}"), checked.stderr
+        assert checked.stderr.count("\n") == 1, checked.stderr
+        config = load_config(recipe("llama"), args)
+        family = get_family("llama")
+        hf_config = family.config_for(config, 0, pad_token_id=0)
+        with pytest.raises(UserError) as exc:
+            load_model(family, task, hf_config, str(folder), seed=42)
+        assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+    assert "(only the new classification head, score, starts from the seed)" in str(exc.value)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "fsdp2"])
+def test_mixture_of_experts_loads_each_ranks_experts(layout, small_sst2, cache_dir, tmp_path_factory):
+    """A Mixtral checkpoint in the Hub's per-expert layout (save_pretrained writes it) under `family: auto`: each
+    pipeline stage builds its own layers' fused experts, each FSDP rank its block of them, through transformers'
+    conversion; the weights as loaded equal what transformers' from_pretrained loads from the file."""
+    from transformers import AutoModelForCausalLM
+
+    folder = CACHE / "mixtral-float32"
+    if not (folder / "config.json").is_file():
+        sentences = column(read_glue_dir(small_sst2)["train"], "text")
+        synthetic.write_checkpoint(folder, "mixtral", sentences, hidden=64, layers=4, heads=4, vocab_size=1024)
+    out = tmp_path_factory.mktemp(f"mixtral-{layout}")
+    args = overrides("llama", folder, small_sst2, cache_dir, task="causal_lm") + ["family=auto"]
+    run = launch(2, args + LAYOUTS[layout][1], out, script=WORKER, recipe=recipe("llama"))
+    expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(run.output_dir / "loaded").state_dict()
+    assert set(loaded) == set(expected) and any(name.endswith("experts.gate_up_proj") for name in expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert "new (not in the checkpoint)" not in run.output

@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import REPO, check, launch, recipe, sst2_head, tiny_overrides
 from safetensors import safe_open
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from parallel_finetune import synthetic
 from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.families.plans import PlanFamily
+from parallel_finetune.model import load_model
 from parallel_finetune.train import main
 
 WORKER = str(REPO / "tests" / "workers" / "export_logits.py")
@@ -263,3 +264,60 @@ def test_a_layer_count_override_resizes_layer_types(model_type, layers):
     rule = family.config_class(**{**default.to_dict(), "num_hidden_layers": 8, "layer_types": None}).layer_types
     assert config.layer_types == rule[:layers]
     assert len(family.blocks(family.build("causal_lm", config))) == layers
+
+
+# --- mixture-of-experts checkpoints: experts stored one per expert, as on the Hub ---
+
+
+def tiny_moe(model_type: str):
+    """A tiny transformers mixture-of-experts causal LM (4 experts, 2 per token), randomly initialised."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if model_type == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **common))
+    config = Qwen2MoeConfig(
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **common,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+# One expert's tensors in the Hub layout (what real Mixtral and Qwen2-MoE checkpoints hold) and the router's key
+HUB_EXPERT_KEYS = {
+    "mixtral": ("block_sparse_moe.experts.3.w1.weight", "block_sparse_moe.gate.weight"),
+    "qwen2_moe": ("mlp.experts.3.gate_proj.weight", "mlp.gate.weight"),
+}
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_checkpoint_loads_its_experts(model_type, small_data, cache_dir, tmp_path):
+    """family: auto, size=full, TP=1 on a checkpoint whose experts are stored one per expert (transformers'
+    save_pretrained writes that Hub layout): every parameter, the fused experts (gate_up_proj, down_proj) and the
+    router included, equals what transformers' from_pretrained loads, through transformers' own conversion."""
+    torch.manual_seed(0)
+    folder = tmp_path / model_type
+    tiny_moe(model_type).save_pretrained(folder)
+    with safe_open(folder / "model.safetensors", "pt") as files:
+        keys = list(files.keys())
+    expert, router = HUB_EXPERT_KEYS[model_type]
+    assert f"model.layers.1.{expert}" in keys and f"model.layers.1.{router}" in keys
+    assert not any("gate_up_proj" in key for key in keys)  # the per-expert layout, not the model's fused one
+    overrides = ["family=auto", "size=full", f"model={folder}", "task=causal_lm", "tensor_parallel_degree=1"]
+    config = load_config(recipe("llama"), [*overrides, f"data_dir={small_data}", f"cache_dir={cache_dir}"])
+    assert config.family == model_type
+    family = get_family(config.family)
+    hf_config = family.config_for(config, 0, pad_token_id=0)
+    loaded = load_model(family, config.task, hf_config, config.model, seed=config.seed).model.state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(loaded) == set(expected)
+    fused = [
+        name for name in expected if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"))
+    ]
+    assert len(fused) == 3 * 2  # both layers' experts and routers
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name

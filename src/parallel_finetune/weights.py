@@ -19,8 +19,15 @@ destination-sized buffer keeps the transient extra at one block. The safetensors
 little-endian arrays, which is all this needs. `.bin` checkpoints (pickle archives) are read with
 `torch.load(mmap=True, weights_only=True)`: no code runs, slices read only their pages, but mapped pages count.
 
-Parameters the checkpoint lacks (a new classification head) are initialised by the model's own `_init_weights`
-on a CPU copy of their module, from the run's seed and the parameter's name: the same values in every layout.
+A checkpoint's keys go through transformers' own conversion for the model (`get_model_conversion_mapping`, what
+from_pretrained applies): renamings (LayerNorm gamma/beta, Mixtral's block_sparse_moe -> mlp) are aliases read
+block by block; a converted tensor (a mixture-of-experts layer's experts, stored one per expert on the Hub, fused
+into one 3-D parameter) is built by transformers' operations from that layer's per-expert tensors only, then cut to
+the rank's block: a pipeline stage builds its own layers' experts, never the model's.
+
+Parameters the checkpoint lacks are an error (`refuse_missing`), except the head the task adds (a new
+classification head), initialised by the model's own `_init_weights` on a CPU copy of its module, from the run's
+seed and the parameter's name: the same values in every layout.
 A tiny run loads the same way from an unmodified transformers model initialised in memory (`Family.hf_model`),
 so every layout of every test goes through this code. `model.load_model` is the one caller of the whole sequence
 (a run, resume, export, tests, benchmarks); `--check` runs its first half (`plan_whole`: headers only).
@@ -252,31 +259,108 @@ def _slices(box: Box) -> tuple[slice, ...]:
 
 
 @dataclass
+class Converted:
+    """A model tensor that transformers builds from several checkpoint tensors (a mixture-of-experts layer's experts,
+    stored one per expert, fused into one 3-D parameter): transformers' own `WeightConverter` for it and its sources
+    in the order from_pretrained collects them; `shape` and `dtype` of the result (from a run on `meta`)."""
+
+    converter: object  # transformers.core_model_loading.WeightConverter
+    sources: list[tuple[str, str]]  # (the converter's source pattern, checkpoint key)
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
 class Checkpoint:
-    """The tensors of a Hugging Face model folder (one or several safetensors or .bin files), by key, with the
-    key spellings transformers accepts: with or without the base model's prefix, LayerNorm gamma/beta."""
+    """The tensors of a Hugging Face model folder (one or several safetensors or .bin files), by key, as transformers'
+    from_pretrained reads them: with or without the base model's prefix, and (`convert`) through transformers' own
+    checkpoint conversion for the model (renamed keys, e.g. LayerNorm gamma/beta or Mixtral's block_sparse_moe ->
+    mlp; per-expert tensors fused into one 3-D parameter per layer)."""
 
     files: dict[str, TensorSource]  # key -> the file holding it
     prefix: str = ""  # the model's base_model_prefix (transformer, bert)
     description: str = ""
+    renamed: dict[str, str] = field(default_factory=dict)  # the model's key -> the checkpoint's
+    converted: dict[str, Converted] = field(default_factory=dict)  # the model's key -> its checkpoint tensors
+
+    def convert(self, model: nn.Module) -> None:
+        """Apply transformers' checkpoint conversion for `model` (its `get_model_conversion_mapping`, as
+        from_pretrained does): keys are renamed, and a converter's sources grouped by the key they build, in
+        from_pretrained's order (natural key order: expert 2 before expert 10). Each converted tensor is built once
+        on `meta` with transformers' operations, so its shape is known (and checked) before any byte is read."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        conversions = get_model_conversion_mapping(model)
+        renamings = [entry for entry in conversions if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in conversions if isinstance(entry, WeightConverter)]
+        by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+        for key in sorted(self.files, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters)
+            if pattern is not None:
+                self.converted.setdefault(target, Converted(by_pattern[pattern], [])).sources.append((pattern, key))
+            elif target != key:
+                self.renamed[target] = key
+        for target, converted in self.converted.items():
+            try:
+                built = self._run_converter(target, converted, self._meta)
+            except Exception as exc:  # transformers' operations raise what torch raises (sizes that do not stack)
+                keys = [key for _, key in converted.sources]
+                raise UserError(
+                    f"{self.description}: transformers cannot build {target} from the {len(keys)} tensors "
+                    f"{keys[0]} ... {keys[-1]} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
+                ) from None
+            converted.shape, converted.dtype = tuple(built.shape), built.dtype
+
+    def _run_converter(self, target: str, converted: Converted, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """`target` as transformers builds it: its converter (a fresh copy, as from_pretrained makes one per target)
+        given each source as a callable, which its `convert` calls in turn."""
+        converter = copy.deepcopy(converted.converter)
+        for pattern, key in converted.sources:
+            converter.add_tensor(target, key, pattern, lambda key=key: tensor(key))
+        result = converter.convert(target)
+        if target not in result:
+            raise UserError(f"{self.description}: transformers' conversion of {target} gave {', '.join(result)}")
+        value = result[target]
+        return value[0] if isinstance(value, list) else value
 
     def find(self, key: str) -> str | None:
         candidates = [key]
         if self.prefix and key.startswith(self.prefix + "."):
             candidates.append(key[len(self.prefix) + 1 :])
-        for candidate in list(candidates):
-            for new, old in ((".weight", ".gamma"), (".bias", ".beta")):
-                if candidate.endswith("LayerNorm" + new):
-                    candidates.append(candidate[: -len(new)] + old)
-        return next((c for c in candidates if c in self.files), None)
+        return next((c for c in candidates if c in self.converted or c in self.renamed or c in self.files), None)
+
+    def sources_of(self, key: str) -> list[str]:
+        """The checkpoint tensors that a found key reads."""
+        if key in self.converted:
+            return [source for _, source in self.converted[key].sources]
+        return [self.renamed.get(key, key)]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
+        if key in self.converted:
+            # Built whole from this layer's per-expert tensors (one layer at a time, never the model), then cut.
+            converted = self._run_converter(key, self.converted[key], lambda source: self._read_whole(source))
+            return converted[_slices(box)]
+        key = self.renamed.get(key, key)
         return self.files[key].read(key, box)
 
+    def _read_whole(self, key: str) -> torch.Tensor:
+        shape = self.files[key].shape(key)
+        return self.files[key].read(key, ((0,) * len(shape), shape))
+
+    def _meta(self, key: str) -> torch.Tensor:
+        return torch.empty(self.files[key].shape(key), dtype=self.files[key].dtype(key), device="meta")
+
     def shape(self, key: str) -> tuple[int, ...]:
+        if key in self.converted:
+            return self.converted[key].shape
+        key = self.renamed.get(key, key)
         return self.files[key].shape(key)
 
     def dtype(self, key: str) -> torch.dtype:
+        if key in self.converted:
+            return self.converted[key].dtype
+        key = self.renamed.get(key, key)
         return self.files[key].dtype(key)
 
     def dtypes(self) -> set[torch.dtype]:
@@ -394,7 +478,7 @@ def plan_load(
         if source.start:
             offsets = tuple(o + source.start if d == source.dim else o for d, o in enumerate(offsets))
         plan.reads.append(Read(name, key, (tuple(offsets), tuple(shape)), source.transpose))
-        used.add(key)
+        used.update(checkpoint.sources_of(key))
     for key, parts in pieces.items():
         check_shape(checkpoint, key, parts)
     plan.unused = sorted(set(checkpoint.files) - used) if hasattr(checkpoint, "files") else []
@@ -551,20 +635,46 @@ class Planned(NamedTuple):
 
 
 def plan_whole(family: Family, task: str, hf_config, model_path: str | None) -> Planned:
-    """The first half of every load, on `meta`: the weights (`weights_source`), the model its config builds, and
-    the unsplit model's plan (each tensor's shape checked: `check_shape`). The weights are closed if the plan
-    fails; otherwise the caller closes them."""
+    """The first half of every load, on `meta`: the weights (`weights_source`, through transformers' conversion for
+    the model when they are files), the model its config builds, and the unsplit model's plan (each tensor's shape
+    checked: `check_shape`; a pretrained model's parameters all found: `refuse_missing`). The weights are closed if
+    the plan fails; otherwise the caller closes them."""
     weights = weights_source(family, task, hf_config, model_path)
     try:
         model = family.build(task, hf_config)
+        if model_path is not None:  # the in-memory model of a tiny run has the model's own names already
+            weights.convert(model)
         aliases = tied_aliases(model)
-        return Planned(weights, model, aliases, plan_load(model, family, weights, aliases))
+        plan = plan_load(model, family, weights, aliases)
+        if model_path is not None:
+            refuse_missing(family, task, list(plan.new), weights.description)
+        return Planned(weights, model, aliases, plan)
     except BaseException:
         weights.close()
         raise
 
 
+def refuse_missing(family: Family, task: str, new: list[str], description: str) -> None:
+    """A pretrained model takes every parameter from its checkpoint, except the head its task adds
+    (`Family.new_modules`: a classification head on a causal LM or a bare encoder), which starts from the seed.
+    Anything else missing would train from random values while looking pretrained: a checkpoint of another
+    architecture, an edited or truncated one, or a layout transformers' conversion does not cover."""
+    heads = tuple(f"{module}." for module in family.new_modules(task))
+    missing = [name for name in new if not name.startswith(heads)]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        head = (
+            f" (only the new {task} head, {', '.join(family.new_modules(task))}, starts from the seed)" if heads else ""
+        )
+        raise UserError(
+            f"{description}: {len(missing)} of the model's parameters are not in the checkpoint: "
+            f"{', '.join(missing[:3])}{more}; a pretrained model takes every weight from its checkpoint{head}, so "
+            f"these files do not hold this {family.name} model's weights (another architecture or an incomplete "
+            f"checkpoint)"
+        )
+
+
 def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
-    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read) have the shapes
-    of the model its config builds, on `meta`."""
+    """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read), after transformers'
+    conversion, are every parameter of the model its config builds on `meta` (but a new head), in its shapes."""
     plan_whole(family, task, hf_config, model_path).weights.close()

@@ -63,6 +63,12 @@ class Family:
     lora_targets: tuple[str, ...] = ()
     lora_head: tuple[str, ...] = ("score",)
 
+    def new_modules(self, task: str) -> tuple[str, ...]:
+        """Modules the task adds to a pretrained checkpoint, initialised from the seed: the classification head
+        (a causal LM's or a bare encoder's checkpoint has none). Any other parameter a checkpoint lacks is an
+        error (weights.refuse_missing)."""
+        return self.lora_head if task == "classification" else ()
+
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         """After sharding, attention modules must reshape with the per-rank head count."""
         raise NotImplementedError
