@@ -26,7 +26,7 @@ def _separator_hint(table: Table) -> str:
     if len(table.columns) != 1:
         return ""
     name = next(iter(table.columns))
-    found = [shown for separator, shown in ((";", "';'"), ("\t", "a tab"), (",", "','")) if separator in name]
+    found = [said for separator, said in ((";", "';'"), ("\t", "a tab"), (",", "','")) if separator in name]
     return f"; the header is one column: is the file separated by {found[0]}?" if found else ""
 
 
