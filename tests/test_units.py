@@ -328,6 +328,54 @@ def test_the_sharding_mode_is_asked_by_name_not_compared_as_a_string():
     assert not found, found
 
 
+def test_the_head_kind_is_asked_of_the_task_not_compared_as_a_string():
+    """No src module compares a task, head or problem type with "classification" | "causal_lm" | "regression" (or
+    CAUSAL_LM, CLASSIFICATION, REGRESSION): they ask the Task (`task.head`, a HeadKind; `task.regression`), except
+    tasks/task.py, where the Task derives them from its problem_type."""
+    import ast
+
+    words = {"classification", "causal_lm", "regression", "single_label_classification"}
+    constants = {"CAUSAL_LM", "CLASSIFICATION", "REGRESSION"}
+
+    def mentions_the_head(node) -> bool:
+        named = (getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node))
+        return any(name in ("task", "head", "kind") or "problem_type" in name for name in named)
+
+    def head_words(node) -> set:
+        elements = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        found = {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)} & words
+        return found | {e.id for e in elements if isinstance(e, ast.Name)} & constants
+
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "tasks" / "task.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare)
+        and any(map(mentions_the_head, [node.left, *node.comparators]))
+        and any(head_words(side) for side in [node.left, *node.comparators])
+    ]
+    assert not found, found
+
+
+def test_the_tasks_package_is_a_short_face_over_small_modules():
+    """tasks/__init__.py is load_task and the names other modules import; no function in tasks/ runs past 80 lines;
+    tasks/ imports nothing of the package but errors.py (the loop, data.py and predict.py import it, not back)."""
+    import ast
+
+    folder = PACKAGE / "tasks"
+    assert len((folder / "__init__.py").read_text().splitlines()) < 60
+    for path in folder.glob("*.py"):
+        long = [
+            f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80
+        ]
+        assert not long, f"{path.relative_to(PACKAGE)}: {long}"
+        outside = {name for name in package_imports(path) if name != "errors" and not name.startswith("tasks.")}
+        assert not outside, f"{path.relative_to(PACKAGE)} imports {sorted(outside)}"
+
+
 def test_parallel_dims_resolve_each_mode_once_and_answer_by_name():
     from parallel_finetune.errors import UserError
     from parallel_finetune.layout import ParallelDims, Sharding, resolve_dims

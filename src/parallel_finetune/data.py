@@ -26,7 +26,7 @@ from .families.base import resolve_model_path
 from .pretrained import load_hf_tokenizer
 from .reporting import check_writable
 from .resolve import pretrained_name
-from .tasks import CAUSAL_LM, Source, Task, load_task, read_label_file, write_label_file
+from .tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from .tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def prepare(
         cache_dir,
     )
     check_inserted_tokens(
-        tokenizer, config.tokenizer or model_name, task.problem_type == CAUSAL_LM, task.pair and not token_types
+        tokenizer, config.tokenizer or model_name, task.head is HeadKind.CAUSAL_LM, task.pair and not token_types
     )
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]
@@ -343,7 +343,7 @@ def prepare(
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if task.problem_type == CAUSAL_LM:
+        if task.head is HeadKind.CAUSAL_LM:
             splits[split] = tokenize_causal_lm(raw[split], tokenizer, config.max_length, split)
         else:
             splits[split] = tokenize_classification(raw[split], tokenizer, config.max_length, split, token_types)

@@ -21,7 +21,7 @@ from .data import column, device_batch
 from .interfaces import Runner
 from .loss import scored_count, summed_loss, targets
 from .metrics import compute_metrics
-from .tasks import CAUSAL_LM, REGRESSION, Task
+from .tasks.task import HeadKind, Task
 
 
 @torch.no_grad()
@@ -32,7 +32,7 @@ def evaluate(
     (metrics.compute_metrics) or perplexity; `model` (what the runner drives) is in eval mode meanwhile. Every rank
     calls it and gets the same result."""
     loss, predictions = _scored(model, runner, split, tokenizer, task, batch_size, layout, with_loss=True)
-    if task.problem_type == CAUSAL_LM:
+    if task.head is HeadKind.CAUSAL_LM:
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
     references = column(split, "label")
     scores = compute_metrics(task.metric, predictions, references, task.num_labels)
@@ -58,8 +58,8 @@ def _scored(model, runner, split, tokenizer, task: Task, batch_size: int, layout
 
 def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch_size: int, layout, with_loss: bool):
     ids, lengths = column(split, "input_ids"), column(split, "length")
-    kind = "causal_lm" if task.problem_type == CAUSAL_LM else "classification"
-    labels = column(split, "label") if with_loss and kind == "classification" else None
+    classifies = task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss alone
+    labels = column(split, "label") if with_loss and classifies else None
     types = column(split, "token_type_ids") if "token_type_ids" in split.column_names else None
     order = sorted(range(len(ids)), key=lambda i: lengths[i])
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -75,15 +75,14 @@ def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch
         if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
             continue
         if with_loss:
-            totals[0] += summed_loss(logits, targets(batch, kind)).double()
-            totals[1] += scored_count(batch, kind)
-        if kind == "classification":
-            predicted = logits.float().squeeze(-1) if task.problem_type == REGRESSION else logits.argmax(-1)
-            predictions.extend(zip(chunk, predicted.tolist()))
+            totals[0] += summed_loss(logits, targets(batch, task.head)).double()
+            totals[1] += scored_count(batch, task.head)
+        if classifies:
+            predictions.extend(zip(chunk, task.predicted(logits).tolist()))
     if with_loss and layout.dp > 1:
         dist.all_reduce(totals, group=layout.dp_group)
     gathered: list = [None] * layout.dp
-    if kind == "classification" and layout.dp > 1:
+    if classifies and layout.dp > 1:
         dist.all_gather_object(gathered, predictions, group=layout.dp_group)
     else:
         gathered = [predictions]
@@ -92,7 +91,7 @@ def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch
         dist.broadcast_object_list(box, group=layout.pp_group, group_src=layout.pp - 1)
         totals, gathered = torch.tensor(box[0][0], dtype=torch.float64), box[0][1]
     mean_loss = (totals[0] / totals[1]).item() if with_loss else float("nan")
-    if kind != "classification":
+    if not classifies:
         return mean_loss, []
     by_row = dict(pair for part in gathered for pair in part)
     assert len(by_row) == len(ids), "every row is predicted exactly once"
@@ -105,6 +104,6 @@ def write_predictions(path: Path, index: list[int], predicted: list, task: Task)
     value with three decimals."""
     lines = ["index\tprediction"]
     for row, value in zip(index, predicted):
-        lines.append(f"{row}\t{value:.3f}" if task.problem_type == REGRESSION else f"{row}\t{task.label_values[value]}")
+        lines.append(f"{row}\t{task.prediction_text(value)}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

@@ -24,8 +24,9 @@ import torch
 
 from .data import collate, joined_pair
 from .errors import UserError, one_line
-from .tasks import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, PAIR_OF, REGRESSION, TEXT_COLUMNS, Task, configure_head
+from .tasks.columns import PAIR_OF, TEXT_COLUMNS
 from .tasks.files import Table, check_text, read_file
+from .tasks.task import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, REGRESSION, HeadKind, Task, configure_head
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -329,8 +330,8 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
                 f"{folder / ADAPTER_CONFIG}: base model {base!r} cannot be loaded ({_full_cause(exc)})"
             ) from None
         if task is not None:  # the head's width and names (a pretrained base's config.json knows nothing of them)
-            if task.problem_type not in (REGRESSION, CLASSIFICATION):
-                raise UserError(f"{folder}: trained with task={task.problem_type}; predict.py classifies")
+            if task.head is not HeadKind.CLASSIFICATION:
+                raise UserError(f"{folder}: trained with task={task.head}; predict.py classifies")
             configure_head(hf_config, task)
         if hf_config.pad_token_id is None:  # GPT configs: the padding id training used, to find each last token
             hf_config.pad_token_id = tokenizer.pad_token_id

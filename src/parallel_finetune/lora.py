@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import UserError
 from .resolve import pretrained_name
+from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def settings_from_config(config, family) -> LoraSettings | None:
         targets = tuple(targets)
     save = config.lora_modules_to_save
     if save is None:
-        save = family.lora_head if config.task == "classification" else ()
+        save = family.lora_head if HeadKind(config.task) is HeadKind.CLASSIFICATION else ()
     return LoraSettings(config.lora_rank, float(config.lora_alpha), config.lora_dropout, targets, tuple(save))
 
 
@@ -348,7 +349,7 @@ def export_adapter(
         },
         modules_to_save=list(settings.modules_to_save) or None,
         fan_in_fan_out=family.hf_conv1d,
-        task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM",
+        task_type="SEQ_CLS" if HeadKind(task) is HeadKind.CLASSIFICATION else "CAUSAL_LM",
         base_model_name_or_path=base,
     )
     out.mkdir(parents=True, exist_ok=True)

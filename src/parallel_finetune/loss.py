@@ -1,19 +1,22 @@
 """The loss, in one place: what the logits are compared with (class ids, regression targets, next tokens),
 summed (not averaged) in fp32, and what a global
 batch's loss is divided by. Each micro-batch's sum is divided by the *global* count, so summing over micro-batches
-and data-parallel ranks gives exactly the single-process mean, whatever the layout."""
+and data-parallel ranks gives exactly the single-process mean, whatever the layout. The head kind (the Task's
+`head`) chooses the targets and the count; the targets' form chooses the loss."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .tasks.task import HeadKind
+
 IGNORE = -100  # target of a padded position: no loss
 
 
-def targets(batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
-    """Labels, or (causal_lm) each next token, padding ignored."""
-    if task == "classification":
+def targets(batch: dict[str, torch.Tensor], head: HeadKind) -> torch.Tensor:
+    """Labels (a classification head), or each next token (a language-model head), padding ignored."""
+    if HeadKind(head) is HeadKind.CLASSIFICATION:
         return batch["labels"]
     return batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
 
@@ -28,15 +31,15 @@ def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def loss_count(lengths: list[int], task: str) -> int:
+def loss_count(lengths: list[int], head: HeadKind) -> int:
     """What the loss of a global batch (rows of these lengths) is averaged over: samples, or predicted tokens."""
-    if task == "classification":
+    if HeadKind(head) is HeadKind.CLASSIFICATION:
         return len(lengths)
     return sum(length - 1 for length in lengths)
 
 
-def scored_count(batch: dict[str, torch.Tensor], task: str) -> int:
+def scored_count(batch: dict[str, torch.Tensor], head: HeadKind) -> int:
     """The same count for one collated batch (evaluation)."""
-    if task == "classification":
+    if HeadKind(head) is HeadKind.CLASSIFICATION:
         return len(batch["labels"])
     return int(batch["attention_mask"][:, 1:].sum())

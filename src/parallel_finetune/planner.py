@@ -55,6 +55,7 @@ from .hardware import Hardware, hardware_for, positive_int, positive_number
 from .layout import ParallelDims, Sharding
 from .parallel.tensor import ReplicatedWithGradAllReduce
 from .pretrained import load_hf_config
+from .tasks.task import HeadKind
 from .throughput import attention_width
 
 GB = 1e9
@@ -262,7 +263,7 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
         trainable = shape.lora_elements / layout.pp if shape.lora_rank else elements
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
-        if i == layout.pp - 1 and shape.task == "causal_lm":
+        if i == layout.pp - 1 and HeadKind(shape.task) is HeadKind.CAUSAL_LM:
             kept += 10 * s * b * shape.hf_config.vocab_size
         memory = {
             "params": (2 * elements + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,

@@ -17,7 +17,7 @@ from .pretrained import refuse_custom_code
 from .reporting import check_writable, choose_output_dir
 from .resolve import pipeline_microbatches, pretrained_name
 from .runfolder import check_free, check_run_folders, run_folders
-from .tasks import check_hub_data
+from .tasks import HeadKind, check_hub_data
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -118,7 +118,9 @@ def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     if not Path(resolve_model_path(where)).is_dir():
         return
     tokenizer = load_tokenizer(where, "full", pretrained_name(config), family.tiny_tokenizer, 0, [], None, Path())
-    check_inserted_tokens(tokenizer, where, config.task == "causal_lm", pairs and not family.pair_token_types)
+    check_inserted_tokens(
+        tokenizer, where, HeadKind(config.task) is HeadKind.CAUSAL_LM, pairs and not family.pair_token_types
+    )
 
 
 def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
@@ -135,7 +137,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
         raw, task, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
         data = source.description
-        if config.task == "classification" and len(raw["train"]) < config.batch_size:
+        if task.head is HeadKind.CLASSIFICATION and len(raw["train"]) < config.batch_size:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
             )

@@ -335,7 +335,8 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     The job finds the cache because its key hashes the files' names and bytes and the tokenizer, not their paths:
     files keep their names here (one that shares another's name goes into a folder named for its split)."""
     from . import data
-    from .tasks import TASKS, glue_folder_files
+    from .tasks.glue import TASKS
+    from .tasks.sources import glue_folder_files
 
     local_dataset = bool(config.dataset) and Path(config.dataset).expanduser().is_dir()
     if not (config.train_file or local_dataset or (config.data_dir and not config.dataset)):

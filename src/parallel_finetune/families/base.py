@@ -241,12 +241,11 @@ class Family:
         """What the task and tokenizer add to a config: the padding id and, to classify, the head's width, its
         problem type and label names (`labels`: the data's tasks.Task; None: SST-2's two labels, for estimates
         made without data). The names travel into the exported config.json, so transformers' pipeline prints them."""
-        hf_config.pad_token_id = pad_token_id
-        if task != "classification":
-            return
-        from ..tasks import CLASSIFICATION, Task, configure_head
+        from ..tasks.task import HeadKind, configure_head, estimate_task
 
-        configure_head(hf_config, labels or Task("sst2", CLASSIFICATION, False, ("negative", "positive"), ("0", "1")))
+        hf_config.pad_token_id = pad_token_id
+        if HeadKind(task) is HeadKind.CLASSIFICATION:
+            configure_head(hf_config, labels or estimate_task())
 
     def config_for(
         self,

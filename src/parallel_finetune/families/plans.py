@@ -286,6 +286,8 @@ class PlanFamily(Family):
     def check_pipeline(self, hf_config: PretrainedConfig, task: str) -> None:
         """Refuse, in one line, an architecture whose forward the pipeline pieces do not reproduce: both run on a
         shrunk copy of `hf_config` (same architecture flags, width 64, 2 to 4 layers) in fp32, on padded rows."""
+        from ..tasks.task import HeadKind
+
         if "layers" not in self.pp_plan:
             raise UserError(
                 f"family={self.name}: transformers' {self.config_class.__name__} declares no base_model_pp_plan, "
@@ -315,7 +317,7 @@ class PlanFamily(Family):
             for block in self.blocks(model):
                 hidden = self.pipeline_block(block, hidden, inputs, position_ids)
             got = self.pipeline_head(model, hidden, attention_mask)
-        if task == "causal_lm":
+        if HeadKind(task) is HeadKind.CAUSAL_LM:
             expected, got = expected[attention_mask.bool()], got[attention_mask.bool()]
         difference = (expected - got).abs().max().item() if expected.shape == got.shape else float("inf")
         if not difference <= CHECK_TOLERANCE * max(1.0, expected.abs().max().item()):

@@ -1,0 +1,125 @@
+"""The Task: what a run learns. Its targets (class ids, regression values or next tokens), the head that makes
+them (HeadKind), how its predictions are scored (`metric`, for metrics.compute_metrics) and what its label ids
+mean; `labels.json` (in run folders, checkpoints, adapter/ and the data cache) is a Task as JSON.
+
+`problem_type` is the one field that decides the head: single_label_classification and regression are both a
+sequence-classification head (class logits, or one output), causal_lm is the language-model head. Components ask
+`task.head` and `task.regression`, never the strings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from .glue import TASKS, GlueTask
+
+REGRESSION = "regression"
+CLASSIFICATION = "single_label_classification"
+CAUSAL_LM = "causal_lm"
+LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
+
+
+class HeadKind(str, Enum):
+    """The model's last layer. Its values are the recipe's `task:` key and the families' model_classes keys."""
+
+    CLASSIFICATION = "classification"  # a sequence-classification head: class logits, or one regression output
+    CAUSAL_LM = "causal_lm"  # the language-model head: each position's next-token logits
+
+    def __str__(self) -> str:  # as the recipe writes it (cache keys, messages)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Task:
+    """A resolved task: what the model's head is and how its predictions are scored."""
+
+    name: str  # a GLUE task name, or "custom" (the user's files or data set)
+    problem_type: str  # single_label_classification | regression | causal_lm
+    pair: bool  # two texts per row
+    label_names: tuple[str, ...] = ()  # label id -> name (the exported model's id2label)
+    label_values: tuple[str, ...] = ()  # label id -> the label as the data writes it (predictions.tsv)
+    metric: str = "classification"  # metrics.compute_metrics: a GLUE task name, classification, regression
+    columns: tuple[str, ...] = ()  # the source's text, pair and label columns, for the record
+    validation_splits: tuple[str, ...] = ("validation",)  # MNLI: also validation_mismatched
+    test_splits: tuple[str, ...] = ()
+
+    @classmethod
+    def of_glue(
+        cls,
+        glue: GlueTask,
+        validation_splits: tuple[str, ...] = ("validation",),
+        test_splits: tuple[str, ...] = (),
+    ) -> Task:
+        """A GLUE task's classes (or regression) and official metric, read from GLUE's own columns."""
+        pair = (glue.text_pair,) if glue.text_pair else ()
+        return cls(
+            glue.name,
+            REGRESSION if glue.regression else CLASSIFICATION,
+            bool(pair),
+            glue.names,
+            glue.values,
+            glue.name,
+            (glue.text, *pair, glue.label),
+            validation_splits,
+            test_splits,
+        )
+
+    @classmethod
+    def language_model(cls, name: str, text: str, validation_splits: tuple[str, ...] = ("validation",)) -> Task:
+        """Next-token prediction on one text column: no labels, no test split, perplexity as the score."""
+        return cls(name, CAUSAL_LM, False, columns=(text,), validation_splits=validation_splits)
+
+    @property
+    def head(self) -> HeadKind:
+        return HeadKind.CAUSAL_LM if self.problem_type == CAUSAL_LM else HeadKind.CLASSIFICATION
+
+    @property
+    def regression(self) -> bool:
+        """A classification head with one output, trained on real-valued targets (squared error)."""
+        return self.problem_type == REGRESSION
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names) or 1
+
+    def predicted(self, logits):
+        """A classification head's logits as predictions: class ids, or the regression value."""
+        return logits.float().squeeze(-1) if self.regression else logits.argmax(-1)
+
+    def prediction_text(self, value) -> str:
+        """A prediction as predictions.tsv writes it: the label as the data writes its labels (GLUE's 0/1 or
+        entailment names; a user's label names), or a regression value with three decimals."""
+        return f"{value:.3f}" if self.regression else self.label_values[value]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict) -> Task:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def estimate_task() -> Task:
+    """The task assumed where there is no data (plans and memory estimates): SST-2's two classes."""
+    return Task.of_glue(TASKS["sst2"])
+
+
+def configure_head(hf_config, task: Task) -> None:
+    """What a classification task writes into a transformers config: the head's width, its label names (the
+    exported config.json's id2label/label2id, which transformers' pipeline prints) and the problem type."""
+    hf_config.num_labels = task.num_labels
+    if task.label_names:
+        hf_config.id2label = dict(enumerate(task.label_names))
+        hf_config.label2id = {name: i for i, name in enumerate(task.label_names)}
+    hf_config.problem_type = task.problem_type
+
+
+def write_label_file(folder: Path, task: Task) -> None:
+    (folder / LABEL_FILE).write_text(json.dumps(task.to_json(), indent=1) + "\n", encoding="utf-8")
+
+
+def read_label_file(folder: Path) -> Task:
+    return Task.from_json(json.loads((folder / LABEL_FILE).read_text(encoding="utf-8")))
