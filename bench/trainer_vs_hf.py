@@ -71,7 +71,7 @@ def our_run(config) -> dict:
 def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, compiled=False) -> dict:
     family = get_family(config.family)
     tokenizer = prepared.tokenizer
-    model_path = download_model(config.model, config.revision) if config.size == "full" else None
+    model_path = download_model(config.model.model, config.revision) if config.size == "full" else None
     hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=prepared.task)
     seed_everything(config.seed)
     # The same weights (the checkpoint's, and the same new classifier head) in transformers' own class: our

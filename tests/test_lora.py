@@ -206,7 +206,7 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
     from parallel_finetune.families import get_family
     from parallel_finetune.model import seed_everything
 
-    config = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    config = Config.from_flat(yaml.safe_load((run_dir / "config.yaml").read_text()))
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
     fam = get_family(family)
     seed_everything(config.seed)

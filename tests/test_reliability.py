@@ -235,7 +235,7 @@ def test_string_key_overrides_are_taken_as_written(value):
     recipe = REPO / "recipes" / "gptj" / "tp.yaml"
     keys = ("output_dir", "checkpoint_dir", "data_dir", "cache_dir", "model", "tokenizer", "revision", "resume")
     for key in keys:
-        assert getattr(load_config(recipe, [f"{key}={value}"]), key) == value
+        assert load_config(recipe, [f"{key}={value}"]).value(key) == value
     assert load_config(recipe, [f"output.output_dir={value}"]).output_dir == value
     assert load_config(recipe, ["data_dir=/data/sst2", "data_dir="]).data_dir is None  # empty: back to null
 
@@ -712,7 +712,7 @@ def remake_manifest(folder):
 
 def resumed_from(root, world_of_one, settings, resume="auto"):
     """checkpoint.resume as a run calls it: (the folder it continued from, the step it restored)."""
-    state = training_state(world_of_one, dataclasses.replace(settings, resume=resume), step=0)
+    state = training_state(world_of_one, settings.replace(resume=resume), step=0)
     return checkpointing.resume(state, root), state.step
 
 

@@ -86,9 +86,9 @@ def test_compile_auto_compiles_long_gpu_runs_only():
         False,
         "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)",
     )
-    assert compile_decision(Config(compile=False), 5000, "cuda")[0] is False
-    assert compile_decision(Config(compile=True), 5, "cpu")[0] is True
-    assert compile_decision(Config(engine="deepspeed"), 5000, "cuda")[0] is False
+    assert compile_decision(Config.from_flat(dict(compile=False)), 5000, "cuda")[0] is False
+    assert compile_decision(Config.from_flat(dict(compile=True)), 5, "cpu")[0] is True
+    assert compile_decision(Config.from_flat(dict(engine="deepspeed")), 5000, "cuda")[0] is False
 
 
 # ----------------------------------------------------------------- issue 26: true figures (CPU peak, MFU <= 100%)

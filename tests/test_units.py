@@ -34,7 +34,7 @@ NO_SKIP = lambda *_: False  # noqa: E731
 
 def config(**changes) -> Config:
     # Clipping at 0.5 so that it acts; no weight decay, so that a plain AdamW over all parameters is the reference.
-    return Config(lr=1e-2, weight_decay=0.0, max_grad_norm=0.5, **changes)
+    return Config.from_flat(dict(lr=1e-2, weight_decay=0.0, max_grad_norm=0.5, **changes))
 
 
 def tiny_classifier() -> GPT2ForSequenceClassification:

@@ -243,29 +243,84 @@ SECTION_CLASSES: dict[str, type] = {
 }
 
 
-@dataclass
-class Config(*reversed(SECTION_CLASSES.values())):  # reversed: dataclass fields follow the bases' reverse order
-    """A whole run's configuration: every section's keys, flat (`config.lr`), as one typed value."""
+# Bookkeeping the loader sets, not users: the recipe's name, and what lr_scaling did (for the log).
+BOOKKEEPING_DEFAULTS = {"recipe": "", "lr_note": ""}
 
-    # set by the loader, not by users
+
+@dataclass
+class Config:
+    """A whole run's configuration: one field per recipe section (`config.training`, `config.parallel`, ...), each
+    its section's dataclass, as one typed value. Components receive the sections they use, never this; only the
+    entry points, `resolve` and `preflight` read the whole of it. For them a key also reads (and the loader
+    writes) flat, `config.lr` being `config.training.lr`, except where a key has its section's name: `model`
+    (`config.model.model`) and `peft` (`config.peft.peft`)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    peft: PeftSection = field(default_factory=PeftSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     recipe: str = ""
-    lr_note: str = ""  # what lr_scaling did, for the log
+    lr_note: str = ""
+
+    def __getattr__(self, key: str):  # only asked when `key` is no field: a flat key
+        section = _SECTION_OF.get(key)
+        if section is None or key.startswith("__"):
+            raise AttributeError(f"Config has no key {key!r}")
+        return getattr(self.__dict__[section], key)
+
+    def __setattr__(self, key: str, value) -> None:
+        section = _SECTION_OF.get(key)
+        if section is None or key in SECTION_CLASSES:
+            object.__setattr__(self, key, value)
+        else:
+            setattr(self.__dict__[section], key, value)
+
+    @classmethod
+    def from_flat(cls, values: dict) -> Config:
+        """A Config from flat keys (a recipe's typed values, a checkpoint's config.yaml); unknown keys: TypeError."""
+        unknown = set(values) - set(_SECTION_OF) - set(BOOKKEEPING_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        sections = {
+            name: section(**{key: values[key] for key in SECTIONS[name] if key in values})
+            for name, section in SECTION_CLASSES.items()
+        }
+        return cls(**sections, **{key: values[key] for key in BOOKKEEPING_DEFAULTS if key in values})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every key, flat, in the sections' order (config.yaml, checkpoints), then the bookkeeping."""
+        flat = {}
+        for name in SECTION_CLASSES:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return {**flat, "recipe": self.recipe, "lr_note": self.lr_note}
+
+    def value(self, key: str):
+        """A key's value by its flat name (`model` is the model section's `model` key here, not the section)."""
+        return getattr(self.__dict__[_SECTION_OF[key]], key)
+
+    def replace(self, **changes) -> Config:
+        """A copy with flat keys changed (dataclasses.replace for the flat view)."""
+        return Config.from_flat({**self.to_dict(), **changes})
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     name: tuple(f.name for f in dataclasses.fields(section)) for name, section in SECTION_CLASSES.items()
 }
+_SECTION_OF = {key: name for name, keys in SECTIONS.items() for key in keys}
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
-_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_HINTS = typing.get_type_hints(Config)
+FIELDS = {f.name: f for section in SECTION_CLASSES.values() for f in dataclasses.fields(section)}  # flat
+_HINTS = {key: hint for section in SECTION_CLASSES.values() for key, hint in typing.get_type_hints(section).items()}
 # Continues[...] marks what may differ when a run continues from a checkpoint (see its definition).
 CONTINUATION_MAY_CHANGE = tuple(
     key
-    for key, hint in typing.get_type_hints(Config, include_extras=True).items()
-    if key in USER_KEYS and CONTINUES in getattr(hint, "__metadata__", ())
+    for section in SECTION_CLASSES.values()
+    for key, hint in typing.get_type_hints(section, include_extras=True).items()
+    if CONTINUES in getattr(hint, "__metadata__", ())
 )
 
 
@@ -574,12 +629,12 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     if values.get("size") == "tiny":
         for key, value in tiny.items():
             _merge(values, key, value)
-    recipe_batch, recipe_lr = values.get("batch_size", Config.batch_size), values.get("lr", Config.lr)
+    recipe_batch, recipe_lr = values.get("batch_size", TrainingSection.batch_size), values.get("lr", TrainingSection.lr)
     for key, value in parsed:
         _merge(values, key, value)
     where = f"recipe {recipe}" if recipe is not None else "config"
     typed = {key: _coerce(key, value, where) for key, value in values.items()}
-    config = Config(**typed)
+    config = Config.from_flat(typed)
     _resolve_auto_family(config, where)
     family = config.family or "unknown"
     config.recipe = f"{family}-{name}" if name else family
@@ -621,7 +676,7 @@ def _resolve_auto_family(config: Config, where: str) -> None:
 
     if config.family != AUTO:
         return
-    if config.size == "tiny" or not config.model:
+    if config.size == "tiny" or not config.model.model:
         raise UserError(
             f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
             f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
@@ -635,7 +690,7 @@ def _resolve_auto_family(config: Config, where: str) -> None:
         raise
     except Exception as exc:  # transformers and the Hub client raise many types; all mean "cannot read it"
         raise UserError(
-            f"{where}: family=auto cannot read the config.json of model={config.model!r} ({type(exc).__name__}: "
+            f"{where}: family=auto cannot read the config.json of model={config.model.model!r} ({type(exc).__name__}: "
             f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
         ) from None
     config.family = family_for_model_type(hf_config.model_type, f"model={config.model!r} (config.json)")
@@ -645,7 +700,7 @@ def validate(config: Config, where: str = "config") -> None:
     """Checks that need no model, data or processes: ranges and combinations of keys."""
 
     def bad(key: str, why: str) -> UserError:
-        return UserError(f"{where}: {key}={getattr(config, key)!r} {why}")
+        return UserError(f"{where}: {key}={config.value(key)!r} {why}")
 
     from .families import get_family  # local: families import transformers, which config users may not need
 
@@ -673,7 +728,7 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
     if config.task not in family.tasks:
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
-    if config.size == "full" and config.model is None and not family.default_model:
+    if config.size == "full" and config.model.model is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
     from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 
@@ -797,7 +852,7 @@ def _check_parallel(config: Config, bad: BadKey) -> None:
 
 
 def _check_peft(config: Config, bad: BadKey) -> None:
-    if config.peft != "lora":
+    if config.peft.peft != "lora":
         return
     if config.engine == "deepspeed":
         raise bad("peft", "is engine=torch's (tensor, pipeline and sharded data parallelism); use engine=torch")

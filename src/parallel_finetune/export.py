@@ -246,7 +246,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
-    config = Config(**yaml.safe_load((folder / CONFIG_FILE).read_text()))
+    config = Config.from_flat(yaml.safe_load((folder / CONFIG_FILE).read_text()))
     family = get_family(config.family)
     tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None

@@ -58,7 +58,7 @@ class LoraSettings:
 
 
 def settings_from_config(config, family) -> LoraSettings | None:
-    if getattr(config, "peft", "none") != "lora":
+    if config.peft.peft != "lora":  # the peft section's `peft` key
         return None
     targets = config.lora_target_modules
     if targets == "default":

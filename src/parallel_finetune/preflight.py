@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from . import lora
@@ -69,7 +68,7 @@ def check_model_config(config: Config, model_path: str | None = None):
 
     def build(overrides: dict):
         return family.config_for(
-            dataclasses.replace(config, model_config=overrides), config.tokenizer_vocab_size, model_path=model_path
+            config.replace(model_config=overrides), config.tokenizer_vocab_size, model_path=model_path
         )
 
     defaults = build({})

@@ -22,7 +22,7 @@ def pretrained_name(config: Config) -> str | None:
     builds its model from config."""
     if config.size == "tiny":
         return None
-    return config.model or get_family(config.family).default_model
+    return config.model.model or get_family(config.family).default_model
 
 
 def pipeline_microbatches(config: Config, pp: int) -> int:

@@ -322,7 +322,7 @@ def stage_code(recipe: Path, config, folder: Path) -> str:
         log.warning("not uploading from %s: %s; the job gets the rest of the folder", recipe.parent, ", ".join(skipped))
     shipped = sorted(str(p.relative_to(folder)) for p in (folder / "recipe").rglob("*") if p.is_file())
     log.info("code channel: the parallel_finetune package, requirements.txt, train.py, %s", ", ".join(shipped))
-    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model)) + "\n")
+    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model.model)) + "\n")
     (folder / "train.py").write_text(ENTRY_SCRIPT)
     return f"recipe/{recipe.name}"
 
@@ -378,9 +378,8 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
 
 
 def load_config_like(config, **changes):
-    import dataclasses
 
-    return dataclasses.replace(config, **changes)
+    return config.replace(**changes)
 
 
 def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
@@ -501,12 +500,12 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = bool(config.model and config.model.startswith("s3://"))
+    model_is_s3 = bool(config.model.model and config.model.startswith("s3://"))
     if model_is_s3:
-        split_s3_uri(config.model)
-    elif config.model and Path(config.model).expanduser().is_dir():
+        split_s3_uri(config.model.model)
+    elif config.model.model and Path(config.model.model).expanduser().is_dir():
         raise UserError(
-            f"model={config.model!r} is a local folder the job cannot read: upload it "
+            f"model={config.model.model!r} is a local folder the job cannot read: upload it "
             "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME"
         )
     boto_session = _check_aws(settings)
@@ -533,7 +532,7 @@ def launch(
         tmp = Path(tmp)
         prep_config, model_folder = config, None
         if model_is_s3:  # tokenize with the model's own tokenizer files, as the job will read them
-            model_folder = fetch_tokenizer_files(boto_session, config.model, tmp / "tokenizer")
+            model_folder = fetch_tokenizer_files(boto_session, config.model.model, tmp / "tokenizer")
             prep_config = load_config_like(config, model=str(model_folder))
         log.info("layout: %s", check_job_layout(config, settings, model_folder))
         recipe_in_code = stage_code(recipe, config, tmp / "code")
@@ -545,7 +544,7 @@ def launch(
         hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3, data_keys)
         inputs = [InputData(channel_name=DATA_CHANNEL, data_source=data_uri)]
         if model_is_s3:
-            inputs.append(InputData(channel_name="model", data_source=config.model))
+            inputs.append(InputData(channel_name="model", data_source=config.model.model))
         environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
         if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
             environment.update(EFA_ENVIRONMENT)

@@ -14,7 +14,6 @@ summary.json (summary.py); the last three are functions of plain inputs, not par
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import signal
@@ -186,7 +185,7 @@ class Trainer:
         compiled, why = compile_decision(config, self.total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)
-        built = dataclasses.replace(config, compile=compiled)
+        built = config.replace(compile=compiled)
         ready = load_model(
             family,
             config.task,

@@ -67,7 +67,9 @@ class Family:
         """Modules the task adds to a pretrained checkpoint, initialised from the seed: the classification head
         (a causal LM's or a bare encoder's checkpoint has none). Any other parameter a checkpoint lacks is an
         error (weights.refuse_missing)."""
-        return self.lora_head if task == "classification" else ()
+        from ..tasks import HeadKind
+
+        return self.lora_head if HeadKind(task) is HeadKind.CLASSIFICATION else ()
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         """After sharding, attention modules must reshape with the per-rank head count."""
@@ -261,7 +263,7 @@ class Family:
         `published`: a published checkpoint's sizes come from `published`, without reading its config.json;
         `labels`: the data's tasks.Task (the head's width and label names)."""
         hf_config = self.hf_config(
-            model_path or config.model,
+            model_path or config.model.model,
             config.size,
             tiny_vocab_size(tokenizer_size),
             max(config.max_length, 128),
