@@ -37,6 +37,7 @@ from transformers.models.auto import modeling_auto
 
 from ..errors import UserError
 from .base import Family, has_module, last_token_logits
+from .styles import ReplicatedWithGradAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ TINY_KV_HEADS = 2  # tiny and synthetic models use grouped-query attention, as t
 
 def style_for(name: str) -> ParallelStyle:
     """Our DTensor style for a transformers plan style (see IMPLEMENTED_STYLES)."""
-    from ..parallel.tensor import ReplicatedWithGradAllReduce
-
     return {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
