@@ -49,42 +49,10 @@ from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
 from .run_files import CHECKPOINT_NAME as NAME
 from .run_files import CONFIG_FILE, STATE_FILE
-from .runfolder import record_written, recorded, restarted
+from .runfolder import checkpoint_folders, effective_resume, record_written, recorded
 from .tasks import data_fingerprint, write_label_file
 
 log = logging.getLogger(__name__)
-
-SAGEMAKER_CHECKPOINTS = Path("/opt/ml/checkpoints")  # synced to S3 through the job's checkpoint URI
-
-
-def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
-    if checkpoint_dir:
-        return Path(checkpoint_dir).expanduser()
-    if "SM_TRAINING_ENV" in os.environ:  # a SageMaker training job
-        return SAGEMAKER_CHECKPOINTS
-    return output_dir / "checkpoints"
-
-
-def effective_resume(config) -> str:
-    """overwrite=true replaces the run in output_dir, so `auto` has nothing to continue, except in a torchrun
-    restart: the first attempt did the replacing, and the restart continues the new run."""
-    if config.resume == "auto" and config.overwrite and not restarted():
-        return "none"
-    return config.resume
-
-
-def continuing_run(config) -> bool:
-    """Whether this run continues one in its output folder (so the folder may already hold files)."""
-    if effective_resume(config) == "none" or not config.output_dir:
-        return False
-    return bool(_step_folders(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())))
-
-
-def _step_folders(root: Path) -> list[Path]:
-    """The `step-…` folders under `root`, newest first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)
 
 
 def _complete(folder: Path) -> str | None:
@@ -169,14 +137,14 @@ def _pick(
         return None
     named = f"resume={resume!r}" if label == "resume" else f"{label} {resume!r}"
     if resume == "auto":
-        folders, explicit = _step_folders(root), False
+        folders, explicit = checkpoint_folders(root), False
     else:
         path = Path(resume).expanduser()
         if not path.is_dir():
             valid = "auto, none, or a step-… folder" if label == "resume" else "a step-… folder, or a folder of them"
             raise UserError(f"{named}: no such checkpoint folder (valid: {valid})")
-        explicit = NAME.match(path.name) is not None or not _step_folders(path)
-        folders = [path] if explicit else _step_folders(path)
+        explicit = NAME.match(path.name) is not None or not checkpoint_folders(path)
+        folders = [path] if explicit else checkpoint_folders(path)
     problems = []
     for folder in folders:
         problem = problem_of(folder)
@@ -378,7 +346,7 @@ def save(state: TrainingState, root: Path) -> Path | None:
         record_written(root, final.name)  # overwrite=true and the rotation below delete only recorded ones
         replace_folder(partial, final)  # atomic: a folder named step-… is complete
         ours = set(recorded(root))
-        for old in [p for p in _step_folders(root) if p.name in ours][state.config.keep_checkpoints :]:
+        for old in [p for p in checkpoint_folders(root) if p.name in ours][state.config.keep_checkpoints :]:
             shutil.rmtree(old, ignore_errors=True)
 
     everyone: list = [None] * layout.world_size

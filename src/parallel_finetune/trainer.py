@@ -35,6 +35,7 @@ from .errors import Interrupted, RankError, UserError
 from .evaluation import evaluate, predict, write_predictions
 from .export import export_model
 from .families import get_family
+from .hub import fetch_model
 from .interfaces import Runner, Updates
 from .launch import end_with_launcher
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
@@ -46,9 +47,8 @@ from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer, Reporter
 from .resolve import resolve
-from .runfolder import RunLock, record_written
+from .runfolder import RunLock, claim_run_folders, open_run_folder, record_written
 from .runner import WholeModel
-from .startup import claim_run_folders, fetch_model, open_run_folder
 from .summary import run_summary, write_summary
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
