@@ -11,7 +11,8 @@ from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
 
 from parallel_finetune.data import collate
 from parallel_finetune.families import get_family
-from parallel_finetune.families.base import resolve_model_path, tiny_vocab_size
+from parallel_finetune.families.base import tiny_vocab_size
+from parallel_finetune.hub import resolve_model_path
 from parallel_finetune.model import load_model
 from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes

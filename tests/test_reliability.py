@@ -437,7 +437,7 @@ def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp
     """A stray SM_MODEL_DIR / SM_OUTPUT_DATA_DIR in a shell redirects (and would empty) nothing; in a job, an
     output_dir the user gave wins, and a LoRA adapter goes inside the model folder, which the job uploads."""
     from parallel_finetune.export import export_target
-    from parallel_finetune.reporting import choose_output_dir
+    from parallel_finetune.runfolder import choose_output_dir
 
     monkeypatch.delenv("SM_TRAINING_ENV", raising=False)
     monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
@@ -458,8 +458,8 @@ def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp
 
 
 def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
-    from parallel_finetune.export import export_checkpoint, write_folder
-    from parallel_finetune.runfolder import RECORD, check_run_folders
+    from parallel_finetune.export import export_checkpoint
+    from parallel_finetune.runfolder import RECORD, check_run_folders, write_folder
 
     refusal = (
         f"not exporting to {checkpoint / 'hf'}: it lies inside the checkpoint {checkpoint}; choose a folder outside it"
@@ -496,7 +496,9 @@ def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
 
 
 def test_export_staging_goes_on_interrupt_and_a_killed_exports_goes_next_time(tmp_path):
-    from parallel_finetune.export import STAGING, STAGING_MARKER, write_folder
+    from parallel_finetune.run_files import EXPORT_STAGING as STAGING
+    from parallel_finetune.run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
+    from parallel_finetune.runfolder import write_folder
 
     out = tmp_path / "hf"
 

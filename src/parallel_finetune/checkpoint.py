@@ -17,13 +17,13 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `manifest.json` (rank 0, last): the size and sha256 of every other file (see integrity.py).
 
 It is written to `.tmp-step-…/` and renamed when every rank has finished, so a folder named `step-…` is
-complete; the newest `keep_checkpoints` are kept. Only finite weights and moments are written; a Ctrl-C while
-writing removes the partial folder and stops the run. Loading verifies the manifest first (every rank hashing a
-share of the files), every field of `trainer_state.json`, and reads DCP's `.metadata` with an unpickler that
-admits only DCP's metadata classes; the rest is JSON, YAML and `torch.load(weights_only=True)` for the tensors
-and RNG states (a pickle asking for more is refused in one line naming its file), so nothing in a checkpoint can
-run code; loaded tensors holding NaN/inf are refused too. Under resume=auto a checkpoint failing any of this is
-skipped for the one before.
+complete (when to write one, and keeping the newest `keep_checkpoints`: checkpointer.py). Only finite weights and
+moments are written; a Ctrl-C while writing removes the partial folder and stops the run. Loading verifies the
+manifest first (every rank hashing a share of the files), every field of `trainer_state.json`, and reads DCP's
+`.metadata` with an unpickler that admits only DCP's metadata classes; the rest is JSON, YAML and
+`torch.load(weights_only=True)` for the tensors and RNG states (a pickle asking for more is refused in one line
+naming its file), so nothing in a checkpoint can run code; loaded tensors holding NaN/inf are refused too. Under
+resume=auto a checkpoint failing any of this is skipped for the one before.
 """
 
 from __future__ import annotations
@@ -49,42 +49,10 @@ from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
 from .errors import UserError, one_line
 from .run_files import CHECKPOINT_NAME as NAME
 from .run_files import CONFIG_FILE, STATE_FILE
-from .runfolder import record_written, recorded, restarted
+from .runfolder import checkpoint_folders, effective_resume, record_written
 from .tasks import data_fingerprint, write_label_file
 
 log = logging.getLogger(__name__)
-
-SAGEMAKER_CHECKPOINTS = Path("/opt/ml/checkpoints")  # synced to S3 through the job's checkpoint URI
-
-
-def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
-    if checkpoint_dir:
-        return Path(checkpoint_dir).expanduser()
-    if "SM_TRAINING_ENV" in os.environ:  # a SageMaker training job
-        return SAGEMAKER_CHECKPOINTS
-    return output_dir / "checkpoints"
-
-
-def effective_resume(config) -> str:
-    """overwrite=true replaces the run in output_dir, so `auto` has nothing to continue, except in a torchrun
-    restart: the first attempt did the replacing, and the restart continues the new run."""
-    if config.resume == "auto" and config.overwrite and not restarted():
-        return "none"
-    return config.resume
-
-
-def continuing_run(config) -> bool:
-    """Whether this run continues one in its output folder (so the folder may already hold files)."""
-    if effective_resume(config) == "none" or not config.output_dir:
-        return False
-    return bool(_step_folders(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())))
-
-
-def _step_folders(root: Path) -> list[Path]:
-    """The `step-…` folders under `root`, newest first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)
 
 
 def _complete(folder: Path) -> str | None:
@@ -169,14 +137,14 @@ def _pick(
         return None
     named = f"resume={resume!r}" if label == "resume" else f"{label} {resume!r}"
     if resume == "auto":
-        folders, explicit = _step_folders(root), False
+        folders, explicit = checkpoint_folders(root), False
     else:
         path = Path(resume).expanduser()
         if not path.is_dir():
             valid = "auto, none, or a step-… folder" if label == "resume" else "a step-… folder, or a folder of them"
             raise UserError(f"{named}: no such checkpoint folder (valid: {valid})")
-        explicit = NAME.match(path.name) is not None or not _step_folders(path)
-        folders = [path] if explicit else _step_folders(path)
+        explicit = NAME.match(path.name) is not None or not checkpoint_folders(path)
+        folders = [path] if explicit else checkpoint_folders(path)
     problems = []
     for folder in folders:
         problem = problem_of(folder)
@@ -308,91 +276,21 @@ def save(state: TrainingState, root: Path) -> Path | None:
     layout = state.layout
     final = root / f"step-{state.step:08d}"
     partial = root / f".tmp-step-{state.step:08d}"
-    error: list[str] = []
-    interrupted: list[bool] = []  # per failure: was it a Ctrl-C
+    stages = AgreedStages(layout, partial, root)
     tensors: dict = {}
     hashed: dict[str, dict] = {}  # this rank's files -> manifest entries
-
-    def stage(action, everywhere: bool = True) -> bool:
-        """Run `action` (on every rank, or rank 0 only) unless a stage failed; all ranks agree on the outcome,
-        so none enters the next collective alone."""
-        if not error and (everywhere or layout.is_main):
-            try:
-                action()
-            # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one; a Ctrl-C,
-            # raised as it is or wrapped by DCP, is agreed below like a failure
-            except (Exception, CheckpointException, KeyboardInterrupt) as exc:
-                interrupted.append(_interrupted(exc))
-                error.append(describe_failure(exc, partial if partial.exists() else root))
-        flags = torch.tensor([1.0 if error else 0.0, 1.0 if any(interrupted) else 0.0], device=layout.device)
-        dist.all_reduce(flags)
-        if flags[1].item():
-            raise KeyboardInterrupt
-        if flags[0].item() and not error:
-            error.append("another rank failed")
-        return not error
-
-    def gather_state():
-        tensors.update(model=state.model_state(), optimizer=state.updates.moment_tensors())
-        bad = integrity.nonfinite(tensors)
-        if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
-            raise ValueError(f"{bad} holds NaN or inf")
-
-    def make_folder():
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / "rng").mkdir(parents=True)
-
-    def write_rng():
-        cuda = torch.cuda.get_rng_state() if layout.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
-        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, partial / "rng" / f"rank{layout.rank}.pt")
-
-    def write_shards():
-        dcp.save(tensors, checkpoint_id=partial)
-
-    def hash_own_files():  # every rank hashes what it wrote (DCP names a rank's shards __<rank>_…)
-        mine = [f"rng/rank{layout.rank}.pt", *(p.name for p in partial.glob(f"__{layout.rank}_*.distcp"))]
-        hashed.update(integrity.describe(partial, mine))
-
-    def finish():
-        trainer_state = {
-            "step": state.step,
-            **state.updates.counters(),
-            "scheduler": state.scheduler.state_dict(),
-            "family": state.family,
-            "task": state.config.task,
-            "layout": layout.describe(),
-            "parameter_shapes": state.parameter_shapes,
-            "data": state.data,
-        }
-        if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
-            trainer_state["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
-        # What an export needs without the data: the run's configuration and tokenizer.
-        (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
-        state.tokenizer.save_pretrained(partial / "tokenizer")
-        if state.task is not None:
-            write_label_file(partial, state.task)
-        (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
-        entries = {name: entry for part in everyone for name, entry in part.items()}
-        entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
-        integrity.write_manifest(partial, entries)
-        record_written(root, final.name)  # overwrite=true and the rotation below delete only recorded ones
-        replace_folder(partial, final)  # atomic: a folder named step-… is complete
-        ours = set(recorded(root))
-        for old in [p for p in _step_folders(root) if p.name in ours][state.config.keep_checkpoints :]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    everyone: list = [None] * layout.world_size
     try:
         done = (
-            stage(gather_state)
-            and stage(make_folder, everywhere=False)
-            and stage(write_rng)
-            and stage(write_shards)
-            and stage(hash_own_files)
+            stages.run(gather_finite_tensors, state, tensors)
+            and stages.run(make_partial_folder, partial, everywhere=False)
+            and stages.run(write_rng, layout, partial)
+            and stages.run(write_shards, tensors, partial)
+            and stages.run(hash_own_files, partial, layout.rank, hashed)
         )
         if done:
+            everyone: list = [None] * layout.world_size
             dist.all_gather_object(everyone, hashed)
-            done = stage(finish, everywhere=False)
+            done = stages.run(finish, state, tensors, everyone, partial, final, everywhere=False)
     except KeyboardInterrupt:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -400,10 +298,100 @@ def save(state: TrainingState, root: Path) -> Path | None:
     if not done:
         if layout.is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", state.step, error[0])
+        log.warning("checkpoint at step %d not written (%s); the previous ones are untouched", state.step, stages.error)
         return None
     log.info("checkpoint %s", final)
     return final
+
+
+class AgreedStages:
+    """A checkpoint written in stages whose outcome every rank agrees on after each one, so that no rank enters the
+    next collective alone: after a failure on any rank the rest are skipped everywhere, and a Ctrl-C on any rank
+    is a KeyboardInterrupt on all."""
+
+    def __init__(self, layout, partial: Path, root: Path):
+        self.layout, self.partial, self.root = layout, partial, root
+        self.error: str | None = None  # this rank's first failure, or "another rank failed"
+        self.interrupted = False  # that failure was a Ctrl-C
+
+    def run(self, action: Callable, *args, everywhere: bool = True) -> bool:
+        """Run `action(*args)` (on every rank, or rank 0 only) unless a stage failed; True while none has."""
+        if self.error is None and (everywhere or self.layout.is_main):
+            try:
+                action(*args)
+            # OSError, or DCP's CheckpointException (a BaseException, raised on every rank) wrapping one; a Ctrl-C,
+            # raised as it is or wrapped by DCP, is agreed below like a failure
+            except (Exception, CheckpointException, KeyboardInterrupt) as exc:
+                self.interrupted = _interrupted(exc)
+                self.error = describe_failure(exc, self.partial if self.partial.exists() else self.root)
+        failed = self.error is not None
+        flags = torch.tensor([1.0 if failed else 0.0, 1.0 if self.interrupted else 0.0], device=self.layout.device)
+        dist.all_reduce(flags)
+        if flags[1].item():
+            raise KeyboardInterrupt
+        if flags[0].item() and not failed:
+            self.error = "another rank failed"
+        return self.error is None
+
+
+def gather_finite_tensors(state: TrainingState, into: dict) -> None:
+    """The model's and the moments' tensors (this rank's shards) into `into`, refused if any holds NaN or inf."""
+    into.update(model=state.model_state(), optimizer=state.updates.moment_tensors())
+    bad = integrity.nonfinite(into)
+    if bad:  # a diverged run's weights are worth nothing, and resuming from them would only diverge again
+        raise ValueError(f"{bad} holds NaN or inf")
+
+
+def make_partial_folder(partial: Path) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "rng").mkdir(parents=True)
+
+
+def write_rng(layout, partial: Path) -> None:
+    cuda = torch.cuda.get_rng_state() if layout.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
+    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, partial / "rng" / f"rank{layout.rank}.pt")
+
+
+def write_shards(tensors: dict, partial: Path) -> None:
+    dcp.save(tensors, checkpoint_id=partial)
+
+
+def hash_own_files(partial: Path, rank: int, into: dict) -> None:
+    """Every rank hashes what it wrote (DCP names a rank's shards __<rank>_…) into `into`: name -> manifest entry."""
+    mine = [f"rng/rank{rank}.pt", *(p.name for p in partial.glob(f"__{rank}_*.distcp"))]
+    into.update(integrity.describe(partial, mine))
+
+
+def trainer_state(state: TrainingState, tensors: dict) -> dict:
+    """trainer_state.json: what resume restores besides the tensors, and what identifies the run."""
+    written = {
+        "step": state.step,
+        **state.updates.counters(),
+        "scheduler": state.scheduler.state_dict(),
+        "family": state.family,
+        "task": state.config.task,
+        "layout": state.layout.describe(),
+        "parameter_shapes": state.parameter_shapes,
+        "data": state.data,
+    }
+    if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
+        written["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
+    return written
+
+
+def finish(state: TrainingState, tensors: dict, everyone: list[dict], partial: Path, final: Path) -> None:
+    """Rank 0, once every rank wrote and hashed its files: what an export needs without the data (the run's
+    configuration and tokenizer, labels.json), trainer_state.json, the manifest (last), then the rename."""
+    (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
+    state.tokenizer.save_pretrained(partial / "tokenizer")
+    if state.task is not None:
+        write_label_file(partial, state.task)
+    (partial / STATE_FILE).write_text(json.dumps(trainer_state(state, tensors), indent=1))
+    entries = {name: entry for part in everyone for name, entry in part.items()}
+    entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
+    integrity.write_manifest(partial, entries)
+    record_written(final.parent, final.name)  # overwrite=true and the rotation (checkpointer.py) delete only these
+    replace_folder(partial, final)  # atomic: a folder named step-… is complete
 
 
 def _failures(exc: BaseException) -> list[BaseException]:

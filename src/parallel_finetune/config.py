@@ -681,7 +681,7 @@ def _resolve_auto_family(config: Config, where: str) -> None:
             f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
             f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
         )
-    from .families.base import resolve_model_path
+    from .hub import resolve_model_path
     from .pretrained import load_hf_config
 
     try:

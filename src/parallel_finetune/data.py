@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .errors import UserError
-from .families.base import resolve_model_path
+from .hub import resolve_model_path
 from .pretrained import load_hf_tokenizer
-from .reporting import check_writable
 from .resolve import pretrained_name
+from .runfolder import check_writable
 from .tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from .tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
 

@@ -1,16 +1,13 @@
 """Export a (tensor-parallel) model as a plain Hugging Face folder: safetensors + config + tokenizer.
 
 `export_model` is a run's export (hf/, or with peft=lora adapter/ and base/), from the updates' gathered weights;
-below it the writers: the gather, `save_hf`, and `write_folder` (staging folder, then one rename)."""
+below it the writers: the gather and `save_hf`, which writes through runfolder.write_folder (staging folder, then
+one rename)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
-import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,9 +19,9 @@ from torch.distributed.tensor import DTensor
 from . import integrity, lora
 from .checkpoint import read_tensors, resolve_resume
 from .config import Config
-from .errors import UserError, one_line
+from .errors import UserError
 from .families import get_family
-from .families.base import download_model
+from .hub import download_model
 from .interfaces import Updates
 from .layout import rank0_decides
 from .model import load_model
@@ -32,16 +29,7 @@ from .precision import DTYPES, EXPORT_DTYPES
 from .pretrained import load_hf_tokenizer
 from .resolve import pretrained_name
 from .run_files import CONFIG_FILE, LOCK, RECORD
-from .run_files import EXPORT_STAGING as STAGING
-from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
-from .runfolder import (
-    checkpoint_holding,
-    holder_of_this_process,
-    process_alive,
-    read_holder,
-    record_written,
-    sagemaker_folder,
-)
+from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
 from .tasks import LABEL_FILE, read_label_file
 
 log = logging.getLogger(__name__)
@@ -165,14 +153,6 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     write_folder(out, lambda folder: (clean.save_pretrained(folder), tokenizer.save_pretrained(folder)))
 
 
-def check_export_target(out: Path) -> None:
-    """An export never goes into a checkpoint: resume would skip that checkpoint (files its manifest does not
-    list) and delete it, the export with it."""
-    inside = checkpoint_holding(out)
-    if inside is not None:
-        raise UserError(f"not exporting to {out}: it lies inside the checkpoint {inside}; choose a folder outside it")
-
-
 def check_new_export_folder(out: Path) -> None:
     """OUT of export_hf.py: a new or empty folder outside any checkpoint, never a run's folder or a file."""
     if out.exists() and not out.is_dir():
@@ -188,55 +168,6 @@ def check_new_export_folder(out: Path) -> None:
         )
     if any(out.iterdir()):
         raise UserError(f"{out} already holds files; choose an empty or new folder")
-
-
-def _remove_stale_staging(out: Path) -> None:
-    """Staging folders of ours that a killed export left for `out`: exact name, our marker, and a writer that no
-    longer runs on this host. Anything else is left alone."""
-    places = [(out.parent, f".{out.name}{STAGING}")] + ([(out, STAGING)] if not out.is_symlink() else [])
-    for folder in [
-        p for place, prefix in places if place.is_dir() for p in place.iterdir() if p.name.startswith(prefix)
-    ]:
-        writer = read_holder(folder / STAGING_MARKER)
-        pid = folder.name.rsplit(STAGING, 1)[1]
-        if folder.is_symlink() or not folder.is_dir() or str(writer.get("pid")) != pid:
-            continue
-        if writer.get("host") == socket.gethostname() and not process_alive(pid):
-            log.info("removing %s, left by an export that was killed", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def write_folder(out: Path, write: Callable[[Path], object]) -> None:
-    """`write` into a staging folder, then move the result into `out`: a new `out` appears whole in one rename;
-    an existing one (a mount point such as SageMaker's model folder, or an earlier export) keeps its old contents
-    until the new ones are complete. On failure or interruption the staging folder goes and one line says why; one
-    left by a killed export to the same `out` goes at the next."""
-    check_export_target(out)
-    _remove_stale_staging(out)
-    existing = out.is_dir()
-    staging = out / f"{STAGING}{os.getpid()}" if existing else out.with_name(f".{out.name}{STAGING}{os.getpid()}")
-    try:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        (staging / STAGING_MARKER).write_text(json.dumps(holder_of_this_process()))
-        write(staging)
-        (staging / STAGING_MARKER).unlink()
-        if not existing:
-            os.replace(staging, out)
-            return
-        for old in out.iterdir():
-            if old != staging:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
-        for new in staging.iterdir():
-            os.replace(new, out / new.name)
-        staging.rmdir()
-    except Exception as exc:  # OSError, or safetensors' own error wrapping one
-        reason = one_line(exc, staging if staging.exists() else out.parent)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"export to {out} failed ({reason}); nothing was written there") from None
-    except BaseException:  # Ctrl-C, SystemExit: no model-sized staging folder stays behind either
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:

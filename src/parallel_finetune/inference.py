@@ -254,7 +254,7 @@ def _hub_offline() -> bool:
 def _adapter_base(folder: Path, settings: dict) -> str:
     """The base an adapter names; a local path that no longer exists (a run folder moved, a SageMaker job's
     /opt/ml/model/base) falls back to the base/ folder beside the adapter, where a tiny run writes it."""
-    from .families.base import resolve_model_path
+    from .hub import resolve_model_path
 
     base = settings.get("base_model_name_or_path") or ""
     beside = folder.parent / "base"

@@ -171,7 +171,7 @@ def preflight(config, family, hf_config) -> None:
     check_targets(model, family, settings)
     if config.size != "full":
         return
-    from .families.base import resolve_model_path
+    from .hub import resolve_model_path
     from .weights import plan_whole
 
     folder = Path(resolve_model_path(pretrained_name(config)))

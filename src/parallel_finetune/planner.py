@@ -50,9 +50,10 @@ from transformers import PretrainedConfig
 
 from .errors import UserError
 from .families import Family, all_families, family_names, get_family, published_model, published_models
-from .families.base import resolve_model_path, tiny_vocab_size
+from .families.base import tiny_vocab_size
 from .families.styles import ReplicatedWithGradAllReduce
 from .hardware import Hardware, hardware_for, positive_int, positive_number
+from .hub import resolve_model_path
 from .layout import ParallelDims, Sharding
 from .pretrained import load_hf_config
 from .tasks.task import HeadKind

@@ -5,17 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import lora
-from .checkpoint import check_resume, checkpoint_root, continuing_run
+from .checkpoint import check_resume
 from .config import Config
 from .data import check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
-from .families.base import check_model_source, resolve_model_path
+from .hub import check_model_source, resolve_model_path
 from .layout import check_batch_split, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
-from .reporting import check_writable, choose_output_dir
 from .resolve import pipeline_microbatches, pretrained_name
-from .runfolder import check_free, check_run_folders, run_folders
+from .runfolder import (
+    check_free,
+    check_run_folders,
+    check_writable,
+    checkpoint_root,
+    choose_output_dir,
+    continuing_run,
+    run_folders,
+)
 from .tasks import HeadKind, check_hub_data
 
 

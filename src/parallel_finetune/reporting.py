@@ -1,61 +1,15 @@
-"""What a run leaves behind and shows: run folder, Reporter (the loggers of loggers.py), phase timer, the summary's
-throughput line (summary.json itself: summary.py)."""
+"""What a run shows: Reporter (the loggers of loggers.py), phase timer, the step and throughput lines (summary.json
+itself: summary.py; the run folder and what is written there: runfolder.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 
-import yaml
-
-from .errors import UserError
 from .loggers import JsonlLogger, MetricLogger, ProgressLogger, StartStopped, make_loggers
-from .runfolder import LOCK, sagemaker_folder
-
-RUNS_DIR = Path("runs")
-
-
-def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, continuing: bool = False) -> Path:
-    """The run folder: the requested one (refused if it already holds files, unless overwrite or `continuing` a
-    run from its checkpoint) or a new one."""
-    if requested is None and sagemaker_folder("SM_OUTPUT_DATA_DIR"):  # a SageMaker job: output.tar.gz in S3
-        return sagemaker_folder("SM_OUTPUT_DATA_DIR")
-    if requested is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = RUNS_DIR / f"{recipe}-{stamp}"
-        suffix = 1
-        while path.exists():
-            path = RUNS_DIR / f"{recipe}-{stamp}-{suffix}"
-            suffix += 1
-        return path
-    path = Path(requested).expanduser()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"output_dir={requested!r} is a file, not a folder")
-    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()) and not (overwrite or continuing):
-        raise UserError(
-            f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
-            "or pass overwrite=true to write into it"
-        )
-    return path
-
-
-def check_writable(path: Path, key: str) -> None:
-    """`path`, a folder that may not exist yet, can be created and written; else a one-line error naming `key`.
-    A probe file in the nearest existing folder finds read-only mounts too (root ignores permission bits)."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"{key}={str(path)!r}: {existing} is a file, not a folder")
-    try:
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as exc:
-        raise UserError(f"{key}={str(path)!r} cannot be written ({exc.strerror}: {existing})") from None
 
 
 class PhaseTimer:
@@ -168,11 +122,3 @@ def format_throughput(summary: dict) -> str:
         f"{summary['train_tflops_per_device']:.3g} TFLOP/s per device, {mfu}"
         + (f" | achievable matmul rate {achievable:.3g} TFLOP/s" if achievable is not None else "")
     )
-
-
-def write_yaml(path: Path, data: dict) -> None:
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,20 +1,27 @@
-"""One run per run folder: a lock held while a run uses its folders, and overwrite=true as a real replacement
-that deletes only what runs recorded writing.
+"""A run's folders, one home for what a run writes there: choose, claim, lock, record, stage.
 
-The lock is `flock` on `.run.lock` in the output folder (and in the checkpoint folder when that lies elsewhere),
+Choose: the output folder (`choose_output_dir`: the one named, SageMaker's, or a new runs/<recipe>-<time>) and the
+checkpoint folder (`checkpoint_root`), by rank 0. Claim: `claim_run_folders` chooses, locks and checks them before
+any input is read; `open_run_folder` writes the run's first files once every input is accepted, so a failed start
+leaves nothing.
+
+Lock: `flock` on `.run.lock` in the output folder (and in the checkpoint folder when that lies elsewhere),
 held by rank 0 for the whole run. The kernel drops it when the process ends in any way, SIGKILL included, so a
 dead run never blocks the next one or a torchrun restart. The file records pid, host and start time for the
 refusal message. Where the file system has no flock (some network mounts), the recorded pid decides instead: a
 holder on this host that no longer runs is stale and taken over; one on another host is refused, naming the file
 to delete once that run is over.
 
-Every folder a run writes into keeps a record of ours, `.parallel-finetune-outputs`: the names (plain children,
-one a line under a fixed first line) that runs wrote there, each added just before it is written and only if it
-is, so even a killed run leaves its names on record and a name no run wrote is never on it. overwrite=true deletes
-those names and nothing else: a folder without our record loses nothing, and one holding a name a run writes that
-no run recorded (someone's tensorboard/, an older run's) is refused rather than written over. SageMaker's folders
-($SM_MODEL_DIR, $SM_OUTPUT_DATA_DIR) are used only inside a SageMaker training job, and never where the user named
-a folder.
+Record: every folder a run writes into keeps a record of ours, `.parallel-finetune-outputs`: the names (plain
+children, one a line under a fixed first line) that runs wrote there, each added just before it is written
+(`record_written`) and only if it is, so even a killed run leaves its names on record and a name no run wrote is
+never on it. overwrite=true deletes those names and nothing else: a folder without our record loses nothing, and
+one holding a name a run writes that no run recorded (someone's tensorboard/, an older run's) is refused rather
+than written over. SageMaker's folders ($SM_MODEL_DIR, $SM_OUTPUT_DATA_DIR) are used only inside a SageMaker
+training job, and never where the user named a folder.
+
+Stage: `write_folder` writes an export into a staging folder of ours and moves it into place in one rename; one
+that a killed export left behind goes at the next export to the same folder. Neither goes inside a checkpoint.
 """
 
 from __future__ import annotations
@@ -26,11 +33,19 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from .errors import UserError
+import yaml
+
+from .errors import UserError, one_line
+from .layout import rank0_decides
 from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
+from .run_files import EXPORT_STAGING as STAGING
+from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
+from .tasks import LABEL_FILE, write_label_file
 
 log = logging.getLogger(__name__)
 
@@ -277,3 +292,185 @@ def replace_previous_run(output_dir: Path, checkpoint_root: Path) -> None:
         removed.append(f"{steps} checkpoint(s) in {checkpoint_root}")
     if removed:
         log.info("overwrite=true: deleted the previous run's %s from %s", ", ".join(removed), output_dir)
+
+
+# --- choose: the output folder and the checkpoint folder
+RUNS_DIR = Path("runs")
+
+
+def choose_output_dir(requested: str | None, recipe: str, overwrite: bool, continuing: bool = False) -> Path:
+    """The run folder: the requested one (refused if it already holds files, unless overwrite or `continuing` a
+    run from its checkpoint) or a new one."""
+    if requested is None and sagemaker_folder("SM_OUTPUT_DATA_DIR"):  # a SageMaker job: output.tar.gz in S3
+        return sagemaker_folder("SM_OUTPUT_DATA_DIR")
+    if requested is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = RUNS_DIR / f"{recipe}-{stamp}"
+        suffix = 1
+        while path.exists():
+            path = RUNS_DIR / f"{recipe}-{stamp}-{suffix}"
+            suffix += 1
+        return path
+    path = Path(requested).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output_dir={requested!r} is a file, not a folder")
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()) and not (overwrite or continuing):
+        raise UserError(
+            f"output_dir={requested!r} already holds files (a previous run?); choose another folder "
+            "or pass overwrite=true to write into it"
+        )
+    return path
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path`, a folder that may not exist yet, can be created and written; else a one-line error naming `key`.
+    A probe file in the nearest existing folder finds read-only mounts too (root ignores permission bits)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{key}={str(path)!r}: {existing} is a file, not a folder")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise UserError(f"{key}={str(path)!r} cannot be written ({exc.strerror}: {existing})") from None
+
+
+SAGEMAKER_CHECKPOINTS = Path("/opt/ml/checkpoints")  # synced to S3 through the job's checkpoint URI
+
+
+def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
+    """The checkpoint folder: `checkpoint_dir`, else in a SageMaker job its checkpoint folder, else checkpoints/
+    in the output folder."""
+    if checkpoint_dir:
+        return Path(checkpoint_dir).expanduser()
+    if "SM_TRAINING_ENV" in os.environ:  # a SageMaker training job
+        return SAGEMAKER_CHECKPOINTS
+    return output_dir / "checkpoints"
+
+
+def effective_resume(config) -> str:
+    """overwrite=true replaces the run in output_dir, so `auto` has nothing to continue, except in a torchrun
+    restart: the first attempt did the replacing, and the restart continues the new run."""
+    if config.resume == "auto" and config.overwrite and not restarted():
+        return "none"
+    return config.resume
+
+
+def continuing_run(config) -> bool:
+    """Whether this run continues one in its output folder (so the folder may already hold files)."""
+    if effective_resume(config) == "none" or not config.output_dir:
+        return False
+    return bool(checkpoint_folders(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())))
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The `step-…` folders under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name)), reverse=True)
+
+
+# --- claim: choose, lock and check at the start; the first files once every input is accepted
+def claim_run_folders(config, layout) -> tuple[Path, Path, RunLock]:
+    """The output folder and checkpoint folder, chosen by rank 0 and locked by it for the run (a second run into
+    them stops here), then checked (not inside a checkpoint; overwrite=true replaces only what runs recorded).
+    Nothing is written yet. A refusal gives the folders back before it is raised."""
+    output_dir = Path(
+        rank0_decides(
+            layout,
+            lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))),
+        )
+    )
+    root = checkpoint_root(config.checkpoint_dir, output_dir)
+    lock = RunLock(run_folders(output_dir, root))
+    try:
+        rank0_decides(layout, lock.acquire)
+        replacing = config.overwrite and not restarted()
+        rank0_decides(layout, lambda: check_run_folders(output_dir, root, replacing))
+    except BaseException:
+        lock.release()
+        raise
+    return output_dir, root, lock
+
+
+def open_run_folder(output_dir: Path, root: Path, config, deepspeed_config: dict | None, task) -> None:
+    """Rank 0, once every input is accepted (a failed start leaves nothing): overwrite=true's replacement of the
+    previous run, then config.yaml, labels.json (what the head's ids mean, beside the outputs) and
+    deepspeed_config.json, each put on the folder's record just before it is written (a killed run's are on record;
+    what this run does not write stays off it)."""
+    if config.overwrite and not restarted():
+        replace_previous_run(output_dir, root)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record_written(output_dir, "config.yaml", LABEL_FILE)
+    write_yaml(output_dir / "config.yaml", config.to_dict())
+    write_label_file(output_dir, task)
+    if deepspeed_config is not None:
+        record_written(output_dir, "deepspeed_config.json")
+        write_json(output_dir / "deepspeed_config.json", deepspeed_config)
+
+
+def write_yaml(path: Path, data: dict) -> None:
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# --- stage: an export written beside its place, then moved in whole
+def check_export_target(out: Path) -> None:
+    """An export never goes into a checkpoint: resume would skip that checkpoint (files its manifest does not
+    list) and delete it, the export with it."""
+    inside = checkpoint_holding(out)
+    if inside is not None:
+        raise UserError(f"not exporting to {out}: it lies inside the checkpoint {inside}; choose a folder outside it")
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging folders of ours that a killed export left for `out`: exact name, our marker, and a writer that no
+    longer runs on this host. Anything else is left alone."""
+    places = [(out.parent, f".{out.name}{STAGING}")] + ([(out, STAGING)] if not out.is_symlink() else [])
+    for folder in [
+        p for place, prefix in places if place.is_dir() for p in place.iterdir() if p.name.startswith(prefix)
+    ]:
+        writer = read_holder(folder / STAGING_MARKER)
+        pid = folder.name.rsplit(STAGING, 1)[1]
+        if folder.is_symlink() or not folder.is_dir() or str(writer.get("pid")) != pid:
+            continue
+        if writer.get("host") == socket.gethostname() and not process_alive(pid):
+            log.info("removing %s, left by an export that was killed", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_folder(out: Path, write: Callable[[Path], object]) -> None:
+    """`write` into a staging folder, then move the result into `out`: a new `out` appears whole in one rename;
+    an existing one (a mount point such as SageMaker's model folder, or an earlier export) keeps its old contents
+    until the new ones are complete. On failure or interruption the staging folder goes and one line says why; one
+    left by a killed export to the same `out` goes at the next."""
+    check_export_target(out)
+    _remove_stale_staging(out)
+    existing = out.is_dir()
+    staging = out / f"{STAGING}{os.getpid()}" if existing else out.with_name(f".{out.name}{STAGING}{os.getpid()}")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        (staging / STAGING_MARKER).write_text(json.dumps(holder_of_this_process()))
+        write(staging)
+        (staging / STAGING_MARKER).unlink()
+        if not existing:
+            os.replace(staging, out)
+            return
+        for old in out.iterdir():
+            if old != staging:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for new in staging.iterdir():
+            os.replace(new, out / new.name)
+        staging.rmdir()
+    except Exception as exc:  # OSError, or safetensors' own error wrapping one
+        reason = one_line(exc, staging if staging.exists() else out.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"export to {out} failed ({reason}); nothing was written there") from None
+    except BaseException:  # Ctrl-C, SystemExit: no model-sized staging folder stays behind either
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

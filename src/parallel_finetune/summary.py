@@ -9,8 +9,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .hardware import peak_memory_mib
-from .reporting import format_throughput, package_versions, write_json
+from .reporting import format_throughput, package_versions
 from .resolve import pretrained_name
+from .runfolder import write_json
 from .throughput import Peak
 
 log = logging.getLogger(__name__)

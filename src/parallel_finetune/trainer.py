@@ -28,12 +28,14 @@ import transformers
 from . import checkpoint
 from . import data as data_module
 from .checkpoint import TrainingState
+from .checkpointer import CheckpointManager
 from .config import Config, compile_decision
 from .divergence import NonFiniteGuard
 from .errors import Interrupted, RankError, UserError
 from .evaluation import evaluate, predict, write_predictions
 from .export import export_model
 from .families import get_family
+from .hub import fetch_model
 from .interfaces import Runner, Updates
 from .launch import end_with_launcher
 from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
@@ -45,9 +47,8 @@ from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer, Reporter
 from .resolve import resolve
-from .runfolder import RunLock, record_written
+from .runfolder import RunLock, claim_run_folders, open_run_folder, record_written
 from .runner import WholeModel
-from .startup import claim_run_folders, fetch_model, open_run_folder
 from .summary import run_summary, write_summary
 from .throughput import achieved, device_peak
 from .updates import TorchUpdates
@@ -347,6 +348,7 @@ class Trainer:
             config.batch_size // (layout.dp * config.gradient_accumulation_steps),
             self.precision,
         )
+        checkpoints = CheckpointManager.for_run(config, self.checkpoint_root, self.updates.checkpointable, self.timer)
         with self.timer("train"):
             self.model.train()
             while self.step < self.total_steps:
@@ -361,8 +363,8 @@ class Trainer:
                                 self.model, self.runner, dev, tokenizer, self.data.task, config.eval_batch_size, layout
                             )
                             reporter.evaluation(self.step, results)
-                    if self.checkpoint_due():
-                        self.save_checkpoint()
+                    if checkpoints.due(self.step, self.total_steps, self.stop_agreed):
+                        checkpoints.save(self.step, self.nonfinite.bad_steps, self.training_state)
                     if self.stop_agreed:
                         log.info(
                             "stopping after step %d as asked (SIGTERM); resume=auto continues from the checkpoint",
@@ -372,23 +374,6 @@ class Trainer:
                     if self.step >= self.total_steps:
                         break
         return self.history
-
-    def checkpoint_due(self) -> bool:
-        if not self.updates.checkpointable:
-            return False
-        every = self.config.checkpoint_every
-        return self.stop_agreed or self.step >= self.total_steps or bool(every and self.step % every == 0)
-
-    def save_checkpoint(self) -> Path | None:
-        if self.nonfinite.bad_steps:  # weights that just gave a NaN/inf loss or gradient are not worth resuming
-            log.warning(
-                "checkpoint at step %d not written: the loss or gradient norm of step %d was not finite",
-                self.step,
-                self.nonfinite.bad_steps[-1],
-            )
-            return None
-        with self.timer("checkpoint"):
-            return checkpoint.save(self.training_state(), self.checkpoint_root)
 
     def evaluate_all(self) -> dict:
         """The metrics of every validation split: the first's as they are, a second's (MNLI's mismatched dev set)
