@@ -41,8 +41,8 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
     import torch
     import torch.distributed as dist
 
-    from parallel_finetune.config import load_config
     from parallel_finetune.hardware import peak_memory_mib
+    from parallel_finetune.resolve import load_config
     from parallel_finetune.trainer import Trainer
 
     config = load_config(

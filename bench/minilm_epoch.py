@@ -16,7 +16,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from parallel_finetune.config import load_config  # noqa: E402
+
+from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.trainer import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

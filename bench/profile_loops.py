@@ -20,7 +20,7 @@ import trainer_vs_hf  # noqa: E402
 import transformers  # noqa: E402
 
 from parallel_finetune import data  # noqa: E402
-from parallel_finetune.config import load_config  # noqa: E402
+from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.trainer import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 def worker(argv: list[str]) -> None:
     import torch
 
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
     from parallel_finetune.trainer import Trainer
 
     warmup, steps, length = (int(os.environ[k]) for k in ("BENCH_WARMUP", "BENCH_STEPS", "BENCH_LENGTH"))

@@ -35,11 +35,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
 from parallel_finetune import data  # noqa: E402
-from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.evaluation import evaluate  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.hub import download_model  # noqa: E402
 from parallel_finetune.model import load_model, seed_everything  # noqa: E402
+from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.summary import padding_fraction  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
 

@@ -8,9 +8,9 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
-from parallel_finetune.config import load_config
 from parallel_finetune.data import prepare_for_config
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 
 
 def main(argv: list[str]) -> int:

@@ -243,9 +243,9 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
 )
 def test_check_refuses_what_the_run_would(overrides, message, sst2):
     """`--check` runs load_config + preflight: each of these got "ok" from it, then a traceback from every rank."""
-    from parallel_finetune.config import load_config
     from parallel_finetune.errors import UserError
     from parallel_finetune.preflight import preflight
+    from parallel_finetune.resolve import load_config
 
     if "device=cuda" in overrides and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -344,7 +344,7 @@ def test_make_task_and_data_become_the_data_keys(target, variables, recipe, expe
 
 
 def test_minilm_glue_recipe_takes_its_task_from_the_command_line():
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
 
     config = load_config(REPO / "recipes" / "bert" / "minilm_glue.yaml", ["glue_task=stsb", "data_dir=x"])
     assert (config.glue_task, config.data_dir, config.model.model, config.size) == (

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import FAMILIES, RECIPE
 
-from parallel_finetune.config import USER_KEYS, load_config
+from parallel_finetune.config import USER_KEYS
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 
 
 def test_recipe_sections_and_tiny_overrides():

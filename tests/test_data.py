@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO
 
 from parallel_finetune import data
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 
 DEFAULTS = SimpleNamespace(**data.DATA_DEFAULTS)  # the data keys of a Config at their defaults: SST-2 from the Hub
 

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 from test_cli import assert_one_line_error, check
 from test_parity import _value
 
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.parallel import deepspeed_engine
 from parallel_finetune.parallel.deepspeed_engine import deepspeed_config
 from parallel_finetune.preflight import preflight
+from parallel_finetune.resolve import load_config
 
 # Tolerances, from measured runs of these rows (tiny GPT-J, 6 steps, 2 ranks against 1 process):
 # - fp32: the largest loss difference was 6.0e-8 for ZeRO 1, 2 and 3 alike, the largest relative gradient-norm

@@ -20,10 +20,10 @@ import yaml
 from conftest import launch, python, tiny_overrides, tmpfs
 from wandb.proto import wandb_internal_pb2
 
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.loggers import DESTINATIONS, TRACKER_GRACE_S, TRACKING_IDS, destinations
 from parallel_finetune.reporting import Reporter, format_step
+from parallel_finetune.resolve import load_config
 
 WANDB_BLOCK = 32768  # a .wandb file is a LevelDB-style log: 32 KiB blocks of [crc32, length, type] + payload
 WANDB_HEADER = 7  # ":W&B", a 2-byte magic and a version byte

@@ -309,9 +309,9 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
     ids=["target", "modules_to_save", "rank", "tied_head"],
 )
 def test_lora_names_matching_nothing_and_ranks_wider_than_a_layer_are_refused_by_check(overrides, message, sst2):
-    from parallel_finetune.config import load_config
     from parallel_finetune.errors import UserError
     from parallel_finetune.preflight import preflight
+    from parallel_finetune.resolve import load_config
 
     config = load_config(lora_recipe("gptj"), ["size=tiny", f"data_dir={sst2}", *overrides])
     with pytest.raises(UserError) as error:
@@ -333,10 +333,10 @@ def test_lora_never_leaves_a_new_head_frozen(sst2, tmp_path):
     """A pretrained causal LM fine-tuned for classification: its score head is new (random); frozen, it would stay
     random. --check reads the local checkpoint's names; the run refuses the same (model.load_model)."""
     from parallel_finetune import lora, synthetic
-    from parallel_finetune.config import load_config
     from parallel_finetune.data import column, read_glue_dir
     from parallel_finetune.errors import UserError
     from parallel_finetune.preflight import preflight
+    from parallel_finetune.resolve import load_config
 
     sentences = column(read_glue_dir(sst2)["train"], "text")[:300]
     folder = synthetic.write_checkpoint(

@@ -14,11 +14,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from parallel_finetune import synthetic
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.families.plans import PlanFamily
 from parallel_finetune.model import load_model
+from parallel_finetune.resolve import load_config
 from parallel_finetune.train import main
 
 WORKER = str(REPO / "tests" / "workers" / "export_logits.py")

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel_finetune import checkpoint as checkpointing
 from parallel_finetune import integrity
-from parallel_finetune.config import load_config
 from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 from parallel_finetune.runfolder import LOCK, RECORD, RUN_OUTPUTS, RunLock
 
 
@@ -211,7 +211,7 @@ def test_sagemaker_settings_name_the_flags(monkeypatch):
 
 
 def test_yaml_anchors_and_aliases_are_refused_before_they_expand(tmp_path):
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
 
     # A "billion laughs" whose expansion is only 10^4 leaves here, so the test stays short without the refusal;
     # at 9 levels of 9 it is 387 million and loading never ended.
@@ -230,7 +230,7 @@ def test_yaml_anchors_and_aliases_are_refused_before_they_expand(tmp_path):
 
 @pytest.mark.parametrize("value", ["/tmp/x/run #2", "/tmp/x/first\nsecond", "~", "null", "None", "true", "2024"])
 def test_string_key_overrides_are_taken_as_written(value):
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
 
     recipe = REPO / "recipes" / "gptj" / "tp.yaml"
     keys = ("output_dir", "checkpoint_dir", "data_dir", "cache_dir", "model", "tokenizer", "revision", "resume")
@@ -241,7 +241,7 @@ def test_string_key_overrides_are_taken_as_written(value):
 
 
 def test_string_keys_in_a_recipe_follow_yaml_quoting(tmp_path):
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text('family: gptj\noutput_dir: "runs/run #2"\nrevision: "2024"\n')
@@ -253,7 +253,7 @@ def test_string_keys_in_a_recipe_follow_yaml_quoting(tmp_path):
 
 @pytest.mark.parametrize("value", ["1e300", "1e-9", "0", "604801"])
 def test_collective_timeout_outside_its_range_is_refused(value):
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
 
     with pytest.raises(UserError, match=r"collective_timeout_s=.* must be in \[1, 604800\] seconds"):
         load_config(REPO / "recipes" / "gptj" / "tp.yaml", [f"collective_timeout_s={value}"])

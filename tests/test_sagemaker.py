@@ -524,7 +524,7 @@ def test_a_lora_job_writes_its_adapter_into_the_model_folder(sst2, cache_dir, tm
 @pytest.mark.parametrize("layout", ["tp", "pp", "tp_pp", "lora"])
 def test_the_plan_families_full_size_jobs_fit_a_p4d_before_any_upload(family, layout):
     """The job's layout for the published default (its sizes known offline), as the launch checks it: 8 GPUs."""
-    from parallel_finetune.config import load_config
+    from parallel_finetune.resolve import load_config
     from parallel_finetune.sagemaker_job import JobSettings, check_job_layout
 
     config = load_config(REPO / "recipes" / family / f"{layout}.yaml", ["size=full"])

@@ -17,9 +17,9 @@ import slurm_cluster
 from conftest import RECIPE, REPO, Run, assert_trains_like, subprocess_env, tiny_overrides
 from zygote import free_port
 
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.preflight import preflight
+from parallel_finetune.resolve import load_config
 
 TOLERANCE = 1e-5
 NODES, PROCESSES_PER_NODE = 2, 2

@@ -18,8 +18,8 @@ from conftest import RECIPE, check, launch, no_dropout, python
 from glue_fixtures import LABELS, split_files, write_glue_task
 
 from parallel_finetune import data
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 from parallel_finetune.tasks import TASKS, load_task, read_label_file
 
 FORMATS = ("tsv", "csv", "jsonl", "parquet", "dataset")

@@ -512,10 +512,9 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
 def test_a_recipe_is_resolved_once_into_the_values_components_receive():
     """resolve.py: `model` falls back to the family's default once (None at size=tiny), `microbatches` to 2 per
     stage, precision `auto` to the device's, dtypes from the names; the trackers get them beside the config."""
-    from parallel_finetune.config import load_config
     from parallel_finetune.layout import ParallelDims
     from parallel_finetune.precision import cpu_has_bf16
-    from parallel_finetune.resolve import resolve
+    from parallel_finetune.resolve import load_config, resolve
 
     dims = ParallelDims(1, 2, 1, 2, "optimizer")
     full = resolve(load_config(REPO / "recipes/gptj/pp.yaml", ["export_dtype=bfloat16"]), torch.device("cpu"), dims)

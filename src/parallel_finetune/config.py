@@ -28,7 +28,6 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 
 from .errors import UserError
-from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 
 T = TypeVar("T")
 
@@ -614,8 +613,10 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     return values, tiny
 
 
-def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a recipe (or none: defaults only) and apply overrides; every error names the file or key."""
+def parse_config(recipe: str | Path | None, overrides: list[str] = ()) -> tuple[Config, str]:
+    """Read a recipe (or none: defaults only) and apply overrides (types checked); returns the Config and the name
+    errors give its source (`where`). resolve.load_config calls this, then check_keys and the checks that need a
+    model family, a tracker or an engine; every error names the file or key."""
     values: dict = {}
     tiny: dict = {}
     name = ""
@@ -635,9 +636,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     where = f"recipe {recipe}" if recipe is not None else "config"
     typed = {key: _coerce(key, value, where) for key, value in values.items()}
     config = Config.from_flat(typed)
-    _resolve_auto_family(config, where)
-    family = config.family or "unknown"
-    config.recipe = f"{family}-{name}" if name else family
+    config.recipe = name  # resolve.load_config prefixes the family, once family=auto is resolved
     if config.lr_scaling == "linear":
         _scale_lr(
             config,
@@ -648,8 +647,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
         )
     if config.engine == "deepspeed" and config.tensor_parallel_degree == "auto":
         config.tensor_parallel_degree = 1  # DeepSpeed runs data parallel only: every process is a replica
-    validate(config, where)
-    return config
+    return config, where
 
 
 def _scale_lr(config: Config, where: str, recipe_batch: int, recipe_lr: float, lr_overridden: bool) -> None:
@@ -669,70 +667,18 @@ def _scale_lr(config: Config, where: str, recipe_batch: int, recipe_lr: float, l
     )
 
 
-def _resolve_auto_family(config: Config, where: str) -> None:
-    """family: auto -> the family of the checkpoint's config.json `model_type` (a registered one, or one made from
-    the model type's parallel plans), decided once, here: config.yaml and every rank then name it."""
-    from .families import AUTO, family_for_model_type
-
-    if config.family != AUTO:
-        return
-    if config.size == "tiny" or not config.model.model:
-        raise UserError(
-            f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
-            f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
-        )
-    from .hub import resolve_model_path
-    from .pretrained import load_hf_config
-
-    try:
-        hf_config = load_hf_config(resolve_model_path(config.model))
-    except UserError:
-        raise
-    except Exception as exc:  # transformers and the Hub client raise many types; all mean "cannot read it"
-        raise UserError(
-            f"{where}: family=auto cannot read the config.json of model={config.model.model!r} ({type(exc).__name__}: "
-            f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
-        ) from None
-    config.family = family_for_model_type(hf_config.model_type, f"model={config.model!r} (config.json)")
-
-
-def validate(config: Config, where: str = "config") -> None:
-    """Checks that need no model, data or processes: ranges and combinations of keys."""
+def check_keys(config: Config, where: str = "config") -> None:
+    """Checks of the keys themselves, no model family, tracker or engine needed: ranges and combinations."""
 
     def bad(key: str, why: str) -> UserError:
         return UserError(f"{where}: {key}={config.value(key)!r} {why}")
 
-    from .families import get_family  # local: families import transformers, which config users may not need
-
-    try:
-        family = get_family(config.family)
-    except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
     _check_training(config, bad)
-    _check_parallel(config, bad)
     _check_peft(config, bad)
-    try:
-        trackers = destinations(config.report_to)
-    except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
-    waiting = set(trackers) & set(TIMED_TRACKERS)
-    if waiting and config.tracker_timeout_s + TRACKER_GRACE_S >= config.collective_timeout_s:
-        raise bad(
-            "tracker_timeout_s",
-            f"must be more than {TRACKER_GRACE_S:g} s below collective_timeout_s={config.collective_timeout_s:g}: "
-            f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
-        )
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
         raise bad("activation_checkpointing", "must be true, false or N >= 1 (checkpoint every N-th block)")
-    if config.task not in family.tasks:
-        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
-    if config.size == "full" and config.model.model is None and not family.default_model:
-        raise bad("model", "must name a Hub model or a local folder")
-    from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
-
-    deepspeed_engine.validate(config, where)
 
 
 BadKey = typing.Callable[[str, str], UserError]  # (key, why) -> the one-line error naming key and value
@@ -800,55 +746,6 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("max_grad_norm", "must be >= 0 (0 or null disables clipping)")
     if len(config.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in config.adam_betas):
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
-
-
-def _check_parallel(config: Config, bad: BadKey) -> None:
-    """Degrees, sharding, micro-batches, partitions, and what does not combine with a pipeline."""
-    from .layout import Sharding  # local: the layout imports torch
-
-    tp = config.tensor_parallel_degree
-    if tp != "auto" and tp < 1:
-        raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
-    if config.shard_group_size is not None and config.shard_group_size < 1:
-        raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
-    if config.shard_group_size is not None and not Sharding(config.sharding).hybrid:
-        raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
-    if config.peak_tflops is not None and config.peak_tflops <= 0:
-        raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
-    if config.compile is True and config.engine == "deepspeed":
-        raise bad(
-            "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
-        )
-    if config.gradient_bucket_mib <= 0:
-        raise bad("gradient_bucket_mib", "must be a positive number of MiB")
-    if config.pipeline_parallel_degree < 1:
-        raise bad("pipeline_parallel_degree", "must be a positive integer")
-    if config.microbatches is not None and config.microbatches < 1:
-        raise bad("microbatches", "must be a positive integer (or null: 2 x the number of stages)")
-    if config.virtual_stages < 1:
-        raise bad("virtual_stages", "must be a positive integer")
-    if config.partition != "auto" and not (
-        config.partition and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)
-    ):
-        raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
-    if config.pipeline_parallel_degree > 1:
-        if config.engine == "deepspeed":
-            raise bad(
-                "pipeline_parallel_degree",
-                "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",
-            )
-        if Sharding(config.sharding).fsdp:
-            raise bad(
-                "pipeline_parallel_degree",
-                f"does not combine with sharding={config.sharding} yet; use "
-                "sharding=optimizer (ZeRO-1) or none with pipeline parallelism",
-            )
-        if config.offload_activations:
-            raise bad(
-                "pipeline_parallel_degree",
-                "does not combine with offload_activations=true (activations "
-                "cross stages); use activation_checkpointing instead",
-            )
 
 
 def _check_peft(config: Config, bad: BadKey) -> None:

@@ -47,7 +47,7 @@ class Runner(Protocol):
 
 @runtime_checkable
 class Updates(Protocol):
-    # True: also a CheckpointableUpdates; the loop checkpoints and resumes only those (config.validate refuses
+    # True: also a CheckpointableUpdates; the loop checkpoints and resumes only those (config.check_keys refuses
     # checkpoint keys for the others)
     checkpointable: bool
     module: nn.Module  # the model as built (not an engine wrapping it): what export reads names and config from

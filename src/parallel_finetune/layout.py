@@ -348,3 +348,8 @@ def rank0_decides(layout: Layout, decide: Callable[[], object]) -> object:
     if status == "error":
         raise UserError(value)
     return value
+
+
+def pipeline_microbatches(microbatches: int | None, pp: int) -> int:
+    """Micro-batches per accumulation slice: `microbatches`, else 2 per stage (the bubble under a fifth with 1F1B)."""
+    return microbatches or 2 * pp

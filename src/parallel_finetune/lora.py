@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import UserError
-from .resolve import pretrained_name
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -161,26 +160,22 @@ def check_new_trained(new: list[str], settings: LoraSettings, source: str) -> No
         )
 
 
-def preflight(config, family, hf_config) -> None:
+def preflight(settings: LoraSettings | None, *, family, task: str, hf_config, pretrained_folder: str | None) -> None:
     """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, and (pretrained weights
-    in a local folder) a new weight left frozen."""
-    settings = settings_from_config(config, family)
+    in a local folder, `pretrained_folder`) a new weight left frozen."""
     if settings is None:
         return
-    model = family.build(config.task, hf_config)
+    model = family.build(task, hf_config)
     check_targets(model, family, settings)
-    if config.size != "full":
-        return
-    from .hub import resolve_model_path
+    if pretrained_folder is None or not Path(pretrained_folder).is_dir():
+        return  # trained from scratch, or a Hub name: the run checks the same once it has the files
     from .weights import plan_whole
 
-    folder = Path(resolve_model_path(pretrained_name(config)))
-    if folder.is_dir():  # a Hub name is fetched by the run, which checks the same once it has the files
-        weights, _, _, plan = plan_whole(family, config.task, hf_config, str(folder))
-        try:
-            check_new_trained(list(plan.new), settings, weights.description)
-        finally:
-            weights.close()
+    weights, _, _, plan = plan_whole(family, task, hf_config, pretrained_folder)
+    try:
+        check_new_trained(list(plan.new), settings, weights.description)
+    finally:
+        weights.close()
 
 
 class LoraLinear(nn.Linear):

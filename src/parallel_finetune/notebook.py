@@ -144,8 +144,8 @@ class Walkthrough:
 
     def prepare_data(self):
         """Tokenize and cache the data as the run will (a tiny model's tokenizer is learned here); print the splits."""
-        from .config import load_config
         from .data import prepare_for_config
+        from .resolve import load_config
 
         prepared = prepare_for_config(load_config(self.recipe, self.overrides))
         print(prepared.cache_path)

@@ -220,7 +220,7 @@ class Candidate:
             f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}"
         )
 
-    # pipeline stages do not combine with FSDP in the trainer yet (config.validate says so)
+    # pipeline stages do not combine with FSDP in the trainer yet (resolve.validate says so)
     runs_today = property(lambda self: not (self.dims.pp_enabled and self.dims.fsdp))
 
 

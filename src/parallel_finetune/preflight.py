@@ -11,9 +11,9 @@ from .data import check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
 from .hub import check_model_source, resolve_model_path
-from .layout import check_batch_split, resolve_device, resolve_dims
+from .layout import check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
-from .resolve import pipeline_microbatches, pretrained_name
+from .resolve import pretrained_name
 from .runfolder import (
     check_free,
     check_run_folders,
@@ -47,7 +47,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
         family.check_pipeline(hf_config, config.task)  # as every rank does before cutting (a shrunk copy)
-        microbatches = pipeline_microbatches(config, dims.pp)
+        microbatches = pipeline_microbatches(config.microbatches, dims.pp)
         check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
     return dims, pipeline
@@ -164,7 +164,14 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
-    lora.preflight(config, family, hf_config)  # targets and heads that match nothing, a rank wider than a layer
+    pretrained = resolve_model_path(pretrained_name(config)) if config.size == "full" else None
+    lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
+        lora.settings_from_config(config, family),
+        family=family,
+        task=config.task,
+        hf_config=hf_config,
+        pretrained_folder=pretrained,
+    )
     if config.size == "full" and Path(folder := resolve_model_path(pretrained_name(config))).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 

@@ -7,14 +7,20 @@ Only the number of steps waits for the data (Trainer._prepare_data computes it o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .config import Config
-from .families import get_family
+from .config import TRACKER_TIMEOUT_RANGE_S, Config, check_keys, parse_config  # noqa: F401
+from .errors import UserError
+from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
-from .layout import ParallelDims
+from .hub import resolve_model_path
+from .layout import ParallelDims, Sharding, pipeline_microbatches
+from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
+from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .precision import DTYPES, resolve_precision
+from .pretrained import load_hf_config
 
 
 def pretrained_name(config: Config) -> str | None:
@@ -23,11 +29,6 @@ def pretrained_name(config: Config) -> str | None:
     if config.size == "tiny":
         return None
     return config.model.model or get_family(config.family).default_model
-
-
-def pipeline_microbatches(config: Config, pp: int) -> int:
-    """Micro-batches per accumulation slice: `microbatches`, else 2 per stage (the bubble under a fifth with 1F1B)."""
-    return config.microbatches or 2 * pp
 
 
 @dataclass(frozen=True)
@@ -63,5 +64,116 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
         autocast_dtype=None if precision == "fp32" else DTYPES[precision],
         export_dtype=DTYPES[config.export_dtype],
         dims=dims,
-        microbatches=pipeline_microbatches(config, dims.pp),
+        microbatches=pipeline_microbatches(config.microbatches, dims.pp),
     )
+
+
+def _resolve_auto_family(config: Config, where: str) -> None:
+    """family: auto -> the family of the checkpoint's config.json `model_type` (a registered one, or one made from
+    the model type's parallel plans), decided once, here: config.yaml and every rank then name it."""
+    if config.family != AUTO:
+        return
+    if config.size == "tiny" or not config.model.model:
+        raise UserError(
+            f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
+            f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
+        )
+    try:
+        hf_config = load_hf_config(resolve_model_path(config.model.model))
+    except UserError:
+        raise
+    except Exception as exc:  # transformers and the Hub client raise many types; all mean "cannot read it"
+        raise UserError(
+            f"{where}: family=auto cannot read the config.json of model={config.model.model!r} ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
+        ) from None
+    config.family = family_for_model_type(hf_config.model_type, f"model={config.model.model!r} (config.json)")
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a recipe (or none: defaults only) and apply overrides (config.parse_config), resolve family=auto, and
+    check the keys, alone and against the family, trackers and engine; every error names the file or key."""
+    config, where = parse_config(recipe, overrides)
+    _resolve_auto_family(config, where)
+    family = config.family or "unknown"
+    config.recipe = f"{family}-{config.recipe}" if config.recipe else family
+    validate(config, where)
+    return config
+
+
+def validate(config: Config, where: str = "config") -> None:
+    """Checks that need no model, data or processes: ranges and combinations of keys (config.check_keys), and
+    those that need the family, the trackers or the engine."""
+
+    def bad(key: str, why: str) -> UserError:
+        return UserError(f"{where}: {key}={config.value(key)!r} {why}")
+
+    try:
+        family = get_family(config.family)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    check_keys(config, where)
+    _check_parallel(config, bad)
+    try:
+        trackers = destinations(config.report_to)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    waiting = set(trackers) & set(TIMED_TRACKERS)
+    if waiting and config.tracker_timeout_s + TRACKER_GRACE_S >= config.collective_timeout_s:
+        raise bad(
+            "tracker_timeout_s",
+            f"must be more than {TRACKER_GRACE_S:g} s below collective_timeout_s={config.collective_timeout_s:g}: "
+            f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
+        )
+    if config.task not in family.tasks:
+        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
+    if config.size == "full" and config.model.model is None and not family.default_model:
+        raise bad("model", "must name a Hub model or a local folder")
+    deepspeed_engine.validate(config, where)
+
+
+def _check_parallel(config: Config, bad) -> None:
+    """Degrees, sharding, micro-batches, partitions, and what does not combine with a pipeline."""
+    tp = config.tensor_parallel_degree
+    if tp != "auto" and tp < 1:
+        raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
+    if config.shard_group_size is not None and config.shard_group_size < 1:
+        raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
+    if config.shard_group_size is not None and not Sharding(config.sharding).hybrid:
+        raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
+    if config.peak_tflops is not None and config.peak_tflops <= 0:
+        raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
+    if config.compile is True and config.engine == "deepspeed":
+        raise bad(
+            "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
+        )
+    if config.gradient_bucket_mib <= 0:
+        raise bad("gradient_bucket_mib", "must be a positive number of MiB")
+    if config.pipeline_parallel_degree < 1:
+        raise bad("pipeline_parallel_degree", "must be a positive integer")
+    if config.microbatches is not None and config.microbatches < 1:
+        raise bad("microbatches", "must be a positive integer (or null: 2 x the number of stages)")
+    if config.virtual_stages < 1:
+        raise bad("virtual_stages", "must be a positive integer")
+    if config.partition != "auto" and not (
+        config.partition and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)
+    ):
+        raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
+    if config.pipeline_parallel_degree > 1:
+        if config.engine == "deepspeed":
+            raise bad(
+                "pipeline_parallel_degree",
+                "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",
+            )
+        if Sharding(config.sharding).fsdp:
+            raise bad(
+                "pipeline_parallel_degree",
+                f"does not combine with sharding={config.sharding} yet; use "
+                "sharding=optimizer (ZeRO-1) or none with pipeline parallelism",
+            )
+        if config.offload_activations:
+            raise bad(
+                "pipeline_parallel_degree",
+                "does not combine with offload_activations=true (activations "
+                "cross stages); use activation_checkpointing instead",
+            )

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import load_config, parse_override
+from .config import parse_override
 from .errors import UserError
 from .hardware import INSTANCES
-from .resolve import pretrained_name
+from .resolve import load_config, pretrained_name
 
 log = logging.getLogger(__name__)
 

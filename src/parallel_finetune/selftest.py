@@ -161,8 +161,8 @@ def export_as_loaded(trainer) -> None:
 
 def worker(spec: dict) -> int:
     """One torchrun rank: a normal run, with the selftest's hooks."""
-    from .config import load_config
     from .parallel.gradients import local
+    from .resolve import load_config
     from .trainer import run
 
     def after_backward(trainer, step: int) -> None:

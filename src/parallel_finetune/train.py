@@ -15,8 +15,9 @@ import gc
 import os
 import sys
 
-from .config import USER_KEYS, load_config
+from .config import USER_KEYS
 from .errors import RankError, UserError
+from .resolve import load_config
 
 
 def sagemaker_arguments(argv: list[str]) -> list[str]:

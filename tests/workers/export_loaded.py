@@ -4,7 +4,7 @@ folder with the checkpoint file and the losses with one process."""
 
 import sys
 
-from parallel_finetune.config import load_config
+from parallel_finetune.resolve import load_config
 from parallel_finetune.selftest import export_as_loaded
 from parallel_finetune.trainer import run
 

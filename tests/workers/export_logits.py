@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from parallel_finetune import data
-from parallel_finetune.config import load_config
 from parallel_finetune.export import export_model
+from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import Trainer
 
 

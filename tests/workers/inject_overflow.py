@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from parallel_finetune.config import load_config
 from parallel_finetune.parallel.gradients import local
+from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import Trainer
 
 INJECT_RANK = int(os.environ["INJECT_RANK"])

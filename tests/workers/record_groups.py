@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 from parallel_finetune.train import report
 from parallel_finetune.trainer import run
 

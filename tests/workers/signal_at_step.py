@@ -10,8 +10,8 @@ import sys
 import time
 
 from parallel_finetune import train
-from parallel_finetune.config import load_config
 from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import run
 
 SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])

@@ -12,8 +12,7 @@ from torch import nn
 
 from .. import lora
 from ..families.base import Family
-from ..layout import Layout
-from ..resolve import pipeline_microbatches
+from ..layout import Layout, pipeline_microbatches
 from .fsdp import apply_fsdp
 from .memory import apply_activation_checkpointing
 from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_parameters
@@ -50,7 +49,7 @@ def parallelize(
         log.info(
             "pipeline: %s schedule, %d micro-batches | %s",
             config.pipeline_schedule,
-            pipeline_microbatches(config, layout.pp),
+            pipeline_microbatches(config.microbatches, layout.pp),
             describe_stages(result.stages, layout.pp),
         )
     apply_tp(model, family, layout.tp_mesh)

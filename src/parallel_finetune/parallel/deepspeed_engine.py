@@ -43,7 +43,7 @@ MICS_REMOVED_IN = (0, 19, 7)  # DeepSpeed 0.19.7 removed MiCS: its config reject
 
 # ----------------------------------------------------------------------------------------------- checks
 def validate(config, where: str = "config") -> None:
-    """Key combinations, no processes needed (config.validate calls this)."""
+    """Key combinations, no processes needed (resolve.validate calls this)."""
     deepspeed_only = ("zero_stage", "mics_shard_size", "deepspeed_config")
     if config.engine != "deepspeed":
         for key in deepspeed_only:
@@ -325,7 +325,7 @@ class DeepSpeedUpdates:
     """`interfaces.Updates` over a DeepSpeed engine: ZeRO reduces, unscales, clips and updates (or skips).
     Forwards go through `engine` (ZeRO-3 gathers parameters there)."""
 
-    checkpointable = False  # no CheckpointableUpdates: config.validate refuses checkpoint keys with engine=deepspeed
+    checkpointable = False  # no CheckpointableUpdates: config.check_keys refuses checkpoint keys with engine=deepspeed
 
     def __init__(self, model: nn.Module, config, layout, precision: str):
         self.config = preflight(config, layout.dp, layout.device.type, precision)
