@@ -508,7 +508,7 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = bool(config.model.model and config.model.startswith("s3://"))
+    model_is_s3 = bool(config.model.model and config.model.model.startswith("s3://"))
     if model_is_s3:
         split_s3_uri(config.model.model)
     elif config.model.model and Path(config.model.model).expanduser().is_dir():
