@@ -484,7 +484,7 @@ def test_the_code_channel_leaves_out_secrets_and_large_files_and_says_what_it_sh
     with open(recipes / "weights.bin", "wb") as big:  # sparse: 11 MiB on paper, nothing on disk
         big.truncate(11 * 2**20)
     with caplog.at_level(logging.INFO, logger="parallel_finetune.sagemaker_job"):
-        assert stage_code(recipes / "tp.yaml", Config(), tmp_path / "code") == ("recipe/tp.yaml")
+        assert stage_code(recipes / "tp.yaml", Config(), tmp_path / "code") == "recipe/tp.yaml"
     shipped = sorted(
         str(p.relative_to(tmp_path / "code" / "recipe")) for p in (tmp_path / "code" / "recipe").rglob("*")
     )
