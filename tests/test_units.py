@@ -386,6 +386,27 @@ def test_the_tasks_package_is_a_short_face_over_small_modules():
         assert typed <= {"config"}, f"{path.relative_to(PACKAGE)} imports {sorted(typed)} for types"
 
 
+def test_the_data_side_receives_its_sections_not_the_config():
+    """tasks/ and data.py take the sections they read (`data: DataSection`, `model: ModelSection`) and resolved
+    values, keyword-only; none takes the whole Config (only entry points, resolve.py and preflight.py do)."""
+    import ast
+
+    found = []
+    for path in [*(PACKAGE / "tasks").glob("*.py"), PACKAGE / "data.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            where = f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
+            positional = [*node.args.posonlyargs, *node.args.args]
+            for argument in [*positional, *node.args.kwonlyargs]:
+                kind = ast.unparse(argument.annotation) if argument.annotation is not None else None
+                if argument.arg == "config" or kind == "Config":
+                    found.append(f"{where} takes the Config ({argument.arg})")
+                elif kind in ("DataSection", "ModelSection") and argument in positional:
+                    found.append(f"{where}: {argument.arg} is positional")
+    assert not found, found
+
+
 def test_parallel_dims_resolve_each_mode_once_and_answer_by_name():
     from parallel_finetune.errors import UserError
     from parallel_finetune.layout import ParallelDims, Sharding, resolve_dims
