@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_vs_hf  # noqa: E402
 import transformers  # noqa: E402
 
-from parallel_finetune import data  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.trainer import Trainer  # noqa: E402
 
@@ -81,7 +80,7 @@ def main() -> int:
             self.add_callback(window)
 
         trainer_vs_hf.Trainer.__init__ = with_window
-        trainer_vs_hf.hf_run(config, data.prepare_for_config(config), out / which, grouped=True)
+        trainer_vs_hf.hf_run(config, trainer_vs_hf.prepared_data(config), out / which, grouped=True)
         seconds = window.seconds
     print(f"{which}: 5 profiled steps in {seconds:.2f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

@@ -8,9 +8,10 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
-from parallel_finetune.data import prepare_for_config
+from parallel_finetune.data import prepare
 from parallel_finetune.errors import UserError
-from parallel_finetune.resolve import load_config
+from parallel_finetune.families import get_family
+from parallel_finetune.resolve import load_config, pretrained_name
 
 
 def main(argv: list[str]) -> int:
@@ -20,7 +21,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         config = load_config(argv[0], argv[1:])
-        prepared = prepare_for_config(config)
+        prepared = prepare(
+            data=config.data,
+            model=config.model,
+            family=get_family(config.family),
+            model_name=pretrained_name(config),
+            seed=config.training.seed,
+            predict=config.output.predict,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -264,6 +264,28 @@ def check(*overrides: str, nproc: int = 2, recipe: Path = RECIPE) -> subprocess.
     )
 
 
+def load_task_of(config):
+    """tasks.load_task on a loaded Config's sections, as data.prepare calls it."""
+    from parallel_finetune.tasks import load_task
+
+    return load_task(data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict)
+
+
+def prepare_data(config):
+    """data.prepare on a loaded Config's sections, as the trainer calls it."""
+    from parallel_finetune import data
+    from parallel_finetune.resolve import pretrained_name
+
+    return data.prepare(
+        data=config.data,
+        model=config.model,
+        family=get_family(config.family),
+        model_name=pretrained_name(config),
+        seed=config.training.seed,
+        predict=config.output.predict,
+    )
+
+
 def assert_mfu_as_documented(records: list[dict], summary: dict, output: str) -> None:
     """MFU as docs/running.md promises it, on any CPU of this kind: a number in (0, 1] at every step, or null
     everywhere with `mfu_unknown` saying why (e.g. an AVX2-only CPU whose understated clock puts the computed peak

@@ -8,16 +8,17 @@ import os
 import re
 import time
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, prepare_data
 
 from parallel_finetune import data
+from parallel_finetune.config import DataSection, ModelSection
 from parallel_finetune.errors import UserError
 from parallel_finetune.resolve import load_config
 
-DEFAULTS = SimpleNamespace(**data.DATA_DEFAULTS)  # the data keys of a Config at their defaults: SST-2 from the Hub
+# every key at its default: SST-2 from the Hub
+DEFAULTS = dict(data=DataSection(), model=ModelSection(), seed=42, predict=False)
 
 
 def test_real_sst2_rows(sst2):
@@ -81,7 +82,7 @@ def test_unreadable_file(tmp_path):
 def test_offline_hub_falls_back_to_the_sample_loudly(monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with caplog.at_level(logging.WARNING):
-        raw, task, source = data.load_raw(DEFAULTS)
+        raw, task, source = data.load_raw(**DEFAULTS)
     assert source.kind == "sample" and task.name == "sst2"
     assert "UNREACHABLE" in caplog.text and "SAMPLE" in caplog.text
     assert len(raw["train"]) >= 300 and len(raw["validation"]) >= 50
@@ -90,7 +91,7 @@ def test_offline_hub_falls_back_to_the_sample_loudly(monkeypatch, caplog):
 
 def prepare(sst2, cache_dir, task="classification", max_length=64):
     overrides = ["size=tiny", f"task={task}", f"data_dir={sst2}", f"cache_dir={cache_dir}", f"max_length={max_length}"]
-    return data.prepare_for_config(load_config(REPO / "recipes/gptj/tp.yaml", overrides))
+    return prepare_data(load_config(REPO / "recipes/gptj/tp.yaml", overrides))
 
 
 def test_tokenized_cache_is_keyed_and_reused(sst2, cache_dir):
@@ -195,7 +196,7 @@ def test_an_unreachable_hub_is_one_line_without_retries(monkeypatch, caplog):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        raw, task, source = data.load_raw(DEFAULTS)
+        raw, task, source = data.load_raw(**DEFAULTS)
     assert source.kind == "sample" and time.monotonic() - started < 5
     assert len(caplog.records) == 1 and "THE HUGGING FACE HUB IS UNREACHABLE (URLError" in caplog.text
 
@@ -214,13 +215,13 @@ def test_the_fingerprint_check_computes_is_the_one_a_run_records(tmp_path, sst2)
     ]
     fingerprints = set()
     for case in cases:
-        settings = SimpleNamespace(**{**data.DATA_DEFAULTS, **case})
-        raw, task, source = data.load_raw(settings)
-        assert data_fingerprint(settings) == source.fingerprint
+        section = DataSection(**case)
+        raw, task, source = data.load_raw(data=section, model=ModelSection(), seed=42, predict=False)
+        assert data_fingerprint(data=section, seed=42) == source.fingerprint
         fingerprints.add(source.fingerprint)
     assert len(fingerprints) == 3
-    changed = SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1], "seed": 7})  # other held-out rows
-    assert data_fingerprint(changed) != data_fingerprint(SimpleNamespace(**{**data.DATA_DEFAULTS, **cases[1]}))
+    carved = DataSection(**cases[1])
+    assert data_fingerprint(data=carved, seed=7) != data_fingerprint(data=carved, seed=42)  # other held-out rows
 
 
 # ------------------------------------------------ issue 34: token ids depend on the special tokens; EOS must exist
@@ -247,7 +248,7 @@ def edit_json(path, **changes):
 
 def prepare_pretrained(folder, rows, cache_dir, task="causal_lm"):
     overrides = [f"model={folder}", f"task={task}", f"train_file={rows}", f"cache_dir={cache_dir}", "max_length=32"]
-    return data.prepare_for_config(load_config(REPO / "recipes/gpt2/tp.yaml", overrides))
+    return prepare_data(load_config(REPO / "recipes/gpt2/tp.yaml", overrides))
 
 
 def test_the_cache_key_follows_the_special_tokens_the_data_code_inserts(pretrained_gpt2, tmp_path):

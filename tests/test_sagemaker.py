@@ -469,8 +469,7 @@ def test_sagemaker_hyperparameters_become_recipe_overrides():
 
 
 def test_the_code_channel_leaves_out_secrets_and_large_files_and_says_what_it_ships(tmp_path, caplog):
-    from types import SimpleNamespace
-
+    from parallel_finetune.config import Config
     from parallel_finetune.sagemaker_job import stage_code
 
     recipes = tmp_path / "recipes"
@@ -485,9 +484,7 @@ def test_the_code_channel_leaves_out_secrets_and_large_files_and_says_what_it_sh
     with open(recipes / "weights.bin", "wb") as big:  # sparse: 11 MiB on paper, nothing on disk
         big.truncate(11 * 2**20)
     with caplog.at_level(logging.INFO, logger="parallel_finetune.sagemaker_job"):
-        assert stage_code(recipes / "tp.yaml", SimpleNamespace(engine="torch", model=None), tmp_path / "code") == (
-            "recipe/tp.yaml"
-        )
+        assert stage_code(recipes / "tp.yaml", Config(), tmp_path / "code") == "recipe/tp.yaml"
     shipped = sorted(
         str(p.relative_to(tmp_path / "code" / "recipe")) for p in (tmp_path / "code" / "recipe").rglob("*")
     )

@@ -14,13 +14,13 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import RECIPE, check, launch, no_dropout, python
+from conftest import RECIPE, check, launch, load_task_of, no_dropout, prepare_data, python
 from glue_fixtures import LABELS, split_files, write_glue_task
 
 from parallel_finetune import data
 from parallel_finetune.errors import UserError
 from parallel_finetune.resolve import load_config
-from parallel_finetune.tasks import TASKS, load_task, read_label_file
+from parallel_finetune.tasks import TASKS, read_label_file
 
 FORMATS = ("tsv", "csv", "jsonl", "parquet", "dataset")
 # Texts a naive reader or writer breaks: quoted commas, tabs, double quotes, newlines inside the text.
@@ -114,11 +114,11 @@ def test_every_format_gives_the_same_rows_tokens_and_tokenizer(format_sources, f
     prepared = {}
     for kind, source in format_sources.items():
         config = load_config(RECIPE, tiny(cache_dir) + source)
-        raw = load_task(config)[0]
+        raw = load_task_of(config)[0]
         for split, rows in format_rows.items():  # the awkward texts read back as written (stripped)
             assert raw[split]["text"] == [t.strip() for t, _ in rows], kind
             assert raw[split]["label"] == [y for _, y in rows], kind
-        prepared[kind] = data.prepare_for_config(config)
+        prepared[kind] = prepare_data(config)
     reference = prepared["tsv"]
     assert reference.source.kind == "files" and prepared["dataset"].source.kind == "dataset"
     assert len({p.source.fingerprint for p in prepared.values()}) == len(FORMATS)  # each a cache of its own...
@@ -162,7 +162,7 @@ def glue_config(folder: Path, task: str, cache_dir: Path, **extra):
 @pytest.mark.parametrize("name", list(TASKS))
 def test_a_glue_folder_reads_into_texts_and_labels(name, glue_folders, cache_dir):
     folder, written = glue_folders[name]
-    raw, task, source = load_task(glue_config(folder, name, cache_dir))
+    raw, task, source = load_task_of(glue_config(folder, name, cache_dir))
     glue = TASKS[name]
     assert source.kind == "glue" and task.name == task.metric == name
     assert set(raw) == set(written) == set(split_files(name))
@@ -335,7 +335,7 @@ def test_bad_input_is_one_line_naming_file_row_and_what_is_valid(tmp_path, cache
     given = [f"train_file={paths['train']}"] if "train" in paths else []
     config = load_config(RECIPE, tiny(cache_dir, validation_file=paths["dev"]) + given + overrides)
     with pytest.raises(UserError) as error:
-        load_task(config)
+        load_task_of(config)
     assert re.search(message, str(error.value)) and "\n" not in str(error.value), str(error.value)
 
 
@@ -393,7 +393,7 @@ def test_non_finite_and_missing_targets_in_json_parquet_and_glue_files(tmp_path,
             pq.write_table(content, path)
         config = load_config(RECIPE, tiny(cache_dir, train_file=path, validation_file=dev))
         with pytest.raises(UserError) as error:
-            load_task(config)
+            load_task_of(config)
         assert str(error.value).startswith(f"{path}{expected} column 'label'"), (name, str(error.value))
     stsb = tmp_path / "stsb"
     write_glue_task(stsb, "stsb")
@@ -401,7 +401,7 @@ def test_non_finite_and_missing_targets_in_json_parquet_and_glue_files(tmp_path,
     lines[3] = "\t".join(lines[3].split("\t")[:-1] + ["nan"])
     write(stsb / "dev.tsv", "\n".join(lines) + "\n")
     with pytest.raises(UserError, match=r"dev\.tsv:4: label 'nan' in column 'score' is not a finite number"):
-        load_task(glue_config(stsb, "stsb", cache_dir))
+        load_task_of(glue_config(stsb, "stsb", cache_dir))
 
 
 def test_whole_number_labels_are_classes_however_written(tmp_path, cache_dir, caplog):
@@ -413,14 +413,14 @@ def test_whole_number_labels_are_classes_however_written(tmp_path, cache_dir, ca
     pq.write_table(pa.table({"sentence": ["a", "b", "c"], "label": [0.0, 1.0, 1.0]}), floats)
     for source in (train, floats):
         with caplog.at_level(logging.INFO, logger="parallel_finetune"):
-            raw, task, _ = load_task(load_config(RECIPE, tiny(cache_dir, train_file=source, validation_file=dev)))
+            raw, task, _ = load_task_of(load_config(RECIPE, tiny(cache_dir, train_file=source, validation_file=dev)))
         assert task.problem_type == "single_label_classification" and task.label_values == ("0", "1"), source
         assert raw["validation"]["label"] == [1, 0]
         assert f"{source}: labels in column 'label' are whole numbers: class ids" in caplog.text
     assert raw["train"]["label"] == [0, 1, 1]
     fraction = write(tmp_path / "scores.csv", "sentence,label\na,0\nb,0.5\n")
     with caplog.at_level(logging.INFO, logger="parallel_finetune"):
-        task = load_task(load_config(RECIPE, tiny(cache_dir, train_file=fraction, validation_file=dev)))[1]
+        task = load_task_of(load_config(RECIPE, tiny(cache_dir, train_file=fraction, validation_file=dev)))[1]
     assert task.problem_type == "regression"
     assert f"{fraction}: labels in column 'label' are numbers, 0.5 ({fraction}:3) with a fraction" in caplog.text
 
@@ -436,14 +436,14 @@ def test_a_semicolon_separated_csv_reads_as_its_comma_twin(tmp_path, cache_dir, 
     for name in ("comma.csv", "semicolon.csv"):
         with caplog.at_level(logging.INFO, logger="parallel_finetune"):
             config = load_config(RECIPE, tiny(cache_dir, train_file=tmp_path / name, validation_file=dev))
-            loaded[name] = load_task(config)[0]["train"].to_dict()
+            loaded[name] = load_task_of(config)[0]["train"].to_dict()
     assert loaded["semicolon.csv"] == loaded["comma.csv"]
     assert loaded["comma.csv"]["text"] == [text for text, _ in rows]
     assert f"{tmp_path / 'semicolon.csv'}: its header line holds no ',' but ';': read as ';'-separated" in caplog.text
     assert "comma.csv: its header" not in caplog.text
     scores = write(tmp_path / "scores.csv", "sentence;label\ngood;4,5\nbad;1\n")  # the decimal comma Excel writes
     with pytest.raises(UserError, match=r"scores\.csv:2: label '4,5' in column 'label' is a number with a decimal "):
-        load_task(load_config(RECIPE, tiny(cache_dir, train_file=scores, validation_file=dev)))
+        load_task_of(load_config(RECIPE, tiny(cache_dir, train_file=scores, validation_file=dev)))
 
 
 def test_the_validation_file_must_not_be_the_training_file(tmp_path, cache_dir):
@@ -452,7 +452,7 @@ def test_the_validation_file_must_not_be_the_training_file(tmp_path, cache_dir):
     for validation in (train, tmp_path / "link.csv"):
         config = load_config(RECIPE, tiny(cache_dir, train_file=train, validation_file=validation))
         with pytest.raises(UserError, match=r"validation_file='\S*' is the train_file: the validation rows would be"):
-            load_task(config)
+            load_task_of(config)
 
 
 @pytest.mark.parametrize(
@@ -467,7 +467,7 @@ def test_the_validation_file_must_not_be_the_training_file(tmp_path, cache_dir):
 )
 def test_a_glue_folder_of_another_task_asks_if_data_dir_is_the_right_one(folder, task, hint, glue_folders, cache_dir):
     with pytest.raises(UserError) as error:
-        load_task(glue_config(glue_folders[folder][0], task, cache_dir))
+        load_task_of(glue_config(glue_folders[folder][0], task, cache_dir))
     assert hint in str(error.value) and f"is data_dir the {task} folder?" in str(error.value), str(error.value)
 
 
@@ -478,12 +478,12 @@ def test_an_empty_test_text_keeps_its_row_and_gets_a_token(sst2, cache_dir, tmp_
         csv.writer(handle).writerows([("sentence", "label"), *sst2_rows(sst2, "train.tsv", 40)])
     write(tmp_path / "test.csv", 'sentence\nfine\n""\n   \nok\n\n')  # the last line is blank: no row
     config = load_config(RECIPE, tiny(cache_dir, train_file=tmp_path / "train.csv", test_file=tmp_path / "test.csv"))
-    test = data.prepare_for_config(config).splits["test"]
+    test = prepare_data(config).splits["test"]
     assert test["index"] == [0, 1, 2, 3] and min(test["length"]) == 1
-    assert load_task(config)[0]["test"]["text"] == ["fine", "", "", "ok"]
+    assert load_task_of(config)[0]["test"]["text"] == ["fine", "", "", "ok"]
     write(tmp_path / "test.jsonl", '{"sentence": "fine"}\n{"sentence": null}\n{"sentence": "ok"}\n')
     config = load_config(RECIPE, tiny(cache_dir, train_file=tmp_path / "train.csv", test_file=tmp_path / "test.jsonl"))
-    assert load_task(config)[0]["test"]["index"] == [0, 1, 2]  # a null text is an empty one, not a dropped row
+    assert load_task_of(config)[0]["test"]["index"] == [0, 1, 2]  # a null text is an empty one, not a dropped row
 
 
 # ----------------------------------------------------------------------------------------------- labels out

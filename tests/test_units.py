@@ -266,15 +266,21 @@ PACKAGE = REPO / "src" / "parallel_finetune"
 THE_LOOP = {"model", "runner", "updates", "trainer", "checkpoint", "checkpointer", "train", "preflight", "selftest"}
 
 
-def package_imports(path) -> set[str]:
+def package_imports(path, types: bool = True) -> set[str]:
     """The package modules `path` imports, anywhere in it (function-level imports too), as dotted names below
-    parallel_finetune ("parallel.zero", "updates"); `from . import x` counts as the module x."""
+    parallel_finetune ("parallel.zero", "updates"); `from . import x` counts as the module x. types=False: only
+    what runs, not the imports under `if TYPE_CHECKING:` (names for annotations)."""
     import ast
     from pathlib import PurePosixPath
 
     package = list(PurePosixPath(path.relative_to(PACKAGE)).parts[:-1])  # where `.` points
+    tree = ast.parse(path.read_text())
+    if not types:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -424,7 +430,8 @@ def test_the_head_kind_is_asked_of_the_task_not_compared_as_a_string():
 
 def test_the_tasks_package_is_a_short_face_over_small_modules():
     """tasks/__init__.py is load_task and the names other modules import; no function in tasks/ runs past 80 lines;
-    tasks/ imports nothing of the package but errors.py (the loop, data.py and predict.py import it, not back)."""
+    tasks/ imports nothing of the package but errors.py (the loop, data.py and predict.py import it, not back), and
+    config.py's sections for their types only (under TYPE_CHECKING: no edge at run time)."""
     import ast
 
     folder = PACKAGE / "tasks"
@@ -436,8 +443,32 @@ def test_the_tasks_package_is_a_short_face_over_small_modules():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80
         ]
         assert not long, f"{path.relative_to(PACKAGE)}: {long}"
-        outside = {name for name in package_imports(path) if name != "errors" and not name.startswith("tasks.")}
+        running = package_imports(path, types=False)
+        outside = {name for name in running if name != "errors" and not name.startswith("tasks.")}
         assert not outside, f"{path.relative_to(PACKAGE)} imports {sorted(outside)}"
+        typed = package_imports(path) - running
+        assert typed <= {"config"}, f"{path.relative_to(PACKAGE)} imports {sorted(typed)} for types"
+
+
+def test_the_data_side_receives_its_sections_not_the_config():
+    """tasks/ and data.py take the sections they read (`data: DataSection`, `model: ModelSection`) and resolved
+    values, keyword-only; none takes the whole Config (only entry points, resolve.py and preflight.py do)."""
+    import ast
+
+    found = []
+    for path in [*(PACKAGE / "tasks").glob("*.py"), PACKAGE / "data.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            where = f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
+            positional = [*node.args.posonlyargs, *node.args.args]
+            for argument in [*positional, *node.args.kwonlyargs]:
+                kind = ast.unparse(argument.annotation) if argument.annotation is not None else None
+                if argument.arg == "config" or kind == "Config":
+                    found.append(f"{where} takes the Config ({argument.arg})")
+                elif kind in ("DataSection", "ModelSection") and argument in positional:
+                    found.append(f"{where}: {argument.arg} is positional")
+    assert not found, found
 
 
 def test_parallel_dims_resolve_each_mode_once_and_answer_by_name():

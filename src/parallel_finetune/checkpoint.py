@@ -204,7 +204,7 @@ def check_resume(config, root: Path) -> None:
 
     folder = _pick(effective_resume(config), root, problem_of)
     if folder is not None:
-        check_continuation(folder, config, data_fingerprint(config))
+        check_continuation(folder, config, data_fingerprint(data=config.data, seed=config.training.seed))
 
 
 def check_continuation(folder: Path, config, data: str | None = None) -> None:

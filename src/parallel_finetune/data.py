@@ -21,10 +21,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from .config import DataSection, ModelSection, TrainingSection
 from .errors import UserError
+from .families.base import Family
 from .hub import resolve_model_path
 from .pretrained import load_hf_tokenizer
-from .resolve import pretrained_name
 from .runfolder import check_writable
 from .tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from .tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
@@ -34,38 +35,18 @@ log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"
 
 
-def load_raw(config) -> tuple[datasets.DatasetDict, Task, Source]:
+def load_raw(
+    *, data: DataSection, model: ModelSection, seed: int, predict: bool
+) -> tuple[datasets.DatasetDict, Task, Source]:
     """The run's splits (columns text[, text_pair][, label], index), its Task and where the rows came from."""
-    return load_task(config)
+    return load_task(data=data, model=model, seed=seed, predict=predict)
 
 
 def read_glue_dir(data_dir: str | Path, glue_task: str = "sst2") -> datasets.DatasetDict:
     """A GLUE task's folder as splits (columns text[, text_pair], label, index): for scripts and tests that want
-    the sentences."""
-    from types import SimpleNamespace
-
-    settings = dict(DATA_DEFAULTS, glue_task=glue_task, data_dir=str(data_dir))
-    return load_task(SimpleNamespace(**settings))[0]
-
-
-# What load_task reads of a Config, at their defaults (read_glue_dir needs no Config).
-DATA_DEFAULTS = dict(
-    train_file=None,
-    validation_file=None,
-    test_file=None,
-    dataset=None,
-    dataset_config=None,
-    glue_task="sst2",
-    data_dir=None,
-    text_column=None,
-    text_pair_column=None,
-    label_column="label",
-    validation_split_percentage=10.0,
-    seed=42,
-    task="classification",
-    num_labels=None,
-    problem_type="auto",
-)
+    the sentences (every other key at its default)."""
+    section = DataSection(glue_task=glue_task, data_dir=str(data_dir))
+    return load_task(data=section, model=ModelSection(), seed=TrainingSection().seed, predict=False)[0]
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -309,34 +290,40 @@ class PreparedData:
 
 
 def prepare(
-    config,
-    model_name: str,
-    tiny_tokenizer: str = "bpe",
-    token_types: bool = False,
+    *,
+    data: DataSection,
+    model: ModelSection,
+    family: Family,
+    model_name: str | None,
+    seed: int,
+    predict: bool,
 ) -> PreparedData:
-    """Load (or build and cache) the tokenized splits of `config`'s data (tasks.load_task reads it); `model_name`:
-    where the pretrained tokenizer is; `token_types`: pairs get the tokenizer's template and token type ids (BERT).
-    Safe to call on one rank while others wait."""
-    cache_dir = Path(config.cache_dir)
+    """Load (or build and cache) the tokenized splits of the run's data (`data` and the task keys of `model`:
+    tasks.load_task reads them; `seed` draws a held-out validation split, `predict` needs a test split).
+    `model_name`: where the pretrained tokenizer is (resolve.pretrained_name or its local folder; None at
+    size=tiny); `family`: the tokenizer a tiny model learns, and whether pairs get the tokenizer's template and
+    token type ids (BERT). Safe to call on one rank while others wait."""
+    token_types = family.pair_token_types
+    cache_dir = Path(data.cache_dir)
     check_writable(cache_dir, "cache_dir")
-    raw, task, source = load_raw(config)
+    raw, task, source = load_raw(data=data, model=model, seed=seed, predict=predict)
     train = raw["train"]
     tokenizer = load_tokenizer(
-        config.tokenizer,
-        config.size,
+        model.tokenizer,
+        model.size,
         model_name,
-        tiny_tokenizer,
-        config.tokenizer_vocab_size,
+        family.tiny_tokenizer,
+        model.tokenizer_vocab_size,
         column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else []),
         source,
         cache_dir,
     )
     check_inserted_tokens(
-        tokenizer, config.tokenizer or model_name, task.head is HeadKind.CAUSAL_LM, task.pair and not token_types
+        tokenizer, model.tokenizer or model_name, task.head is HeadKind.CAUSAL_LM, task.pair and not token_types
     )
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]
-    tokens = f"tok{tokenizer_identity(tokenizer)}-{config.task}-len{config.max_length}"
+    tokens = f"tok{tokenizer_identity(tokenizer)}-{model.task}-len{data.max_length}"
     path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)
@@ -344,9 +331,9 @@ def prepare(
     splits = {}
     for split in raw:
         if task.head is HeadKind.CAUSAL_LM:
-            splits[split] = tokenize_causal_lm(raw[split], tokenizer, config.max_length, split)
+            splits[split] = tokenize_causal_lm(raw[split], tokenizer, data.max_length, split)
         else:
-            splits[split] = tokenize_classification(raw[split], tokenizer, config.max_length, split, token_types)
+            splits[split] = tokenize_classification(raw[split], tokenizer, data.max_length, split, token_types)
     tokenized = datasets.DatasetDict(splits)
 
     def save(folder: Path) -> None:
@@ -356,15 +343,6 @@ def prepare(
 
     _save_atomically(path, save)
     return load_prepared(path, source)
-
-
-def prepare_for_config(config, model_path: str | None = None) -> PreparedData:
-    """`prepare` with a run's Config (the trainer and scripts/prepare_data.py share it); `model_path`: the
-    pretrained model's local folder when the caller fetched it already."""
-    from .families import get_family
-
-    family = get_family(config.family)
-    return prepare(config, model_path or pretrained_name(config), family.tiny_tokenizer, family.pair_token_types)
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:

@@ -141,14 +141,17 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     resolve_device(config.device)
     task = None  # known before the launch for local rows only
     if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
-        raw, task, source = load_raw(config)  # local rows: columns, labels and splits checked now, not after the launch
+        # local rows: columns, labels and splits checked now, not after the launch
+        raw, task, source = load_raw(
+            data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict
+        )
         data = source.description
         if task.head is HeadKind.CLASSIFICATION and len(raw["train"]) < config.batch_size:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
             )
     else:  # rows from the Hub: whether the run can have them (nothing is downloaded here)
-        data = check_hub_data(config)
+        data = check_hub_data(data=config.data)
     check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
     output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
     check_writable(output_dir, "output_dir")

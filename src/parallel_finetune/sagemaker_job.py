@@ -335,6 +335,7 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     The job finds the cache because its key hashes the files' names and bytes and the tokenizer, not their paths:
     files keep their names here (one that shares another's name goes into a folder named for its split)."""
     from . import data
+    from .families import get_family
     from .tasks.glue import TASKS
     from .tasks.sources import glue_folder_files
 
@@ -349,7 +350,14 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
         raise UserError(f"a SageMaker job trains on rows shipped from this machine; {wanted}, or train_file=PATH")
     # read and tokenized from the user's paths (a bad row names the user's file); the cache made by an earlier run
     # or `make data` is reused as is
-    prepared = data.prepare_for_config(config)
+    prepared = data.prepare(
+        data=config.data,
+        model=config.model,
+        family=get_family(config.family),
+        model_name=pretrained_name(config),
+        seed=config.training.seed,
+        predict=config.output.predict,
+    )
     folder.mkdir(parents=True)
     staged: dict[str, str] = {}
     if config.train_file:
@@ -500,7 +508,7 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = bool(config.model.model and config.model.startswith("s3://"))
+    model_is_s3 = bool(config.model.model and config.model.model.startswith("s3://"))
     if model_is_s3:
         split_s3_uri(config.model.model)
     elif config.model.model and Path(config.model.model).expanduser().is_dir():

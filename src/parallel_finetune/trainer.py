@@ -148,7 +148,16 @@ class Trainer:
         mine: list[data_module.PreparedData] = []
 
         def prepare_on_rank0():
-            mine.append(data_module.prepare_for_config(config, self.model_path))
+            mine.append(
+                data_module.prepare(
+                    data=config.data,
+                    model=config.model,
+                    family=self.resolved.family,
+                    model_name=self.model_path or self.resolved.model_name,
+                    seed=config.training.seed,
+                    predict=config.output.predict,
+                )
+            )
             return str(mine[0].cache_path), mine[0].source
 
         # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.

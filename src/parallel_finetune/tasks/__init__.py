@@ -1,4 +1,4 @@
-"""What a run learns. The rest of the package sees the result: `load_task(config)` -> the splits (columns
+"""What a run learns. The rest of the package sees the result: `load_task(data=..., model=...)` -> the splits (columns
 `text`[, `text_pair`][, `label`], `index`), a Task (task.py: targets, head kind, metric, labels.json) and a Source.
 Inside: sources.py reads the rows (files.py's formats, glue.py's tasks, a datasets folder, the Hub), columns.py
 chooses the columns and defines the Task, labels.py reads the labels. Every problem is one line naming file and row.
@@ -7,6 +7,7 @@ chooses the columns and defines the Task, labels.py reads the labels. Every prob
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import datasets
 
@@ -16,21 +17,27 @@ from .glue import TASKS  # noqa: F401  (the face: what other modules import)
 from .sources import SAMPLE_DIR, Source, carved_fingerprint, check_hub_data, data_fingerprint, read_sources  # noqa: F401
 from .task import LABEL_FILE, HeadKind, Task, read_label_file, write_label_file  # noqa: F401
 
+if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
+    from ..config import DataSection, ModelSection
+
 log = logging.getLogger(__name__)
 
 
-def load_task(config) -> tuple[datasets.DatasetDict, Task, Source]:
-    """The run's splits, its Task and where the rows came from; every problem is one line naming file and row."""
-    tables, source, glue = read_sources(config)
-    task, text, pair, label = define_task(config, tables, glue)
-    if getattr(config, "predict", False) and not task.test_splits:  # refused now, not after the training it follows
+def load_task(
+    *, data: DataSection, model: ModelSection, seed: int, predict: bool
+) -> tuple[datasets.DatasetDict, Task, Source]:
+    """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
+    `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
+    tables, source, glue = read_sources(data=data)
+    task, text, pair, label = define_task(tables, glue, data=data, model=model)
+    if predict and not task.test_splits:  # refused now, not after the training it follows
         if task.head is HeadKind.CAUSAL_LM:
             raise UserError("predict=true: a task=causal_lm run predicts no test split; drop predict")
         raise UserError(
             "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
         )
     if "validation" not in tables:
-        percentage, seed = config.validation_split_percentage, config.seed
+        percentage = data.validation_split_percentage
         tables["train"], tables["validation"] = carve_validation(tables["train"], percentage, seed)
         held, rows = len(tables["validation"]), len(tables["validation"]) + len(tables["train"])
         log.info(
@@ -40,7 +47,8 @@ def load_task(config) -> tuple[datasets.DatasetDict, Task, Source]:
             percentage,
             seed,
         )
-        source = Source(source.kind, source.description, carved_fingerprint(source.fingerprint, config))
+        carved = carved_fingerprint(source.fingerprint, validation_split_percentage=percentage, seed=seed)
+        source = Source(source.kind, source.description, carved)
     splits = {}
     for split, table in tables.items():
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):

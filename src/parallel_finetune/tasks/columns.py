@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from .files import Table, check_text
 from .glue import GlueTask
 from .labels import check_label, infer_problem_type, label_ids, shown, user_labels
 from .task import REGRESSION, HeadKind, Task
+
+if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
+    from ..config import DataSection, ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +43,8 @@ def _column(table: Table, key: str, name: str | None, needed_for: str) -> str:
     return name
 
 
-def _user_columns(config, train: Table, head: HeadKind) -> tuple[str, str | None, str | None]:
-    text = config.text_column
+def _user_columns(train: Table, head: HeadKind, *, data: DataSection) -> tuple[str, str | None, str | None]:
+    text = data.text_column
     if text is None:
         text = next((name for name in TEXT_COLUMNS if name in train.columns), None)
         if text is None:
@@ -49,13 +53,13 @@ def _user_columns(config, train: Table, head: HeadKind) -> tuple[str, str | None
                 f"{', '.join(train.columns)}{_separator_hint(train)}"
             )
     _column(train, "text_column", text, "")
-    pair = config.text_pair_column
+    pair = data.text_pair_column
     if pair is None and text in PAIR_OF and PAIR_OF[text] in train.columns:
         pair = PAIR_OF[text]
     _column(train, "text_pair_column", pair, "")
     label = None
     if head is HeadKind.CLASSIFICATION:
-        label = config.label_column
+        label = data.label_column
         _column(train, "label_column", label, "; set label_column= the column holding the labels")
     used = [(key, name) for key, name in (("text_column", text), ("text_pair_column", pair), ("label_column", label))]
     for number, (key, name) in enumerate(used):
@@ -68,38 +72,51 @@ def _user_columns(config, train: Table, head: HeadKind) -> tuple[str, str | None
     return text, pair, label
 
 
-def define_task(config, tables: dict[str, Table], glue: GlueTask | None) -> tuple[Task, str, str | None, str | None]:
-    """The Task and the (text, pair, label) columns of the sources. The recipe's `task:` key (the head) is read
-    here, once: every later component asks the Task."""
+def define_task(
+    tables: dict[str, Table], glue: GlueTask | None, *, data: DataSection, model: ModelSection
+) -> tuple[Task, str, str | None, str | None]:
+    """The Task and the (text, pair, label) columns of the sources (`data` names the user's columns). The recipe's
+    `task:` key (the head, `model.task`) is read here, once: every later component asks the Task."""
     train = tables["train"]
     if not len(train):
         raise UserError(f"{train.where}: no data rows (the train split is empty)")
-    head = HeadKind(config.task)
+    head = HeadKind(model.task)
     tests = tuple(s for s in tables if s.startswith("test"))
     validations = tuple(s for s in tables if s.startswith("validation")) or ("validation",)
     if glue is not None:
         if head is HeadKind.CAUSAL_LM:
             return Task.language_model(glue.name, glue.text, validations[:1]), glue.text, None, None
         task = Task.of_glue(glue, validations, tests)
-        if config.num_labels not in (None, task.num_labels):
-            raise UserError(f"num_labels={config.num_labels}: GLUE {glue.name} has {task.num_labels}; drop num_labels")
-        if config.problem_type not in ("auto", task.problem_type):
+        if model.num_labels not in (None, task.num_labels):
+            raise UserError(f"num_labels={model.num_labels}: GLUE {glue.name} has {task.num_labels}; drop num_labels")
+        if model.problem_type not in ("auto", task.problem_type):
             raise UserError(
-                f"problem_type={config.problem_type}: GLUE {glue.name} is {task.problem_type}; drop problem_type"
+                f"problem_type={model.problem_type}: GLUE {glue.name} is {task.problem_type}; drop problem_type"
             )
         return task, glue.text, glue.text_pair, glue.label
-    text, pair, label = _user_columns(config, train, head)
+    text, pair, label = _user_columns(train, head, data=data)
     if head is HeadKind.CAUSAL_LM:
         return Task.language_model("custom", text), text, None, None
-    return _user_task(config, train, tests, text, pair, label), text, pair, label
+    task = _user_task(train, tests, text, pair, label, num_labels=model.num_labels, problem_type=model.problem_type)
+    return task, text, pair, label
 
 
-def _user_task(config, train: Table, tests: tuple[str, ...], text: str, pair: str | None, label: str) -> Task:
-    """A classification head's Task over the user's own rows: classes or a regression, as the labels say."""
+def _user_task(
+    train: Table,
+    tests: tuple[str, ...],
+    text: str,
+    pair: str | None,
+    label: str,
+    *,
+    num_labels: int | None,
+    problem_type: str,
+) -> Task:
+    """A classification head's Task over the user's own rows: classes or a regression, as the labels say (or
+    `problem_type`, the recipe's, when not auto; `num_labels`: the recipe's head width, None to infer it)."""
     for row, value in enumerate(train.columns[label]):  # before the labels decide the problem type
         check_label(train, row, label, value)
-    problem = infer_problem_type(config, train, label)
-    names, values = ((), ()) if problem == REGRESSION else user_labels(config, train, label)
+    problem = infer_problem_type(train, label, problem_type=problem_type)
+    names, values = ((), ()) if problem == REGRESSION else user_labels(train, label, num_labels=num_labels)
     if problem != REGRESSION and len(names) < 2:
         raise UserError(
             f"{train.where}: column {label!r} holds one label ({', '.join(names)}); classification needs two or more"

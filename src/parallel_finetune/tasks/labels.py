@@ -80,12 +80,12 @@ def shown(value) -> str:
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
-def infer_problem_type(config, table: Table, label: str) -> str:
-    """regression when asked, or when every training label is a number and one of them has a fraction; whole
-    numbers (`1`, `1.0`: pandas writes a 0/1 column with a missing value as floats) are class ids. Says which in
-    the log, and why."""
-    if config.problem_type != "auto":
-        return config.problem_type
+def infer_problem_type(table: Table, label: str, *, problem_type: str) -> str:
+    """`problem_type` (the recipe's) unless auto; else regression when every training label is a number and one
+    of them has a fraction; whole numbers (`1`, `1.0`: pandas writes a 0/1 column with a missing value as floats)
+    are class ids. Says which in the log, and why."""
+    if problem_type != "auto":
+        return problem_type
     values = table.columns[label]
     numbers = [as_number(v) for v in values]
     if any(n is None for n in numbers):
@@ -118,26 +118,24 @@ def infer_problem_type(config, table: Table, label: str) -> str:
     return CLASSIFICATION
 
 
-def user_labels(config, train: Table, label: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def user_labels(train: Table, label: str, *, num_labels: int | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(names, values) by id: the sorted distinct training labels (whole numbers as numbers: `1`, `01` and `1.0`
     are one label, `1`), or ids 0..num_labels-1 when num_labels is given and the labels are those ids."""
     values = train.columns[label]
     wholes = [as_whole(as_number(v)) for v in values]
     if all(n is not None for n in wholes):
         distinct = sorted(set(wholes))
-        if config.num_labels:
-            bad = next((i for i, n in enumerate(wholes) if not 0 <= n < config.num_labels), None)
+        if num_labels:
+            bad = next((i for i, n in enumerate(wholes) if not 0 <= n < num_labels), None)
             if bad is not None:
-                raise UserError(
-                    f"{train.at(bad)}: label {wholes[bad]} is not an id below num_labels={config.num_labels}"
-                )
-            distinct = list(range(config.num_labels))
+                raise UserError(f"{train.at(bad)}: label {wholes[bad]} is not an id below num_labels={num_labels}")
+            distinct = list(range(num_labels))
         texts = tuple(str(n) for n in distinct)
         return texts, texts
     distinct = sorted({label_text(v) for v in values})
-    if config.num_labels and config.num_labels != len(distinct):
+    if num_labels and num_labels != len(distinct):
         raise UserError(
-            f"num_labels={config.num_labels}, but {train.where} has {len(distinct)} distinct labels "
+            f"num_labels={num_labels}, but {train.where} has {len(distinct)} distinct labels "
             f"({', '.join(distinct[:10])}{', ...' if len(distinct) > 10 else ''}); drop num_labels to infer it"
         )
     return tuple(distinct), tuple(distinct)

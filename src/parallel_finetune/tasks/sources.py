@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 
@@ -22,6 +23,9 @@ from ..errors import UserError
 from . import files
 from .files import Table, read_dataset, read_delimited, read_file
 from .glue import TASKS, GlueTask
+
+if TYPE_CHECKING:  # the section's type only: at run time tasks/ imports nothing of the package but errors.py
+    from ..config import DataSection
 
 log = logging.getLogger(__name__)
 
@@ -85,36 +89,44 @@ def read_glue_folder(task: GlueTask, folder: Path) -> dict[str, Table]:
     return tables
 
 
-def _user_files(config) -> list[Path]:
-    keys = ("train_file", "validation_file", "test_file")
-    return [Path(getattr(config, key)).expanduser().resolve() for key in keys if getattr(config, key)]
+def _user_files(*, data: DataSection) -> list[Path]:
+    given = (data.train_file, data.validation_file, data.test_file)
+    return [Path(path).expanduser().resolve() for path in given if path]
 
 
-def _files_fingerprint(config) -> str:
-    given = "|".join(f"{key}={'given' if getattr(config, key) else ''}" for key in ("validation_file", "test_file"))
-    return "files-" + _fingerprint(_user_files(config), given)
+def _files_fingerprint(*, data: DataSection) -> str:
+    given = "|".join(
+        f"{key}={'given' if path else ''}"
+        for key, path in (("validation_file", data.validation_file), ("test_file", data.test_file))
+    )
+    return "files-" + _fingerprint(_user_files(data=data), given)
 
 
-def carved_fingerprint(fingerprint: str, config) -> str:
+def carved_fingerprint(fingerprint: str, *, validation_split_percentage: float, seed: int) -> str:
     """A fingerprint that also names the held-out validation rows (which depend on the percentage and seed)."""
-    return f"{fingerprint}-val{config.validation_split_percentage:g}s{config.seed}"
+    return f"{fingerprint}-val{validation_split_percentage:g}s{seed}"
 
 
-def data_fingerprint(config) -> str | None:
-    """The fingerprint a run on `config`'s data records in its checkpoints (Source.fingerprint), from the files
-    alone, without parsing them: what --check compares before a run continues. None for a Hub data set (its rows
-    are fingerprinted once the run loads them)."""
-    if config.train_file:
-        fingerprint = _files_fingerprint(config)
-        return fingerprint if config.validation_file else carved_fingerprint(fingerprint, config)
-    if config.dataset:
-        folder = Path(config.dataset).expanduser()
+def data_fingerprint(*, data: DataSection, seed: int) -> str | None:
+    """The fingerprint a run on `data` (with `seed`, which draws a held-out validation split) records in its
+    checkpoints (Source.fingerprint), from the files alone, without parsing them: what --check compares before a
+    run continues. None for a Hub data set (its rows are fingerprinted once the run loads them)."""
+    percentage = data.validation_split_percentage
+    if data.train_file:
+        fingerprint = _files_fingerprint(data=data)
+        if data.validation_file:
+            return fingerprint
+        return carved_fingerprint(fingerprint, validation_split_percentage=percentage, seed=seed)
+    if data.dataset:
+        folder = Path(data.dataset).expanduser()
         if not folder.is_dir():
             return None
-        tables, source = _dataset_tables(config.dataset, config.dataset_config)
-        return source.fingerprint if "validation" in tables else carved_fingerprint(source.fingerprint, config)
-    if config.data_dir:
-        return glue_fingerprint(config.glue_task, config.data_dir)
+        tables, source = _dataset_tables(data.dataset, data.dataset_config)
+        if "validation" in tables:
+            return source.fingerprint
+        return carved_fingerprint(source.fingerprint, validation_split_percentage=percentage, seed=seed)
+    if data.data_dir:
+        return glue_fingerprint(data.glue_task, data.data_dir)
     return None
 
 
@@ -179,11 +191,11 @@ def _glue_hub_tables(task: GlueTask, hub) -> dict[str, Table]:
     return tables
 
 
-def _refuse_training_on_validation(config) -> None:
+def _refuse_training_on_validation(*, data: DataSection) -> None:
     """validation_file naming train_file's file (by any path): the model would be scored on rows it trained on."""
-    if not config.validation_file:
+    if not data.validation_file:
         return
-    train, validation = (Path(getattr(config, key)).expanduser() for key in ("train_file", "validation_file"))
+    train, validation = (Path(path).expanduser() for path in (data.train_file, data.validation_file))
     try:
         same = train.resolve() == validation.resolve() or os.path.samefile(train, validation)
     except OSError:  # a file that is not there: read_file names it
@@ -202,49 +214,52 @@ def _glue_unreachable(task: GlueTask, problem: str) -> UserError:
     )
 
 
-def _refuse_files_without_train(config) -> None:
-    if config.validation_file or config.test_file:
+def _refuse_files_without_train(*, data: DataSection) -> None:
+    if data.validation_file or data.test_file:
         raise UserError("validation_file and test_file need train_file (the rows to train on); set train_file=PATH")
 
 
-def check_hub_data(config) -> str:
+def check_hub_data(*, data: DataSection) -> str:
     """What --check says of rows a run fetches from the Hub (no train_file, data_dir, or dataset folder): a
     description of them, or one line why the run cannot have them (one quick request online; offline, the local
     Hub cache decides, read without fetching anything). Nothing is downloaded."""
-    _refuse_files_without_train(config)
-    if config.dataset:
-        _refuse_file_as_dataset(config.dataset)
-    name, subset = (config.dataset, config.dataset_config) if config.dataset else (HUB_GLUE, config.glue_task)
+    _refuse_files_without_train(data=data)
+    if data.dataset:
+        _refuse_file_as_dataset(data.dataset)
+    name, subset = (data.dataset, data.dataset_config) if data.dataset else (HUB_GLUE, data.glue_task)
     problem = hub_unreachable(name)
     if problem is None and _offline():
         problem = _hub_dataset(name, subset)[1]
     where = f"Hub {name}" + (f"/{subset}" if subset else "")
     if problem is None:
         return where
-    if config.dataset:
+    if data.dataset:
         raise _dataset_unloadable(name, problem)
-    if config.glue_task != "sst2":
-        raise _glue_unreachable(TASKS[config.glue_task], problem)
+    if data.glue_task != "sst2":
+        raise _glue_unreachable(TASKS[data.glue_task], problem)
     return f"the small shipped SST-2 sample {SAMPLE_DIR}, NOT SST-2 (the Hub is unreachable: {problem})"
 
 
-def read_sources(config) -> tuple[dict[str, Table], Source, GlueTask | None]:
+def read_sources(*, data: DataSection) -> tuple[dict[str, Table], Source, GlueTask | None]:
     """The splits as tables (train, validation[_mismatched], test[_mismatched]), where they came from, and the GLUE
     task they are (None: the user's own files or data set)."""
-    if config.train_file:
-        _refuse_training_on_validation(config)
-        tables = {"train": read_file(config.train_file, "train_file")}
-        for split, key in (("validation", "validation_file"), ("test", "test_file")):
-            if getattr(config, key):
-                tables[split] = read_file(getattr(config, key), key)
-        paths = _user_files(config)
-        return tables, Source("files", ", ".join(map(str, paths)), _files_fingerprint(config)), None
-    _refuse_files_without_train(config)
-    if config.dataset:
-        return (*_dataset_tables(config.dataset, config.dataset_config), None)
-    task = TASKS[config.glue_task]
-    if config.data_dir:
-        folder = Path(config.data_dir).expanduser().resolve()
+    if data.train_file:
+        _refuse_training_on_validation(data=data)
+        tables = {"train": read_file(data.train_file, "train_file")}
+        for split, key, path in (
+            ("validation", "validation_file", data.validation_file),
+            ("test", "test_file", data.test_file),
+        ):
+            if path:
+                tables[split] = read_file(path, key)
+        paths = _user_files(data=data)
+        return tables, Source("files", ", ".join(map(str, paths)), _files_fingerprint(data=data)), None
+    _refuse_files_without_train(data=data)
+    if data.dataset:
+        return (*_dataset_tables(data.dataset, data.dataset_config), None)
+    task = TASKS[data.glue_task]
+    if data.data_dir:
+        folder = Path(data.data_dir).expanduser().resolve()
         tables = read_glue_folder(task, folder)
         return tables, Source("glue", f"{folder} (GLUE {task.name})", glue_fingerprint(task.name, folder)), task
     hub, problem = _hub_dataset(HUB_GLUE, task.name)
