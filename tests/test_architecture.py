@@ -1,0 +1,108 @@
+"""The import graph as docs/architecture.md draws it: every import of src/ (function-level ones too) points down
+its layers or stays in its layer, and the graph has no cycle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "src" / "parallel_finetune"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py") if module_name(path)}
+
+
+def imported(path: Path) -> set[str]:
+    """The package modules `path` imports anywhere in it; `from . import x` and `from .x import y` name the module
+    x (or its package when y is no module)."""
+    package = list(path.relative_to(PACKAGE).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "parallel_finetune":
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                name = ".".join([*base, alias.name])
+                found.add(name if name in MODULES else ".".join(base))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("parallel_finetune.")}
+    return {name for name in found if name in MODULES} - {module_name(path)}
+
+
+GRAPH = {name: imported(path) for name, path in MODULES.items()}
+
+
+def documented_layers() -> dict[str, int]:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"## Import graph and words\n.*?```text\n(.*?)```", page, re.S).group(1)
+    layers, layer = {}, None
+    for line in block.splitlines():
+        head = re.match(r"(\d+) [^:]+:", line)
+        if head:
+            layer = int(head.group(1))
+            line = line[head.end() :]
+        for name in line.split():
+            assert name not in layers, f"{name} is in two layers of docs/architecture.md"
+            layers[name] = layer
+    return layers
+
+
+def test_the_documented_layers_name_every_module_once():
+    layers = documented_layers()
+    assert set(layers) == set(MODULES), (
+        f"missing from docs/architecture.md: {sorted(set(MODULES) - set(layers))}; "
+        f"no such module: {sorted(set(layers) - set(MODULES))}"
+    )
+
+
+def test_every_import_points_down_the_layers_or_stays_in_its_layer():
+    layers = documented_layers()
+    upward = [
+        f"{module} (layer {layers[module]}) imports {target} (layer {layers[target]})"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if layers[target] > layers[module]
+    ]
+    assert not upward, upward
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_walk_sees_function_level_imports_and_upward_edges(tmp_path):
+    """The walker itself: an import inside a function counts (that is how the last circle hid)."""
+    source = "def later():\n    from .checkpoint import save\n    from . import trainer\n"
+    path = PACKAGE / "runfolder.py"
+    edges = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            edges |= {node.module or a.name for a in node.names}
+    assert edges == {"checkpoint", "trainer"} and "checkpoint" in imported(PACKAGE / "checkpointer.py")
+    assert imported(path) == GRAPH["runfolder"]
