@@ -20,6 +20,7 @@ import trainer_vs_hf  # noqa: E402
 import transformers  # noqa: E402
 
 from parallel_finetune import data  # noqa: E402
+from parallel_finetune.builder import RunBuilder  # noqa: E402
 from parallel_finetune.config import load_config  # noqa: E402
 from parallel_finetune.trainer import Trainer  # noqa: E402
 
@@ -48,8 +49,7 @@ def main() -> int:
     )
     prof = profile(activities=[ProfilerActivity.CPU])
     if which == "ours":
-        trainer = Trainer(config)
-        trainer.setup()
+        trainer = Trainer(RunBuilder(config).build())
         trainer.model.train()
         batches = trainer.batches.epoch(0)
         for batch in batches[:12]:
