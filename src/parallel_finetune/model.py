@@ -149,15 +149,12 @@ def load_model(
             parallel.lora = lora.apply_lora(model, family, settings, None)
             parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
     materialize(model, device)
+    source, dtypes = None, []
     if weights is not None:
         load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
-        weights.close()
+        source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
+        weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
-    source, dtypes = (
-        (weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes()))
-        if weights
-        else (None, [])
-    )
     loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
     seconds = time.perf_counter() - started
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
