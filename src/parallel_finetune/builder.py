@@ -260,7 +260,7 @@ class RunBuilder:
         ready = load_model(
             family, config.task, hf_config, self.model_path, seed=config.seed, config=built, placement=placement
         )
-        log_loaded(ready, family, hf_config, built, placement)
+        log_loaded(ready, family, built, placement)
         model, precision = ready.model, resolved.precision
         if config.engine == "deepspeed":
             from .parallel.deepspeed_engine import DeepSpeedUpdates

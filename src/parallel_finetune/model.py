@@ -108,7 +108,7 @@ def load_model(
     `config` also says peft=lora (adapters planned, initialised from the seed). `from_checkpoint`: a run's
     checkpoint supplies the values, read on top by checkpoint.py (as resume does, with everything else it holds):
     the base is read here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated
-    only. Quiet: a run logs what was loaded with `log_loaded`."""
+    only. Quiet but for a run's tiny model's size: a run logs what was loaded with `log_loaded`."""
     seed_everything(seed)  # identical initialisation on every rank and in every layout
     device = placement.layout.device if placement is not None else torch.device("cpu")
     started, before = time.perf_counter(), peak_memory_mib(device)
@@ -120,6 +120,9 @@ def load_model(
         weights, model, aliases, whole_plan = plan_whole(family, task, hf_config, pretrained)
     new = NewWeights(model, list(whole_plan.new), seed)
     total = sum(p.numel() for p in model.parameters())
+    if placement is not None and config.size == "tiny":  # here, before parallelize says how it split the model
+        dimensions = ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items())
+        log.info("model: tiny %s from config (%s), %.2fM parameters", family.name, dimensions, total / 1e6)
     shapes, adapters = parameter_shapes(model), {}
     if settings is not None:
         lora.check_targets(model, family, settings)
@@ -160,17 +163,10 @@ def load_model(
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
 
 
-def log_loaded(ready: ReadyModel, family: Family, hf_config, config, placement: Placement) -> None:
-    """A run's lines about its model: a tiny one's size, or a full-size one's source, dtypes, load time and
-    peak, and what was new or not used; LoRA's adapters and trainable share."""
+def log_loaded(ready: ReadyModel, family: Family, config, placement: Placement) -> None:
+    """A run's lines about its loaded model: a full-size one's source, dtypes, load time and peak, and what was
+    new or not used; LoRA's adapters and trainable share."""
     loaded, shapes, precision = ready.loaded, ready.parameter_shapes, placement.precision
-    if config.size == "tiny":
-        log.info(
-            "model: tiny %s from config (%s), %.2fM parameters",
-            family.name,
-            ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
-            loaded.parameters / 1e6,
-        )
     if config.offload_activations and placement.layout.device.type == "cpu":
         log.warning(
             "offload_activations=true has no effect on a CPU run: activations already live in CPU "
