@@ -125,6 +125,7 @@ class RunBuilder:
             self.run_lock.release()
 
     def build(self) -> RunParts:
+        """Every part of the run, or an error before any work; the run folder is written last (rank 0)."""
         config = self.config
         with self.timer("setup"):
             layout = init_distributed(
