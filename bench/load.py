@@ -41,9 +41,9 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
     import torch
     import torch.distributed as dist
 
+    from parallel_finetune.builder import RunBuilder
     from parallel_finetune.hardware import peak_memory_mib
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import Trainer
 
     config = load_config(
         None,
@@ -60,11 +60,10 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
         ],
     )
     if mode == "after":
-        trainer = Trainer(config)
-        trainer.setup()
-        ready = trainer.ready
+        parts = RunBuilder(config).build()
+        ready = parts.ready
         before, after, seconds = ready.memory_before_load_mib, ready.load_peak_mib, ready.load_seconds
-        layout = trainer.layout
+        layout = parts.layout
     else:
         from transformers import AutoModelForSequenceClassification
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_vs_hf  # noqa: E402
 import transformers  # noqa: E402
 
+from parallel_finetune.builder import RunBuilder  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.trainer import Trainer  # noqa: E402
 
@@ -47,8 +48,7 @@ def main() -> int:
     )
     prof = profile(activities=[ProfilerActivity.CPU])
     if which == "ours":
-        trainer = Trainer(config)
-        trainer.setup()
+        trainer = Trainer(RunBuilder(config).build())
         trainer.model.train()
         batches = trainer.batches.epoch(0)
         for batch in batches[:12]:

@@ -26,6 +26,7 @@ RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 def worker(argv: list[str]) -> None:
     import torch
 
+    from parallel_finetune.builder import RunBuilder
     from parallel_finetune.resolve import load_config
     from parallel_finetune.trainer import Trainer
 
@@ -43,8 +44,7 @@ def worker(argv: list[str]) -> None:
             }
             return {k: v.to(self.layout.device) for k, v in batch.items()}
 
-    trainer = FixedLengthTrainer(config)
-    trainer.setup()
+    trainer = FixedLengthTrainer(RunBuilder(config).build())
     trainer.train_lengths = [length] * len(trainer.train_lengths)  # what FLOPs and tokens/s count
     trainer.model.train()
     records = [trainer.train_step(list(range(config.batch_size))) for _ in range(warmup + steps)]
@@ -53,7 +53,7 @@ def worker(argv: list[str]) -> None:
             json.dumps(
                 {
                     "records": records,
-                    "peak_tflops": trainer.peak_tflops,
+                    "peak_tflops": trainer.peak.tflops,
                     "achievable_tflops": trainer.peak.achievable_tflops,
                     "warmup": warmup,
                 }

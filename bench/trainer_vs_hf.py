@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
 from parallel_finetune import data  # noqa: E402
+from parallel_finetune.builder import RunBuilder  # noqa: E402
 from parallel_finetune.evaluation import evaluate  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.hub import download_model  # noqa: E402
@@ -47,8 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def our_run(config) -> dict:
-    trainer = OurTrainer(config)
-    trainer.setup()
+    trainer = OurTrainer(RunBuilder(config).build())
     trainer.fit()
     trainer.reporter.close()
     dev, tokenizer = trainer.data.splits["validation"], trainer.data.tokenizer
@@ -63,7 +63,7 @@ def our_run(config) -> dict:
         "accuracy": results["accuracy"],
         "padding_fraction": padding_fraction(trainer.padding.values()),
         "mfu": None if None in (mfus := [r["mfu"] for r in trainer.history]) else statistics.median(mfus),
-        "peak_tflops": trainer.peak_tflops,  # None: unknown
+        "peak_tflops": trainer.peak.tflops,  # None: unknown
         "achievable_matmul_tflops": trainer.peak.achievable_tflops,
     }
 

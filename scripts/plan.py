@@ -11,7 +11,7 @@ import sys
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import published_models
 from parallel_finetune.hardware import GPUS, INSTANCES
-from parallel_finetune.planner import plan
+from parallel_finetune.planner import Workload, plan
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -64,14 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             args.instance,
             nodes=args.nodes,
             gpu=args.gpu,
-            task=args.task,
-            seq_len=args.max_length,
-            batch_size=args.batch_size,
-            tokens_per_sample=args.tokens_per_sample,
-            padded=args.padded,
-            mfu=args.mfu,
+            workload=Workload(
+                args.task, args.max_length, args.batch_size, args.tokens_per_sample, args.padded, args.mfu, args.lora
+            ),
             runs_today=args.runs_today,
-            lora_rank=args.lora,
         )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

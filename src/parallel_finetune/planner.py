@@ -472,6 +472,21 @@ class Plan:
         ]
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a plan trains: the task, tokens per sequence for memory (`seq_len`), the global batch, real tokens per
+    sample for time (SST-2's mean after dynamic padding; `padded`: every row padded to `seq_len`), the model FLOPs
+    utilisation assumed, and LoRA's rank (0: full fine-tuning)."""
+
+    task: str = "classification"
+    seq_len: int = 128
+    batch_size: int = 32
+    tokens_per_sample: float = 13.4
+    padded: bool = False
+    mfu: float = 0.35
+    lora_rank: int = 0
+
+
 def plan(
     model: str,
     gpus: int | None = None,
@@ -480,26 +495,21 @@ def plan(
     *,
     nodes: int = 1,
     gpu: str | None = None,
-    task: str = "classification",
-    seq_len: int = 128,
-    batch_size: int = 32,
-    tokens_per_sample: float = 13.4,
-    padded: bool = False,
-    mfu: float = 0.35,
+    workload: Workload = Workload(),
     runs_today: bool = False,
-    lora_rank: int = 0,
 ) -> Plan:
-    """Every layout of `model` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with `runs_today` only
-    those the trainer runs now. See the module docstring for the assumptions."""
+    """Every layout of `model` training `workload` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with
+    `runs_today` only those the trainer runs now. See the module docstring for the assumptions."""
     hardware = hardware_for(gpus, gpu_mem_gb, instance, gpu, nodes)
-    seq_len, batch_size = positive_int("seq_len", seq_len), positive_int("batch_size", batch_size)
-    tokens_per_sample = positive_number("tokens_per_sample", tokens_per_sample, "13.4")
+    seq_len, batch_size = positive_int("seq_len", workload.seq_len), positive_int("batch_size", workload.batch_size)
+    tokens_per_sample = positive_number("tokens_per_sample", workload.tokens_per_sample, "13.4")
+    mfu, lora_rank = workload.mfu, workload.lora_rank
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
-    shape = model_shape(model, task)
+    shape = model_shape(model, workload.task)
     if lora_rank:
         shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank))
-    tokens = seq_len if padded else min(tokens_per_sample, seq_len)
+    tokens = seq_len if workload.padded else min(tokens_per_sample, seq_len)
     steps = SST2_TRAIN_SENTENCES // batch_size
     rows = []
     for layout in candidate_layouts(shape, hardware, batch_size):

@@ -1,7 +1,7 @@
 """What a recipe means for this run, decided once: the pretrained model's name, the precision and its dtypes, the
 parallel degrees and the pipeline's micro-batches. The trainer resolves a Config once, after the process group
 exists, and hands these values to the components; `--check` resolves the same way for the layout it would start.
-Only the number of steps waits for the data (Trainer._prepare_data computes it once).
+Only the number of steps waits for the data (RunBuilder._prepare_data, builder.py, computes it once).
 """
 
 from __future__ import annotations

@@ -500,6 +500,46 @@ def training_image(settings: JobSettings) -> str:
     )
 
 
+def _model_is_s3(config) -> bool:
+    """model= an S3 URI (the job reads it as an input channel), else a Hub name; a local folder is refused."""
+    if config.model.model and config.model.startswith("s3://"):
+        split_s3_uri(config.model.model)
+        return True
+    if config.model.model and Path(config.model.model).expanduser().is_dir():
+        raise UserError(
+            f"model={config.model.model!r} is a local folder the job cannot read: upload it "
+            "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME"
+        )
+    return False
+
+
+def _model_trainer(session, settings: JobSettings, base_name: str, code: Path, hyperparameters: dict, environment):
+    """The SDK's ModelTrainer for the job: the staged `code` run by torchrun on every instance's GPUs."""
+    from sagemaker.train import ModelTrainer
+    from sagemaker.train.configs import CheckpointConfig, Compute, OutputDataConfig, SourceCode, StoppingCondition
+    from sagemaker.train.distributed import Torchrun
+
+    return ModelTrainer(
+        sagemaker_session=session,
+        role=settings.role,
+        base_job_name=base_name,
+        training_image=training_image(settings),
+        source_code=SourceCode(source_dir=str(code), requirements="requirements.txt", entry_script="train.py"),
+        distributed=Torchrun(process_count_per_node=settings.gpus_per_instance),
+        compute=Compute(
+            instance_type=settings.instance_type,
+            instance_count=settings.instance_count,
+            volume_size_in_gb=settings.volume_gb,
+        ),
+        stopping_condition=StoppingCondition(max_runtime_in_seconds=int(settings.max_run_hours * 3600)),
+        # No URI: the SDK's default, s3://bucket/prefix/<base name>/<job>/checkpoints.
+        checkpoint_config=CheckpointConfig(s3_uri=settings.checkpoint_s3_uri),
+        output_data_config=OutputDataConfig(s3_output_path=f"s3://{settings.bucket}/{settings.prefix}/output"),
+        hyperparameters=hyperparameters,
+        environment=environment,
+    )
+
+
 def launch(
     recipe: str | Path, overrides: list[str] = (), settings: JobSettings | None = None, wait: bool = False
 ) -> Job:
@@ -508,27 +548,11 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = bool(config.model.model and config.model.model.startswith("s3://"))
-    if model_is_s3:
-        split_s3_uri(config.model.model)
-    elif config.model.model and Path(config.model.model).expanduser().is_dir():
-        raise UserError(
-            f"model={config.model.model!r} is a local folder the job cannot read: upload it "
-            "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME"
-        )
+    model_is_s3 = _model_is_s3(config)
     boto_session = _check_aws(settings)
 
     from sagemaker.core.helper.session_helper import Session
-    from sagemaker.train import ModelTrainer
-    from sagemaker.train.configs import (
-        CheckpointConfig,
-        Compute,
-        InputData,
-        OutputDataConfig,
-        SourceCode,
-        StoppingCondition,
-    )
-    from sagemaker.train.distributed import Torchrun
+    from sagemaker.train.configs import InputData
 
     # The SDK appends a timestamp to this base name; it also names the job's S3 folder.
     base_name = re.sub(r"[^a-zA-Z0-9-]", "-", settings.job_name or config.recipe)[:40].strip("-")
@@ -556,27 +580,7 @@ def launch(
         environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
         if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
             environment.update(EFA_ENVIRONMENT)
-        trainer = ModelTrainer(
-            sagemaker_session=session,
-            role=settings.role,
-            base_job_name=base_name,
-            training_image=training_image(settings),
-            source_code=SourceCode(
-                source_dir=str(tmp / "code"), requirements="requirements.txt", entry_script="train.py"
-            ),
-            distributed=Torchrun(process_count_per_node=settings.gpus_per_instance),
-            compute=Compute(
-                instance_type=settings.instance_type,
-                instance_count=settings.instance_count,
-                volume_size_in_gb=settings.volume_gb,
-            ),
-            stopping_condition=StoppingCondition(max_runtime_in_seconds=int(settings.max_run_hours * 3600)),
-            # No URI: the SDK's default, s3://bucket/prefix/<base name>/<job>/checkpoints.
-            checkpoint_config=CheckpointConfig(s3_uri=settings.checkpoint_s3_uri),
-            output_data_config=OutputDataConfig(s3_output_path=f"{base}/output"),
-            hyperparameters=hyperparameters,
-            environment=environment,
-        )
+        trainer = _model_trainer(session, settings, base_name, tmp / "code", hyperparameters, environment)
         trainer.train(input_data_config=inputs, wait=False, logs=False)
     submitted = trainer._latest_training_job
     job = Job(

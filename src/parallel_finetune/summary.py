@@ -4,13 +4,13 @@ from plain values that the trainer measured, and the closing lines rank 0 logs w
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from .hardware import peak_memory_mib
 from .reporting import format_throughput, package_versions
-from .resolve import pretrained_name
 from .runfolder import write_json
 from .throughput import Peak
 
@@ -30,37 +30,45 @@ def per_rank(value, layout) -> list:
     return values
 
 
-def run_summary(
-    results: dict,
-    config,
-    family,
-    layout,
-    *,
-    data: str,
-    steps: int,
-    history: list[dict],
-    padding: dict[int, list[int]],
-    peak: Peak,
-    precision: str,
-    resumed_from: Path | None,
-    seconds: dict[str, float],
-    load_peak_mib: float,
-    load_seconds: float,
-    state_bytes: dict[str, int] | None,
-    zero_stage: int | None,
-) -> dict:
-    """summary.json's content: `results` (the dev metrics) first, then the run as trained: `history` (the train
-    records), `padding` (epoch -> [real tokens, token slots]), `seconds` per phase, this rank's `state_bytes`
-    and load figures (gathered from every rank: every rank calls it), `zero_stage` (DeepSpeed only)."""
+@dataclass
+class RunRecord:
+    """A trained run's plain values, what summary.json reports: `results` (the dev metrics), `history` (the train
+    records), `padding` (epoch -> [real tokens, token slots]), `seconds` per phase, this rank's `state_bytes` and
+    load figures, `zero_stage` (DeepSpeed only)."""
+
+    results: dict
+    task: str
+    family: str  # its name
+    model: str | None  # "tiny gptj (from config)", or the pretrained model's name
+    engine: str
+    batch_size: int
+    data: str  # the data source's description
+    steps: int
+    history: list[dict]
+    padding: dict[int, list[int]]
+    peak: Peak
+    precision: str
+    resumed_from: Path | None
+    seconds: dict[str, float]
+    load_peak_mib: float
+    load_seconds: float
+    state_bytes: dict[str, int] | None
+    zero_stage: int | None
+
+
+def run_summary(record: RunRecord, layout) -> dict:
+    """summary.json's content: the dev metrics first, then the run as trained; the per-rank figures are gathered
+    from every rank (every rank calls it)."""
+    history, peak, padding = record.history, record.peak, record.padding
     train_seconds = sum(r["step_time_s"] for r in history) or float("nan")
-    samples = len(history) * config.batch_size
+    samples = len(history) * record.batch_size
     return {
-        **results,
-        "task": config.task,
-        "family": family.name,
-        "model": f"tiny {family.name} (from config)" if config.size == "tiny" else pretrained_name(config),
-        "data": data,
-        "steps": steps,
+        **record.results,
+        "task": record.task,
+        "family": record.family,
+        "model": record.model,
+        "data": record.data,
+        "steps": record.steps,
         "skipped_steps": sum(r["skipped"] for r in history),
         "final_loss": history[-1]["loss"] if history else None,
         "train_samples_per_s": samples / train_seconds,
@@ -77,16 +85,16 @@ def run_summary(
         "padding_fraction": padding_fraction(padding.values()),
         "padding_fraction_per_epoch": {epoch: padding_fraction([counts]) for epoch, counts in sorted(padding.items())},
         "layout": layout.describe(),
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "precision": precision,
-        "engine": config.engine,
-        **({"zero_stage": zero_stage} if zero_stage is not None else {}),
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "resumed_from": str(record.resumed_from) if record.resumed_from else None,
+        "precision": record.precision,
+        "engine": record.engine,
+        **({"zero_stage": record.zero_stage} if record.zero_stage is not None else {}),
+        "seconds": {k: round(v, 3) for k, v in record.seconds.items()},
         "peak_memory_mib_per_rank": per_rank(round(peak_memory_mib(layout.device), 1), layout),
         # when the model was ready, before the first step: process peak RSS (CPU) or allocated bytes (CUDA)
-        "load_peak_mib_per_rank": per_rank(round(load_peak_mib, 1), layout),
-        "load_seconds": round(load_seconds, 3),
-        "state_bytes_per_rank": per_rank(state_bytes, layout),
+        "load_peak_mib_per_rank": per_rank(round(record.load_peak_mib, 1), layout),
+        "load_seconds": round(record.load_seconds, 3),
+        "state_bytes_per_rank": per_rank(record.state_bytes, layout),
         "versions": package_versions(),
     }
 

@@ -16,6 +16,8 @@ import torch
 from .families import get_family
 from .precision import DTYPES
 
+WEIGHT_SEED = 0
+
 
 def write_checkpoint(
     folder: Path,
@@ -27,10 +29,10 @@ def write_checkpoint(
     heads: int,
     dtype: str = "float32",
     vocab_size: int = 4096,
-    seed: int = 0,
 ) -> Path:
     """A model folder at `folder` (written to a temporary sibling, then renamed: complete or absent), saved from the
-    family's `synthetic_checkpoint` class and config: a causal LM for the decoders, a bare encoder for BERT."""
+    family's `synthetic_checkpoint` class and config: a causal LM for the decoders, a bare encoder for BERT. The
+    values are drawn from seed `WEIGHT_SEED`: the same arguments give the same folder."""
     from .data import train_tokenizer
 
     model_family = get_family(family)  # an unknown family: one line, before anything is written
@@ -42,7 +44,7 @@ def write_checkpoint(
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(WEIGHT_SEED)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.02, generator=generator)

@@ -6,271 +6,86 @@ Every rank draws the same global batches; each slice's loss is a *sum* divided b
 
 The loop knows two interfaces (`interfaces.py`) and no engine or layout: a runner does a slice's forward and
 backward (`runner.WholeModel`, or the `parallel.pipeline.Pipeline`), the updates turn the gradients into an update
-(`updates.TorchUpdates`, or DeepSpeed's ZeRO: `parallel.deepspeed_engine.DeepSpeedUpdates`).
+(`updates.TorchUpdates`, or DeepSpeed's ZeRO: `parallel.deepspeed_engine.DeepSpeedUpdates`). The Trainer receives
+them, assembled, from builder.py.
 
-`run` is a whole run: Trainer.setup -> Trainer.fit -> evaluate (evaluation.py) -> export_model (export.py) ->
-summary.json (summary.py); the last three are functions of plain inputs, not parts of the trainer.
+`run` is a whole run: RunBuilder.build (builder.py) -> Trainer.fit -> evaluate (evaluation.py) -> export_model
+(export.py) -> summary.json (summary.py); the last three are functions of plain inputs, not parts of the trainer.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import transformers
 
-from . import checkpoint
 from . import data as data_module
+from .builder import RunBuilder, RunParts
 from .checkpoint import TrainingState
 from .checkpointer import CheckpointManager
-from .config import Config, compile_decision
+from .config import Config
 from .divergence import NonFiniteGuard
-from .errors import Interrupted, RankError, UserError
-from .evaluation import evaluate, predict, write_predictions
+from .errors import Interrupted, RankError
+from .evaluation import evaluate, evaluate_all, predict_test
 from .export import export_model
-from .families import get_family
-from .hub import fetch_model
-from .interfaces import Runner, Updates
 from .launch import end_with_launcher
-from .layout import check_batch_split, init_distributed, rank0_decides, shutdown, timed_out
+from .layout import rank0_decides, shutdown, timed_out
 from .loggers import destinations
 from .loss import loss_count
-from .model import load_model
-from .parallel.pipeline import Pipeline, check_microbatches
-from .precision import autocast
-from .preflight import check_heads, check_model_config
-from .reporting import PhaseTimer, Reporter
-from .resolve import resolve
-from .runfolder import RunLock, claim_run_folders, open_run_folder, record_written
-from .runner import WholeModel
-from .summary import run_summary, write_summary
-from .throughput import achieved, device_peak
-from .updates import TorchUpdates
+from .reporting import Reporter
+from .resolve import pretrained_name
+from .runfolder import record_written
+from .summary import RunRecord, run_summary, write_summary
+from .throughput import achieved
 
 log = logging.getLogger(__name__)
 
 
+class StopRequest:
+    """SIGTERM (a spot interruption, `docker stop`): the current step finishes, then every rank checkpoints.
+    Installed as the handler before the run is assembled, so a signal during assembly is not lost."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum=None, frame=None) -> None:
+        self.requested = True
+
+
 class Trainer:
-    """A run's parts, made in `setup` (all of them, or an error), driven by `fit`; every attribute exists after
-    `setup`."""
+    """The loop over a run's parts, assembled by builder.py (`RunParts`): `fit` trains, `train_step` is one
+    update, and a checkpoint is written when due."""
 
-    runner: Runner  # made in _build, like the updates
-    updates: Updates
-
-    def __init__(self, config: Config, after_backward: Callable[[Trainer, int], None] | None = None):
-        self.config = config
-        self.family = get_family(config.family)
+    def __init__(
+        self,
+        parts: RunParts,
+        after_backward: Callable[[Trainer, int], None] | None = None,
+        stop: StopRequest | None = None,
+    ):
+        self.parts = parts
+        self.config, self.family, self.layout, self.timer = parts.config, parts.family, parts.layout, parts.timer
+        self.resolved, self.precision, self.peak = parts.resolved, parts.resolved.precision, parts.peak
+        self.output_dir, self.checkpoint_root, self.data = parts.output_dir, parts.checkpoint_root, parts.data
+        self.train_ids, self.train_lengths = parts.train_ids, parts.train_lengths
+        self.train_labels, self.train_types = parts.train_labels, parts.train_types
+        self.batches, self.steps_per_epoch, self.total_steps = parts.batches, len(parts.batches), parts.total_steps
+        self.ready, self.model, self.updates = parts.ready, parts.model, parts.updates
+        self.runner, self.scheduler = parts.runner, parts.scheduler
+        self.step, self.resumed_from = parts.resumed_step, parts.resumed_from
         self.after_backward = after_backward  # test hook: runs after each step's backward, before the update
-        self.nonfinite = NonFiniteGuard(config.max_nonfinite_steps, config.lr)
-        self.timer = PhaseTimer()
-        self.step = 0
+        self.stop = stop or StopRequest()  # set by SIGTERM: finish the step, checkpoint, exit 0
+        self.nonfinite = NonFiniteGuard(self.config.max_nonfinite_steps, self.config.lr)
         self.history: list[dict] = []
-        self.stop_requested = False  # set by SIGTERM: finish the step, checkpoint, exit 0
         self.stop_agreed = False  # any rank was asked to stop (agreed in the step's one all-reduce)
-        self.resumed_from: Path | None = None
         self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
-        self.run_lock: RunLock | None = None  # rank 0's hold on the run folders, taken in setup
-        self.model_path: str | None = None  # a full-size model's local folder (tiny: built from its config)
-        self.deepspeed_config: dict | None = None  # engine=deepspeed: the config made for it
         self.reporter: Reporter | None = None  # made when training starts
 
-    # ------------------------------------------------------------------------------------------- setup
-    def setup(self) -> None:
-        config = self.config
-        with self.timer("setup"):
-            self.layout = layout = init_distributed(
-                config.device,
-                config.tensor_parallel_degree,
-                config.sharding,
-                config.shard_group_size,
-                config.pipeline_parallel_degree,
-                config.collective_timeout_s,
-            )
-            logging.basicConfig(
-                level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True
-            )
-            transformers.logging.set_verbosity_error()
-            self._check_settings()
-            self.output_dir, self.checkpoint_root, self.run_lock = claim_run_folders(config, layout)
-            if config.size == "full":
-                name = self.resolved.model_name
-                self.model_path = fetch_model(name, config.revision, layout, config.collective_timeout_s)
-        with self.timer("data"):
-            self.data = self._prepare_data()
-        with self.timer("model"):
-            self._build()
-        if self.updates.checkpointable:
-            self._resume()
-        if layout.is_main:  # only now, with every input accepted, is the run folder written
-            deepspeed_config = self.updates.config if self.deepspeed_config is not None else None
-            open_run_folder(self.output_dir, self.checkpoint_root, config, deepspeed_config, self.data.task)
-        log.info("run folder %s | %s", self.output_dir, layout.describe())
-
-    def _check_settings(self) -> None:
-        """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
-        line on a bad input, before any work."""
-        config, layout = self.config, self.layout
-        self.resolved = resolve(config, layout.device, layout.dims)  # decided once; components receive these
-        self.precision = self.resolved.precision
-        if config.lr_note:
-            log.info("%s", config.lr_note)
-        self.peak = device_peak(layout.device, self.resolved.compute_dtype, config.peak_tflops)
-        self.peak_tflops = self.peak.tflops  # None: unknown
-        log.info("%s", self.peak.describe())
-        check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
-        if config.size == "tiny":  # (full size: once the model is fetched, in _build)
-            check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
-        self.microbatches = self.resolved.microbatches
-        if layout.pp > 1:
-            check_microbatches(config.batch_size // (layout.dp * config.gradient_accumulation_steps), self.microbatches)
-        if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
-            from .parallel import deepspeed_engine
-
-            self.deepspeed_config = deepspeed_engine.preflight(config, layout.dp, layout.device.type, self.precision)
-
-    def _resume(self) -> None:
-        """From the newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0),
-        if there is one."""
-        started, state = time.perf_counter(), self.training_state()
-        self.resumed_from = checkpoint.resume(state, self.checkpoint_root)
-        if self.resumed_from:
-            self.step = state.step
-            self.timer.seconds["resume"] = time.perf_counter() - started
-
-    def _prepare_data(self) -> data_module.PreparedData:
-        config = self.config
-        mine: list[data_module.PreparedData] = []
-
-        def prepare_on_rank0():
-            mine.append(
-                data_module.prepare(
-                    data=config.data,
-                    model=config.model,
-                    family=self.resolved.family,
-                    model_name=self.model_path or self.resolved.model_name,
-                    seed=config.training.seed,
-                    predict=config.output.predict,
-                )
-            )
-            return str(mine[0].cache_path), mine[0].source
-
-        # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.
-        cache_path, source = rank0_decides(self.layout, prepare_on_rank0)
-        prepared = mine[0] if mine else data_module.load_prepared(Path(cache_path), source)
-        train = prepared.splits["train"]
-        self.train_ids = data_module.column(train, "input_ids")
-        self.train_lengths = data_module.column(train, "length")
-        self.train_labels = data_module.column(train, "label") if "label" in train.column_names else None
-        self.train_types = (
-            data_module.column(train, "token_type_ids") if "token_type_ids" in train.column_names else None
-        )
-        self.batches = data_module.GlobalBatches(
-            self.train_lengths, config.batch_size, config.seed, config.group_by_length
-        )
-        self.steps_per_epoch = len(self.batches)
-        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
-        log.info(
-            "data: %s | %s",
-            prepared.source.description,
-            ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()),
-        )
-        return prepared
-
-    def _build(self) -> None:
-        """The model (each rank its own shards), the updates, the runner, the lr schedule."""
-        config, layout, family = self.config, self.layout, self.family
-        tokenizer = self.data.tokenizer
-        if config.size == "full":
-            check_heads(check_model_config(config, self.model_path))
-        hf_config = family.config_for(
-            config, len(tokenizer), tokenizer.pad_token_id, self.model_path, labels=self.data.task
-        )
-        family.check_tp(hf_config, layout.tp)
-        compiled, why = compile_decision(config, self.total_steps, layout.device.type)
-        if config.compile == "auto":
-            log.info("%s", why)
-        built = config.replace(compile=compiled)
-        ready = load_model(
-            family,
-            config.task,
-            hf_config,
-            self.model_path,
-            seed=config.seed,
-            layout=layout,
-            config=built,
-            precision=self.precision,
-            deepspeed_config=self.deepspeed_config,
-        )
-        self.ready, self.model = ready, ready.model
-        if config.engine == "deepspeed":
-            from .parallel.deepspeed_engine import DeepSpeedUpdates
-
-            self.updates = DeepSpeedUpdates(ready.model, config, layout, self.precision)
-            self.model = self.updates.engine  # forwards go through DeepSpeed (ZeRO-3 gathers parameters there)
-        else:
-            self.updates = TorchUpdates(ready.model, layout, config, self.precision, ready.parallel, ready.zero_adamw)
-        if layout.pp > 1:
-            self.runner = Pipeline(
-                ready.model,
-                family,
-                ready.parallel.stages,
-                layout,
-                config.pipeline_schedule,
-                self.microbatches,
-                self._autocast,
-                config.task,
-                lambda: self.updates.loss_scale,
-                token_types=self.train_types is not None,
-            )
-        else:
-            self.runner = WholeModel(
-                self.model,
-                config.task,
-                self._autocast,
-                self.updates.backward,
-                config.offload_activations,
-                layout.device,
-            )
-        warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.total_steps)
-        try:
-            self.scheduler = transformers.get_scheduler(
-                config.lr_scheduler,
-                self.updates.optimizer,
-                num_warmup_steps=warmup,
-                num_training_steps=self.total_steps,
-            )
-        except ValueError as exc:
-            raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
-
     def training_state(self) -> TrainingState:
-        return TrainingState(
-            self.step,
-            self.model,
-            self.updates,
-            self.scheduler,
-            self.config,
-            self.data.tokenizer,
-            self.layout,
-            self.family.name,
-            self.ready.parameter_shapes,
-            self.ready.parallel.trainable,
-            self.base_description(),
-            self.data.source.fingerprint,
-            self.data.task,
-        )
-
-    def base_description(self) -> str:
-        config = self.config
-        if config.size == "tiny":
-            return f"tiny {self.family.name} from config, initialised from seed {config.seed}"
-        name = self.resolved.model_name
-        return f"{name}@{config.revision}" if config.revision else name
+        return self.parts.training_state(self.step)
 
     # ------------------------------------------------------------------------------------------- training
     def batch_of(self, indices: list[int]) -> dict:
@@ -284,9 +99,6 @@ class Trainer:
             self.layout.device,
             self.train_types,
         )
-
-    def _autocast(self):
-        return autocast(self.precision, self.layout.device)
 
     def _skip_rule(self, loss: float, grad_norm: float, loss_scale: float | None) -> bool:
         return self.nonfinite.skip(self.step + 1, loss, grad_norm, loss_scale)
@@ -305,7 +117,7 @@ class Trainer:
         if self.after_backward is not None:
             self.after_backward(self, self.step + 1)
         lr = self.scheduler.get_last_lr()[0]
-        outcome = self.updates.step(local_loss, self.stop_requested, self._skip_rule)
+        outcome = self.updates.step(local_loss, self.stop.requested, self._skip_rule)
         self.scheduler.step()
         self.step += 1
         self.stop_agreed = outcome.stop
@@ -384,91 +196,32 @@ class Trainer:
                         break
         return self.history
 
-    def evaluate_all(self) -> dict:
-        """The metrics of every validation split: the first's as they are, a second's (MNLI's mismatched dev set)
-        prefixed with its name ("mismatched_accuracy")."""
-        results = {}
-        for split in self.data.task.validation_splits:
-            scores = evaluate(
-                self.model,
-                self.runner,
-                self.data.splits[split],
-                self.data.tokenizer,
-                self.data.task,
-                self.config.eval_batch_size,
-                self.layout,
-            )
-            prefix = "" if split == "validation" else split.removeprefix("validation_") + "_"
-            results.update({prefix + key: value for key, value in scores.items()})
-        return results
-
-    def predict_test(self) -> list[Path]:
-        """predictions.tsv (and predictions_mismatched.tsv for MNLI) in GLUE's submission format: every rank
-        predicts, rank 0 writes."""
-        task, written = self.data.task, []
-        if not task.test_splits:
-            raise UserError(
-                "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
-            )
-        for split in task.test_splits:
-            rows = self.data.splits[split]
-            predicted = predict(
-                self.model, self.runner, rows, self.data.tokenizer, task, self.config.eval_batch_size, self.layout
-            )
-            if self.layout.is_main:
-                name = "predictions.tsv" if split == "test" else f"predictions_{split.removeprefix('test_')}.tsv"
-                record_written(self.output_dir, name)
-                written.append(
-                    write_predictions(self.output_dir / name, data_module.column(rows, "index"), predicted, task)
-                )
-        return written
-
-    def request_stop(self, signum=None, frame=None) -> None:
-        """SIGTERM (a spot interruption, `docker stop`): the current step finishes, then every rank checkpoints."""
-        self.stop_requested = True
-
 
 def run(config: Config, after_backward: Callable | None = None) -> dict:
     """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content.
     SIGTERM, or the torchrun launcher's end: checkpoint and stop; Ctrl-C: stop at once (Interrupted)."""
-    trainer = Trainer(config, after_backward)
-    signal.signal(signal.SIGTERM, trainer.request_stop)
+    builder, stop, trainer = RunBuilder(config), StopRequest(), None
+    signal.signal(signal.SIGTERM, stop)
     end_with_launcher()
     try:
-        trainer.setup()
+        trainer = Trainer(builder.build(), after_backward, stop)
         trainer.fit()
         if trainer.stop_agreed:
             trainer.reporter.close("stopped")
             shutdown()
             return {"stopped_at_step": trainer.step}
         layout, tokenizer, updates = trainer.layout, trainer.data.tokenizer, trainer.updates
+        model, runner, data, batch_size = trainer.model, trainer.runner, trainer.data, config.eval_batch_size
         with trainer.timer("eval"):
-            results = trainer.evaluate_all()
+            results = evaluate_all(model, runner, data, batch_size, layout)
         trainer.reporter.evaluation(trainer.step, results)
         if config.predict:
             with trainer.timer("predict"):
-                trainer.predict_test()
+                predict_test(model, runner, data, batch_size, layout, trainer.output_dir)
         if config.export:
             with trainer.timer("export"):
                 export_model(updates, trainer.family, tokenizer, config, layout, trainer.output_dir)
-        summary = run_summary(
-            results,
-            config,
-            trainer.family,
-            layout,
-            data=trainer.data.source.description,
-            steps=trainer.step,
-            history=trainer.history,
-            padding=trainer.padding,
-            peak=trainer.peak,
-            precision=trainer.precision,
-            resumed_from=trainer.resumed_from,
-            seconds=trainer.timer.seconds,
-            load_peak_mib=trainer.ready.load_peak_mib,
-            load_seconds=trainer.ready.load_seconds,
-            state_bytes=updates.state_bytes(),
-            zero_stage=updates.zero_stage if config.engine == "deepspeed" else None,
-        )
+        summary = run_summary(summary_record(trainer, results), layout)
         trainer.reporter.close()
         if layout.is_main:
             record_written(trainer.output_dir, "summary.json")
@@ -476,19 +229,44 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         shutdown()
         return summary
     except BaseException as exc:
-        if trainer.reporter is not None:
+        if trainer is not None and trainer.reporter is not None:
             trainer.reporter.close("failed")  # the bar first: the error gets a line of its own
         if dist.is_initialized():
             dist.destroy_process_group()
+        step = trainer.step if trainer is not None else builder.resumed_step
         timeout = timed_out(exc, config.collective_timeout_s)
         if timeout:  # one line naming the key, not a traceback from the collective
-            raise RankError(f"after step {trainer.step}: {timeout}") from None
+            raise RankError(f"after step {step}: {timeout}") from None
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(
-                f"interrupted (SIGINT) after step {trainer.step}: the run stopped; its checkpoints are kept, and "
+                f"interrupted (SIGINT) after step {step}: the run stopped; its checkpoints are kept, and "
                 "resume=auto continues from the newest"
             ) from None
         raise
     finally:
-        if trainer.run_lock is not None:
-            trainer.run_lock.release()
+        builder.release()
+
+
+def summary_record(trainer: Trainer, results: dict) -> RunRecord:
+    """The plain values summary.json reports, from a trained run."""
+    config, family, updates = trainer.config, trainer.family, trainer.updates
+    return RunRecord(
+        results=results,
+        task=config.task,
+        family=family.name,
+        model=f"tiny {family.name} (from config)" if config.size == "tiny" else pretrained_name(config),
+        engine=config.engine,
+        batch_size=config.batch_size,
+        data=trainer.data.source.description,
+        steps=trainer.step,
+        history=trainer.history,
+        padding=trainer.padding,
+        peak=trainer.peak,
+        precision=trainer.precision,
+        resumed_from=trainer.resumed_from,
+        seconds=trainer.timer.seconds,
+        load_peak_mib=trainer.ready.load_peak_mib,
+        load_seconds=trainer.ready.load_seconds,
+        state_bytes=updates.state_bytes(),
+        zero_stage=updates.zero_stage if config.engine == "deepspeed" else None,
+    )

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from parallel_finetune import data
+from parallel_finetune.builder import RunBuilder
 from parallel_finetune.export import export_model
 from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import Trainer
@@ -14,8 +15,7 @@ from parallel_finetune.trainer import Trainer
 
 def main() -> None:
     config = load_config(sys.argv[1], sys.argv[2:])
-    trainer = Trainer(config)
-    trainer.setup()
+    trainer = Trainer(RunBuilder(config).build())
     trainer.fit()
     export_model(trainer.updates, trainer.family, trainer.data.tokenizer, config, trainer.layout, trainer.output_dir)
     dev = trainer.data.splits["validation"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from parallel_finetune.builder import RunBuilder
 from parallel_finetune.parallel.gradients import local
 from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import Trainer
@@ -41,8 +42,7 @@ def plant_inf_in_backward(trainer: Trainer) -> None:
 
 def main() -> None:
     config = load_config(sys.argv[1], sys.argv[2:])
-    trainer = Trainer(config, after_backward=None if DURING_BACKWARD else plant_inf)
-    trainer.setup()
+    trainer = Trainer(RunBuilder(config).build(), after_backward=None if DURING_BACKWARD else plant_inf)
     if DURING_BACKWARD:
         plant_inf_in_backward(trainer)
     before = None

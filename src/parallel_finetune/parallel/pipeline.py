@@ -178,6 +178,17 @@ class StageForward(nn.Module):
         return hidden, attention_mask, position_ids
 
 
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What a run's pipeline runs: the schedule (`pipeline_schedule`), micro-batches per accumulation slice, the
+    task, and whether the first stage also takes token type ids (sentence pairs, BERT)."""
+
+    schedule: str
+    microbatches: int
+    task: str
+    token_types: bool = False
+
+
 class Pipeline:
     """This rank's stages and the schedules that run them, one per (rows, sequence length, training): the pipeline
     `interfaces.Runner` (`runner.WholeModel` is the other)."""
@@ -190,17 +201,14 @@ class Pipeline:
         family: Family,
         stages: list[Stage],
         layout,
-        schedule: str,
-        microbatches: int,
+        settings: PipelineSettings,
         autocast: Callable,
-        task: str,
         loss_scale: Callable[[], float],
-        token_types: bool = False,
     ):
-        self.layout, self.schedule_name, self.microbatches = layout, schedule, microbatches
+        self.layout, self.schedule_name, self.microbatches = layout, settings.schedule, settings.microbatches
         self.autocast = autocast  # () -> the precision's autocast context
-        self.task, self.loss_scale = task, loss_scale  # loss_scale: () -> the fp16 scale of this step
-        self.token_types = token_types  # the first stage also takes token type ids (sentence pairs, BERT)
+        self.task, self.loss_scale = settings.task, loss_scale  # loss_scale: () -> the fp16 scale of this step
+        self.token_types = settings.token_types  # the first stage also takes token type ids (sentence pairs, BERT)
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
         self.modules = [StageForward(model, family, stage) for stage in self.mine]
