@@ -84,7 +84,14 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     family = get_family(config.family)
     tokenizer = prepared.tokenizer
     model_path = download_model(config.model.model, config.revision) if config.size == "full" else None
-    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=prepared.task)
+    hf_config = family.config_for(
+        model=config.model,
+        max_length=config.max_length,
+        tokenizer_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        model_path=model_path,
+        labels=prepared.task,
+    )
     seed_everything(config.seed)
     # The same weights (the checkpoint's, and the same new classifier head) in transformers' own class: our
     # family's surgery (BERT's last layer computing only [CLS]) is part of what is measured, not of the baseline.

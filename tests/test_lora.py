@@ -211,7 +211,13 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
     fam = get_family(family)
     seed_everything(config.seed)
     initial = fam.hf_model(
-        "classification", fam.config_for(config, len(tokenizer), tokenizer.pad_token_id)
+        "classification",
+        fam.config_for(
+            model=config.model,
+            max_length=config.max_length,
+            tokenizer_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+        ),
     ).state_dict()
     after = base.state_dict()
     changed = sorted(name for name in initial if not torch.equal(initial[name], after[name]))

@@ -555,7 +555,6 @@ def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
     """The run's tokenizer and config, --check and plan.py refuse in one line naming the file and key; the
     payload never runs and nothing is asked on stdin (a "y" would run it)."""
     from parallel_finetune.data import load_tokenizer
-    from parallel_finetune.families import get_family
     from parallel_finetune.train import main
 
     folder = shutil.copytree(small_gpt2, tmp_path / "model")
@@ -565,7 +564,7 @@ def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
     with pytest.raises(UserError, match=re.escape(message)):
         load_tokenizer(None, "full", str(folder), "bpe", 0, [], None, tmp_path)
     with pytest.raises(UserError, match=re.escape(message)):
-        get_family("gpt2").config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={folder}"]), 0)
+        gpt2_config(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={folder}"]), 0)
     check = [f"model={folder}", f"data_dir={sst2}", f"cache_dir={tmp_path}", f"output_dir={tmp_path / 'run'}"]
     for entry in (
         lambda: main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), *check]),
@@ -604,6 +603,15 @@ def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt
     assert capsys.readouterr().err == f"error: {message}; the config does not describe these weights\n"
 
 
+def gpt2_config(config, tokenizer_size: int):
+    """GPT-2's transformers config for `config`'s model section (families.config_for)."""
+    from parallel_finetune.families import get_family
+
+    return get_family("gpt2").config_for(
+        model=config.model, max_length=config.max_length, tokenizer_size=tokenizer_size
+    )
+
+
 @pytest.mark.parametrize(
     "override, changed",
     [
@@ -612,15 +620,13 @@ def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt
     ],
 )
 def test_a_size_override_on_a_pretrained_model_is_refused_up_front(override, changed, small_gpt2, sst2, tmp_path):
-    from parallel_finetune.families import get_family
-
-    family, config = get_family("gpt2"), ["model_config.resid_pdrop=0.0", f"model_config.{override}"]
+    config = ["model_config.resid_pdrop=0.0", f"model_config.{override}"]
     with pytest.raises(UserError, match=rf"^model_config\.{override} changes {re.escape(changed)}"):
-        family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *config]), 0)
+        gpt2_config(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *config]), 0)
     # the same keys on a model trained from scratch, or overrides that keep every shape, pass
-    family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", ["size=tiny", *config]), 512)
+    gpt2_config(load_config(REPO / "recipes/gpt2/tp.yaml", ["size=tiny", *config]), 512)
     kept = ["model_config.n_layer=1", "model_config.resid_pdrop=0.1"]
-    assert family.config_for(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *kept]), 0).n_layer == 1
+    assert gpt2_config(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={small_gpt2}", *kept]), 0).n_layer == 1
 
 
 def safetensors_bytes(header, data: bytes = b"\0" * 16, length: int | None = None) -> bytes:
@@ -714,8 +720,9 @@ def remake_manifest(folder):
 
 def resumed_from(root, world_of_one, settings, resume="auto"):
     """checkpoint.resume as a run calls it: (the folder it continued from, the step it restored)."""
-    state = training_state(world_of_one, settings.replace(resume=resume), step=0)
-    return checkpointing.resume(state, root), state.step
+    settings = settings.replace(resume=resume)
+    state = training_state(world_of_one, settings, step=0)
+    return checkpointing.resume(state, root, checkpoint=settings.checkpoint, output=settings.output), state.step
 
 
 @pytest.mark.parametrize(

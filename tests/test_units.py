@@ -202,7 +202,7 @@ def training_state(layout, folder_config: Config, step: int):
         scheduler.step()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
     return checkpoint.TrainingState(
-        step, model, updates, scheduler, folder_config, tokenizer, layout, "gpt2",
+        step, model, updates, scheduler, folder_config.to_dict(), tokenizer, layout, "gpt2",
         parameter_shapes(model),
     )  # fmt: skip
 
@@ -368,10 +368,11 @@ def test_the_checkpoint_manager_writes_on_its_cadence_and_keeps_the_newest_recor
 
     settings = config(output_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2)
     root, timer = tmp_path / "checkpoints", PhaseTimer()
-    manager = CheckpointManager.for_run(settings, root, True, timer)
+    manager = CheckpointManager.for_run(root, checkpoint=settings.checkpoint, enabled=True, timer=timer)
     assert [step for step in range(1, 8) if manager.due(step, 7, stopping=False)] == [2, 4, 6, 7]
     assert manager.due(3, 7, stopping=True)
-    assert not CheckpointManager.for_run(settings, root, False, timer).due(2, 7, stopping=True)  # DeepSpeed's
+    deepspeed_run = CheckpointManager.for_run(root, checkpoint=settings.checkpoint, enabled=False, timer=timer)
+    assert not deepspeed_run.due(2, 7, stopping=True)  # updates that cannot be checkpointed
     with caplog.at_level("WARNING"):
         assert manager.save(2, [1, 2], lambda: pytest.fail("no state for a refused checkpoint")) is None
     assert "checkpoint at step 2 not written: the loss or gradient norm of step 2 was not finite" in caplog.text
@@ -509,6 +510,32 @@ def test_the_data_side_receives_its_sections_not_the_config():
                     found.append(f"{where} takes the Config ({argument.arg})")
                 elif kind in ("DataSection", "ModelSection") and argument in positional:
                     found.append(f"{where}: {argument.arg} is positional")
+    assert not found, found
+
+
+def test_the_outputs_side_receives_its_sections_not_the_config():
+    """checkpoint.py, checkpointer.py, runfolder.py, export.py and families/ take the sections they read
+    (`checkpoint: CheckpointSection`, `output: OutputSection`, `model: ModelSection`, ...), the flat settings a
+    checkpoint records and compares, and resolved values (`resolved: Resolved`: the export dtype, the model's
+    name), keyword-only; none takes the whole Config, and TrainingState holds none."""
+    import ast
+
+    found = []
+    paths = ["checkpoint.py", "checkpointer.py", "runfolder.py", "export.py", *(PACKAGE / "families").glob("*.py")]
+    for path in [PACKAGE / name for name in paths]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(PACKAGE)}:{node.lineno if hasattr(node, 'lineno') else 0}"
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "config":
+                found.append(f"{where} holds a config")
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            positional = [*node.args.posonlyargs, *node.args.args]
+            for argument in [*positional, *node.args.kwonlyargs]:
+                kind = ast.unparse(argument.annotation) if argument.annotation is not None else ""
+                if kind == "Config" or (argument.arg == "config" and not kind):  # a PretrainedConfig is no recipe
+                    found.append(f"{where} {node.name} takes the Config ({argument.arg})")
+                elif (kind.endswith("Section") or kind == "Resolved") and argument in positional:
+                    found.append(f"{where} {node.name}: {argument.arg} is positional")
     assert not found, found
 
 

@@ -83,7 +83,7 @@ class RunParts:
             self.model,
             self.updates,
             self.scheduler,
-            self.config,
+            self.config.to_dict(),
             self.data.tokenizer,
             self.layout,
             self.family.name,
@@ -140,7 +140,9 @@ class RunBuilder:
             )
             transformers.logging.set_verbosity_error()
             resolved, peak = self._check_settings(layout)
-            output_dir, checkpoint_root, self.run_lock = claim_run_folders(config, layout)
+            output_dir, checkpoint_root, self.run_lock = claim_run_folders(
+                layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
+            )
             if config.size == "full":
                 name = resolved.model_name
                 self.model_path = fetch_model(name, config.revision, layout, config.collective_timeout_s)
@@ -174,7 +176,14 @@ class RunBuilder:
             self._resume(parts)
         if layout.is_main:  # only now, with every input accepted, is the run folder written
             deepspeed_config = parts.updates.config if self.deepspeed_config is not None else None
-            open_run_folder(output_dir, checkpoint_root, config, deepspeed_config, prepared.task)
+            open_run_folder(
+                output_dir,
+                checkpoint_root,
+                settings=config.to_dict(),
+                overwrite=config.output.overwrite,
+                deepspeed_config=deepspeed_config,
+                task=prepared.task,
+            )
         log.info("run folder %s | %s", output_dir, layout.describe())
         return parts
 
@@ -206,7 +215,10 @@ class RunBuilder:
         """From the newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0),
         if there is one."""
         started, state = time.perf_counter(), parts.training_state(0)
-        parts.resumed_from = checkpoint.resume(state, parts.checkpoint_root)
+        config = parts.config
+        parts.resumed_from = checkpoint.resume(
+            state, parts.checkpoint_root, checkpoint=config.checkpoint, output=config.output
+        )
         if parts.resumed_from:
             parts.resumed_step = self.resumed_step = state.step
             self.timer.seconds["resume"] = time.perf_counter() - started
@@ -258,7 +270,12 @@ class RunBuilder:
         if config.size == "full":
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(
-            config, len(tokenizer), tokenizer.pad_token_id, self.model_path, labels=prepared.task
+            model=config.model,
+            max_length=config.max_length,
+            tokenizer_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            model_path=self.model_path,
+            labels=prepared.task,
         )
         family.check_tp(hf_config, layout.tp)
         compiled, why = compile_decision(config, rows.total_steps, layout.device.type)

@@ -45,7 +45,7 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import integrity
-from .config import CONTINUATION_MAY_CHANGE, USER_KEYS
+from .config import CONTINUATION_MAY_CHANGE, USER_KEYS, CheckpointSection, DataSection, OutputSection
 from .errors import UserError, one_line
 from .run_files import CHECKPOINT_NAME as NAME
 from .run_files import CONFIG_FILE, STATE_FILE
@@ -173,9 +173,10 @@ def _agreed(mine: str | None, layout) -> str | None:
     return next((problem for problem in everyone if problem), None)
 
 
-def resume(state: TrainingState, root: Path) -> Path | None:
-    """Restore `state` (its `step` too) from the checkpoint its run continues and return that folder, or None for a
-    fresh start; every rank calls this. Each candidate is verified by all ranks together (each hashes a share of
+def resume(state: TrainingState, root: Path, *, checkpoint: CheckpointSection, output: OutputSection) -> Path | None:
+    """Restore `state` (its `step` too) from the checkpoint its run continues (`resume`, unless overwrite=true
+    replaces the run: runfolder.effective_resume) and return that folder, or None for a fresh start; every rank
+    calls this. Each candidate is verified by all ranks together (each hashes a share of
     the files), then loaded; both answers are agreed, so under resume=auto a checkpoint that fails either (a bad
     manifest or trainer_state.json, a pickle in its tensor or RNG files, NaN/inf in its tensors) is skipped for
     the one before on every rank, and a refusal (another model, other settings or data) is the same UserError
@@ -191,40 +192,51 @@ def resume(state: TrainingState, root: Path) -> Path | None:
                 return str(exc)
         return problem
 
-    return _pick(effective_resume(state.config), root, problem_of, warn=log.warning if layout.is_main else log.debug)
+    resuming = effective_resume(checkpoint=checkpoint, output=output)
+    return _pick(resuming, root, problem_of, warn=log.warning if layout.is_main else log.debug)
 
 
-def check_resume(config, root: Path) -> None:
+def check_resume(
+    root: Path,
+    *,
+    settings: dict,
+    checkpoint: CheckpointSection,
+    output: OutputSection,
+    data: DataSection,
+    seed: int,
+) -> None:
     """For --check: the checkpoint the run would continue from is complete, intact in structure (the sizes and
-    metadata; hashing is the run's job, spread over its ranks) and of compatible settings and data (a data_dir's
-    files; the Hub's rows are fingerprinted once the run loads them)."""
+    metadata; hashing is the run's job, spread over its ranks) and of compatible settings (`settings`: the run's
+    keys, flat, as Config.to_dict gives them) and data (a data_dir's files, fingerprinted from `data` and `seed`;
+    the Hub's rows are fingerprinted once the run loads them)."""
 
     def problem_of(folder: Path) -> str | None:
         return _complete(folder) or integrity.verify(folder, contents=False)
 
-    folder = _pick(effective_resume(config), root, problem_of)
+    folder = _pick(effective_resume(checkpoint=checkpoint, output=output), root, problem_of)
     if folder is not None:
-        check_continuation(folder, config, data_fingerprint(data=config.data, seed=config.training.seed))
+        check_continuation(folder, settings, data_fingerprint(data=data, seed=seed))
 
 
-def check_continuation(folder: Path, config, data: str | None = None) -> None:
-    """A run continues with the settings it was trained with, on the same data (`data`: its fingerprint, when
-    known); only its length, cadences, outputs and layout (CONTINUATION_MAY_CHANGE) may differ, or two runs'
-    settings would mix in one trajectory."""
+def check_continuation(folder: Path, settings: dict, data: str | None = None) -> None:
+    """A run continues with the settings it was trained with (`settings`: the run's keys, flat, as config.yaml
+    holds them), on the same data (`data`: its fingerprint, when known); only its length, cadences, outputs and
+    layout (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
     try:
         before = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         before = None
     if not isinstance(before, dict):
         raise UserError(f"checkpoint {folder}: {CONFIG_FILE} unreadable")
-    now = config.to_dict()
     changed = [
-        key for key in USER_KEYS if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != now[key]
+        key
+        for key in USER_KEYS
+        if key not in CONTINUATION_MAY_CHANGE and key in before and before[key] != settings[key]
     ]
     if changed:
         raise UserError(
             f"checkpoint {folder} was trained with other settings: "
-            + ", ".join(f"{key} {before[key]!r} -> {now[key]!r}" for key in changed)
+            + ", ".join(f"{key} {before[key]!r} -> {settings[key]!r}" for key in changed)
             + "; a continued run may change only its length, cadences, outputs and layout: use the "
             "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
             "another output_dir"
@@ -235,7 +247,8 @@ def check_continuation(folder: Path, config, data: str | None = None) -> None:
     if recorded is None:  # written before checkpoints recorded it
         log.warning("checkpoint %s does not record its data's fingerprint: cannot check it is this data", folder)
     elif recorded != data:
-        changed = f" (data_dir={config.data_dir!r}: its files changed since)" if config.data_dir else ""
+        data_dir = settings["data_dir"]
+        changed = f" (data_dir={data_dir!r}: its files changed since)" if data_dir else ""
         raise UserError(
             f"checkpoint {folder} was trained on other data: its rows were {recorded}, this run's are {data}"
             f"{changed}; continue on the data it was trained on, or start fresh with resume=none (overwrite=true "
@@ -252,7 +265,7 @@ class TrainingState:
     model: torch.nn.Module
     updates: object
     scheduler: object
-    config: object
+    settings: dict  # the run's keys, flat (Config.to_dict): config.yaml, and what a continuation must match
     tokenizer: object
     layout: object
     family: str
@@ -369,7 +382,7 @@ def trainer_state(state: TrainingState, tensors: dict) -> dict:
         **state.updates.counters(),
         "scheduler": state.scheduler.state_dict(),
         "family": state.family,
-        "task": state.config.task,
+        "task": state.settings["task"],
         "layout": state.layout.describe(),
         "parameter_shapes": state.parameter_shapes,
         "data": state.data,
@@ -382,7 +395,7 @@ def trainer_state(state: TrainingState, tensors: dict) -> dict:
 def finish(state: TrainingState, tensors: dict, everyone: list[dict], partial: Path, final: Path) -> None:
     """Rank 0, once every rank wrote and hashed its files: what an export needs without the data (the run's
     configuration and tokenizer, labels.json), trainer_state.json, the manifest (last), then the rename."""
-    (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.config.to_dict(), sort_keys=False))
+    (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.settings, sort_keys=False))
     state.tokenizer.save_pretrained(partial / "tokenizer")
     if state.task is not None:
         write_label_file(partial, state.task)
@@ -464,8 +477,8 @@ def load(state: TrainingState, folder: Path) -> int:
     pickle asking for more), or a tensor holding NaN/inf: integrity.Refused, agreed by every rank before any of
     `state` but the tensors DCP loads is touched (a retry from another checkpoint overwrites those)."""
     written = json.loads((folder / STATE_FILE).read_text())
-    check_same_model(folder, written, state.family, state.config.task, state.parameter_shapes)
-    check_continuation(folder, state.config, state.data)
+    check_same_model(folder, written, state.family, state.settings["task"], state.parameter_shapes)
+    check_continuation(folder, state.settings, state.data)
     rng_name = f"rng/rank{state.layout.rank}.pt"
     rng, problem = None, None
     if (folder / rng_name).is_file():  # a different world size has other ranks: their dropout masks differ anyway

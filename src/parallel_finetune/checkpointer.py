@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import checkpoint
 from .checkpoint import TrainingState
+from .config import CheckpointSection
 from .reporting import PhaseTimer
 from .runfolder import checkpoint_folders, recorded
 
@@ -35,8 +36,11 @@ class CheckpointManager:
         self.timer = timer  # the run's: writing checkpoints is its own phase in summary.json
 
     @classmethod
-    def for_run(cls, config, root: Path, enabled: bool, timer: PhaseTimer) -> CheckpointManager:
-        return cls(root, config.checkpoint_every, config.keep_checkpoints, enabled, timer)
+    def for_run(
+        cls, root: Path, *, checkpoint: CheckpointSection, enabled: bool, timer: PhaseTimer
+    ) -> CheckpointManager:
+        """The run's: `checkpoint`'s cadence (checkpoint_every) and rotation (keep_checkpoints)."""
+        return cls(root, checkpoint.checkpoint_every, checkpoint.keep_checkpoints, enabled, timer)
 
     def due(self, step: int, total_steps: int, stopping: bool) -> bool:
         """Whether the step just taken ends with a checkpoint: every `every` steps, the last, or a stop."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import integrity, lora
 from .checkpoint import read_tensors, resolve_resume
-from .config import Config
+from .config import Config, ModelSection, PeftSection
 from .errors import UserError
 from .families import get_family
 from .hub import download_model
@@ -27,7 +28,7 @@ from .layout import rank0_decides
 from .model import load_model
 from .precision import DTYPES, EXPORT_DTYPES
 from .pretrained import load_hf_tokenizer
-from .resolve import pretrained_name
+from .resolve import Resolved, pretrained_name
 from .run_files import CONFIG_FILE, LOCK, RECORD
 from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
 from .tasks import LABEL_FILE, read_label_file
@@ -43,55 +44,87 @@ def export_target(output_dir: str | None, run_folder: Path) -> tuple[Path, bool]
     return (model_dir, True) if model_dir is not None else (run_folder / "hf", False)
 
 
+@dataclass(frozen=True)
+class ExportPlace:
+    """Where an export goes: `out`, and whether a LoRA adapter (and a tiny base) go `inside` it rather than beside
+    it; the exports that lie in `run_folder` go on its record, and its labels.json travels with an adapter."""
+
+    run_folder: Path
+    out: Path
+    inside: bool = False
+
+    @classmethod
+    def of_run(cls, output_dir: str | None, run_folder: Path) -> ExportPlace:
+        """A run's export: `export_target`'s place (`output_dir`: the output section's, as the recipe gave it)."""
+        return cls(run_folder, *export_target(output_dir, run_folder))
+
+
 def export_model(
-    updates: Updates, family, tokenizer, config, layout, run_folder: Path, out: Path | None = None
+    updates: Updates,
+    tokenizer,
+    layout,
+    place: ExportPlace,
+    *,
+    model: ModelSection,
+    peft: PeftSection,
+    resolved: Resolved,
 ) -> Path:
-    """The trained model as a Hugging Face folder: `out`, else `export_target`'s; with peft=lora the adapter
-    instead (`export_lora`). Every rank calls it (the gather is a collective); rank 0 writes, and a failure
-    there (NaN weights, a full disk) is every rank's one-line error."""
-    inside = False
-    if out is None:
-        out, inside = export_target(config.output_dir, run_folder)
-    if config.peft == "lora":
-        return export_lora(updates, family, tokenizer, config, layout, run_folder, out, inside)
-    state, model = updates.full_state_dict(DTYPES[config.export_dtype]), updates.module
+    """The trained model as a Hugging Face folder at `place`, in the resolved export dtype; with peft=lora the
+    adapter instead (`export_lora`). Every rank calls it (the gather is a collective); rank 0 writes, and a
+    failure there (NaN weights, a full disk) is every rank's one-line error."""
+    if peft.peft == "lora":
+        return export_lora(updates, tokenizer, layout, place, model=model, peft=peft, resolved=resolved)
+    family, out = resolved.family, place.out
+    state, module = updates.full_state_dict(resolved.export_dtype), updates.module
 
     def write():
-        _record_exports(run_folder, out)
-        save_hf(model, family.to_hf_state_dict(state, model.config), tokenizer, out)
+        _record_exports(place.run_folder, out)
+        save_hf(module, family.to_hf_state_dict(state, module.config), tokenizer, out)
 
     rank0_decides(layout, write)
     log.info("exported a Hugging Face model to %s", out)
     return out
 
 
-def export_lora(updates: Updates, family, tokenizer, config, layout, run_folder: Path, out: Path, inside: bool) -> Path:
-    """peft=lora: the adapter (and head) in peft's format in adapter/ beside `out` (`inside` it: SageMaker's
-    model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
-    with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
-    names it."""
-    dtype, model, settings = DTYPES[config.export_dtype], updates.module, lora.settings_from_config(config, family)
-    whole = config.lora_export_merged or config.size == "tiny"
+def export_lora(
+    updates: Updates,
+    tokenizer,
+    layout,
+    place: ExportPlace,
+    *,
+    model: ModelSection,
+    peft: PeftSection,
+    resolved: Resolved,
+) -> Path:
+    """peft=lora: the adapter (and head) in peft's format in adapter/ beside `place.out` (`inside` it: SageMaker's
+    model folder, so the job's model artifact holds it); with lora_export_merged also `place.out` (hf/): the base
+    with the update merged in. A tiny base (size=tiny) exists nowhere else, so it is written too (base/), and the
+    adapter names it; a pretrained one is named by its resolved model name."""
+    out, inside, run_folder = place.out, place.inside, place.run_folder
+    family, tiny = resolved.family, model.size == "tiny"
+    dtype, module = resolved.export_dtype, updates.module
+    settings = lora.settings_from_config(Config(model=model, peft=peft), family)  # reads only these two sections
+    whole = peft.lora_export_merged or tiny
     # every rank takes part in the gather; what to gather is the same on all of them
-    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    trainable = {name for name, param in module.named_parameters() if param.requires_grad}
     state = updates.full_state_dict(dtype, None if whole else trainable)
     adapter, base_dir = (out / "adapter", out / "base") if inside else (out.with_name("adapter"), out.with_name("base"))
-    base = str(base_dir.resolve()) if config.size == "tiny" else pretrained_name(config)
+    base = str(base_dir.resolve()) if tiny else resolved.model_name
 
     def write():
-        tiny_base, merged = [base_dir] if config.size == "tiny" else [], [out] if config.lora_export_merged else []
+        tiny_base, merged = [base_dir] if tiny else [], [out] if peft.lora_export_merged else []
         _record_exports(run_folder, adapter, *tiny_base, *merged)
-        if config.lora_export_merged:  # first: written into an existing `out`, it replaces what `out` held
+        if peft.lora_export_merged:  # first: written into an existing `out`, it replaces what `out` held
             merged = lora.merged_state(state, settings.scaling)
-            save_hf(model, family.to_hf_state_dict(merged, model.config), tokenizer, out)
-        if config.size == "tiny":
+            save_hf(module, family.to_hf_state_dict(merged, module.config), tokenizer, out)
+        if tiny:
             frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
-            save_hf(model, family.to_hf_state_dict(frozen, model.config), tokenizer, base_dir)
+            save_hf(module, family.to_hf_state_dict(frozen, module.config), tokenizer, base_dir)
         labels = run_folder / LABEL_FILE  # the head's width and names travel with the adapter (scripts/predict.py)
         write_folder(
             adapter,
             lambda folder: (
-                lora.export_adapter(state, family, model.config, settings, config.task, base, folder),
+                lora.export_adapter(state, family, module.config, settings, model.task, base, folder),
                 tokenizer.save_pretrained(folder),
                 labels.is_file() and shutil.copy(labels, folder / LABEL_FILE),
             ),
@@ -101,7 +134,7 @@ def export_lora(updates: Updates, family, tokenizer, config, layout, run_folder:
     log.info(
         "exported the LoRA adapter (peft format) to %s%s",
         adapter,
-        f" and the merged model to {out}" if config.lora_export_merged else "",
+        f" and the merged model to {out}" if peft.lora_export_merged else "",
     )
     return adapter
 
@@ -181,7 +214,14 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if config.size == "full":  # its config.json gives the architecture
         model_path = download_model(pretrained_name(config), config.revision, local_only=True)
     labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
-    hf_config = family.config_for(config, len(tokenizer), tokenizer.pad_token_id, model_path, labels=labels)
+    hf_config = family.config_for(
+        model=config.model,
+        max_length=config.max_length,
+        tokenizer_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        model_path=model_path,
+        labels=labels,
+    )
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(

@@ -75,7 +75,10 @@ def check_model_config(config: Config, model_path: str | None = None):
 
     def build(overrides: dict):
         return family.config_for(
-            config.replace(model_config=overrides), config.tokenizer_vocab_size, model_path=model_path
+            model=config.replace(model_config=overrides).model,
+            max_length=config.max_length,
+            tokenizer_size=config.tokenizer_vocab_size,
+            model_path=model_path,
         )
 
     defaults = build({})
@@ -153,12 +156,20 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     else:  # rows from the Hub: whether the run can have them (nothing is downloaded here)
         data = check_hub_data(data=config.data)
     check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
-    output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))
+    continuing = continuing_run(checkpoint=config.checkpoint, output=config.output)
+    output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing)
     check_writable(output_dir, "output_dir")
     root = checkpoint_root(config.checkpoint_dir, output_dir)
     check_free(run_folders(output_dir, root))
     check_run_folders(output_dir, root, config.overwrite)
-    check_resume(config, root)  # the checkpoint it would continue: intact, and of compatible settings
+    check_resume(  # the checkpoint it would continue: intact, and of compatible settings
+        root,
+        settings=config.to_dict(),
+        checkpoint=config.checkpoint,
+        output=config.output,
+        data=config.data,
+        seed=config.training.seed,
+    )
     if config.size == "full":
         check_model_source(pretrained_name(config))
     if config.tokenizer:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from .config import CheckpointSection, OutputSection
 from .errors import UserError, one_line
 from .layout import rank0_decides
 from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
@@ -349,19 +350,19 @@ def checkpoint_root(checkpoint_dir: str | None, output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
-def effective_resume(config) -> str:
+def effective_resume(*, checkpoint: CheckpointSection, output: OutputSection) -> str:
     """overwrite=true replaces the run in output_dir, so `auto` has nothing to continue, except in a torchrun
     restart: the first attempt did the replacing, and the restart continues the new run."""
-    if config.resume == "auto" and config.overwrite and not restarted():
+    if checkpoint.resume == "auto" and output.overwrite and not restarted():
         return "none"
-    return config.resume
+    return checkpoint.resume
 
 
-def continuing_run(config) -> bool:
+def continuing_run(*, checkpoint: CheckpointSection, output: OutputSection) -> bool:
     """Whether this run continues one in its output folder (so the folder may already hold files)."""
-    if effective_resume(config) == "none" or not config.output_dir:
+    if effective_resume(checkpoint=checkpoint, output=output) == "none" or not output.output_dir:
         return False
-    return bool(checkpoint_folders(checkpoint_root(config.checkpoint_dir, Path(config.output_dir).expanduser())))
+    return bool(checkpoint_folders(checkpoint_root(checkpoint.checkpoint_dir, Path(output.output_dir).expanduser())))
 
 
 def checkpoint_folders(root: Path) -> list[Path]:
@@ -372,21 +373,24 @@ def checkpoint_folders(root: Path) -> list[Path]:
 
 
 # --- claim: choose, lock and check at the start; the first files once every input is accepted
-def claim_run_folders(config, layout) -> tuple[Path, Path, RunLock]:
+def claim_run_folders(
+    layout, *, recipe: str, checkpoint: CheckpointSection, output: OutputSection
+) -> tuple[Path, Path, RunLock]:
     """The output folder and checkpoint folder, chosen by rank 0 and locked by it for the run (a second run into
     them stops here), then checked (not inside a checkpoint; overwrite=true replaces only what runs recorded).
-    Nothing is written yet. A refusal gives the folders back before it is raised."""
-    output_dir = Path(
-        rank0_decides(
-            layout,
-            lambda: str(choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing_run(config))),
-        )
-    )
-    root = checkpoint_root(config.checkpoint_dir, output_dir)
+    `recipe` names a new folder (runs/<recipe>-<time>). Nothing is written yet. A refusal gives the folders back
+    before it is raised."""
+
+    def choose() -> str:
+        continuing = continuing_run(checkpoint=checkpoint, output=output)
+        return str(choose_output_dir(output.output_dir, recipe, output.overwrite, continuing))
+
+    output_dir = Path(rank0_decides(layout, choose))
+    root = checkpoint_root(checkpoint.checkpoint_dir, output_dir)
     lock = RunLock(run_folders(output_dir, root))
     try:
         rank0_decides(layout, lock.acquire)
-        replacing = config.overwrite and not restarted()
+        replacing = output.overwrite and not restarted()
         rank0_decides(layout, lambda: check_run_folders(output_dir, root, replacing))
     except BaseException:
         lock.release()
@@ -394,16 +398,18 @@ def claim_run_folders(config, layout) -> tuple[Path, Path, RunLock]:
     return output_dir, root, lock
 
 
-def open_run_folder(output_dir: Path, root: Path, config, deepspeed_config: dict | None, task) -> None:
+def open_run_folder(
+    output_dir: Path, root: Path, *, settings: dict, overwrite: bool, deepspeed_config: dict | None, task
+) -> None:
     """Rank 0, once every input is accepted (a failed start leaves nothing): overwrite=true's replacement of the
-    previous run, then config.yaml, labels.json (what the head's ids mean, beside the outputs) and
-    deepspeed_config.json, each put on the folder's record just before it is written (a killed run's are on record;
-    what this run does not write stays off it)."""
-    if config.overwrite and not restarted():
+    previous run, then config.yaml (`settings`: the run's keys, flat, as Config.to_dict gives them), labels.json
+    (what the head's ids mean, beside the outputs) and deepspeed_config.json, each put on the folder's record just
+    before it is written (a killed run's are on record; what this run does not write stays off it)."""
+    if overwrite and not restarted():
         replace_previous_run(output_dir, root)
     output_dir.mkdir(parents=True, exist_ok=True)
     record_written(output_dir, "config.yaml", LABEL_FILE)
-    write_yaml(output_dir / "config.yaml", config.to_dict())
+    write_yaml(output_dir / "config.yaml", settings)
     write_label_file(output_dir, task)
     if deepspeed_config is not None:
         record_written(output_dir, "deepspeed_config.json")

@@ -471,7 +471,13 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     family = get_family(config.family)
     name = str(model_folder) if model_folder else pretrained_name(config)
     try:
-        hf_config = family.config_for(config, config.tokenizer_vocab_size, model_path=name, published=True)
+        hf_config = family.config_for(
+            model=config.model,
+            max_length=config.max_length,
+            tokenizer_size=config.tokenizer_vocab_size,
+            model_path=name,
+            published=True,
+        )
     except OSError as exc:
         raise UserError(
             f"model={name!r}: its config.json could not be read ({exc.__class__.__name__}); "

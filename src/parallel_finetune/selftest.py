@@ -146,16 +146,17 @@ def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
 def export_as_loaded(trainer) -> None:
     """Into the run folder's `loaded/`, the weights as loaded into every rank's shards: called after the first
     step's backward, before any update (the selftest and tests/test_full_size.py compare it with the file)."""
-    from .export import export_model
+    from .export import ExportPlace, export_model
 
+    config = trainer.config
     export_model(
         trainer.updates,
-        trainer.family,
         trainer.data.tokenizer,
-        trainer.config,
         trainer.layout,
-        trainer.output_dir,
-        out=trainer.output_dir / "loaded",
+        ExportPlace(trainer.output_dir, trainer.output_dir / "loaded"),
+        model=config.model,
+        peft=config.peft,
+        resolved=trainer.resolved,
     )
 
 

@@ -31,13 +31,12 @@ from .config import Config
 from .divergence import NonFiniteGuard
 from .errors import Interrupted, RankError
 from .evaluation import evaluate, evaluate_all, predict_test
-from .export import export_model
+from .export import ExportPlace, export_model
 from .launch import end_with_launcher
 from .layout import rank0_decides, shutdown, timed_out
 from .loggers import destinations
 from .loss import loss_count
 from .reporting import Reporter
-from .resolve import pretrained_name
 from .runfolder import record_written
 from .summary import RunRecord, run_summary, write_summary
 from .throughput import achieved
@@ -169,7 +168,9 @@ class Trainer:
             config.batch_size // (layout.dp * config.gradient_accumulation_steps),
             self.precision,
         )
-        checkpoints = CheckpointManager.for_run(config, self.checkpoint_root, self.updates.checkpointable, self.timer)
+        checkpoints = CheckpointManager.for_run(
+            self.checkpoint_root, checkpoint=config.checkpoint, enabled=self.updates.checkpointable, timer=self.timer
+        )
         with self.timer("train"):
             self.model.train()
             while self.step < self.total_steps:
@@ -220,7 +221,10 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
                 predict_test(model, runner, data, batch_size, layout, trainer.output_dir)
         if config.export:
             with trainer.timer("export"):
-                export_model(updates, trainer.family, tokenizer, config, layout, trainer.output_dir)
+                place = ExportPlace.of_run(config.output_dir, trainer.output_dir)
+                export_model(
+                    updates, tokenizer, layout, place, model=config.model, peft=config.peft, resolved=trainer.resolved
+                )
         summary = run_summary(summary_record(trainer, results), layout)
         trainer.reporter.close()
         if layout.is_main:
@@ -254,7 +258,7 @@ def summary_record(trainer: Trainer, results: dict) -> RunRecord:
         results=results,
         task=config.task,
         family=family.name,
-        model=f"tiny {family.name} (from config)" if config.size == "tiny" else pretrained_name(config),
+        model=f"tiny {family.name} (from config)" if config.size == "tiny" else trainer.resolved.model_name,
         engine=config.engine,
         batch_size=config.batch_size,
         data=trainer.data.source.description,

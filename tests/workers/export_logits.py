@@ -8,7 +8,7 @@ import torch
 
 from parallel_finetune import data
 from parallel_finetune.builder import RunBuilder
-from parallel_finetune.export import export_model
+from parallel_finetune.export import ExportPlace, export_model
 from parallel_finetune.resolve import load_config
 from parallel_finetune.trainer import Trainer
 
@@ -17,7 +17,15 @@ def main() -> None:
     config = load_config(sys.argv[1], sys.argv[2:])
     trainer = Trainer(RunBuilder(config).build())
     trainer.fit()
-    export_model(trainer.updates, trainer.family, trainer.data.tokenizer, config, trainer.layout, trainer.output_dir)
+    export_model(
+        trainer.updates,
+        trainer.data.tokenizer,
+        trainer.layout,
+        ExportPlace.of_run(config.output_dir, trainer.output_dir),
+        model=config.model,
+        peft=config.peft,
+        resolved=trainer.resolved,
+    )
     dev = trainer.data.splits["validation"]
     ids = data.column(dev, "input_ids")[:16]
     batch = data.collate(ids, trainer.data.tokenizer.pad_token_id, trainer.data.tokenizer.padding_side)

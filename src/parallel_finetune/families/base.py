@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
+from ..config import ModelSection
 from ..errors import UserError
 from ..hub import resolve_model_path
 from ..pretrained import load_hf_config
@@ -250,26 +251,29 @@ class Family:
 
     def config_for(
         self,
-        config,
+        *,
+        model: ModelSection,
+        max_length: int,
         tokenizer_size: int,
         pad_token_id: int | None = None,
         model_path: str | None = None,
         published: bool = False,
         labels=None,
     ) -> PretrainedConfig:
-        """The one rule that turns a run's Config into the model's transformers config: a tiny model's size, or
-        the pretrained one's (from `model_path`, a local folder), plus the recipe's `model_config` overrides.
-        `published`: a published checkpoint's sizes come from `published`, without reading its config.json;
-        `labels`: the data's tasks.Task (the head's width and label names)."""
+        """The one rule that turns a run's `model:` section into the model's transformers config: a tiny model's
+        size (its positions: `max_length`, the data's, at least 128; its vocabulary: `tokenizer_size` rounded up),
+        or the pretrained one's (from `model_path`, a local folder, else `model.model`), plus the recipe's
+        `model_config` overrides. `published`: a published checkpoint's sizes come from `published`, without
+        reading its config.json; `labels`: the data's tasks.Task (the head's width and label names)."""
         hf_config = self.hf_config(
-            model_path or config.model.model,
-            config.size,
+            model_path or model.model,
+            model.size,
             tiny_vocab_size(tokenizer_size),
-            max(config.max_length, 128),
-            config.model_config,
+            max(max_length, 128),
+            model.model_config,
             published,
         )
-        self.set_task(hf_config, config.task, pad_token_id, labels)
+        self.set_task(hf_config, model.task, pad_token_id, labels)
         return hf_config
 
     def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:
