@@ -70,7 +70,8 @@ def export_lora(updates: Updates, family, tokenizer, config, layout, run_folder:
     model folder, so the job's model artifact holds it); with lora_export_merged also `out` (hf/): the base
     with the update merged in. A tiny base exists nowhere else, so it is written too (base/), and the adapter
     names it."""
-    dtype, model, settings = DTYPES[config.export_dtype], updates.module, lora.settings_from_config(config, family)
+    dtype, model = DTYPES[config.export_dtype], updates.module
+    settings = lora.lora_settings(peft=config.peft, family=family, head=config.task)
     whole = config.lora_export_merged or config.size == "tiny"
     # every rank takes part in the gather; what to gather is the same on all of them
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
@@ -185,7 +186,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(
-        family, config.task, hf_config, model_path, seed=config.seed, config=config, from_checkpoint=True
+        family, config.task, hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
     )
     state = ready.model.state_dict()
     trainable = ready.parallel.trainable
@@ -195,7 +196,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     except integrity.Refused as exc:
         raise UserError(f"checkpoint {folder}: {exc}") from None
     state.update(held)
-    settings = lora.settings_from_config(config, family)
+    settings = lora.lora_settings(peft=config.peft, family=family, head=config.task)
     if settings is not None:
         state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
