@@ -115,6 +115,11 @@ def tiny(*overrides: str):
     return load_config(RECIPE, ["size=tiny", "engine=deepspeed", *overrides])
 
 
+def generate(config, dp: int, precision: str) -> dict:
+    """The DeepSpeed config made from `config`'s training and parallel sections."""
+    return deepspeed_config(training=config.training, parallel=config.parallel, dp=dp, precision=precision)
+
+
 def test_config_from_the_recipe():
     config = tiny(
         "zero_stage=3",
@@ -127,7 +132,7 @@ def test_config_from_the_recipe():
         "adam_eps=1e-6",
     )
     assert config.tensor_parallel_degree == 1  # the recipe's `auto`: DeepSpeed runs data parallel only
-    generated = deepspeed_config(config, 4, "bf16")
+    generated = generate(config, 4, "bf16")
     assert generated["train_batch_size"] == 32
     assert generated["train_micro_batch_size_per_gpu"] == 4  # 32 over 4 processes x 2 accumulation steps
     assert generated["gradient_accumulation_steps"] == 2
@@ -139,16 +144,16 @@ def test_config_from_the_recipe():
         "params": {"lr": 2e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True},
     }
     assert "scheduler" not in generated  # the recipe's lr_scheduler runs in the trainer
-    assert deepspeed_config(tiny("max_grad_norm=null"), 2, "fp32")["gradient_clipping"] == 0.0
-    assert deepspeed_config(tiny(), 2, "fp32")["zero_optimization"]["stage"] == deepspeed_engine.DEFAULT_ZERO_STAGE
-    assert deepspeed_config(tiny("zero_stage=3", "mics_shard_size=2"), 4, "fp32")["zero_optimization"] == {
+    assert generate(tiny("max_grad_norm=null"), 2, "fp32")["gradient_clipping"] == 0.0
+    assert generate(tiny(), 2, "fp32")["zero_optimization"]["stage"] == deepspeed_engine.DEFAULT_ZERO_STAGE
+    assert generate(tiny("zero_stage=3", "mics_shard_size=2"), 4, "fp32")["zero_optimization"] == {
         "stage": 3,
         "mics_shard_size": 2,
     }
 
 
 def test_fp16_section_is_dynamic_loss_scaling():
-    generated = deepspeed_config(tiny("initial_loss_scale=1024", "loss_scale_growth_interval=500"), 2, "fp16")
+    generated = generate(tiny("initial_loss_scale=1024", "loss_scale_growth_interval=500"), 2, "fp16")
     # loss_scale 0 = dynamic; halve on every overflow (hysteresis 1) and double after 500 clean steps, as
     # engine=torch's own scaler does.
     assert generated["fp16"] == {
@@ -160,7 +165,7 @@ def test_fp16_section_is_dynamic_loss_scaling():
         "min_loss_scale": 1,
     }
     assert generated["bf16"] == {"enabled": False}
-    assert deepspeed_config(tiny(), 2, "fp16")["fp16"]["initial_scale_power"] == 16  # the default 65536
+    assert generate(tiny(), 2, "fp16")["fp16"]["initial_scale_power"] == 16  # the default 65536
 
 
 def write(tmp_path, data) -> str:
@@ -177,7 +182,7 @@ def test_user_json_is_the_base(tmp_path):
         "communication_data_type": "fp32",
         "optimizer": {"params": {"torch_adam": False}},
     }
-    generated = deepspeed_config(tiny(f"deepspeed_config={write(tmp_path, user)}"), 2, "fp32")
+    generated = generate(tiny(f"deepspeed_config={write(tmp_path, user)}"), 2, "fp32")
     assert generated["zero_optimization"] == user["zero_optimization"]  # its stage: the recipe sets none
     assert generated["train_batch_size"] == 32  # "auto" is filled from the recipe's batch_size
     assert generated["communication_data_type"] == "fp32"  # what the recipe has no key for passes through
@@ -208,7 +213,7 @@ def test_user_json_is_the_base(tmp_path):
 def test_user_json_conflicts_name_both(user, overrides, message, tmp_path):
     config = tiny(f"deepspeed_config={write(tmp_path, user)}", *overrides)
     with pytest.raises(UserError) as error:
-        deepspeed_config(config, 2, "fp32")
+        generate(config, 2, "fp32")
     assert message in str(error.value) and "ds.json" in str(error.value)
     assert "\n" not in str(error.value)
 

@@ -37,6 +37,13 @@ def config(**changes) -> Config:
     return Config.from_flat(dict(lr=1e-2, weight_decay=0.0, max_grad_norm=0.5, **changes))
 
 
+def torch_updates(model, layout, settings: Config, precision: str = "fp32") -> TorchUpdates:
+    """engine=torch's updates of a whole (unsplit) model, with the `training` and `parallel` sections of `settings`."""
+    return TorchUpdates(
+        model, layout, Parallelized(), training=settings.training, parallel=settings.parallel, precision=precision
+    )
+
+
 def tiny_classifier() -> GPT2ForSequenceClassification:
     torch.manual_seed(0)
     model_config = GPT2Config(
@@ -158,7 +165,7 @@ def train(model, updates, runner) -> list[float]:
 
 def test_torch_updates_equal_plain_adamw_with_clipping(world_of_one):
     model = tiny_classifier()
-    updates = TorchUpdates(model, world_of_one, config(), "fp32", Parallelized())
+    updates = torch_updates(model, world_of_one, config())
     runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
     losses = train(model, updates, runner)
     reference, reference_losses = reference_training()
@@ -175,7 +182,7 @@ def test_torch_updates_equal_plain_adamw_with_clipping(world_of_one):
 
 def test_an_fp16_overflow_skips_the_update_halves_the_scale_and_keeps_the_weights(world_of_one):
     model = tiny_classifier()
-    updates = TorchUpdates(model, world_of_one, config(initial_loss_scale=1024.0), "fp16", Parallelized())
+    updates = torch_updates(model, world_of_one, config(initial_loss_scale=1024.0), "fp16")
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     logits = model(batches()[0]["input_ids"]).logits
     updates.backward((logits * math.inf).sum())
@@ -194,7 +201,7 @@ def training_state(layout, folder_config: Config, step: int):
     from transformers import PreTrainedTokenizerFast
 
     model = tiny_classifier()
-    updates = TorchUpdates(model, layout, folder_config, "fp32", Parallelized())
+    updates = torch_updates(model, layout, folder_config)
     runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, layout.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(updates.optimizer, lambda s: 1.0 / (1 + s))
     for batch in batches()[:step]:
@@ -492,24 +499,45 @@ def test_the_tasks_package_is_a_short_face_over_small_modules():
         assert typed <= {"config"}, f"{path.relative_to(PACKAGE)} imports {sorted(typed)} for types"
 
 
-def test_the_data_side_receives_its_sections_not_the_config():
-    """tasks/ and data.py take the sections they read (`data: DataSection`, `model: ModelSection`) and resolved
-    values, keyword-only; none takes the whole Config (only entry points, resolve.py and preflight.py do)."""
+def config_takers(paths, sections: set[str], sole_positional: bool = False) -> list[str]:
+    """Functions in `paths` that take the whole Config (a parameter named `config` or typed Config), or one of
+    `sections` positionally (`sole_positional`: allowed where it is the function's only parameter)."""
     import ast
 
     found = []
-    for path in [*(PACKAGE / "tasks").glob("*.py"), PACKAGE / "data.py"]:
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             where = f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
-            positional = [*node.args.posonlyargs, *node.args.args]
-            for argument in [*positional, *node.args.kwonlyargs]:
+            positional = [a for a in [*node.args.posonlyargs, *node.args.args] if a.arg not in ("self", "cls")]
+            arguments = [*positional, *node.args.kwonlyargs]
+            for argument in arguments:
                 kind = ast.unparse(argument.annotation) if argument.annotation is not None else None
                 if argument.arg == "config" or kind == "Config":
                     found.append(f"{where} takes the Config ({argument.arg})")
-                elif kind in ("DataSection", "ModelSection") and argument in positional:
+                elif kind in sections and argument in positional and not (sole_positional and len(arguments) == 1):
                     found.append(f"{where}: {argument.arg} is positional")
+    return found
+
+
+def test_the_data_side_receives_its_sections_not_the_config():
+    """tasks/ and data.py take the sections they read (`data: DataSection`, `model: ModelSection`) and resolved
+    values, keyword-only; none takes the whole Config (only entry points, resolve.py and preflight.py do)."""
+    paths = [*(PACKAGE / "tasks").glob("*.py"), PACKAGE / "data.py"]
+    found = config_takers(paths, {"DataSection", "ModelSection"})
+    assert not found, found
+
+
+def test_the_parallel_side_receives_its_sections_not_the_config():
+    """parallel/, updates.py, lora.py and model.py take the sections they read (`training: TrainingSection`,
+    `parallel: ParallelSection`, `peft: PeftSection`; a run's Placement carries those of the split) and resolved
+    values (precision, dtypes, micro-batches), keyword-only but for a one-parameter `AdamWSettings.of(training)`;
+    none takes the whole Config."""
+    names = ("updates.py", "lora.py", "model.py")
+    paths = [*(PACKAGE / "parallel").glob("*.py"), *(PACKAGE / name for name in names)]
+    sections = {"TrainingSection", "ParallelSection", "MemorySection", "PeftSection", "ModelSection"}
+    found = config_takers(paths, sections, sole_positional=True)
     assert not found, found
 
 
@@ -603,7 +631,7 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
     from parallel_finetune.interfaces import CheckpointableUpdates, Runner
 
     model = tiny_classifier()
-    updates = TorchUpdates(model, world_of_one, config(), "fp32", Parallelized())
+    updates = torch_updates(model, world_of_one, config())
     runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
     assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)
 

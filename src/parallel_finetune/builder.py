@@ -29,7 +29,8 @@ from .families.base import Family
 from .hub import fetch_model
 from .interfaces import Runner, Updates
 from .layout import Layout, check_batch_split, init_distributed, rank0_decides
-from .model import Placement, ReadyModel, load_model, log_loaded
+from .model import ReadyModel, load_model, log_loaded
+from .parallel import Placement
 from .parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from .precision import autocast
 from .preflight import check_heads, check_model_config
@@ -207,7 +208,11 @@ class RunBuilder:
             from .parallel import deepspeed_engine
 
             self.deepspeed_config = deepspeed_engine.preflight(
-                config, layout.dp, layout.device.type, resolved.precision
+                training=config.training,
+                parallel=config.parallel,
+                dp=layout.dp,
+                device_type=layout.device.type,
+                precision=resolved.precision,
             )
         return resolved, peak
 
@@ -281,20 +286,47 @@ class RunBuilder:
         compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)
-        built = config.replace(compile=compiled)
-        placement = Placement(layout, resolved.precision, self.deepspeed_config)
-        ready = load_model(
-            family, config.task, hf_config, self.model_path, seed=config.seed, config=built, placement=placement
+        placement = Placement(
+            layout=layout,
+            parallel=config.parallel,
+            memory=config.memory,
+            training=config.training,
+            precision=resolved.precision,
+            autocast_dtype=resolved.autocast_dtype,
+            microbatches=resolved.microbatches,
+            compile=compiled,
+            deepspeed_config=self.deepspeed_config,
         )
-        log_loaded(ready, family, built, placement)
+        ready = load_model(
+            family, config.task, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
+        )
+        log_loaded(
+            ready,
+            family,
+            placement,
+            peft=config.peft,
+            task=config.task,
+            model_name=resolved.model_name,
+            seed=config.seed,
+        )
         model, precision = ready.model, resolved.precision
         if config.engine == "deepspeed":
             from .parallel.deepspeed_engine import DeepSpeedUpdates
 
-            updates = DeepSpeedUpdates(ready.model, config, layout, precision)
+            updates = DeepSpeedUpdates(
+                ready.model, layout, training=config.training, parallel=config.parallel, precision=precision
+            )
             model = updates.engine  # forwards go through DeepSpeed (ZeRO-3 gathers parameters there)
         else:
-            updates = TorchUpdates(ready.model, layout, config, precision, ready.parallel, ready.zero_adamw)
+            updates = TorchUpdates(
+                ready.model,
+                layout,
+                ready.parallel,
+                training=config.training,
+                parallel=config.parallel,
+                precision=precision,
+                adamw=ready.zero_adamw,
+            )
         autocast_context = functools.partial(autocast, precision, layout.device)
         if layout.pp > 1:
             settings = PipelineSettings(

@@ -103,7 +103,7 @@ def export_lora(
     out, inside, run_folder = place.out, place.inside, place.run_folder
     family, tiny = resolved.family, model.size == "tiny"
     dtype, module = resolved.export_dtype, updates.module
-    settings = lora.settings_from_config(Config(model=model, peft=peft), family)  # reads only these two sections
+    settings = lora.lora_settings(peft=peft, family=family, head=model.task)
     whole = peft.lora_export_merged or tiny
     # every rank takes part in the gather; what to gather is the same on all of them
     trainable = {name for name, param in module.named_parameters() if param.requires_grad}
@@ -225,7 +225,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(
-        family, config.task, hf_config, model_path, seed=config.seed, config=config, from_checkpoint=True
+        family, config.task, hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
     )
     state = ready.model.state_dict()
     trainable = ready.parallel.trainable
@@ -235,7 +235,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     except integrity.Refused as exc:
         raise UserError(f"checkpoint {folder}: {exc}") from None
     state.update(held)
-    settings = lora.settings_from_config(config, family)
+    settings = lora.lora_settings(peft=config.peft, family=family, head=config.task)
     if settings is not None:
         state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .config import PeftSection
 from .errors import UserError
 from .tasks.task import HeadKind
 
@@ -56,18 +57,21 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
-def settings_from_config(config, family) -> LoraSettings | None:
-    if config.peft.peft != "lora":  # the peft section's `peft` key
+def lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | None:
+    """peft=lora's adapters for a model of `family` with a `head` (a HeadKind, or the recipe's `task:` naming one):
+    the default targets are the family's, the modules trained in full its classification head (none for a causal
+    LM); None when peft=none."""
+    if peft.peft != "lora":
         return None
-    targets = config.lora_target_modules
+    targets = peft.lora_target_modules
     if targets == "default":
         targets = family.lora_targets
     elif targets != ALL_LINEAR:
         targets = tuple(targets)
-    save = config.lora_modules_to_save
+    save = peft.lora_modules_to_save
     if save is None:
-        save = family.lora_head if HeadKind(config.task) is HeadKind.CLASSIFICATION else ()
-    return LoraSettings(config.lora_rank, float(config.lora_alpha), config.lora_dropout, targets, tuple(save))
+        save = family.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
+    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save))
 
 
 def _matches(relative: str, target: str) -> bool:

@@ -16,15 +16,13 @@ import torch
 from torch import nn
 
 from . import lora
+from .config import PeftSection
 from .families.base import Family
 from .hardware import peak_memory_mib
-from .layout import Layout
-from .parallel import Parallelized, parallelize
+from .parallel import Parallelized, Placement, parallelize
 from .parallel.pipeline import stage_costs
 from .parallel.tensor import keep_gradients_sharded
 from .parallel.zero import ZeroAdamW, zero_adamw
-from .precision import DTYPES
-from .resolve import pretrained_name
 from .throughput import ModelFlops, attention_width, model_flops
 from .weights import (
     LoadPlan,
@@ -76,16 +74,6 @@ class Loaded:
     adapters: dict[str, list[int]]  # peft=lora: the planned adapters' shapes
 
 
-@dataclass(frozen=True)
-class Placement:
-    """A run's model: this rank's place in the layout, the precision, DeepSpeed's config (ZeRO-3 partitions the
-    model as it is built)."""
-
-    layout: Layout
-    precision: str = "fp32"
-    deepspeed_config: dict | None = None
-
-
 def load_model(
     family: Family,
     task: str,
@@ -93,7 +81,7 @@ def load_model(
     pretrained: str | None,
     *,
     seed: int,
-    config=None,
+    peft: PeftSection | None = None,
     placement: Placement | None = None,
     from_checkpoint: bool = False,
 ) -> ReadyModel:
@@ -103,16 +91,16 @@ def load_model(
         -> allocate this rank's shards (materialize) -> load (plan this rank's blocks, read them)
 
     `pretrained`: a Hugging Face model folder, or None: a tiny model, whose "checkpoint" is the unmodified
-    transformers model initialised in memory from `seed`. `placement`: a run's (with `config`, the settings
-    `parallelize` reads); None: a world of one, whole, on the CPU, not parallelized (export, tests, benchmarks).
-    `config` also says peft=lora (adapters planned, initialised from the seed). `from_checkpoint`: a run's
+    transformers model initialised in memory from `seed`. `placement`: a run's (what `parallelize` reads); None: a
+    world of one, whole, on the CPU, not parallelized (export, tests, benchmarks). `peft` says peft=lora (adapters
+    planned, initialised from the seed; None: no adapters). `from_checkpoint`: a run's
     checkpoint supplies the values, read on top by checkpoint.py (as resume does, with everything else it holds):
     the base is read here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated
     only. Quiet but for a run's tiny model's size: a run logs what was loaded with `log_loaded`."""
     seed_everything(seed)  # identical initialisation on every rank and in every layout
     device = placement.layout.device if placement is not None else torch.device("cpu")
     started, before = time.perf_counter(), peak_memory_mib(device)
-    settings = lora.settings_from_config(config, family) if config is not None else None
+    settings = lora.lora_settings(peft=peft, family=family, head=task) if peft is not None else None
     weights = None
     if from_checkpoint and settings is None:
         model, aliases, whole_plan = family.build(task, hf_config), {}, LoadPlan()
@@ -120,7 +108,7 @@ def load_model(
         weights, model, aliases, whole_plan = plan_whole(family, task, hf_config, pretrained)
     new = NewWeights(model, list(whole_plan.new), seed)
     total = sum(p.numel() for p in model.parameters())
-    if placement is not None and config.size == "tiny":  # here, before parallelize says how it split the model
+    if placement is not None and pretrained is None:  # here, before parallelize says how it split the model
         dimensions = ", ".join(f"{k}={v}" for k, v in family.tp_dimensions(hf_config).items())
         log.info("model: tiny %s from config (%s), %.2fM parameters", family.name, dimensions, total / 1e6)
     shapes, adapters = parameter_shapes(model), {}
@@ -142,10 +130,9 @@ def load_model(
         box_of, write = zero3_box, zero3_write
     adamw = None
     if placement is not None:
-        precision, layout = placement.precision, placement.layout
-        parallel = parallelize(model, family, layout, config, DTYPES[precision] if precision != "fp32" else None)
-        if config.engine == "torch" and layout.dims.zero1:
-            adamw = zero_adamw(model, layout, config, parallel.tied)  # the model's only allocation
+        parallel = parallelize(model, family, placement, task=task, adapters=settings)
+        if placement.parallel.engine == "torch" and placement.layout.dims.zero1:  # the model's only allocation
+            adamw = zero_adamw(model, placement.layout, training=placement.training, tied=parallel.tied)
     else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
         parallel = Parallelized()
         if settings is not None:
@@ -163,16 +150,26 @@ def load_model(
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
 
 
-def log_loaded(ready: ReadyModel, family: Family, config, placement: Placement) -> None:
-    """A run's lines about its loaded model: a full-size one's source, dtypes, load time and peak, and what was
-    new or not used; LoRA's adapters and trainable share."""
+def log_loaded(
+    ready: ReadyModel,
+    family: Family,
+    placement: Placement,
+    *,
+    peft: PeftSection,
+    task: str,
+    model_name: str | None,
+    seed: int,
+) -> None:
+    """A run's lines about its loaded model: a full-size one's source (`model_name`, resolve.Resolved's; None at
+    size=tiny), dtypes, load time and peak, and what was new (from `seed`) or not used; LoRA's adapters and
+    trainable share; that offloading does nothing on a CPU."""
     loaded, shapes, precision = ready.loaded, ready.parameter_shapes, placement.precision
-    if config.offload_activations and placement.layout.device.type == "cpu":
+    if placement.memory.offload_activations and placement.layout.device.type == "cpu":
         log.warning(
             "offload_activations=true has no effect on a CPU run: activations already live in CPU "
             "memory (the offload still runs, so the code path is the one GPUs use)"
         )
-    settings = lora.settings_from_config(config, family)
+    settings = lora.lora_settings(peft=peft, family=family, head=task)
     if settings is not None:
         trained = lora.trainable_count(shapes, settings)
         log.info(
@@ -190,11 +187,11 @@ def log_loaded(ready: ReadyModel, family: Family, config, placement: Placement) 
             ", ".join(settings.modules_to_save) or "no head",
             f" and held in {precision}" if precision != "fp32" else "",
         )
-    if config.size == "full":
+    if model_name is not None:
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in ready.model.parameters())
         log.info(
             "model: %s, %.3gB parameters (this rank holds %.3gB) from %s (%s) in %.1f s; peak %.0f MiB",
-            pretrained_name(config),
+            model_name,
             loaded.parameters / 1e9,
             mine / 1e9,
             loaded.source,
@@ -203,6 +200,6 @@ def log_loaded(ready: ReadyModel, family: Family, config, placement: Placement) 
             ready.load_peak_mib,
         )
         if loaded.new:
-            log.info("new (not in the checkpoint), initialised from seed %d: %s", config.seed, ", ".join(loaded.new))
+            log.info("new (not in the checkpoint), initialised from seed %d: %s", seed, ", ".join(loaded.new))
         if loaded.unused:
             log.info("not used (this task's model has no such weight): %s", ", ".join(loaded.unused))

@@ -180,7 +180,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_heads(hf_config)
     pretrained = resolve_model_path(pretrained_name(config)) if config.size == "full" else None
     lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
-        lora.settings_from_config(config, family),
+        lora.lora_settings(peft=config.peft, family=family, head=config.task),
         family=family,
         task=config.task,
         hf_config=hf_config,
@@ -199,7 +199,11 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
 
         device = torch.device(resolve_device(config.device))
         generated = deepspeed_engine.preflight(
-            config, dims.dp, device.type, resolve_precision(config.precision, device, config.engine)
+            training=config.training,
+            parallel=config.parallel,
+            dp=dims.dp,
+            device_type=device.type,
+            precision=resolve_precision(config.precision, device, config.engine),
         )
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
     if dims.hybrid:

@@ -129,7 +129,7 @@ def validate(config: Config, where: str = "config") -> None:
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
     if config.size == "full" and config.model.model is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
-    deepspeed_engine.validate(config, where)
+    deepspeed_engine.validate(parallel=config.parallel, training=config.training, where=where)
 
 
 def _check_parallel(config: Config, bad) -> None:

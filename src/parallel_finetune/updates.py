@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from .config import ParallelSection, TrainingSection
 from .export import gather_full_state_dict
 from .interfaces import SkipRule, StepOutcome
 from .layout import Layout
@@ -30,22 +31,26 @@ class TorchUpdates:
         self,
         model: nn.Module,
         layout: Layout,
-        config,
+        parallelized: Parallelized,
+        *,
+        training: TrainingSection,
+        parallel: ParallelSection,
         precision: str,
-        parallel: Parallelized,
         adamw: ZeroAdamW | None = None,
     ):
-        self.model, self.layout, self.parallel = model, layout, parallel
-        self.max_grad_norm = config.max_grad_norm
+        """`training`: AdamW's settings, clipping and fp16's loss scaling; `parallel`: the gradient buckets of
+        sharding=none; `precision`: the resolved one; `adamw`: ZeRO-1's, made with the model (load_model)."""
+        self.model, self.layout, self.parallelized = model, layout, parallelized
+        self.max_grad_norm = training.max_grad_norm
         self.adamw = adamw or DataParallelAdamW(
             model,
             layout,
-            AdamWSettings.of(config),
-            held_names(parallel.tied, model),
-            config.gradient_bucket_mib if config.overlap_gradients else None,
+            AdamWSettings.of(training),
+            held_names(parallelized.tied, model),
+            parallel.gradient_bucket_mib if parallel.overlap_gradients else None,
         )
         self.scaler = DynamicLossScaler(
-            precision == "fp16", config.initial_loss_scale, config.loss_scale_growth_interval
+            precision == "fp16", training.initial_loss_scale, training.loss_scale_growth_interval
         )
         self.adam_step = 0  # updates applied (fp16 skips some), for AdamW's bias correction on resume
         self.measured: dict[str, int] | None = None
@@ -72,7 +77,7 @@ class TorchUpdates:
     def step(self, local_loss: torch.Tensor, stop_requested: bool, skip_rule: SkipRule) -> StepOutcome:
         layout, scale = self.layout, self.scaler.scale
         self.adamw.sync_gradients()
-        sync_tied_gradients(self.model, self.parallel.tied, self.parallel.tied_shapes, layout)
+        sync_tied_gradients(self.model, self.parallelized.tied, self.parallelized.tied_shapes, layout)
         pieces = self.adamw.gradient_pieces()
         # One collective: global norm (inf/NaN if any rank overflowed, so all skip together) and global loss.
         grad_norm, loss, stop = reduce_norm_and_loss(pieces, local_loss, layout.tp, layout.world_size, stop_requested)

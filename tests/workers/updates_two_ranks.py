@@ -12,20 +12,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_units import STEPS, batches, config, reference_training, tiny_classifier  # noqa: E402
+from test_units import STEPS, batches, config, reference_training, tiny_classifier, torch_updates  # noqa: E402
 
 from parallel_finetune.layout import init_distributed  # noqa: E402
-from parallel_finetune.parallel import Parallelized  # noqa: E402
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss  # noqa: E402
 from parallel_finetune.runner import WholeModel  # noqa: E402
-from parallel_finetune.updates import TorchUpdates  # noqa: E402
 
 
 def main() -> None:
     layout = init_distributed("cpu", 1)
     rank = layout.rank
     model = tiny_classifier()
-    updates = TorchUpdates(model, layout, config(), "fp32", Parallelized())
+    updates = torch_updates(model, layout, config())
     runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, layout.device)
     losses = []
     for batch in batches():

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .. import lora
+from ..config import MemorySection, ParallelSection, TrainingSection
 from ..families.base import Family
-from ..layout import Layout, pipeline_microbatches
+from ..layout import Layout
 from .fsdp import apply_fsdp
 from .memory import apply_activation_checkpointing
 from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_parameters
@@ -32,36 +33,54 @@ class Parallelized:
     trainable: set[str] | None = None  # peft=lora: the parameters that train (adapters, head); None = all
 
 
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """A run's model: this rank's place in the layout, the recipe's sections that say how it is split and trained,
+    the values resolved for the run (resolve.Resolved's precision, autocast dtype and micro-batches; the compile
+    decision), DeepSpeed's config (ZeRO-3 partitions the model as it is built)."""
+
+    layout: Layout
+    parallel: ParallelSection  # the pipeline's schedule, stages and partition; the engine
+    memory: MemorySection  # activation checkpointing
+    training: TrainingSection  # AdamW's settings: ZeRO-1's optimizer is made with the model (it holds the parameters)
+    precision: str = "fp32"  # fp16 | bf16 | fp32, resolved
+    autocast_dtype: torch.dtype | None = None  # FSDP's all-gather dtype and LoRA's frozen weights'; None in fp32
+    microbatches: int = 1  # a pipeline's, per accumulation slice
+    compile: bool = False  # torch.compile each block (config.compile_decision resolved `auto`)
+    deepspeed_config: dict | None = None
+
+
 def parallelize(
-    model: nn.Module, family: Family, layout: Layout, config, compute_dtype: torch.dtype | None
+    model: nn.Module, family: Family, placement: Placement, *, task: str, adapters: lora.LoraSettings | None
 ) -> Parallelized:
-    """Pipeline cut -> TP -> activation checkpointing -> compile -> FSDP, in place; parameter names stay those
-    of the unsplit model. `compute_dtype`: FSDP's all-gather dtype (None = fp32)."""
+    """Pipeline cut -> TP -> LoRA's `adapters` -> activation checkpointing -> compile -> FSDP, in place, as
+    `placement` says; parameter names stay those of the unsplit model. `task`: the recipe's (a pipeline's last
+    stage holds its head)."""
+    layout, parallel = placement.layout, placement.parallel
     result = Parallelized()
     n_blocks = len(family.blocks(model))
     if layout.pp > 1:
-        family.check_pipeline(model.config, config.task)
-        virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
-        result.stages = plan_stages(model, family, layout.pp, virtual, config.partition)
+        family.check_pipeline(model.config, task)
+        virtual = parallel.virtual_stages if parallel.pipeline_schedule == "interleaved" else 1
+        result.stages = plan_stages(model, family, layout.pp, virtual, parallel.partition)
         result.tied = tied_parameters(model)
         result.tied_shapes = {names[0]: model.get_parameter(names[0]).shape for names in result.tied}
         cut_model(model, family, [s for s in result.stages if s.index % layout.pp == layout.pp_rank])
         log.info(
             "pipeline: %s schedule, %d micro-batches | %s",
-            config.pipeline_schedule,
-            pipeline_microbatches(config.microbatches, layout.pp),
+            parallel.pipeline_schedule,
+            placement.microbatches,
             describe_stages(result.stages, layout.pp),
         )
     apply_tp(model, family, layout.tp_mesh)
-    settings = lora.settings_from_config(config, family)
-    if settings is not None:  # after TP (adapters placed like their layer), before checkpointing/compile/FSDP
-        result.lora = lora.apply_lora(model, family, settings, layout.tp_mesh)
-        result.trainable = lora.trainable_names(model, result.lora, settings)
-        lora.freeze_base(model, result.trainable, compute_dtype)
+    if adapters is not None:  # after TP (adapters placed like their layer), before checkpointing/compile/FSDP
+        result.lora = lora.apply_lora(model, family, adapters, layout.tp_mesh)
+        result.trainable = lora.trainable_names(model, result.lora, adapters)
+        lora.freeze_base(model, result.trainable, placement.autocast_dtype)
         # a frozen weight shared by the first and last stage has no gradient to sum
         result.tied = [names for names in result.tied if set(names) & result.trainable]
     checkpointed = apply_activation_checkpointing(
-        family.blocks(model), config.activation_checkpointing, family.block_numbers(model)
+        family.blocks(model), placement.memory.activation_checkpointing, family.block_numbers(model)
     )
     if checkpointed:
         log.info(
@@ -70,7 +89,7 @@ def parallelize(
             n_blocks,
             " (this stage's)" if layout.pp > 1 else "",
         )
-    if config.compile is True:  # (the trainer resolved `auto` before)
+    if placement.compile:
         compile_blocks(family.blocks(model))
         log.info(
             "compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
@@ -78,7 +97,7 @@ def parallelize(
             " of this stage" if layout.pp > 1 else "",
         )
     if layout.dims.fsdp:
-        apply_fsdp(model, family.blocks(model), layout, compute_dtype)
+        apply_fsdp(model, family.blocks(model), layout, placement.autocast_dtype)
     return result
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..config import TrainingSection
 from ..layout import Layout
 from .gradients import GradPiece, all_reduce_flat, local, replicas, scale_gradients, sparse_embedding_gradients
 from .overlap import OverlappedGradientSum
@@ -44,8 +45,8 @@ class AdamWSettings:
     eps: float
 
     @classmethod
-    def of(cls, config) -> AdamWSettings:
-        return cls(config.lr, config.weight_decay, tuple(config.adam_betas), config.adam_eps)
+    def of(cls, training: TrainingSection) -> AdamWSettings:
+        return cls(training.lr, training.weight_decay, tuple(training.adam_betas), training.adam_eps)
 
 
 def make_adamw(groups: list[dict], settings: AdamWSettings) -> torch.optim.AdamW:

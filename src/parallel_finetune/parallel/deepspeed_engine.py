@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import ParallelSection, TrainingSection
 from ..errors import UserError
 from ..interfaces import SkipRule, StepOutcome
 from ..layout import Sharding
@@ -42,50 +43,51 @@ MICS_REMOVED_IN = (0, 19, 7)  # DeepSpeed 0.19.7 removed MiCS: its config reject
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def validate(config, where: str = "config") -> None:
-    """Key combinations, no processes needed (resolve.validate calls this)."""
+def validate(*, parallel: ParallelSection, training: TrainingSection, where: str = "config") -> None:
+    """Key combinations of the `parallel:` section (and training's initial_loss_scale), no processes needed
+    (resolve.validate calls this)."""
     deepspeed_only = ("zero_stage", "mics_shard_size", "deepspeed_config")
-    if config.engine != "deepspeed":
+    if parallel.engine != "deepspeed":
         for key in deepspeed_only:
-            if getattr(config, key) is not None:
+            if getattr(parallel, key) is not None:
                 raise UserError(
-                    f"{where}: {key}={getattr(config, key)!r} only applies to engine=deepspeed, "
-                    f"not engine={config.engine}"
+                    f"{where}: {key}={getattr(parallel, key)!r} only applies to engine=deepspeed, "
+                    f"not engine={parallel.engine}"
                 )
         return
-    tp = config.tensor_parallel_degree
+    tp = parallel.tensor_parallel_degree
     if tp != "auto" and tp > 1:
         raise UserError(
             f"{where}: engine=deepspeed with tensor_parallel_degree={tp} is not supported (DeepSpeed "
             f"runs data parallel only here); use tensor_parallel_degree=1, or engine=torch for tensor "
             f"parallelism"
         )
-    if Sharding(config.sharding).sharded:
+    if Sharding(parallel.sharding).sharded:
         raise UserError(
-            f"{where}: engine=deepspeed with sharding={config.sharding} is not supported; DeepSpeed "
+            f"{where}: engine=deepspeed with sharding={parallel.sharding} is not supported; DeepSpeed "
             f"shards by zero_stage=1|2|3 (sharding=optimizer ~ zero_stage=1, sharding=full ~ "
             f"zero_stage=3); use sharding=none"
         )
-    if config.mics_shard_size is not None and config.mics_shard_size < 1:
-        raise UserError(f"{where}: mics_shard_size={config.mics_shard_size} must be a positive integer (or null)")
-    user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
-    stage = zero_stage(config, user)
-    if config.mics_shard_size is not None and stage != 3:
+    if parallel.mics_shard_size is not None and parallel.mics_shard_size < 1:
+        raise UserError(f"{where}: mics_shard_size={parallel.mics_shard_size} must be a positive integer (or null)")
+    user = load_user_config(parallel.deepspeed_config) if parallel.deepspeed_config else {}
+    stage = zero_stage(user, parallel=parallel)
+    if parallel.mics_shard_size is not None and stage != 3:
         raise UserError(
-            f"{where}: mics_shard_size={config.mics_shard_size} requires zero_stage=3, not zero_stage={stage}"
+            f"{where}: mics_shard_size={parallel.mics_shard_size} requires zero_stage=3, not zero_stage={stage}"
         )
-    power = math.log2(config.initial_loss_scale)
+    power = math.log2(training.initial_loss_scale)
     if not power.is_integer():
         raise UserError(
-            f"{where}: engine=deepspeed: initial_loss_scale={config.initial_loss_scale:g} must be a "
+            f"{where}: engine=deepspeed: initial_loss_scale={training.initial_loss_scale:g} must be a "
             f"power of two (DeepSpeed takes initial_scale_power), e.g. {2 ** round(power):g}"
         )
 
 
-def zero_stage(config, user: dict) -> int:
+def zero_stage(user: dict, *, parallel: ParallelSection) -> int:
     """The recipe's zero_stage, else the user JSON's, else DEFAULT_ZERO_STAGE."""
-    if config.zero_stage is not None:
-        return config.zero_stage
+    if parallel.zero_stage is not None:
+        return parallel.zero_stage
     stage = user.get("zero_optimization", {}).get("stage", "auto")
     return DEFAULT_ZERO_STAGE if stage == "auto" else stage
 
@@ -111,7 +113,9 @@ def deepspeed_version() -> tuple[int, ...] | None:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
 
 
-def preflight(config, dp: int, device_type: str, precision: str) -> dict:
+def preflight(
+    *, training: TrainingSection, parallel: ParallelSection, dp: int, device_type: str, precision: str
+) -> dict:
     """What needs the process count and the device: the generated config, or a one-line error before DeepSpeed
     starts (and prints its own traceback on every rank). `precision` is the resolved one (auto -> fp16/bf16/fp32)."""
     if precision == "fp16" and device_type == "cpu" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
@@ -119,7 +123,7 @@ def preflight(config, dp: int, device_type: str, precision: str) -> dict:
     version = deepspeed_version()
     if version is None:
         raise UserError("engine=deepspeed: the deepspeed package is not installed; pip install -r requirements.txt")
-    generated = deepspeed_config(config, dp, precision)
+    generated = deepspeed_config(training=training, parallel=parallel, dp=dp, precision=precision)
     mics = generated["zero_optimization"].get("mics_shard_size")
     if mics is not None:
         if version >= MICS_REMOVED_IN:
@@ -137,48 +141,54 @@ def preflight(config, dp: int, device_type: str, precision: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- config
-def _precision_origin(config, precision: str) -> str:
-    return f"precision={config.precision}" + (f" ({precision} here)" if config.precision == "auto" else "")
+def _precision_origin(precision: str, *, training: TrainingSection) -> str:
+    return f"precision={training.precision}" + (f" ({precision} here)" if training.precision == "auto" else "")
 
 
-def _recipe_values(config, dp: int, precision: str) -> list[tuple[str, Any, str]]:
+def _recipe_values(
+    *, training: TrainingSection, parallel: ParallelSection, dp: int, precision: str
+) -> list[tuple[str, Any, str]]:
     """(dotted DeepSpeed key, value, the recipe setting it comes from): what a user JSON may not contradict."""
-    gas = config.gradient_accumulation_steps
+    gas = training.gradient_accumulation_steps
     values = [
-        ("train_batch_size", config.batch_size, f"batch_size={config.batch_size}"),
+        ("train_batch_size", training.batch_size, f"batch_size={training.batch_size}"),
         (
             "train_micro_batch_size_per_gpu",
-            config.batch_size // (dp * gas),
-            f"batch_size={config.batch_size} over {dp} processes x gradient_accumulation_steps={gas}",
+            training.batch_size // (dp * gas),
+            f"batch_size={training.batch_size} over {dp} processes x gradient_accumulation_steps={gas}",
         ),
         ("gradient_accumulation_steps", gas, f"gradient_accumulation_steps={gas}"),
-        ("gradient_clipping", float(config.max_grad_norm or 0.0), f"max_grad_norm={config.max_grad_norm}"),
-        ("fp16.enabled", precision == "fp16", _precision_origin(config, precision)),
-        ("bf16.enabled", precision == "bf16", _precision_origin(config, precision)),
+        ("gradient_clipping", float(training.max_grad_norm or 0.0), f"max_grad_norm={training.max_grad_norm}"),
+        ("fp16.enabled", precision == "fp16", _precision_origin(precision, training=training)),
+        ("bf16.enabled", precision == "bf16", _precision_origin(precision, training=training)),
         ("optimizer.type", "AdamW", "the trainer's optimizer (AdamW, no decay on biases and norm weights)"),
-        ("optimizer.params.lr", config.lr, f"lr={config.lr}"),
-        ("optimizer.params.betas", [float(b) for b in config.adam_betas], f"adam_betas={config.adam_betas}"),
-        ("optimizer.params.eps", config.adam_eps, f"adam_eps={config.adam_eps}"),
-        ("optimizer.params.weight_decay", config.weight_decay, f"weight_decay={config.weight_decay}"),
+        ("optimizer.params.lr", training.lr, f"lr={training.lr}"),
+        ("optimizer.params.betas", [float(b) for b in training.adam_betas], f"adam_betas={training.adam_betas}"),
+        ("optimizer.params.eps", training.adam_eps, f"adam_eps={training.adam_eps}"),
+        ("optimizer.params.weight_decay", training.weight_decay, f"weight_decay={training.weight_decay}"),
     ]
     if precision == "fp16":
         values += [
             (
                 "fp16.initial_scale_power",
-                int(math.log2(config.initial_loss_scale)),
-                f"initial_loss_scale={config.initial_loss_scale:g}",
+                int(math.log2(training.initial_loss_scale)),
+                f"initial_loss_scale={training.initial_loss_scale:g}",
             ),
             (
                 "fp16.loss_scale_window",
-                config.loss_scale_growth_interval,
-                f"loss_scale_growth_interval={config.loss_scale_growth_interval}",
+                training.loss_scale_growth_interval,
+                f"loss_scale_growth_interval={training.loss_scale_growth_interval}",
             ),
         ]
-    if config.zero_stage is not None:
-        values.append(("zero_optimization.stage", config.zero_stage, f"zero_stage={config.zero_stage}"))
-    if config.mics_shard_size is not None:
+    if parallel.zero_stage is not None:
+        values.append(("zero_optimization.stage", parallel.zero_stage, f"zero_stage={parallel.zero_stage}"))
+    if parallel.mics_shard_size is not None:
         values.append(
-            ("zero_optimization.mics_shard_size", config.mics_shard_size, f"mics_shard_size={config.mics_shard_size}")
+            (
+                "zero_optimization.mics_shard_size",
+                parallel.mics_shard_size,
+                f"mics_shard_size={parallel.mics_shard_size}",
+            )
         )
     return values
 
@@ -225,20 +235,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def deepspeed_config(config, dp: int, precision: str) -> dict:
-    """The DeepSpeed config for `config` on `dp` data-parallel processes at the resolved `precision` (fp16, bf16
-    or fp32), on top of the user's JSON when `config.deepspeed_config` names one. Pure: no processes, no deepspeed.
+def deepspeed_config(*, training: TrainingSection, parallel: ParallelSection, dp: int, precision: str) -> dict:
+    """The DeepSpeed config for the recipe's `training` and `parallel` sections on `dp` data-parallel processes at
+    the resolved `precision` (fp16, bf16 or fp32), on top of the user's JSON when `parallel.deepspeed_config` names
+    one. Pure: no processes, no deepspeed.
 
     Raises UserError when the JSON contradicts a recipe value, or sets what the trainer owns (`scheduler`)."""
-    user = load_user_config(config.deepspeed_config) if config.deepspeed_config else {}
-    where = f"deepspeed_config={config.deepspeed_config!r}"
+    user = load_user_config(parallel.deepspeed_config) if parallel.deepspeed_config else {}
+    where = f"deepspeed_config={parallel.deepspeed_config!r}"
     if "scheduler" in user:
         raise UserError(
-            f"{where}: has a 'scheduler' section, but the recipe's lr_scheduler={config.lr_scheduler!r} "
+            f"{where}: has a 'scheduler' section, but the recipe's lr_scheduler={training.lr_scheduler!r} "
             f"(warmup_steps, warmup_ratio) drives the learning rate; remove 'scheduler' from the JSON"
         )
     result = json.loads(json.dumps(user))  # a deep copy
-    for dotted, value, origin in _recipe_values(config, dp, precision):
+    for dotted, value, origin in _recipe_values(training=training, parallel=parallel, dp=dp, precision=precision):
         theirs = _get(user, dotted)
         if theirs is None or theirs == "auto":
             _set(result, dotted, value)
@@ -327,8 +338,12 @@ class DeepSpeedUpdates:
 
     checkpointable = False  # no CheckpointableUpdates: config.check_keys refuses checkpoint keys with engine=deepspeed
 
-    def __init__(self, model: nn.Module, config, layout, precision: str):
-        self.config = preflight(config, layout.dp, layout.device.type, precision)
+    def __init__(
+        self, model: nn.Module, layout, *, training: TrainingSection, parallel: ParallelSection, precision: str
+    ):
+        self.config = preflight(
+            training=training, parallel=parallel, dp=layout.dp, device_type=layout.device.type, precision=precision
+        )
         self.layout = layout
         self.dp = layout.dp
         self.precision = precision
@@ -341,7 +356,7 @@ class DeepSpeedUpdates:
 
         try:
             self.engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=optimizer_groups(model, config.weight_decay), config=self.config
+                model=model, model_parameters=optimizer_groups(model, training.weight_decay), config=self.config
             )
         except (DeepSpeedConfigError, ValidationError) as exc:
             raise UserError(f"engine=deepspeed: DeepSpeed rejected the config: {_one_line(exc)}") from None

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import TrainingSection
 from ..layout import Layout
 from .adamw import (
     MOMENTS,
@@ -24,9 +25,12 @@ from .adamw import (
 from .gradients import GradPiece, local
 
 
-def zero_adamw(model: nn.Module, layout: Layout, config, tied: list[tuple[str, ...]]) -> ZeroAdamW:
-    """ZeRO-1's optimizer, made before the weights exist: its flat buffers are where the parameters live."""
-    return ZeroAdamW(model, layout, AdamWSettings.of(config), held_names(tied, model))
+def zero_adamw(
+    model: nn.Module, layout: Layout, *, training: TrainingSection, tied: list[tuple[str, ...]]
+) -> ZeroAdamW:
+    """ZeRO-1's optimizer (AdamW's settings from `training`), made before the weights exist: its flat buffers are
+    where the parameters live."""
+    return ZeroAdamW(model, layout, AdamWSettings.of(training), held_names(tied, model))
 
 
 class _FlatBucket:
