@@ -506,14 +506,14 @@ def training_image(settings: JobSettings) -> str:
     )
 
 
-def _model_is_s3(config) -> bool:
+def _model_is_s3(model: str | None) -> bool:
     """model= an S3 URI (the job reads it as an input channel), else a Hub name; a local folder is refused."""
-    if config.model.model and config.model.startswith("s3://"):
-        split_s3_uri(config.model.model)
+    if model and model.startswith("s3://"):
+        split_s3_uri(model)
         return True
-    if config.model.model and Path(config.model.model).expanduser().is_dir():
+    if model and Path(model).expanduser().is_dir():
         raise UserError(
-            f"model={config.model.model!r} is a local folder the job cannot read: upload it "
+            f"model={model!r} is a local folder the job cannot read: upload it "
             "(aws s3 sync FOLDER s3://bucket/models/NAME) and pass model=s3://bucket/models/NAME"
         )
     return False
@@ -554,7 +554,7 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = _model_is_s3(config)
+    model_is_s3 = _model_is_s3(config.model.model)
     boto_session = _check_aws(settings)
 
     from sagemaker.core.helper.session_helper import Session
