@@ -119,3 +119,38 @@ def test_the_walk_finds_a_circle_made_of_function_level_imports(tmp_path):
     graph = {name: imported(path, tmp_path, modules) for name, path in modules.items()}
     assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
+
+
+# Who may read the whole Config: the entry points (a run's assembly, the CLI, SageMaker, the notebooks, the
+# selftest), `resolve` (what a recipe means) and `preflight` (--check); config.py checks its own keys. Every other
+# function receives the sections and resolved values it uses (NeMo AutoModel's recipes keep the same rule).
+WHOLE_CONFIG_READERS = {"config", "resolve", "preflight", "builder", "train", "sagemaker_job", "notebook", "selftest"}
+WHOLE_CONFIG_FUNCTIONS = {("trainer", "run")}  # trainer.py's entry point; the Trainer receives RunParts
+
+
+def whole_config_takers(modules: dict[str, Path]) -> list[str]:
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            for argument in arguments:
+                kind = ast.unparse(argument.annotation) if argument.annotation is not None else None
+                takes = kind in ("Config", "'Config'") or (argument.arg == "config" and kind is None)
+                if takes and name not in WHOLE_CONFIG_READERS and (name, node.name) not in WHOLE_CONFIG_FUNCTIONS:
+                    found.append(f"{name}.{node.name}({argument.arg})")
+    return found
+
+
+def test_only_entry_points_resolve_and_preflight_take_the_whole_config(tmp_path):
+    found = whole_config_takers(MODULES)
+    assert not found, f"these take the whole Config; pass them the sections they read: {found}"
+    # the rule sees an untyped `config` parameter as well as a typed one
+    (tmp_path / "component.py").write_text(
+        "def load(config):\n    pass\n\n\ndef build(x, *, settings: Config):\n    pass\n"
+    )
+    assert whole_config_takers({"component": tmp_path / "component.py"}) == [
+        "component.load(config)",
+        "component.build(settings)",
+    ]
