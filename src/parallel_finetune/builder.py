@@ -28,7 +28,7 @@ from .families import get_family
 from .families.base import Family
 from .hub import fetch_model
 from .interfaces import Runner, Updates
-from .layout import Layout, check_batch_split, init_distributed, rank0_decides
+from .layout import Engine, Layout, check_batch_split, init_distributed, rank0_decides
 from .model import ReadyModel, load_model, log_loaded
 from .parallel import Placement
 from .parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
@@ -204,7 +204,7 @@ class RunBuilder:
             check_microbatches(
                 config.batch_size // (layout.dp * config.gradient_accumulation_steps), resolved.microbatches
             )
-        if config.engine == "deepspeed":  # one line (fp16 on a CPU, a conflicting JSON) before any work
+        if resolved.engine is Engine.DEEPSPEED:  # one line (fp16 on a CPU, a conflicting JSON) before any work
             from .parallel import deepspeed_engine
 
             self.deepspeed_config = deepspeed_engine.preflight(
@@ -310,7 +310,7 @@ class RunBuilder:
             seed=config.seed,
         )
         model, precision = ready.model, resolved.precision
-        if config.engine == "deepspeed":
+        if resolved.engine is Engine.DEEPSPEED:
             from .parallel.deepspeed_engine import DeepSpeedUpdates
 
             updates = DeepSpeedUpdates(

@@ -30,6 +30,16 @@ from .errors import UserError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+class Engine(str, Enum):
+    """What turns gradients into updates: the config's `engine`, as a type (resolved once, Resolved.engine)."""
+
+    TORCH = "torch"  # our AdamW, ZeRO-1 and FSDP2 (updates.TorchUpdates)
+    DEEPSPEED = "deepspeed"  # DeepSpeed's ZeRO stages (parallel/deepspeed_engine.py)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Sharding(str, Enum):
     """How the data-parallel ranks hold the training state: the config's `sharding`, as a type."""
 

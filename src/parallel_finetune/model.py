@@ -19,6 +19,7 @@ from . import lora
 from .config import PeftSection
 from .families.base import Family
 from .hardware import peak_memory_mib
+from .layout import Engine
 from .parallel import Parallelized, Placement, parallelize
 from .parallel.pipeline import stage_costs
 from .parallel.tensor import keep_gradients_sharded
@@ -131,7 +132,9 @@ def load_model(
     adamw = None
     if placement is not None:
         parallel = parallelize(model, family, placement, task=task, adapters=settings)
-        if placement.parallel.engine == "torch" and placement.layout.dims.zero1:  # the model's only allocation
+        if (
+            Engine(placement.parallel.engine) is Engine.TORCH and placement.layout.dims.zero1
+        ):  # the model's only allocation
             adamw = zero_adamw(model, placement.layout, training=placement.training, tied=parallel.tied)
     else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
         parallel = Parallelized()

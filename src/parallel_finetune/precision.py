@@ -8,6 +8,7 @@ import logging
 import torch
 
 from .errors import UserError
+from .layout import Engine
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ FP16_ON_CPU = (
 )
 
 
-def resolve_precision(precision: str, device: torch.device, engine: str = "torch") -> str:
+def resolve_precision(precision: str, device: torch.device, engine: Engine | str = Engine.TORCH) -> str:
     """auto = fp16 on CUDA (what the recipes target); on a CPU bf16 where it has bf16 units, else fp32
     (no CPU here has fp16 units). fp16 on such a CPU: emulated with engine=torch, refused by DeepSpeed."""
     if precision == "auto":
@@ -46,7 +47,7 @@ def resolve_precision(precision: str, device: torch.device, engine: str = "torch
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
     native = {"fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported, "bf16": cpu_has_bf16}
-    if engine == "deepspeed" and precision == "fp16" and device.type == "cpu" and not native["fp16"]():
+    if Engine(engine) is Engine.DEEPSPEED and precision == "fp16" and device.type == "cpu" and not native["fp16"]():
         raise UserError(FP16_ON_CPU)  # the very test DeepSpeed's CPU accelerator makes, before its traceback
     if device.type == "cpu" and precision in native and not native[precision]():
         log.warning(

@@ -16,7 +16,7 @@ from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
 from .hub import resolve_model_path
-from .layout import ParallelDims, Sharding, pipeline_microbatches
+from .layout import Engine, ParallelDims, Sharding, pipeline_microbatches
 from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .precision import DTYPES, resolve_precision
@@ -35,6 +35,7 @@ def pretrained_name(config: Config) -> str | None:
 class Resolved:
     family: Family
     model_name: str | None  # pretrained_name
+    engine: Engine  # the config's `engine`, as a type
     precision: str  # fp16 | bf16 | fp32: `auto` decided for the device and engine
     compute_dtype: torch.dtype  # what matmuls run in (float32 for fp32)
     autocast_dtype: torch.dtype | None  # None in fp32: no autocast, no 16-bit copies of frozen weights
@@ -55,10 +56,12 @@ class Resolved:
 
 def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolved:
     """The run's decided values; a one-line UserError where `auto` has no answer (fp16 under DeepSpeed on a CPU)."""
-    precision = resolve_precision(config.precision, device, config.engine)
+    engine = Engine(config.engine)
+    precision = resolve_precision(config.precision, device, engine)
     return Resolved(
         family=get_family(config.family),
         model_name=pretrained_name(config),
+        engine=engine,
         precision=precision,
         compute_dtype=DTYPES[precision],
         autocast_dtype=None if precision == "fp32" else DTYPES[precision],
@@ -143,7 +146,7 @@ def _check_parallel(config: Config, bad) -> None:
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
-    if config.compile is True and config.engine == "deepspeed":
+    if config.compile is True and Engine(config.engine) is Engine.DEEPSPEED:
         raise bad(
             "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
         )
@@ -160,7 +163,7 @@ def _check_parallel(config: Config, bad) -> None:
     ):
         raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
     if config.pipeline_parallel_degree > 1:
-        if config.engine == "deepspeed":
+        if Engine(config.engine) is Engine.DEEPSPEED:
             raise bad(
                 "pipeline_parallel_degree",
                 "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",

@@ -33,7 +33,7 @@ from .errors import Interrupted, RankError
 from .evaluation import evaluate, evaluate_all, predict_test
 from .export import ExportPlace, export_model
 from .launch import end_with_launcher
-from .layout import rank0_decides, shutdown, timed_out
+from .layout import Engine, rank0_decides, shutdown, timed_out
 from .loggers import destinations
 from .loss import loss_count
 from .reporting import Reporter
@@ -272,5 +272,5 @@ def summary_record(trainer: Trainer, results: dict) -> RunRecord:
         load_peak_mib=trainer.ready.load_peak_mib,
         load_seconds=trainer.ready.load_seconds,
         state_bytes=updates.state_bytes(),
-        zero_stage=updates.zero_stage if config.engine == "deepspeed" else None,
+        zero_stage=updates.zero_stage if trainer.resolved.engine is Engine.DEEPSPEED else None,
     )

@@ -33,7 +33,7 @@ from torch import nn
 from ..config import ParallelSection, TrainingSection
 from ..errors import UserError
 from ..interfaces import SkipRule, StepOutcome
-from ..layout import Sharding
+from ..layout import Engine, Sharding
 from ..precision import FP16_ON_CPU
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def validate(*, parallel: ParallelSection, training: TrainingSection, where: str
     """Key combinations of the `parallel:` section (and training's initial_loss_scale), no processes needed
     (resolve.validate calls this)."""
     deepspeed_only = ("zero_stage", "mics_shard_size", "deepspeed_config")
-    if parallel.engine != "deepspeed":
+    if Engine(parallel.engine) is not Engine.DEEPSPEED:
         for key in deepspeed_only:
             if getattr(parallel, key) is not None:
                 raise UserError(
