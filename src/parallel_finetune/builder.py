@@ -271,44 +271,8 @@ class RunBuilder:
     ) -> tuple[ReadyModel, nn.Module, Updates, Runner, object]:
         """The model (each rank its own shards; the module forwards go through), the updates, the runner, the lr
         schedule."""
-        config, family, tokenizer = self.config, self.family, prepared.tokenizer
-        if config.size == "full":
-            check_heads(check_model_config(config, self.model_path))
-        hf_config = family.config_for(
-            model=config.model,
-            max_length=config.max_length,
-            tokenizer_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            model_path=self.model_path,
-            labels=prepared.task,
-        )
-        family.check_tp(hf_config, layout.tp)
-        compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
-        if config.compile == "auto":
-            log.info("%s", why)
-        placement = Placement(
-            layout=layout,
-            parallel=config.parallel,
-            memory=config.memory,
-            training=config.training,
-            precision=resolved.precision,
-            autocast_dtype=resolved.autocast_dtype,
-            microbatches=resolved.microbatches,
-            compile=compiled,
-            deepspeed_config=self.deepspeed_config,
-        )
-        ready = load_model(
-            family, config.task, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
-        )
-        log_loaded(
-            ready,
-            family,
-            placement,
-            peft=config.peft,
-            task=config.task,
-            model_name=resolved.model_name,
-            seed=config.seed,
-        )
+        config, family = self.config, self.family
+        ready = self._load_model(layout, resolved, prepared, rows)
         model, precision = ready.model, resolved.precision
         if resolved.engine is Engine.DEEPSPEED:
             from .parallel.deepspeed_engine import DeepSpeedUpdates
@@ -353,3 +317,47 @@ class RunBuilder:
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
         return ready, model, updates, runner, scheduler
+
+    def _load_model(
+        self, layout: Layout, resolved: Resolved, prepared: data_module.PreparedData, rows: _TrainRows
+    ) -> ReadyModel:
+        """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""
+        config, family, tokenizer = self.config, self.family, prepared.tokenizer
+        if config.size == "full":
+            check_heads(check_model_config(config, self.model_path))
+        hf_config = family.config_for(
+            model=config.model,
+            max_length=config.max_length,
+            tokenizer_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            model_path=self.model_path,
+            labels=prepared.task,
+        )
+        family.check_tp(hf_config, layout.tp)
+        compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
+        if config.compile == "auto":
+            log.info("%s", why)
+        placement = Placement(
+            layout=layout,
+            parallel=config.parallel,
+            memory=config.memory,
+            training=config.training,
+            precision=resolved.precision,
+            autocast_dtype=resolved.autocast_dtype,
+            microbatches=resolved.microbatches,
+            compile=compiled,
+            deepspeed_config=self.deepspeed_config,
+        )
+        ready = load_model(
+            family, config.task, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
+        )
+        log_loaded(
+            ready,
+            family,
+            placement,
+            peft=config.peft,
+            task=config.task,
+            model_name=resolved.model_name,
+            seed=config.seed,
+        )
+        return ready

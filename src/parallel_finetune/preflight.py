@@ -11,7 +11,7 @@ from .data import check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
 from .hub import check_model_source, resolve_model_path
-from .layout import check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
+from .layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
 from .resolve import pretrained_name
 from .runfolder import (
@@ -132,6 +132,30 @@ def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     )
 
 
+def describe_sharding(config: Config, dims) -> str:
+    """The sharding part of --check's line; engine=deepspeed's config is generated (and its problems, fp16 on a
+    CPU, MiCS, a JSON contradicting the recipe, said in one line) here."""
+    sharding = f" | sharding {dims.sharding}" if dims.sharded else ""
+    if Engine(config.engine) is Engine.DEEPSPEED:
+        import torch
+
+        from .parallel import deepspeed_engine
+        from .precision import resolve_precision
+
+        device = torch.device(resolve_device(config.device))
+        generated = deepspeed_engine.preflight(
+            training=config.training,
+            parallel=config.parallel,
+            dp=dims.dp,
+            device_type=device.type,
+            precision=resolve_precision(config.precision, device, config.engine),
+        )
+        sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
+    if dims.hybrid:
+        sharding += f" ({dims.dp_replicate} groups of {dims.dp_shard})"
+    return sharding
+
+
 def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     """Raise UserError on the first problem; return a one-line description of what will run (`nproc` processes in
     all, spread evenly over `nnodes` nodes)."""
@@ -190,24 +214,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
         check_fit(family, config.task, hf_config, folder)
-    sharding = f" | sharding {dims.sharding}" if dims.sharded else ""
-    if config.engine == "deepspeed":  # fp16 on a CPU, MiCS, a JSON contradicting the recipe: one line, here
-        import torch
-
-        from .parallel import deepspeed_engine
-        from .precision import resolve_precision
-
-        device = torch.device(resolve_device(config.device))
-        generated = deepspeed_engine.preflight(
-            training=config.training,
-            parallel=config.parallel,
-            dp=dims.dp,
-            device_type=device.type,
-            precision=resolve_precision(config.precision, device, config.engine),
-        )
-        sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
-    if dims.hybrid:
-        sharding += f" ({dims.dp_replicate} groups of {dims.dp_shard})"
+    sharding = describe_sharding(config, dims)
     nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
