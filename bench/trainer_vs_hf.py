@@ -34,13 +34,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
-from parallel_finetune import data  # noqa: E402
-from parallel_finetune.builder import RunBuilder  # noqa: E402
+from parallel_finetune.builder import RunBuilder, prepare_data  # noqa: E402
 from parallel_finetune.evaluation import evaluate  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.hub import download_model  # noqa: E402
 from parallel_finetune.model import load_model, seed_everything  # noqa: E402
-from parallel_finetune.resolve import load_config, pretrained_name  # noqa: E402
+from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.summary import padding_fraction  # noqa: E402
 from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
 
@@ -66,18 +65,6 @@ def our_run(config) -> dict:
         "peak_tflops": trainer.peak.tflops,  # None: unknown
         "achievable_matmul_tflops": trainer.peak.achievable_tflops,
     }
-
-
-def prepared_data(config) -> data.PreparedData:
-    """The tokenized splits our trainer trains on (the same cache), for transformers' Trainer."""
-    return data.prepare(
-        data=config.data,
-        model=config.model,
-        family=get_family(config.family),
-        model_name=pretrained_name(config),
-        seed=config.training.seed,
-        predict=config.output.predict,
-    )
 
 
 def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, compiled=False) -> dict:
@@ -194,7 +181,7 @@ def worker(name: str, args, out: Path) -> dict:
         config.precision = resolve_precision("auto", torch.device("cpu"), "torch")
     if name.startswith("ours"):
         return our_run(config)
-    return hf_run(config, prepared_data(config), out / name, **RUNS[name])
+    return hf_run(config, prepare_data(config), out / name, **RUNS[name])
 
 
 def main() -> int:

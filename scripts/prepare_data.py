@@ -8,10 +8,9 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
-from parallel_finetune.data import prepare
+from parallel_finetune.builder import prepare_data
 from parallel_finetune.errors import UserError
-from parallel_finetune.families import get_family
-from parallel_finetune.resolve import load_config, pretrained_name
+from parallel_finetune.resolve import load_config
 
 
 def main(argv: list[str]) -> int:
@@ -21,14 +20,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         config = load_config(argv[0], argv[1:])
-        prepared = prepare(
-            data=config.data,
-            model=config.model,
-            family=get_family(config.family),
-            model_name=pretrained_name(config),
-            seed=config.training.seed,
-            predict=config.output.predict,
-        )
+        prepared = prepare_data(config)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -273,17 +273,9 @@ def load_task_of(config):
 
 def prepare_data(config):
     """data.prepare on a loaded Config's sections, as the trainer calls it."""
-    from parallel_finetune import data
-    from parallel_finetune.resolve import pretrained_name
+    from parallel_finetune.builder import prepare_data as prepare_for_run
 
-    return data.prepare(
-        data=config.data,
-        model=config.model,
-        family=get_family(config.family),
-        model_name=pretrained_name(config),
-        seed=config.training.seed,
-        predict=config.output.predict,
-    )
+    return prepare_for_run(config)
 
 
 def assert_mfu_as_documented(records: list[dict], summary: dict, output: str) -> None:

@@ -35,7 +35,7 @@ from .parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer
-from .resolve import Resolved, resolve
+from .resolve import Resolved, pretrained_name, resolve
 from .runfolder import RunLock, claim_run_folders, open_run_folder
 from .runner import WholeModel
 from .throughput import Peak, device_peak
@@ -106,6 +106,19 @@ class _TrainRows:
     types: list | None
     batches: data_module.GlobalBatches
     total_steps: int
+
+
+def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
+    """data.prepare on a recipe's sections, as a run calls it (scripts/prepare_data.py, the notebooks, a SageMaker
+    job's staging, a run's rank 0); `model_path`: the pretrained model's local folder when it was fetched."""
+    return data_module.prepare(
+        data=config.data,
+        model=config.model,
+        family=resolved.family if resolved else get_family(config.family),
+        model_name=model_path or (resolved.model_name if resolved else pretrained_name(config)),
+        seed=config.training.seed,
+        predict=config.output.predict,
+    )
 
 
 class RunBuilder:
@@ -233,16 +246,7 @@ class RunBuilder:
         mine: list[data_module.PreparedData] = []
 
         def prepare_on_rank0():
-            mine.append(
-                data_module.prepare(
-                    data=config.data,
-                    model=config.model,
-                    family=resolved.family,
-                    model_name=self.model_path or resolved.model_name,
-                    seed=config.training.seed,
-                    predict=config.output.predict,
-                )
-            )
+            mine.append(prepare_data(config, self.model_path, resolved))
             return str(mine[0].cache_path), mine[0].source
 
         # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.

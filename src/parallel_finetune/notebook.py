@@ -159,19 +159,11 @@ class Walkthrough:
 
     def prepare_data(self):
         """Tokenize and cache the data as the run will (a tiny model's tokenizer is learned here); print the splits."""
-        from .data import prepare
-        from .families import get_family
-        from .resolve import load_config, pretrained_name
+        from .builder import prepare_data
+        from .resolve import load_config
 
         config = load_config(self.recipe, self.overrides)
-        prepared = prepare(
-            data=config.data,
-            model=config.model,
-            family=get_family(config.family),
-            model_name=pretrained_name(config),
-            seed=config.training.seed,
-            predict=config.output.predict,
-        )
+        prepared = prepare_data(config)
         print(prepared.cache_path)
         for split, rows in prepared.splits.items():
             print(f"{split:>10}: {len(rows):,} rows")

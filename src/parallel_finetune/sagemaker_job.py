@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .builder import prepare_data
 from .config import parse_override
 from .errors import UserError
 from .hardware import INSTANCES
@@ -334,8 +335,6 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
 
     The job finds the cache because its key hashes the files' names and bytes and the tokenizer, not their paths:
     files keep their names here (one that shares another's name goes into a folder named for its split)."""
-    from . import data
-    from .families import get_family
     from .tasks.glue import TASKS
     from .tasks.sources import glue_folder_files
 
@@ -350,14 +349,7 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
         raise UserError(f"a SageMaker job trains on rows shipped from this machine; {wanted}, or train_file=PATH")
     # read and tokenized from the user's paths (a bad row names the user's file); the cache made by an earlier run
     # or `make data` is reused as is
-    prepared = data.prepare(
-        data=config.data,
-        model=config.model,
-        family=get_family(config.family),
-        model_name=pretrained_name(config),
-        seed=config.training.seed,
-        predict=config.output.predict,
-    )
+    prepared = prepare_data(config)
     folder.mkdir(parents=True)
     staged: dict[str, str] = {}
     if config.train_file:
