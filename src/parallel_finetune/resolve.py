@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TRACKER_TIMEOUT_RANGE_S, Config, check_keys, parse_config  # noqa: F401
+from .config import Config, check_keys, parse_config
 from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
