@@ -554,7 +554,7 @@ def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
 ):
     """The run's tokenizer and config, --check and plan.py refuse in one line naming the file and key; the
     payload never runs and nothing is asked on stdin (a "y" would run it)."""
-    from parallel_finetune.data import load_tokenizer
+    from parallel_finetune.data import TinyTokenizer, load_tokenizer
     from parallel_finetune.train import main
 
     folder = shutil.copytree(small_gpt2, tmp_path / "model")
@@ -562,7 +562,7 @@ def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
     plant_custom_code(folder, file, marker)
     message = f"{folder / file} asks for custom code (auto_map: "
     with pytest.raises(UserError, match=re.escape(message)):
-        load_tokenizer(None, "full", str(folder), "bpe", 0, [], None, tmp_path)
+        load_tokenizer(None, "full", str(folder), TinyTokenizer("bpe", 0), [], None, tmp_path)
     with pytest.raises(UserError, match=re.escape(message)):
         gpt2_config(load_config(REPO / "recipes/gpt2/tp.yaml", [f"model={folder}"]), 0)
     check = [f"model={folder}", f"data_dir={sst2}", f"cache_dir={tmp_path}", f"output_dir={tmp_path / 'run'}"]

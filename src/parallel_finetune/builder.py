@@ -61,6 +61,8 @@ class RunParts:
     train_lengths: list[int]
     train_labels: list | None
     train_types: list | None  # token type ids (sentence pairs of a family with them), else None
+    train_target_masks: list | None  # which tokens are trained (task=sft), else None: every next token
+    train_targets: list[int] | None  # each row's count of trained tokens (task=sft), else None
     batches: data_module.GlobalBatches
     total_steps: int
     ready: ReadyModel
@@ -104,6 +106,8 @@ class _TrainRows:
     lengths: list[int]
     labels: list | None
     types: list | None
+    target_masks: list | None
+    targets: list[int] | None
     batches: data_module.GlobalBatches
     total_steps: int
 
@@ -178,6 +182,8 @@ class RunBuilder:
             rows.lengths,
             rows.labels,
             rows.types,
+            rows.target_masks,
+            rows.targets,
             rows.batches,
             rows.total_steps,
             ready,
@@ -260,6 +266,10 @@ class RunBuilder:
             lengths,
             data_module.column(train, "label") if "label" in train.column_names else None,
             data_module.column(train, "token_type_ids") if "token_type_ids" in train.column_names else None,
+            *(
+                data_module.column(train, name) if name in train.column_names else None
+                for name in ("target_mask", "targets")
+            ),
             batches,
             config.max_steps or max(1, math.ceil(config.epochs * len(batches))),
         )
@@ -298,7 +308,7 @@ class RunBuilder:
         autocast_context = functools.partial(autocast, precision, layout.device)
         if layout.pp > 1:
             settings = PipelineSettings(
-                config.pipeline_schedule, resolved.microbatches, config.task, token_types=rows.types is not None
+                config.pipeline_schedule, resolved.microbatches, resolved.head, token_types=rows.types is not None
             )
             runner = Pipeline(
                 ready.model,
@@ -311,7 +321,7 @@ class RunBuilder:
             )
         else:
             runner = WholeModel(
-                model, config.task, autocast_context, updates.backward, config.offload_activations, layout.device
+                model, resolved.head, autocast_context, updates.backward, config.offload_activations, layout.device
             )
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * rows.total_steps)
         try:
@@ -353,14 +363,14 @@ class RunBuilder:
             deepspeed_config=self.deepspeed_config,
         )
         ready = load_model(
-            family, config.task, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
+            family, resolved.head, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
         )
         log_loaded(
             ready,
             family,
             placement,
             peft=config.peft,
-            task=config.task,
+            task=resolved.head,
             model_name=resolved.model_name,
             seed=config.seed,
         )

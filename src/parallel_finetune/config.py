@@ -49,8 +49,10 @@ class ModelSection:
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
     # classification = a sequence-classification head (any number of classes, or one regression output), scored on
-    # the labels; causal_lm = next-token prediction on the text column
-    task: Literal["classification", "causal_lm"] = "classification"
+    # the labels; causal_lm = next-token prediction on the text column; sft = instruction tuning: conversations
+    # (messages, prompt/completion, ShareGPT or plain text rows) rendered by a chat template, the language-model
+    # head trained on the answers' tokens (train_on)
+    task: Literal["classification", "causal_lm", "sft"] = "classification"
     num_labels: int | None = None  # the head's width; None = the number of distinct training labels (1: regression)
     # transformers' name; auto = regression when the training labels are numbers with fractions, else classification
     problem_type: Literal["auto", "single_label_classification", "regression"] = "auto"
@@ -76,9 +78,18 @@ class DataSection:
     text_column: str | None = None  # the text; None = sentence, text or sentence1, the first the data has
     text_pair_column: str | None = None  # the second text of a pair task; None = sentence2 beside sentence1, else none
     label_column: str = "label"  # class names or ids (any values: sorted, they become ids), or regression targets
+    # task=sft: the column of each row's conversation (a list of {role, content}); None = messages, or ShareGPT's
+    # conversations ({from, value}), the first the data has
+    messages_column: str | None = None
+    prompt_column: str | None = None  # task=sft: a prompt/completion row's prompt (text or messages); None = prompt
+    completion_column: str | None = None  # task=sft: its completion (text or messages); None = completion
+    # task=sft: the chat template rendering conversations: a built-in name (chatml) or a Jinja file; None = the
+    # tokenizer's own (a tiny model's: chatml)
+    chat_template: str | None = None
+    train_on: Literal["answers", "all"] = "answers"  # task=sft: the loss on the assistant turns only, or every token
     validation_split_percentage: float = 10.0  # with no validation split: this share of train held out (seeded by seed)
     cache_dir: Continues[str] = "data/cache"  # tokenized datasets, reused by every run with the same tokenizer and data
-    max_length: int = 128  # truncation length (classification) or block size (causal_lm)
+    max_length: int = 128  # truncation length (classification, sft) or block size (causal_lm)
     group_by_length: bool = True  # fill each global batch with sentences of similar length (less padding)
     eval_batch_size: Continues[int] = 64  # rows per evaluation forward, per data-parallel rank
 

@@ -21,13 +21,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from . import chat
 from .config import DataSection, ModelSection, TrainingSection
 from .errors import UserError
 from .families.base import Family
 from .hub import resolve_model_path
 from .pretrained import load_hf_tokenizer
 from .runfolder import check_writable
-from .tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
+from .tasks import SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
+from .tasks.conversations import ROLES
 from .tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
 
 log = logging.getLogger(__name__)
@@ -79,9 +81,22 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()[:16]
 
 
-def train_tokenizer(kind: str, sentences: list[str], vocab_size: int, folder: Path) -> PreTrainedTokenizerFast:
+@dataclass(frozen=True)
+class TinyTokenizer:
+    """What a tiny model's tokenizer learns: its kind (the family's: "bpe" or "wordpiece"), its vocabulary size,
+    and the control tokens a chat template writes (task=sft), kept whole as special tokens."""
+
+    kind: str
+    vocab_size: int
+    specials: tuple[str, ...] = ()
+
+
+def train_tokenizer(
+    kind: str, sentences: list[str], vocab_size: int, folder: Path, specials: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
     """A tokenizer learned from the training sentences, so tiny models run without the Hub: byte-level BPE for
-    the GPT families, lower-cased WordPiece with [CLS] ... [SEP] for BERT."""
+    the GPT families, lower-cased WordPiece with [CLS] ... [SEP] for BERT; `specials` (a chat template's control
+    tokens) are added special tokens, never split or merged."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     if kind == "bpe":
@@ -101,6 +116,8 @@ def train_tokenizer(kind: str, sentences: list[str], vocab_size: int, folder: Pa
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=raw, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS, padding_side="right"
         )
+        if specials:
+            tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
     else:
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         raw = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -131,25 +148,28 @@ def load_tokenizer(
     name: str | None,
     size: str,
     model_name: str,
-    tiny_kind: str,
-    vocab_size: int,
+    tiny: TinyTokenizer,
     train_sentences: list[str],
     source: Source,
     cache_dir: Path,
 ) -> PreTrainedTokenizerFast:
     if name is None and size == "tiny":
         # "-pairs": the WordPiece template encodes sentence pairs too (folders without it predate pair tasks)
-        folder = cache_dir / "tokenizers" / f"{tiny_kind}{vocab_size}-pairs-{source.fingerprint}"
+        folder = cache_dir / "tokenizers" / f"{tiny.kind}{tiny.vocab_size}-pairs-{source.fingerprint}"
+        if tiny.specials:  # a chat template's control tokens
+            folder = folder.with_name(
+                folder.name + "-" + hashlib.sha256("|".join(tiny.specials).encode()).hexdigest()[:8]
+            )
         if folder.is_dir():
             return load_hf_tokenizer(folder)
         log.info(
             "training a %s tokenizer (vocab %d) on %d sentences -> %s",
-            tiny_kind,
-            vocab_size,
+            tiny.kind,
+            tiny.vocab_size,
             len(train_sentences),
             folder,
         )
-        return train_tokenizer(tiny_kind, train_sentences, vocab_size, folder)
+        return train_tokenizer(tiny.kind, train_sentences, tiny.vocab_size, folder, tiny.specials)
     where = name or model_name
     try:
         tokenizer = load_hf_tokenizer(resolve_model_path(where))
@@ -282,7 +302,8 @@ def _save_atomically(folder: Path, save) -> None:
 
 @dataclass
 class PreparedData:
-    splits: datasets.DatasetDict  # tokenized: input_ids, length[, token_type_ids][, label][, index]
+    # tokenized: input_ids, length[, token_type_ids][, label][, index]; task=sft: target_mask, targets
+    splits: datasets.DatasetDict
     tokenizer: PreTrainedTokenizerFast
     source: Source
     cache_path: Path
@@ -307,30 +328,43 @@ def prepare(
     cache_dir = Path(data.cache_dir)
     check_writable(cache_dir, "cache_dir")
     raw, task, source = load_raw(data=data, model=model, seed=seed, predict=predict)
-    train = raw["train"]
+    instruction = task.problem_type == SFT
+    learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
+    template = (
+        chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
+    )
     tokenizer = load_tokenizer(
         model.tokenizer,
         model.size,
         model_name,
-        family.tiny_tokenizer,
-        model.tokenizer_vocab_size,
-        column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else []),
+        TinyTokenizer(
+            family.tiny_tokenizer,
+            model.tokenizer_vocab_size,
+            tuple(chat.template_specials(template)) if template else (),
+        ),
+        _tokenizer_sentences(raw["train"]),
         source,
         cache_dir,
     )
+    if instruction:  # set on the cached tokenizer, so the exported one renders conversations as training did
+        name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
+        log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
     check_inserted_tokens(
         tokenizer, model.tokenizer or model_name, task.head is HeadKind.CAUSAL_LM, task.pair and not token_types
     )
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]
     tokens = f"tok{tokenizer_identity(tokenizer)}-{model.task}-len{data.max_length}"
+    tokens += f"-{data.train_on}" if instruction else ""  # the template is in the tokenizer's identity
     path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if task.head is HeadKind.CAUSAL_LM:
+        if instruction:
+            splits[split] = chat.tokenize_sft(raw[split], tokenizer, data.max_length, data.train_on, split)
+        elif task.head is HeadKind.CAUSAL_LM:
             splits[split] = tokenize_causal_lm(raw[split], tokenizer, data.max_length, split)
         else:
             splits[split] = tokenize_classification(raw[split], tokenizer, data.max_length, split, token_types)
@@ -343,6 +377,13 @@ def prepare(
 
     _save_atomically(path, save)
     return load_prepared(path, source)
+
+
+def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:
+    """What a tiny model's tokenizer learns from: the texts (and pairs), or every message of the conversations."""
+    if "messages" in train.column_names:
+        return [m["content"] for row in column(train, "messages") for m in json.loads(row)] + list(ROLES)
+    return column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else [])
 
 
 def load_prepared(path: Path, source: Source) -> PreparedData:
@@ -429,9 +470,11 @@ def collate(
     labels: list | None = None,
     pad_to_multiple_of: int = 1,
     token_type_ids: list[list[int]] | None = None,
+    target_mask: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores). Labels are
-    class ids, or floats (regression targets, kept in fp32); token type ids (BERT pairs) are padded with 0."""
+    class ids, or floats (regression targets, kept in fp32); token type ids (BERT pairs) and target masks (which
+    tokens are trained, task=sft) are padded with 0."""
     longest = max(len(ids) for ids in input_ids)
     longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(input_ids), longest), pad_id, dtype=torch.long)
@@ -441,12 +484,13 @@ def collate(
         ids[row, span] = torch.tensor(seq, dtype=torch.long)
         mask[row, span] = 1
     batch = {"input_ids": ids, "attention_mask": mask}
-    if token_type_ids is not None:
-        types = torch.zeros_like(ids)
-        for row, seq in enumerate(token_type_ids):
-            span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
-            types[row, span] = torch.tensor(seq, dtype=torch.long)
-        batch["token_type_ids"] = types
+    for name, rows in (("token_type_ids", token_type_ids), ("target_mask", target_mask)):
+        if rows is not None:
+            padded = torch.zeros_like(ids)
+            for row, seq in enumerate(rows):
+                span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
+                padded[row, span] = torch.tensor(seq, dtype=torch.long)
+            batch[name] = padded
     if labels is not None:
         regression = any(isinstance(label, float) for label in labels)
         batch["labels"] = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
@@ -461,9 +505,10 @@ def device_batch(
     pad_multiple: int,
     device: torch.device,
     token_types: list | None = None,
+    target_masks: list | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rows `indices` of `ids` (and `labels`, `token_types`) padded into tensors on `device`: a training slice or
-    a dev chunk."""
+    """Rows `indices` of `ids` (and `labels`, `token_types`, `target_masks`) padded into tensors on `device`: a
+    training slice or a dev chunk."""
     batch = collate(
         [ids[i] for i in indices],
         tokenizer.pad_token_id,
@@ -471,5 +516,6 @@ def device_batch(
         [labels[i] for i in indices] if labels is not None else None,
         pad_to_multiple_of=pad_multiple,
         token_type_ids=[token_types[i] for i in indices] if token_types is not None else None,
+        target_mask=[target_masks[i] for i in indices] if target_masks is not None else None,
     )
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -63,6 +63,7 @@ def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch
     classifies = task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss alone
     labels = column(split, "label") if with_loss and classifies else None
     types = column(split, "token_type_ids") if "token_type_ids" in split.column_names else None
+    masks = column(split, "target_mask") if "target_mask" in split.column_names else None  # task=sft
     order = sorted(range(len(ids)), key=lambda i: lengths[i])
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     predictions: list[tuple[int, float | int]] = []
@@ -72,7 +73,7 @@ def _score(runner: Runner, split: datasets.Dataset, tokenizer, task: Task, batch
     # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
     rounds = -(-len(chunks) // layout.dp)
     for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
-        batch = device_batch(chunk, ids, labels, tokenizer, runner.pad_multiple, layout.device, types)
+        batch = device_batch(chunk, ids, labels, tokenizer, runner.pad_multiple, layout.device, types, masks)
         logits = runner.forward(batch)
         if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
             continue

@@ -32,6 +32,7 @@ from .resolve import Resolved, pretrained_name
 from .run_files import CONFIG_FILE, LOCK, RECORD
 from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
 from .tasks import LABEL_FILE, read_label_file
+from .tasks.task import head_of
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def export_lora(
     out, inside, run_folder = place.out, place.inside, place.run_folder
     family, tiny = resolved.family, model.size == "tiny"
     dtype, module = resolved.export_dtype, updates.module
-    settings = lora.lora_settings(peft=peft, family=family, head=model.task)
+    settings = lora.lora_settings(peft=peft, family=family, head=resolved.head)
     whole = peft.lora_export_merged or tiny
     # every rank takes part in the gather; what to gather is the same on all of them
     trainable = {name for name, param in module.named_parameters() if param.requires_grad}
@@ -124,7 +125,7 @@ def export_lora(
         write_folder(
             adapter,
             lambda folder: (
-                lora.export_adapter(state, family, module.config, settings, model.task, base, folder),
+                lora.export_adapter(state, family, module.config, settings, resolved.head, base, folder),
                 tokenizer.save_pretrained(folder),
                 labels.is_file() and shutil.copy(labels, folder / LABEL_FILE),
             ),
@@ -225,7 +226,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(
-        family, config.task, hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
+        family, head_of(config.task), hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
     )
     state = ready.model.state_dict()
     trainable = ready.parallel.trainable
@@ -235,7 +236,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     except integrity.Refused as exc:
         raise UserError(f"checkpoint {folder}: {exc}") from None
     state.update(held)
-    settings = lora.lora_settings(peft=config.peft, family=family, head=config.task)
+    settings = lora.lora_settings(peft=config.peft, family=family, head=head_of(config.task))
     if settings is not None:
         state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}

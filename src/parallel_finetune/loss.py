@@ -15,10 +15,14 @@ IGNORE = -100  # target of a padded position: no loss
 
 
 def targets(batch: dict[str, torch.Tensor], head: HeadKind) -> torch.Tensor:
-    """Labels (a classification head), or each next token (a language-model head), padding ignored."""
+    """Labels (a classification head), or each next token (a language-model head), padding ignored, and with a
+    `target_mask` (task=sft: the answers' tokens) every token it does not mark."""
     if HeadKind(head) is HeadKind.CLASSIFICATION:
         return batch["labels"]
-    return batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE)
+    ignored = batch["attention_mask"][:, 1:] == 0
+    if "target_mask" in batch:
+        ignored |= batch["target_mask"][:, 1:] == 0
+    return batch["input_ids"][:, 1:].masked_fill(ignored, IGNORE)
 
 
 def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -31,10 +35,13 @@ def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def loss_count(lengths: list[int], head: HeadKind) -> int:
-    """What the loss of a global batch (rows of these lengths) is averaged over: samples, or predicted tokens."""
+def loss_count(lengths: list[int], head: HeadKind, targets: list[int] | None = None) -> int:
+    """What the loss of a global batch (rows of these lengths) is averaged over: samples, or predicted tokens
+    (each row's `targets` where the rows say how many they have, task=sft)."""
     if HeadKind(head) is HeadKind.CLASSIFICATION:
         return len(lengths)
+    if targets is not None:
+        return sum(targets)
     return sum(length - 1 for length in lengths)
 
 
@@ -42,4 +49,6 @@ def scored_count(batch: dict[str, torch.Tensor], head: HeadKind) -> int:
     """The same count for one collated batch (evaluation)."""
     if HeadKind(head) is HeadKind.CLASSIFICATION:
         return len(batch["labels"])
+    if "target_mask" in batch:
+        return int((batch["target_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum())
     return int(batch["attention_mask"][:, 1:].sum())

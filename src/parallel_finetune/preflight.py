@@ -7,7 +7,7 @@ from pathlib import Path
 from . import lora
 from .checkpoint import check_resume
 from .config import Config
-from .data import check_inserted_tokens, load_raw, load_tokenizer
+from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
 from .hub import check_model_source, resolve_model_path
@@ -24,6 +24,7 @@ from .runfolder import (
     run_folders,
 )
 from .tasks import HeadKind, check_hub_data
+from .tasks.task import head_of
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -46,7 +47,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
 
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
-        family.check_pipeline(hf_config, config.task)  # as every rank does before cutting (a shrunk copy)
+        family.check_pipeline(hf_config, head_of(config.task))  # as every rank does before cutting (a shrunk copy)
         microbatches = pipeline_microbatches(config.microbatches, dims.pp)
         check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
@@ -126,9 +127,11 @@ def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     where = config.tokenizer or pretrained_name(config)
     if not Path(resolve_model_path(where)).is_dir():
         return
-    tokenizer = load_tokenizer(where, "full", pretrained_name(config), family.tiny_tokenizer, 0, [], None, Path())
+    tokenizer = load_tokenizer(
+        where, "full", pretrained_name(config), TinyTokenizer(family.tiny_tokenizer, 0), [], None, Path()
+    )
     check_inserted_tokens(
-        tokenizer, where, HeadKind(config.task) is HeadKind.CAUSAL_LM, pairs and not family.pair_token_types
+        tokenizer, where, head_of(config.task) is HeadKind.CAUSAL_LM, pairs and not family.pair_token_types
     )
 
 
@@ -204,16 +207,16 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_heads(hf_config)
     pretrained = resolve_model_path(pretrained_name(config)) if config.size == "full" else None
     lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
-        lora.lora_settings(peft=config.peft, family=family, head=config.task),
+        lora.lora_settings(peft=config.peft, family=family, head=head_of(config.task)),
         family=family,
-        task=config.task,
+        task=head_of(config.task),
         hf_config=hf_config,
         pretrained_folder=pretrained,
     )
     if config.size == "full" and Path(folder := resolve_model_path(pretrained_name(config))).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
-        check_fit(family, config.task, hf_config, folder)
+        check_fit(family, head_of(config.task), hf_config, folder)
     sharding = describe_sharding(config, dims)
     nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (

@@ -21,6 +21,7 @@ from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .precision import DTYPES, resolve_precision
 from .pretrained import load_hf_config
+from .tasks.task import HeadKind, head_of
 
 
 def pretrained_name(config: Config) -> str | None:
@@ -36,6 +37,7 @@ class Resolved:
     family: Family
     model_name: str | None  # pretrained_name
     engine: Engine  # the config's `engine`, as a type
+    head: HeadKind  # the model's last layer, from the recipe's `task:` (sft trains the causal LM)
     precision: str  # fp16 | bf16 | fp32: `auto` decided for the device and engine
     compute_dtype: torch.dtype  # what matmuls run in (float32 for fp32)
     autocast_dtype: torch.dtype | None  # None in fp32: no autocast, no 16-bit copies of frozen weights
@@ -62,6 +64,7 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
         family=get_family(config.family),
         model_name=pretrained_name(config),
         engine=engine,
+        head=head_of(config.task),
         precision=precision,
         compute_dtype=DTYPES[precision],
         autocast_dtype=None if precision == "fp32" else DTYPES[precision],
@@ -128,8 +131,9 @@ def validate(config: Config, where: str = "config") -> None:
             f"must be more than {TRACKER_GRACE_S:g} s below collective_timeout_s={config.collective_timeout_s:g}: "
             f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
         )
-    if config.task not in family.tasks:
-        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(family.tasks)}")
+    if head_of(config.task) not in family.tasks:
+        valid = (*family.tasks, *(["sft"] if HeadKind.CAUSAL_LM in family.tasks else []))
+        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(valid)}")
     if config.size == "full" and config.model.model is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
     deepspeed_engine.validate(parallel=config.parallel, training=config.training, where=where)

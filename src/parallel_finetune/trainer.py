@@ -71,6 +71,7 @@ class Trainer:
         self.output_dir, self.checkpoint_root, self.data = parts.output_dir, parts.checkpoint_root, parts.data
         self.train_ids, self.train_lengths = parts.train_ids, parts.train_lengths
         self.train_labels, self.train_types = parts.train_labels, parts.train_types
+        self.train_target_masks, self.train_targets = parts.train_target_masks, parts.train_targets
         self.batches, self.steps_per_epoch, self.total_steps = parts.batches, len(parts.batches), parts.total_steps
         self.ready, self.model, self.updates = parts.ready, parts.model, parts.updates
         self.runner, self.scheduler = parts.runner, parts.scheduler
@@ -97,6 +98,7 @@ class Trainer:
             self.runner.pad_multiple,
             self.layout.device,
             self.train_types,
+            self.train_target_masks,
         )
 
     def _skip_rule(self, loss: float, grad_norm: float, loss_scale: float | None) -> bool:
@@ -106,7 +108,8 @@ class Trainer:
         config, layout = self.config, self.layout
         started = time.perf_counter()
         lengths = [self.train_lengths[i] for i in global_batch]
-        count = loss_count(lengths, config.task)
+        targets = [self.train_targets[i] for i in global_batch] if self.train_targets is not None else None
+        count = loss_count(lengths, self.resolved.head, targets)
         local_loss = torch.zeros((), device=layout.device)
         slices = data_module.accumulation_slices(
             global_batch, layout.dp_rank, layout.dp, config.gradient_accumulation_steps

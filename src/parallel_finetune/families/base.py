@@ -273,7 +273,9 @@ class Family:
             model.model_config,
             published,
         )
-        self.set_task(hf_config, model.task, pad_token_id, labels)
+        from ..tasks.task import head_of
+
+        self.set_task(hf_config, head_of(model.task), pad_token_id, labels)
         return hf_config
 
     def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 HUB_GLUE = "nyu-mll/glue"
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "sample_data"
+CHAT_SAMPLE_DIR = SAMPLE_DIR / "chat"  # task=sft's small sample: instructions over SST-2 sentences
 
 
 @dataclass(frozen=True)
@@ -325,3 +326,21 @@ def _dataset_tables(name: str, config_name: str | None) -> tuple[dict[str, Table
         if split in aliases and aliases[split] not in tables:
             tables[aliases[split]] = read_dataset(loaded[split], f"{name} [{split}]")
     return tables, source
+
+
+def read_chat_sample(*, data: DataSection) -> tuple[dict[str, Table], Source]:
+    """task=sft without train_file or dataset: the small chat sample shipped in sample_data/chat (instructions
+    over SST-2 sentences, scripts/make_chat_sample.py), said in the log. A GLUE folder is no instruction data."""
+    if data.data_dir:
+        raise UserError(
+            f"data_dir={data.data_dir!r} is a GLUE folder (glue_task); task=sft reads conversations from "
+            "train_file=PATH (+ validation_file) or dataset=FOLDER"
+        )
+    files = {"train": CHAT_SAMPLE_DIR / "train.jsonl", "validation": CHAT_SAMPLE_DIR / "validation.jsonl"}
+    log.info(
+        "task=sft with no train_file or dataset: training on the small chat sample shipped in %s (instructions "
+        "over SST-2 sentences); give train_file=PATH for your own conversations",
+        CHAT_SAMPLE_DIR,
+    )
+    tables = {split: read_file(path, "the chat sample") for split, path in files.items()}
+    return tables, Source("sample", str(CHAT_SAMPLE_DIR), "chat-sample-" + _fingerprint(list(files.values())))

@@ -3,8 +3,9 @@ them (HeadKind), how its predictions are scored (`metric`, for metrics.compute_m
 mean; `labels.json` (in run folders, checkpoints, adapter/ and the data cache) is a Task as JSON.
 
 `problem_type` is the one field that decides the head: single_label_classification and regression are both a
-sequence-classification head (class logits, or one output), causal_lm is the language-model head. Components ask
-`task.head` and `task.regression`, never the strings.
+sequence-classification head (class logits, or one output), causal_lm and sft (instruction tuning: conversations,
+loss on the answers) are the language-model head. Components ask `task.head` and `task.regression`, never the
+strings; the recipe's `task:` key names its head through `head_of`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .glue import TASKS, GlueTask
 REGRESSION = "regression"
 CLASSIFICATION = "single_label_classification"
 CAUSAL_LM = "causal_lm"
+SFT = "sft"  # instruction tuning: a causal LM trained on conversations, scored on the answers' tokens
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
 
 
@@ -32,12 +34,17 @@ class HeadKind(str, Enum):
         return self.value
 
 
+def head_of(task: str) -> HeadKind:
+    """The head a recipe's `task:` value (classification | causal_lm | sft) trains: sft is the causal LM's."""
+    return HeadKind.CAUSAL_LM if task == SFT else HeadKind(task)
+
+
 @dataclass(frozen=True)
 class Task:
     """A resolved task: what the model's head is and how its predictions are scored."""
 
     name: str  # a GLUE task name, or "custom" (the user's files or data set)
-    problem_type: str  # single_label_classification | regression | causal_lm
+    problem_type: str  # single_label_classification | regression | causal_lm | sft
     pair: bool  # two texts per row
     label_names: tuple[str, ...] = ()  # label id -> name (the exported model's id2label)
     label_values: tuple[str, ...] = ()  # label id -> the label as the data writes it (predictions.tsv)
@@ -72,9 +79,15 @@ class Task:
         """Next-token prediction on one text column: no labels, no test split, perplexity as the score."""
         return cls(name, CAUSAL_LM, False, columns=(text,), validation_splits=validation_splits)
 
+    @classmethod
+    def instruction(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Instruction tuning (sft): conversations rendered by a chat template, the loss on the answers' tokens
+        (or every token), perplexity over those tokens as the score; no test split."""
+        return cls(name, SFT, False, columns=columns, validation_splits=validation_splits)
+
     @property
     def head(self) -> HeadKind:
-        return HeadKind.CAUSAL_LM if self.problem_type == CAUSAL_LM else HeadKind.CLASSIFICATION
+        return HeadKind.CAUSAL_LM if self.problem_type in (CAUSAL_LM, SFT) else HeadKind.CLASSIFICATION
 
     @property
     def regression(self) -> bool:

@@ -1,0 +1,173 @@
+"""task=sft's tokens: chat templates, and which tokens are trained.
+
+The template is the tokenizer's own `chat_template`, or the recipe's `chat_template` (a built-in name, or a Jinja
+file), set on the tokenizer that data.prepare caches, so it travels with the exported one. Each conversation is
+rendered to text, tokenized with the fast tokenizer's offsets, and its trained tokens (`target_mask`) found from
+the rendering itself: for every trained assistant turn i, the rendering of messages[:i] with the generation
+prompt is a prefix of the whole, and the characters after it up to the end of messages[:i + 1]'s rendering (the
+answer and the template's end-of-turn text) are the answer's; a token holding any of them is a target. No token
+string is ever searched for. `train_on: all` trains every token; plain-text rows are every token plus EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import datasets
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+# ChatML (OpenAI's, Qwen's): <|im_start|>role\ncontent<|im_end|>\n per message.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BUILT_IN = {"chatml": CHATML}
+TINY_DEFAULT = "chatml"  # what a tiny model's learned tokenizer renders with when chat_template is not given
+# Control tokens a template writes (<|im_start|>, <|eot_id|>): a tiny model's tokenizer learns them as special.
+SPECIAL_PATTERN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def template_text(key: str | None) -> str | None:
+    """The recipe's `chat_template`: a built-in template by name, or a Jinja file's text; None: not given."""
+    if key is None:
+        return None
+    if key in BUILT_IN:
+        return BUILT_IN[key]
+    path = Path(key).expanduser()
+    if not path.is_file():
+        raise UserError(f"chat_template={key!r}: neither a built-in template ({', '.join(BUILT_IN)}) nor a Jinja file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"chat_template={key!r}: cannot be read ({exc})") from None
+
+
+def template_specials(template: str) -> list[str]:
+    """The control tokens a template writes, in order of appearance, each once."""
+    return list(dict.fromkeys(SPECIAL_PATTERN.findall(template)))
+
+
+def template_name(key: str | None) -> str:
+    return key if key is not None else "the tokenizer's own chat template"
+
+
+def apply_template(tokenizer, key: str | None, tiny: bool, where: str) -> str:
+    """Set the run's chat template on `tokenizer` (the recipe's `key`, else the tokenizer's own, else for a tiny
+    model ChatML) and check that it renders; returns what the log calls it."""
+    text = template_text(key if key is not None or not tiny or tokenizer.chat_template else TINY_DEFAULT)
+    if text is not None:
+        tokenizer.chat_template = text
+    elif not tokenizer.chat_template:
+        raise UserError(
+            f"tokenizer {where!r} has no chat template: set chat_template= one of {', '.join(BUILT_IN)}, or a Jinja "
+            "file"
+        )
+    name = key or (TINY_DEFAULT if text is not None else "the tokenizer's own chat template")
+    try:
+        tokenizer.apply_chat_template(PROBE, tokenize=False)
+    except Exception as exc:  # jinja2's syntax and render errors, a template's raise_exception
+        raise UserError(f"chat_template {name}: does not render ({type(exc).__name__}: {exc})") from None
+    return name
+
+
+def _render(tokenizer, messages: list[dict], generation: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+
+def answer_spans(tokenizer, messages: list[dict], answers_from: int, full: str, where: str) -> list[tuple]:
+    """(start, end, answer) character spans of `full` (the whole rendering) holding each trained assistant turn:
+    its answer and the template's end-of-turn text."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < answers_from:
+            continue
+        prefix, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1], False)
+        for part, what in ((prefix, "with the generation prompt"), (upto, "")):
+            if not full.startswith(part):
+                raise UserError(
+                    f"{where}: the chat template renders the conversation up to turn {i + 1} {what} as text that "
+                    "does not begin the whole conversation's rendering, so the answer's tokens cannot be found; "
+                    "use another chat_template (e.g. chatml) or train_on=all"
+                )
+        spans.append((len(prefix), len(upto), message["content"]))
+    return spans
+
+
+def target_mask(tokenizer, full: str, offsets: list[tuple[int, int]], spans: list[tuple], ids: list[int], where: str):
+    """1 for each token holding a character of a span, else 0; each span checked: the rendering holds the answer,
+    the span's tokens decode to text that holds it, and the token after the answer (the end of turn) is a target."""
+    mask = [0] * len(offsets)
+    for start, end, answer in spans:
+        covered = [t for t, (a, b) in enumerate(offsets) if b > start and a < end and b > a]
+        for t in covered:
+            mask[t] = 1
+        said = answer.strip()
+        found = full.find(said, start, end)
+        decoded = tokenizer.decode([ids[t] for t in covered])
+        if found < 0 or said not in decoded:
+            raise UserError(
+                f"{where}: the answer {said[:40]!r} is not in its turn's rendering or tokens ({decoded[:60]!r}); "
+                "the chat template changes the answer or the tokenizer's offsets disagree with its text"
+            )
+        answer_end = found + len(said)
+        after = next((t for t, (a, b) in enumerate(offsets) if b > answer_end and b > a), None)
+        if full[answer_end:end].strip() and (after is None or not mask[after]):
+            raise UserError(f"{where}: the end-of-turn token after the answer {said[:40]!r} is not a target")
+    mask[0] = 0  # position 0 is predicted from nothing
+    return mask
+
+
+def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: str, desc: str) -> datasets.Dataset:
+    """Each row's tokens (`input_ids`, `length`), which are targets (`target_mask`, position 0 never) and how many
+    (`targets`), cut to `max_length`; rows left with no target are dropped, counted in one log line."""
+    columns: dict[str, list] = {"input_ids": [], "length": [], "target_mask": [], "targets": []}
+    conversational = "messages" in split.column_names
+    rows = split["messages"][:] if conversational else split["text"][:]
+    starts = split["answers_from"][:] if conversational else [0] * len(rows)
+    dropped = 0
+    for number, (row, answers_from) in enumerate(zip(rows, starts)):
+        ids, mask = _tokenized_row(tokenizer, row, answers_from, train_on, f"{desc} row {number + 1}", conversational)
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            dropped += 1
+            continue
+        columns["input_ids"].append(ids)
+        columns["length"].append(len(ids))
+        columns["target_mask"].append(mask)
+        columns["targets"].append(sum(mask))
+    if dropped:
+        log.warning(
+            "sft %s split: dropped %d of %d row(s) with no trained token left after truncation to max_length=%d",
+            desc,
+            dropped,
+            len(rows),
+            max_length,
+        )
+    if not columns["input_ids"]:
+        raise UserError(
+            f"task=sft: every row of the {desc} split lost its answers to max_length={max_length}; raise it"
+        )
+    return datasets.Dataset.from_dict(columns)
+
+
+def _tokenized_row(tokenizer, row: str, answers_from: int, train_on: str, where: str, conversational: bool):
+    if not conversational:  # plain text: every token, and EOS to end it
+        ids = tokenizer(row, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return ids, [0] + [1] * (len(ids) - 1)
+    messages = json.loads(row)
+    full = _render(tokenizer, messages, False)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    if train_on == "all":
+        return ids, [0] + [1] * (len(ids) - 1)
+    spans = answer_spans(tokenizer, messages, answers_from, full, where)
+    return ids, target_mask(tokenizer, full, encoded["offset_mapping"], spans, ids, where)

@@ -1,0 +1,181 @@
+"""Instruction rows (task=sft) as conversations, in TRL's formats, found from the columns:
+
+- `messages`: a list of {role, content}, roles system | user | assistant | tool;
+- ShareGPT `conversations`: a list of {from, value}, from system | human | gpt | tool;
+- `prompt` + `completion`: strings (a user turn and its answer), or lists of messages (a conversational prompt,
+  few-shot assistant turns included, and the answer's turns);
+- `text`: plain text, every token trained, no template.
+
+Each conversational row becomes the same thing, a list of {role, content} and `answers_from` (the index of the
+first message whose assistant turns are trained: 0, or the prompt's length), stored as JSON text so every row of
+a split has one column type. A CSV cell holding a list is JSON text. A malformed row is one line naming its place
+(file:line, or `row N`) and what is valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from .files import Table, check_text
+
+if TYPE_CHECKING:  # the section's type only: at run time tasks/ imports nothing of the package but errors.py
+    from ..config import DataSection
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
+# format name -> what the log and errors call it
+FORMATS = {
+    "messages": "messages (a list of {role, content})",
+    "sharegpt": "ShareGPT conversations (a list of {from, value})",
+    "prompt_completion": "prompt + completion",
+    "text": "plain text",
+}
+VALID = (
+    "a column messages (a list of {role, content}), conversations (ShareGPT: {from, value}), prompt and "
+    "completion, or text (or name yours with messages_column, prompt_column and completion_column, text_column)"
+)
+
+
+def _named(table: Table, key: str, name: str | None) -> str | None:
+    if name is not None and name not in table.columns:
+        raise UserError(f"{key}={name!r}: {table.where} has no such column ({', '.join(table.columns) or 'none'})")
+    return name
+
+
+def detect_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, ...]]:
+    """The row format of `table` (a FORMATS key) and the columns that hold it, from the columns present (the
+    `*_column` keys name them when they have other names)."""
+    messages = _named(table, "messages_column", data.messages_column)
+    prompt = _named(table, "prompt_column", data.prompt_column)
+    completion = _named(table, "completion_column", data.completion_column)
+    text = _named(table, "text_column", data.text_column)
+    if messages is not None:
+        return "messages", (messages,)
+    if prompt is not None or completion is not None:
+        prompt, completion = prompt or "prompt", completion or "completion"
+        for key, name in (("prompt_column", prompt), ("completion_column", completion)):
+            _named(table, key, name)
+        return "prompt_completion", (prompt, completion)
+    if text is not None:
+        return "text", (text,)
+    for name, form in (("messages", "messages"), ("conversations", "sharegpt")):
+        if name in table.columns:
+            return form, (name,)
+    if "prompt" in table.columns and "completion" in table.columns:
+        return "prompt_completion", ("prompt", "completion")
+    if "text" in table.columns:
+        return "text", ("text",)
+    raise UserError(f"{table.where}: task=sft needs {VALID}; found: {', '.join(table.columns) or 'no column'}")
+
+
+def _listed(table: Table, row: int, column: str, value) -> list:
+    """A cell holding a list of messages; a string (a CSV cell) is read as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{table.at(row)}: column {column!r} is not JSON text of a list of messages ({exc.msg}); write "
+                '[{"role": "user", "content": "..."}, ...]'
+            ) from None
+    if not isinstance(value, (list, tuple)):
+        raise UserError(
+            f"{table.at(row)}: column {column!r} holds a {type(value).__name__}, not a list of messages "
+            "({role, content} or ShareGPT {from, value})"
+        )
+    return list(value)
+
+
+def _message(table: Table, row: int, column: str, number: int, item) -> dict:
+    """One message as {role, content}; ShareGPT's {from, value} is translated."""
+    where = f"{table.at(row)}: {column} message {number}"
+    if not isinstance(item, dict):
+        raise UserError(f"{where} is a {type(item).__name__}, not an object {{role, content}}")
+    sharegpt = "role" not in item and "from" in item
+    key, text_key, valid = ("from", "value", tuple(SHAREGPT_ROLES)) if sharegpt else ("role", "content", ROLES)
+    given = item.get(key)
+    role = (SHAREGPT_ROLES.get(given) if sharegpt else given) if isinstance(given, str) else None
+    if role not in ROLES:
+        raise UserError(f"{where}: {key} {given!r} is not one of {', '.join(valid)}")
+    content = item.get(text_key)
+    if not isinstance(content, str):
+        what = "missing" if content is None else f"a {type(content).__name__}, not text"
+        raise UserError(f"{where}: {text_key} is {what}; every message has text")
+    if role == "assistant" and not content.strip():
+        raise UserError(f"{where}: an empty assistant answer; an answer has text to learn")
+    check_text(table, row, content)
+    return {"role": role, "content": content}
+
+
+def _messages(table: Table, row: int, column: str, value, needs_answer: bool) -> list[dict]:
+    messages = [_message(table, row, column, n, item) for n, item in enumerate(_listed(table, row, column, value), 1)]
+    if needs_answer and not any(m["role"] == "assistant" for m in messages):
+        raise UserError(
+            f"{table.at(row)}: column {column!r} has no assistant turn (roles: "
+            f"{', '.join(m['role'] for m in messages) or 'none'}); a row trains on its assistant answers"
+        )
+    return messages
+
+
+def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tuple[list[dict], int]:
+    prompt_column, completion_column = columns
+    prompt, completion = table.columns[prompt_column][row], table.columns[completion_column][row]
+    if isinstance(completion, str) and not completion.lstrip().startswith("["):
+        if not completion.strip():
+            raise UserError(f"{table.at(row)}: column {completion_column!r} is empty; a completion is the answer")
+        check_text(table, row, completion)
+        answer = [{"role": "assistant", "content": completion}]
+    else:
+        answer = _messages(table, row, completion_column, completion, needs_answer=True)
+    if isinstance(prompt, str) and not prompt.lstrip().startswith("["):
+        check_text(table, row, prompt)
+        asked = [{"role": "user", "content": prompt}]
+    else:
+        asked = _messages(table, row, prompt_column, prompt, needs_answer=False)
+    return asked + answer, len(asked)
+
+
+def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
+    """`table`'s rows in format `form` as the columns the model side reads: `messages` (JSON text of a list of
+    {role, content}), `answers_from` and `index` for conversations; `text` and `index` for plain text (an
+    empty text is dropped and counted)."""
+    missing = [name for name in columns if name not in table.columns]
+    if missing:
+        raise UserError(
+            f"{table.where}: no column {', '.join(missing)} ({FORMATS[form]}, as in the train split; found: "
+            f"{', '.join(table.columns) or 'none'})"
+        )
+    if form == "text":
+        return _text_rows(table, split, columns[0])
+    conversations, starts = [], []
+    for row in range(len(table)):
+        if form == "prompt_completion":
+            messages, start = _prompt_completion(table, row, columns)
+        else:
+            messages, start = _messages(table, row, columns[0], table.columns[columns[0]][row], needs_answer=True), 0
+        conversations.append(json.dumps(messages, ensure_ascii=False))
+        starts.append(start)
+    if not conversations:
+        raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
+    return {"messages": conversations, "answers_from": starts, "index": list(range(len(table)))}
+
+
+def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:
+    texts, keep = [], []
+    for row, value in enumerate(table.columns[column]):
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{table.at(row)}: column {column!r} holds a {type(value).__name__}, not text")
+        check_text(table, row, value or "")
+        if value and value.strip():
+            texts.append(value)
+            keep.append(row)
+    if len(keep) < len(table):
+        log.warning("%s: dropped %d row(s) with an empty text", table.where, len(table) - len(keep))
+    if not keep:
+        raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
+    return {"text": texts, "index": keep}
