@@ -200,3 +200,20 @@ def test_task_matches_single_process(
     assert tuple(key for key in TASK_METRICS[task] if key in run.summary) == TASK_METRICS[task]
     layout = run.summary["layout"]
     assert layout["tensor_parallel"] * layout["pipeline_parallel"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 36: instruction tuning (task=sft) on the shipped chat sample, the loss on the answers' tokens only (each
+# row's target_mask, averaged over the global batch's target count): one process's reference is test_chat's run.
+SFT_CASES = [pytest.param("llama", "tp2", ["tensor_parallel_degree=2"], id="llama-tp2-sft")]
+
+
+@pytest.mark.parametrize("family,name,overrides", SFT_CASES)
+def test_sft_matches_single_process(family, name, overrides, single_process_run, sst2, cache_dir, tmp_path):
+    from test_chat import sft_run_overrides
+
+    run_overrides = sft_run_overrides(sst2, cache_dir)
+    reference = single_process_run(recipe(family), run_overrides)
+    run = launch(2, run_overrides + overrides, tmp_path / name, recipe=recipe(family))
+    difference = assert_trains_like(run, reference, "sft", TOLERANCE)
+    print(f"{family} {name} sft: largest loss difference {difference:.2e} over {len(run.losses)} steps")

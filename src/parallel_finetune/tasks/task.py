@@ -83,7 +83,7 @@ class Task:
     def instruction(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
         """Instruction tuning (sft): conversations rendered by a chat template, the loss on the answers' tokens
         (or every token), perplexity over those tokens as the score; no test split."""
-        return cls(name, SFT, False, columns=columns, validation_splits=validation_splits)
+        return cls(name, SFT, False, metric="perplexity", columns=columns, validation_splits=validation_splits)
 
     @property
     def head(self) -> HeadKind:

@@ -1,0 +1,325 @@
+"""Instruction tuning (task=sft): TRL's row formats parse to the same conversations; a malformed row is one line
+naming its place; the trained tokens are the answers' (checked token by token against the template's own
+rendering, for ChatML and a Llama-3-shaped template), or every token with train_on=all; rows that lose their
+answers to max_length are dropped and counted; the cache key follows the template; a tiny Llama trains on the
+shipped chat sample and reports perplexity over the answers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from copy import deepcopy
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import load_task_of, prepare_data, recipe, tiny_overrides
+
+from parallel_finetune import chat
+from parallel_finetune.data import train_tokenizer
+from parallel_finetune.errors import UserError
+from parallel_finetune.loss import IGNORE, loss_count, scored_count, targets
+from parallel_finetune.resolve import load_config
+from parallel_finetune.tasks import HeadKind
+
+# A template shaped unlike ChatML: a BOS first, header tokens around the role, the content trimmed, <|eot_id|>
+# ending each turn with no newline after it (Llama 3's layout).
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Is this review positive? a gorgeous , witty , seductive movie ."},
+        {"role": "assistant", "content": "Positive."},
+        {"role": "user", "content": "How many words does it have?"},
+        {"role": "assistant", "content": "8 words."},
+    ],
+    [
+        {"role": "user", "content": "Reverse the words: the story is bland"},
+        {"role": "assistant", "content": "bland is story the"},
+    ],
+]
+SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def sft_config(*overrides: str, cache_dir: Path | None = None):
+    cache = [f"cache_dir={cache_dir}"] if cache_dir else []
+    return load_config(recipe("llama"), ["size=tiny", "task=sft", "max_length=128", *cache, *overrides])
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _format_rows(kind: str, folder: Path) -> list[str]:
+    """CONVERSATIONS written as format `kind` (train and validation the same rows); the overrides naming them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "messages":
+        rows = [{"messages": c} for c in CONVERSATIONS]
+    elif kind == "sharegpt":
+        rows = [
+            {"conversations": [{"from": SHAREGPT[m["role"]], "value": m["content"]} for m in c]} for c in CONVERSATIONS
+        ]
+    elif kind == "prompt_completion":
+        rows = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS]
+    elif kind == "renamed":
+        rows = [{"chat": c, "id": n} for n, c in enumerate(CONVERSATIONS)]
+    elif kind == "csv":
+        lines = ["id,messages"] + [
+            f'{n},"{json.dumps(c).replace(chr(34), chr(34) * 2)}"' for n, c in enumerate(CONVERSATIONS)
+        ]
+        for split in ("train", "dev"):
+            (folder / f"{split}.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return [f"train_file={folder / 'train.csv'}", f"validation_file={folder / 'dev.csv'}"]
+    elif kind == "parquet":
+        table = pa.table({"messages": CONVERSATIONS})
+        for split in ("train", "dev"):
+            pq.write_table(table, folder / f"{split}.parquet")
+        return [f"train_file={folder / 'train.parquet'}", f"validation_file={folder / 'dev.parquet'}"]
+    else:  # a datasets folder
+        split = datasets.Dataset.from_dict({"messages": CONVERSATIONS})
+        datasets.DatasetDict({"train": split, "validation": split}).save_to_disk(folder / "saved")
+        return [f"dataset={folder / 'saved'}"]
+    extra = ["messages_column=chat"] if kind == "renamed" else []
+    for split in ("train", "dev"):
+        _write_jsonl(folder / f"{split}.jsonl", rows)
+    return [f"train_file={folder / 'train.jsonl'}", f"validation_file={folder / 'dev.jsonl'}", *extra]
+
+
+@pytest.mark.parametrize("kind", ["messages", "sharegpt", "prompt_completion", "renamed", "csv", "parquet", "dataset"])
+def test_every_format_parses_to_the_same_conversations(kind, tmp_path):
+    splits, task, _ = load_task_of(sft_config(*_format_rows(kind, tmp_path)))
+    assert task.head is HeadKind.CAUSAL_LM and task.problem_type == "sft" and task.metric == "perplexity"
+    for split in ("train", "validation"):
+        assert [json.loads(row) for row in splits[split]["messages"]] == CONVERSATIONS
+    # a prompt/completion row trains its completion only; a conversation every assistant turn
+    expected = [len(c) - 1 for c in CONVERSATIONS] if kind == "prompt_completion" else [0, 0]
+    assert splits["train"]["answers_from"] == expected
+
+
+def test_text_prompts_and_plain_text(tmp_path):
+    """prompt/completion strings are a user turn and its answer; a `text` row is plain text, no template."""
+    pairs = _write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Say hi", "completion": "hi"}] * 2)
+    splits = load_task_of(sft_config(f"train_file={pairs}", "validation_split_percentage=50"))[0]
+    assert json.loads(splits["train"]["messages"][0]) == [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "hi"},
+    ]
+    texts = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "a plain line"}, {"text": "another one"}])
+    splits = load_task_of(sft_config(f"train_file={texts}", "validation_split_percentage=50"))[0]
+    assert sorted([*splits["train"]["text"], *splits["validation"]["text"]]) == ["a plain line", "another one"]
+
+
+USER = {"role": "user", "content": "hi"}
+ANSWER = {"role": "assistant", "content": "hello"}
+MALFORMED = {
+    "unknown_role": ({"messages": [USER, {"role": "bot", "content": "x"}]}, "role 'bot' is not one of system, user"),
+    "missing_content": ({"messages": [USER, {"role": "assistant"}]}, "content is missing"),
+    "number_content": ({"messages": [USER, {"role": "assistant", "content": 3}]}, "content is a int, not text"),
+    "no_assistant": ({"messages": [USER, USER]}, "has no assistant turn (roles: user, user)"),
+    "not_a_list": ({"messages": {"role": "user"}}, "holds a dict, not a list of messages"),
+    "empty_completion": ({"prompt": "hi", "completion": " "}, "column 'completion' is empty"),
+    "sharegpt_from": (
+        {"conversations": [{"from": "bot", "value": "x"}]},
+        "from 'bot' is not one of system, human, gpt",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_row_is_one_line_naming_file_and_line(kind, tmp_path):
+    bad, said = MALFORMED[kind]
+    good = {"prompt": "a", "completion": "b"} if "prompt" in bad else {"messages": [USER, ANSWER]}
+    if "conversations" in bad:
+        good = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    path = _write_jsonl(tmp_path / "rows.jsonl", [good, good, bad])
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(f"train_file={path}", "validation_split_percentage=50"))
+    message = str(caught.value)
+    assert message.startswith(f"{path}:3: ") and said in message and "\n" not in message, message
+
+
+def test_malformed_csv_and_parquet_rows_name_their_line_and_row(tmp_path):
+    csv_file = tmp_path / "rows.csv"
+    csv_file.write_text(
+        'messages\n"[{""role"": ""user"", ""content"": ""a""}, '
+        '{""role"": ""assistant"", ""content"": ""b""}]"\nnot json\n'
+    )
+    with pytest.raises(UserError, match=rf"^{csv_file}:3: column 'messages' is not JSON text of a list of messages"):
+        load_task_of(sft_config(f"train_file={csv_file}", "validation_split_percentage=50"))
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"messages": [[USER, ANSWER], [USER]]}), parquet)
+    with pytest.raises(UserError, match=rf"^{parquet} row 2: column 'messages' has no assistant turn"):
+        load_task_of(sft_config(f"train_file={parquet}", "validation_split_percentage=50"))
+    nothing = _write_jsonl(tmp_path / "labels.jsonl", [{"sentence": "a", "label": 1}])
+    with pytest.raises(UserError, match="task=sft needs a column messages .* found: sentence, label$"):
+        load_task_of(sft_config(f"train_file={nothing}", "validation_split_percentage=50"))
+
+
+# ----------------------------------------------------------------------------------------------- the masks
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def templated(request, tmp_path_factory):
+    """A tokenizer learned from the conversations, holding the template's control tokens, with the template set;
+    and `pieces`: how the template renders a conversation, by hand, as (text, trained) pieces."""
+    template = chat.CHATML if request.param == "chatml" else LLAMA3
+    sentences = [m["content"] for c in CONVERSATIONS for m in c] * 20
+    folder = tmp_path_factory.mktemp("tokenizer") / request.param
+    tokenizer = train_tokenizer("bpe", sentences, 400, folder, tuple(chat.template_specials(template)))
+    tokenizer.chat_template = template
+
+    def pieces(messages: list[dict], answers_from: int) -> list[tuple[str, bool]]:
+        out = [] if request.param == "chatml" else [(tokenizer.bos_token, False)]
+        for i, m in enumerate(messages):
+            trained = m["role"] == "assistant" and i >= answers_from
+            if request.param == "chatml":
+                out += [(f"<|im_start|>{m['role']}\n", False), (m["content"] + "<|im_end|>\n", trained)]
+            else:
+                out += [(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False)]
+                out += [(m["content"].strip() + "<|eot_id|>", trained)]
+        return out
+
+    return tokenizer, pieces
+
+
+def _split(rows: list[list[dict]], answers_from: list[int] | None = None) -> datasets.Dataset:
+    starts = answers_from or [0] * len(rows)
+    return datasets.Dataset.from_dict({"messages": [json.dumps(r) for r in rows], "answers_from": starts})
+
+
+@pytest.mark.parametrize("answers_from", [0, 3])
+def test_the_trained_tokens_are_every_answer_and_its_end_of_turn(templated, answers_from):
+    """Multi-turn: token by token, a token is a target exactly when it holds a character of a trained piece of
+    the hand-made rendering (each answer and its end-of-turn text); `answers_from` 3 (a prompt/completion row's
+    prompt holding the first answer) trains the last answer only."""
+    tokenizer, pieces = templated
+    conversation = [*CONVERSATIONS[0][:4], {"role": "assistant", "content": "  8 words.  "}]
+    made = pieces(conversation, answers_from)
+    full = "".join(text for text, _ in made)
+    assert tokenizer.apply_chat_template(conversation, tokenize=False) == full
+    trained_chars = [trained for text, trained in made for _ in text]
+    row = chat.tokenize_sft(_split([conversation], [answers_from]), tokenizer, 512, "answers", "train")[0]
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert len(offsets) == len(row["input_ids"])
+    expected = [int(any(trained_chars[a:b])) for a, b in offsets]
+    expected[0] = 0
+    assert row["target_mask"] == expected
+    assert row["targets"] == sum(expected) > 0
+    answers = [text for text, trained in made if trained]
+    assert tokenizer.decode([t for t, m in zip(row["input_ids"], row["target_mask"]) if m]) == "".join(answers)
+    assert len(answers) == (2 if answers_from == 0 else 1)
+
+
+def test_train_on_all_trains_every_token_and_text_rows_end_with_eos(templated):
+    tokenizer, _ = templated
+    row = chat.tokenize_sft(_split([CONVERSATIONS[0]]), tokenizer, 512, "all", "train")[0]
+    assert row["target_mask"] == [0] + [1] * (len(row["input_ids"]) - 1)
+    texts = datasets.Dataset.from_dict({"text": ["a gorgeous movie"]})
+    row = chat.tokenize_sft(texts, tokenizer, 512, "answers", "train")[0]
+    assert row["input_ids"][-1] == tokenizer.eos_token_id
+    assert row["target_mask"] == [0] + [1] * (len(row["input_ids"]) - 1)
+
+
+def test_rows_whose_answers_are_cut_off_are_dropped_and_counted(templated, caplog):
+    tokenizer, _ = templated
+    long_prompt = [{"role": "user", "content": "the story is bland " * 30}, {"role": "assistant", "content": "ok"}]
+    rows = [CONVERSATIONS[1], long_prompt, long_prompt, CONVERSATIONS[1]]
+    short = len(chat.tokenize_sft(_split([CONVERSATIONS[1]]), tokenizer, 512, "answers", "x")[0]["input_ids"])
+    with caplog.at_level(logging.WARNING, logger="parallel_finetune.chat"):
+        kept = chat.tokenize_sft(_split(rows), tokenizer, short + 2, "answers", "validation")
+    assert len(kept) == 2 and all(length <= short + 2 for length in kept["length"])
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "sft validation split: dropped 2 of 4 row(s) with no trained token left after truncation to "
+        f"max_length={short + 2}"
+    ]
+    with pytest.raises(UserError, match="every row of the train split lost its answers to max_length=3"):
+        chat.tokenize_sft(_split([long_prompt]), tokenizer, 3, "answers", "train")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(templated):
+    """A rendering of the first turns that does not begin the whole one (a template dropping earlier answers'
+    text): the answer's tokens cannot be found from it, so one line says so."""
+    tokenizer, _ = templated
+    rewriting = (
+        "{% for message in messages %}{% if loop.last or message['role'] != 'assistant' %}"
+        "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    copy = deepcopy(tokenizer)
+    copy.chat_template = rewriting
+    with pytest.raises(UserError, match=r"^train row 1: the chat template renders the conversation up to turn 3"):
+        chat.tokenize_sft(_split([CONVERSATIONS[0]]), copy, 512, "answers", "train")
+
+
+def test_loss_and_counts_follow_the_target_mask():
+    import torch
+
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        "target_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]]),
+    }
+    assert targets(batch, HeadKind.CAUSAL_LM).tolist() == [[IGNORE, 7, 8], [6, IGNORE, IGNORE]]
+    assert scored_count(batch, HeadKind.CAUSAL_LM) == 3
+    assert loss_count([4, 3], HeadKind.CAUSAL_LM, [2, 1]) == 3
+    assert loss_count([4, 3], HeadKind.CAUSAL_LM) == 5  # without targets: every next token, as before
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def test_the_cache_key_follows_template_and_train_on(tmp_path, cache_dir):
+    template = tmp_path / "llama3.jinja"
+    template.write_text(LLAMA3, encoding="utf-8")
+    paths = {
+        key: prepare_data(sft_config(*extra, cache_dir=cache_dir)).cache_path
+        for key, extra in (
+            ("chatml", []),
+            ("llama3", [f"chat_template={template}"]),
+            ("all", ["train_on=all"]),
+        )
+    }
+    assert len(set(paths.values())) == 3, paths
+    prepared = prepare_data(sft_config(f"chat_template={template}", cache_dir=cache_dir))
+    assert prepared.tokenizer.chat_template == LLAMA3  # the cached tokenizer carries it (hf/ exports it)
+    assert "<|eot_id|>" in prepared.tokenizer.all_special_tokens
+
+
+def test_an_unknown_template_and_a_tokenizer_without_one_are_one_line(tmp_path, cache_dir):
+    with pytest.raises(UserError, match=r"^chat_template='vicuna': neither a built-in template \(chatml\) nor a Jinja"):
+        prepare_data(sft_config("chat_template=vicuna", cache_dir=cache_dir))
+    folder = tmp_path / "plain-tokenizer"
+    train_tokenizer("bpe", [m["content"] for c in CONVERSATIONS for m in c] * 5, 300, folder)
+    with pytest.raises(UserError, match=r"has no chat template: set chat_template= one of chatml, or a Jinja file$"):
+        prepare_data(sft_config(f"tokenizer={folder}", cache_dir=cache_dir))
+
+
+SFT_OVERRIDES = {"data_dir": "", "max_length": 128}
+
+
+def sft_run_overrides(sst2: Path, cache_dir: Path) -> list[str]:
+    """A short fp32 run of the tiny Llama on the shipped chat sample (test_parity's sft row compares with it)."""
+    return tiny_overrides(sst2, cache_dir, "sft", "llama", **SFT_OVERRIDES)
+
+
+def test_a_tiny_llama_trains_on_the_chat_sample(single_process_run, sst2, cache_dir):
+    run = single_process_run(recipe("llama"), sft_run_overrides(sst2, cache_dir))
+    assert "training on the small chat sample shipped in" in run.output
+    assert "rows in the messages (a list of {role, content}) format" in run.output
+    summary = run.summary
+    assert summary["task"] == "sft"
+    assert math.isfinite(summary["perplexity"]) and summary["perplexity"] == pytest.approx(
+        math.exp(summary["eval_loss"])
+    )
+    assert len(run.losses) == 6 and run.losses[-1] < run.losses[0]
