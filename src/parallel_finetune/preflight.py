@@ -24,7 +24,7 @@ from .runfolder import (
     run_folders,
 )
 from .tasks import HeadKind, check_hub_data
-from .tasks.task import head_of
+from .tasks.task import SFT, head_of
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -170,7 +170,13 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     family = get_family(config.family)
     resolve_device(config.device)
     task = None  # known before the launch for local rows only
-    if config.data_dir or config.train_file or (config.dataset and Path(config.dataset).expanduser().is_dir()):
+    sample = config.task == SFT and not config.dataset  # the shipped chat sample, or the user's files
+    if (
+        sample
+        or config.data_dir
+        or config.train_file
+        or (config.dataset and Path(config.dataset).expanduser().is_dir())
+    ):
         # local rows: columns, labels and splits checked now, not after the launch
         raw, task, source = load_raw(
             data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict
