@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .loss import summed_loss, targets
 from .parallel.memory import offload_context
+from .tasks.task import HeadKind
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -36,7 +37,7 @@ class WholeModel:
     def __init__(
         self,
         model: nn.Module,
-        task: str,
+        task: HeadKind,  # the head (resolve.Resolved.head): what the logits are compared with
         autocast: Callable,
         backward: Callable[[torch.Tensor, bool], None],
         offload_activations: bool,

@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..errors import UserError
 from ..families.base import Family, has_module
 from ..loss import summed_loss, targets
+from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -185,7 +186,7 @@ class PipelineSettings:
 
     schedule: str
     microbatches: int
-    task: str
+    task: HeadKind  # the head (resolve.Resolved.head)
     token_types: bool = False
 
 
