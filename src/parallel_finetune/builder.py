@@ -61,6 +61,7 @@ class RunParts:
     train_lengths: list[int]
     train_labels: list | None
     train_types: list | None  # token type ids (sentence pairs of a family with them), else None
+    train_target_masks: list | None  # which tokens are targets (the split's target_mask column), else None
     batches: data_module.GlobalBatches
     total_steps: int
     ready: ReadyModel
@@ -104,6 +105,7 @@ class _TrainRows:
     lengths: list[int]
     labels: list | None
     types: list | None
+    target_masks: list | None  # the split's target_mask column (answer tokens), else None
     batches: data_module.GlobalBatches
     total_steps: int
 
@@ -178,6 +180,7 @@ class RunBuilder:
             rows.lengths,
             rows.labels,
             rows.types,
+            rows.target_masks,
             rows.batches,
             rows.total_steps,
             ready,
@@ -260,6 +263,7 @@ class RunBuilder:
             lengths,
             data_module.column(train, "label") if "label" in train.column_names else None,
             data_module.column(train, "token_type_ids") if "token_type_ids" in train.column_names else None,
+            data_module.column(train, "target_mask") if "target_mask" in train.column_names else None,
             batches,
             config.max_steps or max(1, math.ceil(config.epochs * len(batches))),
         )
@@ -298,7 +302,11 @@ class RunBuilder:
         autocast_context = functools.partial(autocast, precision, layout.device)
         if layout.pp > 1:
             settings = PipelineSettings(
-                config.pipeline_schedule, resolved.microbatches, config.task, token_types=rows.types is not None
+                config.pipeline_schedule,
+                resolved.microbatches,
+                config.task,
+                token_types=rows.types is not None,
+                packing=config.packing,
             )
             runner = Pipeline(
                 ready.model,
@@ -311,7 +319,13 @@ class RunBuilder:
             )
         else:
             runner = WholeModel(
-                model, config.task, autocast_context, updates.backward, config.offload_activations, layout.device
+                model,
+                config.task,
+                autocast_context,
+                updates.backward,
+                config.offload_activations,
+                layout.device,
+                packing=family if config.packing else None,
             )
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * rows.total_steps)
         try:
@@ -338,6 +352,8 @@ class RunBuilder:
             labels=prepared.task,
         )
         family.check_tp(hf_config, layout.tp)
+        if config.packing:
+            family.check_packing(hf_config, config.max_length)
         compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)
