@@ -308,7 +308,11 @@ class RunBuilder:
         autocast_context = functools.partial(autocast, precision, layout.device)
         if layout.pp > 1:
             settings = PipelineSettings(
-                config.pipeline_schedule, resolved.microbatches, resolved.head, token_types=rows.types is not None
+                config.pipeline_schedule,
+                resolved.microbatches,
+                resolved.head,
+                token_types=rows.types is not None,
+                packing=config.packing,
             )
             runner = Pipeline(
                 ready.model,
@@ -321,7 +325,13 @@ class RunBuilder:
             )
         else:
             runner = WholeModel(
-                model, resolved.head, autocast_context, updates.backward, config.offload_activations, layout.device
+                model,
+                resolved.head,
+                autocast_context,
+                updates.backward,
+                config.offload_activations,
+                layout.device,
+                packing=family if config.packing else None,
             )
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * rows.total_steps)
         try:
@@ -348,6 +358,8 @@ class RunBuilder:
             labels=prepared.task,
         )
         family.check_tp(hf_config, layout.tp)
+        if config.packing:
+            family.check_packing(hf_config, config.max_length)
         compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
         if config.compile == "auto":
             log.info("%s", why)

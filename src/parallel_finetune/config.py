@@ -91,6 +91,9 @@ class DataSection:
     cache_dir: Continues[str] = "data/cache"  # tokenized datasets, reused by every run with the same tokenizer and data
     max_length: int = 128  # truncation length (classification, sft) or block size (causal_lm)
     group_by_length: bool = True  # fill each global batch with sentences of similar length (less padding)
+    # training batches packed: each rank's rows of a step laid end to end in sequences of at most max_length tokens
+    # (attention and targets never cross rows); the same rows and loss as unpacked, fewer padding slots
+    packing: bool = False
     eval_batch_size: Continues[int] = 64  # rows per evaluation forward, per data-parallel rank
 
 

@@ -15,19 +15,29 @@ IGNORE = -100  # target of a padded position: no loss
 
 
 def targets(batch: dict[str, torch.Tensor], head: HeadKind) -> torch.Tensor:
-    """Labels (a classification head), or each next token (a language-model head), padding ignored, and with a
-    `target_mask` (task=sft: the answers' tokens) every token it does not mark."""
+    """Labels (a classification head: one per row, or per position in a packed batch), or each next token (a
+    language-model head), ignored where it is padding, where the split's `target_mask` says it is no target, and,
+    in a packed batch, where a row starts (its first token is not predicted from the previous row)."""
     if HeadKind(head) is HeadKind.CLASSIFICATION:
         return batch["labels"]
     ignored = batch["attention_mask"][:, 1:] == 0
     if "target_mask" in batch:
-        ignored |= batch["target_mask"][:, 1:] == 0
+        ignored = ignored | (batch["target_mask"][:, 1:] == 0)
+    if "position_ids" in batch:
+        ignored = ignored | (batch["position_ids"][:, 1:] == 0)
     return batch["input_ids"][:, 1:].masked_fill(ignored, IGNORE)
 
 
 def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The loss summed over the micro-batch, in fp32; `target` from `targets`: class ids (cross-entropy), float
-    targets (regression: squared error of the one output, transformers' MSELoss), or next tokens (2-D)."""
+    targets (regression: squared error of the one output, transformers' MSELoss), or next tokens (2-D, one
+    shorter than the logits). 2-D targets as long as the logits are a packed batch's classification targets, one
+    per position (IGNORE, or NaN for regression, where no row is pooled): no shift."""
+    if target.ndim == 2 and target.shape == logits.shape[:-1]:
+        if target.is_floating_point():
+            scored = ~target.isnan()
+            return F.mse_loss(logits.float().squeeze(-1)[scored], target[scored].float(), reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
     if target.ndim == 1 and target.is_floating_point():
         return F.mse_loss(logits.float().squeeze(-1), target.float(), reduction="sum")
     if target.ndim == 1:

@@ -211,6 +211,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
     check_heads(hf_config)
+    if config.packing:  # as the run checks once it has the model's config
+        family.check_packing(hf_config, config.max_length)
     pretrained = resolve_model_path(pretrained_name(config)) if config.size == "full" else None
     lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
         lora.lora_settings(peft=config.peft, family=family, head=head_of(config.task)),
@@ -228,5 +230,5 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
         f"{pipeline}{dims.dp} data-parallel x {dims.tp} tensor-parallel{sharding} | "
-        f"data {data}"
+        f"data {data}" + (f" | packed into sequences of {config.max_length} tokens" if config.packing else "")
     )

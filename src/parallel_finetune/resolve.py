@@ -120,6 +120,12 @@ def validate(config: Config, where: str = "config") -> None:
         raise UserError(f"{where}: {exc}") from None
     check_keys(config, where)
     _check_parallel(config, bad)
+    if config.packing and Engine(config.engine) is Engine.DEEPSPEED:
+        raise bad(
+            "packing",
+            "is engine=torch's (one process, tensor, pipeline and sharded data parallelism); use "
+            "engine=torch or packing=false",
+        )
     try:
         trackers = destinations(config.report_to)
     except UserError as exc:

@@ -11,21 +11,25 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .families.base import Family
 from .loss import summed_loss, targets
 from .parallel.memory import offload_context
 from .tasks.task import HeadKind
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(batch: dict[str, torch.Tensor], family: Family | None = None, model: nn.Module | None = None):
     """Positions count real tokens only, so a left-padded row sees the positions of its unpadded self
-    (transformers would number the padding too); with right padding this equals 0, 1, 2, ..."""
+    (transformers would number the padding too); with right padding this equals 0, 1, 2, ... A packed batch
+    (packing.py) brings its own positions, restarting at every row, and takes the 4-D mask `family` builds from
+    them for `model`'s attention implementation (none under flash attention: the positions say where rows start),
+    so that no token attends to another row."""
     mask = batch["attention_mask"]
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-        "use_cache": False,
-    }
+    if "position_ids" in batch:
+        positions = batch["position_ids"]
+        mask = family.packed_mask(model.config, positions, next(model.parameters()).dtype)
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": positions, "use_cache": False}
     if "token_type_ids" in batch:  # sentence pairs of a family with token types (BERT)
         inputs["token_type_ids"] = batch["token_type_ids"]
     return inputs
@@ -42,9 +46,13 @@ class WholeModel:
         backward: Callable[[torch.Tensor, bool], None],
         offload_activations: bool,
         device: torch.device,
+        packing: Family | None = None,
     ):
+        """`packing`: the family, when training batches are packed (its masks and per-position logits)."""
         self.model, self.task, self.autocast, self.backward = model, task, autocast, backward
-        self.offload_activations, self.device = offload_activations, device
+        self.offload_activations, self.device, self.family = offload_activations, device, packing
+        if packing is not None:
+            packing.prepare_packing(model)
 
     def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
         if isinstance(self.model, FSDPModule):  # FSDP reduce-scatters in every backward unless told not to
@@ -55,5 +63,19 @@ class WholeModel:
         return loss.detach()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "position_ids" in batch and HeadKind(self.task) is HeadKind.CLASSIFICATION:
+            return self.position_logits(batch)
         with self.autocast():
-            return self.model(**model_inputs(batch)).logits
+            return self.model(**model_inputs(batch, self.family, self.model)).logits
+
+    def position_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A packed batch's classifier logits at every position (rows, length, labels), taken inside the model's
+        own forward (its pooled logits, one per packed sequence, mean nothing)."""
+        logits: list[torch.Tensor] = []
+        handle = self.family.position_logits_hook(self.model, logits.append)
+        try:
+            with self.autocast():
+                self.model(**model_inputs(batch, self.family, self.model))
+        finally:
+            handle.remove()
+        return logits[-1]

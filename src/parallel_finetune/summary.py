@@ -23,6 +23,12 @@ def padding_fraction(counts) -> float | None:
     return 1 - real / slots if slots else None
 
 
+def packing_efficiency(counts) -> float | None:
+    """Share of the packed token slots that held real tokens, from [real tokens, slots] pairs."""
+    fraction = padding_fraction(counts)
+    return None if fraction is None else 1 - fraction
+
+
 def per_rank(value, layout) -> list:
     """`value` of every rank, in rank order (a collective)."""
     values = [None] * layout.world_size
@@ -54,6 +60,7 @@ class RunRecord:
     load_seconds: float
     state_bytes: dict[str, int] | None
     zero_stage: int | None
+    packing: bool = False  # packed training batches: `padding` counts the packed sequences' slots
 
 
 def run_summary(record: RunRecord, layout) -> dict:
@@ -84,6 +91,8 @@ def run_summary(record: RunRecord, layout) -> dict:
         "achievable_matmul_tflops": peak.achievable_tflops,  # a CPU's matmul probe (what it reached)
         "padding_fraction": padding_fraction(padding.values()),
         "padding_fraction_per_epoch": {epoch: padding_fraction([counts]) for epoch, counts in sorted(padding.items())},
+        # packing=true: real tokens / the packed sequences' token slots (1 - padding_fraction)
+        **({"packing_efficiency": packing_efficiency(padding.values())} if record.packing else {}),
         "layout": layout.describe(),
         "resumed_from": str(record.resumed_from) if record.resumed_from else None,
         "precision": record.precision,

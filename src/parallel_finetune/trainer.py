@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import data as data_module
+from . import packing
 from .builder import RunBuilder, RunParts
 from .checkpoint import TrainingState
 from .checkpointer import CheckpointManager
@@ -72,6 +73,19 @@ class Trainer:
         self.train_ids, self.train_lengths = parts.train_ids, parts.train_lengths
         self.train_labels, self.train_types = parts.train_labels, parts.train_types
         self.train_target_masks, self.train_targets = parts.train_target_masks, parts.train_targets
+        # packing=true: how this runner wants its packed batches (a pipeline's are of static shapes)
+        pipeline = self.layout.pp > 1
+        self.packed_shape = (
+            packing.PackedShape(
+                capacity=self.config.max_length,
+                pad_multiple=parts.runner.pad_multiple,
+                fixed_length=pipeline,
+                rows_multiple=self.resolved.microbatches if pipeline else 1,
+                pooled=self.family.pooled_token,
+            )
+            if self.config.packing
+            else None
+        )
         self.batches, self.steps_per_epoch, self.total_steps = parts.batches, len(parts.batches), parts.total_steps
         self.ready, self.model, self.updates = parts.ready, parts.model, parts.updates
         self.runner, self.scheduler = parts.runner, parts.scheduler
@@ -89,7 +103,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- training
     def batch_of(self, indices: list[int]) -> dict:
-        """Training rows `indices` padded into tensors on this rank's device."""
+        """Training rows `indices` padded (or packed) into tensors on this rank's device."""
+        if self.packed_shape is not None:
+            return packing.packed_batch(
+                indices,
+                ids=self.train_ids,
+                labels=self.train_labels,
+                token_types=self.train_types,
+                target_masks=self.train_target_masks,
+                pad_id=self.data.tokenizer.pad_token_id,
+                shape=self.packed_shape,
+                device=self.layout.device,
+            )
         return data_module.device_batch(
             indices,
             self.train_ids,
@@ -99,6 +124,17 @@ class Trainer:
             self.layout.device,
             self.train_types,
             self.train_target_masks,
+        )
+
+    def _token_slots(self, global_batch: list[int]) -> int:
+        """Token positions the global batch occupied on all replicas, padded (or packed)."""
+        accumulation = self.config.gradient_accumulation_steps
+        if self.packed_shape is not None:
+            return packing.packed_token_slots(
+                global_batch, self.train_lengths, self.layout.dp, accumulation, self.packed_shape
+            )
+        return data_module.token_slots(
+            global_batch, self.train_lengths, self.layout.dp, accumulation, self.runner.pad_multiple
         )
 
     def _skip_rule(self, loss: float, grad_norm: float, loss_scale: float | None) -> bool:
@@ -127,9 +163,7 @@ class Trainer:
         tokens = sum(lengths)
         epoch_padding = self.padding.setdefault(int((self.step - 1) // self.steps_per_epoch), [0, 0])
         epoch_padding[0] += tokens
-        epoch_padding[1] += data_module.token_slots(
-            global_batch, self.train_lengths, layout.dp, config.gradient_accumulation_steps, self.runner.pad_multiple
-        )
+        epoch_padding[1] += self._token_slots(global_batch)
         tflops, mfu = achieved(self.ready.flops.batch(lengths), elapsed, layout.world_size, self.peak)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
         return {
@@ -198,6 +232,9 @@ class Trainer:
                         return self.history
                     if self.step >= self.total_steps:
                         break
+        if self.packed_shape is not None:
+            real, slots = (sum(counts) for counts in zip(*self.padding.values()))
+            log.info("packing: %.1f%% of the packed token slots held real tokens", 100 * real / slots)
         return self.history
 
 
@@ -268,6 +305,7 @@ def summary_record(trainer: Trainer, results: dict) -> RunRecord:
         steps=trainer.step,
         history=trainer.history,
         padding=trainer.padding,
+        packing=config.packing,
         peak=trainer.peak,
         precision=trainer.precision,
         resumed_from=trainer.resumed_from,

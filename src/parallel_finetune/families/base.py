@@ -9,7 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers import PretrainedConfig
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    create_causal_mask,
+    packed_sequence_mask_function,
+)
 
 from ..config import ModelSection
 from ..errors import UserError
@@ -35,6 +42,13 @@ class Family:
     dropout_keys: tuple[str, ...] = ()
     # The class a pretrained checkpoint of this family is saved from (synthetic.py); None: the causal LM.
     checkpoint_class: type[nn.Module] | None = None
+    # Sequence classification reads a row at its "last" token (decoders) or its "first" ([CLS], BERT): where a
+    # packed batch puts each row's label. `causal`: whether a token attends only to earlier ones.
+    pooled_token: str = "last"
+    causal: bool = True
+    # The module whose output is the classifier's logits at every position (decoders apply `score` to every
+    # position before pooling one); a packed batch reads them there, inside the model's own forward.
+    position_logits_module: str = "score"
 
     # --- what a family must define ---
     def sized_config(
@@ -113,9 +127,17 @@ class Family:
         raise NotImplementedError
 
     def pipeline_mask(
-        self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        model: nn.Module,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        packed: bool = False,
     ):
-        """The attention mask the blocks take, built from the 2-D padding mask that travels with the activations."""
+        """The attention mask the blocks take, built from the 2-D padding mask that travels with the activations
+        (`packed`: from the restarting positions of a packed batch, so that attention never crosses rows)."""
+        if packed:
+            return self.packed_mask(model.config, position_ids, hidden.dtype)
         return create_causal_mask(
             config=model.config,
             inputs_embeds=hidden,
@@ -133,6 +155,47 @@ class Family:
 
     def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def pipeline_position_head(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The classifier's logits at every position (rows, length, labels): a packed batch's last stage."""
+        raise NotImplementedError
+
+    # --- packed batches (packing.py): attention within rows, logits at every position ---
+    def packed_mask(self, hf_config: PretrainedConfig, position_ids: torch.Tensor, dtype: torch.dtype):
+        """The attention mask of a packed batch for the model's attention implementation."""
+        return packed_attention_mask(hf_config, position_ids, causal=self.causal, dtype=dtype)
+
+    def check_packing(self, hf_config: PretrainedConfig, max_length: int) -> None:
+        """A one-line error when packed batches cannot keep this model's rows apart."""
+        implementation = hf_config._attn_implementation or "sdpa"  # what transformers picks when none is set
+        if implementation.startswith("flash_attention") and not self.causal:
+            raise UserError(
+                f"packing=true with family={self.name} and attn_implementation={implementation}: its flash "
+                "attention takes no per-row mask; use sdpa or eager attention, or packing=false"
+            )
+        if implementation not in PACKED_ATTENTION and not implementation.startswith("flash_attention"):
+            raise UserError(
+                f"packing=true with attn_implementation={implementation}: packed rows need a mask this project "
+                f"builds for {', '.join(PACKED_ATTENTION)} or flash_attention_*; use one of them, or packing=false"
+            )
+        window = getattr(hf_config, "sliding_window", None)
+        if window is not None and window < max_length:
+            layer_types = getattr(hf_config, "layer_types", None) or ()
+            if not layer_types or "sliding_attention" in layer_types:
+                raise UserError(
+                    f"packing=true with a sliding attention window of {window} tokens, shorter than "
+                    f"max_length={max_length}: packed masks are full causal ones; use max_length<={window} or "
+                    "packing=false"
+                )
+
+    def prepare_packing(self, model: nn.Module) -> None:
+        """Make the built model compute what packed batches read (every position); nothing by default."""
+
+    def position_logits_hook(self, model: nn.Module, store) -> torch.utils.hooks.RemovableHandle:
+        """Hand `store` the classifier's logits at every position during the model's own forward (where FSDP
+        has gathered the parameters and tensor-parallel ones are in place)."""
+        head = hf_root(model).get_submodule(self.position_logits_module)
+        return head.register_forward_hook(lambda module, args, output: store(output))
 
     def hf_source(self, name: str, hf_config: PretrainedConfig) -> HFSource:
         """Where parameter `name` of the built model lives in a Hugging Face checkpoint of the unmodified class:
@@ -333,6 +396,41 @@ def tiny_vocab_size(tokenizer_size: int) -> int:
     return -(-tokenizer_size // 64) * 64
 
 
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention")  # the implementations a packed 4-D mask is built for
+
+
+def packed_attention_mask(hf_config: PretrainedConfig, position_ids: torch.Tensor, causal: bool, dtype: torch.dtype):
+    """The 4-D mask of a packed batch for `hf_config._attn_implementation` (sdpa: bool, eager: float, flex: a
+    BlockMask), through transformers' mask interface: causal (or bidirectional) AND within one segment, a segment
+    starting wherever `position_ids` is 0 (each row, and the padding tail). None under flash attention, which
+    finds the rows from the restarting positions itself (transformers' varlen path)."""
+    implementation = hf_config._attn_implementation or "sdpa"
+    if implementation.startswith("flash_attention"):
+        return None
+    segments = (position_ids == 0).cumsum(-1)
+    within = and_masks(
+        causal_mask_function if causal else bidirectional_mask_function, packed_sequence_mask_function(segments)
+    )
+    rows, length = position_ids.shape
+    return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
+        batch_size=rows,
+        q_length=length,
+        kv_length=length,
+        mask_function=within,
+        attention_mask=None,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        dtype=dtype,
+        config=hf_config,
+        device=position_ids.device,
+    )
+
+
+def hf_root(model: nn.Module) -> nn.Module:
+    """The transformers model inside a LoRA wrapper (peft's PeftModel), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def has_module(model: nn.Module, path: str) -> bool:
     try:
         return model.get_submodule(path) is not None
@@ -366,6 +464,9 @@ class DecoderFamily(Family):
         if getattr(model, "lm_head", None) is not None:
             return model.lm_head(hidden)
         return last_token_logits(model.score(hidden), attention_mask)
+
+    def pipeline_position_head(self, model, hidden):
+        return model.score(model.transformer.ln_f(hidden))
 
 
 def localize_heads(module: nn.Module, tp: int, head_attrs: tuple[str, ...], width_attrs: tuple[str, ...] = ()):

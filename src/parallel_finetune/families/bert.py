@@ -10,7 +10,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertLayer, eager_attention_forward
 
 from . import register
-from .base import Family, localize_heads
+from .base import Family, hf_root, localize_heads
 
 
 class FirstTokenBertLayer(BertLayer):
@@ -18,9 +18,14 @@ class FirstTokenBertLayer(BertLayer):
     only that token's query, attention output and feed-forward are computed; keys and values still come from
     every token. Same values and gradients as the full layer (the other rows were computed and thrown away),
     10/12 of the layer's matmul FLOPs fewer. Parameter names and shapes are BertLayer's: loading, tensor
-    parallelism, LoRA and export see no difference."""
+    parallelism, LoRA and export see no difference. A run with packed batches reads every row's first token,
+    wherever it sits: `every_position` (Bert.prepare_packing) makes it the full layer again."""
+
+    every_position = False
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        if self.every_position:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
         attention = self.attention.self
         first = hidden_states[:, :1]
         batch, length, _ = hidden_states.shape
@@ -66,6 +71,8 @@ class Bert(Family):
     }
     dropout_keys = ("hidden_dropout_prob", "attention_probs_dropout_prob")
     checkpoint_class = BertModel  # a bare encoder without the `bert.` prefix, as MiniLM's
+    pooled_token = "first"
+    causal = False
 
     def sized_config(self, vocab_size, max_positions, hidden, layers, heads) -> BertConfig:
         return BertConfig(
@@ -107,7 +114,9 @@ class Bert(Family):
     def pipeline_embed(self, model, input_ids, position_ids, token_type_ids=None):
         return model.bert.embeddings(input_ids=input_ids, position_ids=position_ids, token_type_ids=token_type_ids)
 
-    def pipeline_mask(self, model, hidden, attention_mask, position_ids):
+    def pipeline_mask(self, model, hidden, attention_mask, position_ids, packed=False):
+        if packed:
+            return self.packed_mask(model.config, position_ids, hidden.dtype)
         return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
 
     def pipeline_block(self, block, hidden, mask, position_ids):
@@ -115,6 +124,28 @@ class Bert(Family):
 
     def pipeline_head(self, model, hidden, attention_mask):
         return model.classifier(model.dropout(model.bert.pooler(hidden)))
+
+    def pipeline_position_head(self, model, hidden):
+        return position_classifier(model, hidden)
+
+    def prepare_packing(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FirstTokenBertLayer):
+                module.every_position = True
+
+    def position_logits_hook(self, model, store):
+        """The pooler reads the first position only: its input, every position, goes through the pooler's dense
+        layer and activation, the dropout and the classifier, as the pooled first token does."""
+        root = hf_root(model)
+        return root.bert.pooler.register_forward_hook(
+            lambda module, args, output: store(position_classifier(root, args[0]))
+        )
+
+
+def position_classifier(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """BertForSequenceClassification's head at every position: pooler dense + tanh, dropout, classifier."""
+    pooler = model.bert.pooler
+    return model.classifier(model.dropout(pooler.activation(pooler.dense(hidden))))
 
 
 register(Bert())

@@ -241,8 +241,9 @@ class PlanFamily(Family):
             hidden = model.get_submodule(path)(hidden)
         return hidden
 
-    def pipeline_mask(self, model, hidden, attention_mask, position_ids):
-        """Per attention kind the stage's blocks take: (mask, rotary position embeddings)."""
+    def pipeline_mask(self, model, hidden, attention_mask, position_ids, packed=False):
+        """Per attention kind the stage's blocks take: (mask, rotary position embeddings); `packed`: every kind
+        the packed batch's mask (check_packing refuses windows shorter than a packed sequence)."""
         config, base = model.config, model.get_submodule(self.prefix)
         kinds = {block.attention_kind for block in self.blocks(model)}
         builders = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -250,12 +251,16 @@ class PlanFamily(Family):
         per_kind = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         inputs = {}
         for kind in kinds:
-            mask = builders[kind](
-                config=config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                past_key_values=None,
-                position_ids=position_ids,
+            mask = (
+                self.packed_mask(config, position_ids, hidden.dtype)
+                if packed
+                else builders[kind](
+                    config=config,
+                    inputs_embeds=hidden,
+                    attention_mask=attention_mask,
+                    past_key_values=None,
+                    position_ids=position_ids,
+                )
             )
             if rotary is None:
                 positions = None
@@ -271,6 +276,12 @@ class PlanFamily(Family):
         extra = {} if positions is None else {"position_embeddings": positions}
         out = block(hidden, attention_mask=attention_mask, position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+    def pipeline_position_head(self, model, hidden):
+        for path in self.last_stage_modules:
+            if path.startswith(f"{self.prefix}."):
+                hidden = model.get_submodule(path)(hidden)
+        return model.score(hidden)
 
     def pipeline_head(self, model, hidden, attention_mask):
         for path in self.last_stage_modules:

@@ -156,13 +156,16 @@ def cut_model(model: nn.Module, family: Family, mine: list[Stage]) -> None:
 class StageForward(nn.Module):
     """What one stage computes. First stage in: (input_ids, attention_mask, position_ids[, token_type_ids]); every
     stage out: (hidden, attention_mask, position_ids), the last one logits. Token type ids (BERT's sentence pairs)
-    are needed by the embeddings only, so only the first stage takes them."""
+    are needed by the embeddings only, so only the first stage takes them. `packed` (set by the Pipeline for each
+    batch): the positions restart at every row of a packed batch, which the attention mask follows, and a
+    classifier's logits are those of every position."""
 
-    def __init__(self, model: nn.Module, family: Family, stage: Stage):
+    def __init__(self, model: nn.Module, family: Family, stage: Stage, classifier: bool):
         super().__init__()
-        self.model, self.family, self.stage = model, family, stage
+        self.model, self.family, self.stage, self.classifier = model, family, stage, classifier
         holder = model.get_submodule(family.block_path)
         self.blocks = [holder[str(number)] for number in stage.blocks]
+        self.packed = False
 
     def forward(self, first, attention_mask, position_ids, token_type_ids=None):
         model, family = self.model, self.family
@@ -171,9 +174,11 @@ class StageForward(nn.Module):
             hidden = family.pipeline_embed(model, first, position_ids, **types)
         else:
             hidden = first
-        mask = family.pipeline_mask(model, hidden, attention_mask, position_ids)
+        mask = family.pipeline_mask(model, hidden, attention_mask, position_ids, packed=self.packed)
         for block in self.blocks:
             hidden = family.pipeline_block(block, hidden, mask, position_ids)
+        if self.stage.last and self.packed and self.classifier:
+            return family.pipeline_position_head(model, hidden)
         if self.stage.last:
             return family.pipeline_head(model, hidden, attention_mask)
         return hidden, attention_mask, position_ids
@@ -182,12 +187,14 @@ class StageForward(nn.Module):
 @dataclass(frozen=True)
 class PipelineSettings:
     """What a run's pipeline runs: the schedule (`pipeline_schedule`), micro-batches per accumulation slice, the
-    task, and whether the first stage also takes token type ids (sentence pairs, BERT)."""
+    task, whether the first stage also takes token type ids (sentence pairs, BERT), and whether training batches
+    are packed (`packing`: the stages then build masks from the restarting positions)."""
 
     schedule: str
     microbatches: int
     task: HeadKind  # the head (resolve.Resolved.head)
     token_types: bool = False
+    packing: bool = False
 
 
 class Pipeline:
@@ -212,7 +219,10 @@ class Pipeline:
         self.token_types = settings.token_types  # the first stage also takes token type ids (sentence pairs, BERT)
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
-        self.modules = [StageForward(model, family, stage) for stage in self.mine]
+        classifier = HeadKind(settings.task) is HeadKind.CLASSIFICATION
+        self.modules = [StageForward(model, family, stage, classifier) for stage in self.mine]
+        if settings.packing:
+            family.prepare_packing(model)
         self.is_first = any(s.first for s in self.mine)
         self.is_last = any(s.last for s in self.mine)
         self.loss_factor = 1.0  # loss scale / global count, set before every step
@@ -221,8 +231,10 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return summed_loss(logits, target) * self.loss_factor
 
-    def _schedule(self, rows: int, length: int, training: bool):
-        key = (rows, length, training)
+    def _schedule(self, rows: int, length: int, training: bool, packed: bool = False):
+        for module in self.modules:
+            module.packed = packed
+        key = (rows, length, training, packed)
         if key not in self._schedules:
             microbatches = self.microbatches if training else 1
             stages = []
@@ -280,9 +292,11 @@ class Pipeline:
         return inputs, outputs
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple:
-        """What the first stage takes; the other stages pass zero-size placeholders (they receive theirs)."""
+        """What the first stage takes; the other stages pass zero-size placeholders (they receive theirs). A packed
+        batch brings its own positions, restarting at every row."""
         mask = batch["attention_mask"]
-        inputs = batch["input_ids"], mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = batch["position_ids"] if "position_ids" in batch else (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = batch["input_ids"], mask, positions
         return (*inputs, batch["token_type_ids"]) if self.token_types else inputs
 
     def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
@@ -290,7 +304,7 @@ class Pipeline:
         the batch, divided by the global `count`), nonzero on the last stage only. Gradients accumulate in the
         parameters' .grad (every micro-batch of the pipeline; `last` changes nothing here)."""
         rows, length = batch["input_ids"].shape
-        schedule = self._schedule(rows, length, training=True)
+        schedule = self._schedule(rows, length, training=True, packed="position_ids" in batch)
         scale = self.loss_scale()
         self.loss_factor = scale / count
         target = targets(batch, self.task)
@@ -309,7 +323,7 @@ class Pipeline:
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Logits on the last stage (None elsewhere)."""
         rows, length = batch["input_ids"].shape
-        schedule = self._schedule(rows, length, training=False)
+        schedule = self._schedule(rows, length, training=False, packed="position_ids" in batch)
         with self.autocast():
             out = schedule.step(*self.inputs(batch)) if self.is_first else schedule.step()
         return out if self.is_last else None

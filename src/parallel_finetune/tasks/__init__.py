@@ -1,26 +1,21 @@
-"""What a run learns. The rest of the package sees the result: `load_task(data=..., model=...)` -> the splits (columns
-`text`[, `text_pair`][, `label`], `index`; task=sft: `messages`, `answers_from`, `index`, or plain `text`), a Task
-(task.py: targets, head kind, metric, labels.json) and a Source. Inside: sources.py reads the rows (files.py's
-formats, glue.py's tasks, a datasets folder, the Hub), columns.py chooses the columns and defines the Task,
-labels.py reads the labels, conversations.py reads instruction rows. Every problem is one line naming file and row.
+"""What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
+sft: `messages`, `answers_from`, `index`), a Task (task.py) and a Source. sources.py reads rows (files.py, glue.py),
+columns.py defines the Task, labels.py reads labels, conversations.py instruction rows; errors name file and row.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import datasets
 
-from ..errors import UserError
-from .columns import carve_validation, define_task, model_rows
-from .conversations import FORMATS, conversation_rows, detect_format
+from .columns import define_task, held_out_validation, model_rows
+from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
     SAMPLE_DIR,
     Source,
-    carved_fingerprint,
     check_hub_data,
     data_fingerprint,
     read_chat_sample,
@@ -30,8 +25,6 @@ from .task import LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, wri
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
-
-log = logging.getLogger(__name__)
 
 
 def load_task(
@@ -45,30 +38,13 @@ def load_task(
     else:
         tables, source, glue = read_sources(data=data)
     if instruction:
-        form, columns = detect_format(tables["train"], data=data)
-        log.info("task=sft: %s rows in the %s format", tables["train"].where, FORMATS[form])
-        task = Task.instruction(form, columns)
+        task = define_instruction_task(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
-    if predict and not task.test_splits:  # refused now, not after the training it follows
-        if task.head is HeadKind.CAUSAL_LM:
-            raise UserError(f"predict=true: a task={model.task} run predicts no test split; drop predict")
-        raise UserError(
-            "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
-        )
+    if predict:
+        task.check_predictable(model.task)
     if "validation" not in tables:
-        percentage = data.validation_split_percentage
-        tables["train"], tables["validation"] = carve_validation(tables["train"], percentage, seed)
-        held, rows = len(tables["validation"]), len(tables["validation"]) + len(tables["train"])
-        log.info(
-            "no validation split given: %d of %d training rows held out (validation_split_percentage=%g, seed %d)",
-            held,
-            rows,
-            percentage,
-            seed,
-        )
-        carved = carved_fingerprint(source.fingerprint, validation_split_percentage=percentage, seed=seed)
-        source = Source(source.kind, source.description, carved)
+        tables, source = held_out_validation(tables, source, data.validation_split_percentage, seed)
     splits = {}
     for split, table in tables.items():
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):

@@ -14,6 +14,7 @@ from ..errors import UserError
 from .files import Table, check_text
 from .glue import GlueTask
 from .labels import check_label, infer_problem_type, label_ids, shown, user_labels
+from .sources import Source, carved_fingerprint
 from .task import REGRESSION, HeadKind, Task
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
@@ -187,3 +188,20 @@ def carve_validation(train: Table, percentage: float, seed: int) -> tuple[Table,
         )
     held = set(random.Random(seed).sample(range(len(train)), count))
     return train.take([i for i in range(len(train)) if i not in held]), train.take(sorted(held))
+
+
+def held_out_validation(tables: dict, source: Source, percentage: float, seed: int) -> tuple[dict, Source]:
+    """Data without a validation split: `percentage` % of the training rows held out (drawn with `seed`), said in
+    one log line; the Source's fingerprint then names the draw, so the tokenized cache follows it."""
+    tables = dict(tables)
+    tables["train"], tables["validation"] = carve_validation(tables["train"], percentage, seed)
+    held, rows = len(tables["validation"]), len(tables["validation"]) + len(tables["train"])
+    log.info(
+        "no validation split given: %d of %d training rows held out (validation_split_percentage=%g, seed %d)",
+        held,
+        rows,
+        percentage,
+        seed,
+    )
+    carved = carved_fingerprint(source.fingerprint, validation_split_percentage=percentage, seed=seed)
+    return tables, Source(source.kind, source.description, carved)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from .files import Table, check_text
+from .task import Task
 
 if TYPE_CHECKING:  # the section's type only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection
@@ -179,3 +180,10 @@ def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:
     if not keep:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
     return {"text": texts, "index": keep}
+
+
+def define_instruction_task(train: Table, *, data: DataSection) -> Task:
+    """The Task of instruction rows: their format, found from the training table's columns and said in one line."""
+    form, columns = detect_format(train, data=data)
+    log.info("task=sft: %s rows in the %s format", train.where, FORMATS[form])
+    return Task.instruction(form, columns)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+from ..errors import UserError
 from .glue import TASKS, GlueTask
 
 REGRESSION = "regression"
@@ -106,6 +107,16 @@ class Task:
         """A prediction as predictions.tsv writes it: the label as the data writes its labels (GLUE's 0/1 or
         entailment names; a user's label names), or a regression value with three decimals."""
         return f"{value:.3f}" if self.regression else self.label_values[value]
+
+    def check_predictable(self, task_key: str) -> None:
+        """predict=true needs a test split: refused now, not after the training it follows."""
+        if self.test_splits:
+            return
+        if self.head is HeadKind.CAUSAL_LM:
+            raise UserError(f"predict=true: a task={task_key} run predicts no test split; drop predict")
+        raise UserError(
+            "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
+        )
 
     def to_json(self) -> dict:
         return asdict(self)
