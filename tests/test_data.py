@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import REPO, prepare_data
+from conftest import REPO, SST2_ROWS, prepare_data
 
 from parallel_finetune import data
 from parallel_finetune.config import DataSection, ModelSection
@@ -21,8 +21,8 @@ from parallel_finetune.resolve import load_config
 DEFAULTS = dict(data=DataSection(), model=ModelSection(), seed=42, predict=False)
 
 
-def test_real_sst2_rows(sst2):
-    raw = data.read_glue_dir(sst2)
+def test_real_sst2_rows(sst2_full):
+    raw = data.read_glue_dir(sst2_full)
     assert {k: len(v) for k, v in raw.items()} == {"train": 67_349, "validation": 872, "test": 1_821}
     assert Counter(raw["train"]["label"]) == {1: 37_569, 0: 29_780}
     assert Counter(raw["validation"]["label"]) == {1: 444, 0: 428}
@@ -101,7 +101,7 @@ def test_tokenized_cache_is_keyed_and_reused(sst2, cache_dir):
     assert prepare(sst2, cache_dir, max_length=32).cache_path != first.cache_path
     assert prepare(sst2, cache_dir, task="causal_lm", max_length=32).cache_path != first.cache_path
     train = first.splits["train"]
-    assert len(train) == 67_349 and len(first.splits["validation"]) == 872
+    assert len(train) == SST2_ROWS["train.tsv"] and len(first.splits["validation"]) == SST2_ROWS["dev.tsv"]
     lengths = data.column(train, "length")
     assert max(lengths) <= 64
     assert sum(lengths) / len(lengths) < 20  # SST-2 is short: padding to 64 or 128 would be mostly waste

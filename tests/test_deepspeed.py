@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import RECIPE, launch, recipe, tiny_overrides
+from conftest import RECIPE, SST2_ROWS, launch, recipe, tiny_overrides
 from safetensors.torch import load_file
 from test_cli import assert_one_line_error, check
 from test_parity import _value
@@ -76,7 +76,7 @@ def test_zero_matches_single_process(family, overrides, tolerance, single_proces
     assert all(r["loss_scale"] == 1 and not r["skipped"] for r in run.records)
     # Evaluation under ZeRO-3 too: every dev row scored once.
     summary = run.summary
-    assert summary["accuracy"] == pytest.approx(reference.summary["accuracy"], abs=2 / 872)  # <= 2 dev rows
+    assert summary["accuracy"] == pytest.approx(reference.summary["accuracy"], abs=2 / SST2_ROWS["dev.tsv"])  # 2 rows
     assert summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance["loss"])
     stage = int(_value(overrides, "zero_stage", "2"))
     assert (summary["engine"], summary["zero_stage"], summary["layout"]["data_parallel"]) == ("deepspeed", stage, 2)
