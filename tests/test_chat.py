@@ -308,9 +308,10 @@ def test_an_unknown_template_and_a_tokenizer_without_one_are_one_line(tmp_path, 
 SFT_OVERRIDES = {"data_dir": "", "max_length": 128}
 
 
-def sft_run_overrides(sst2: Path, cache_dir: Path) -> list[str]:
-    """A short fp32 run of the tiny Llama on the shipped chat sample (test_parity's sft row compares with it)."""
-    return tiny_overrides(sst2, cache_dir, "sft", "llama", **SFT_OVERRIDES)
+def sft_run_overrides(sst2: Path, cache_dir: Path, family: str = "llama", **extra) -> list[str]:
+    """A short fp32 run of a family's tiny model on the shipped chat sample, dropout off (test_parity's sft rows
+    compare their layouts with it)."""
+    return tiny_overrides(sst2, cache_dir, "sft", family, **{**SFT_OVERRIDES, **extra})
 
 
 def test_a_tiny_llama_trains_on_the_chat_sample(single_process_run, sst2, cache_dir):

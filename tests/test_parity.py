@@ -204,16 +204,31 @@ def test_task_matches_single_process(
 
 # ---------------------------------------------------------------------------------------------------------------
 # Issue 36: instruction tuning (task=sft) on the shipped chat sample, the loss on the answers' tokens only (each
-# row's target_mask, averaged over the global batch's target count): one process's reference is test_chat's run.
-SFT_CASES = [pytest.param("llama", "tp2", ["tensor_parallel_degree=2"], id="llama-tp2-sft")]
+# row's target_mask, averaged over the global batch's target count), for the families made for chat: every
+# layout against one process (test_chat's run for Llama; one reference per family, shared in a session).
+SFT_LAYOUTS = [
+    # (name, processes, overrides)
+    ("tp2", 2, ["tensor_parallel_degree=2"]),
+    ("pp2_1f1b", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "pipeline_schedule=1f1b"]),
+    ("pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2", "pipeline_schedule=1f1b"]),
+    ("fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"]),
+]
+SFT_CASES = [
+    pytest.param(family, name, nproc, overrides, id=f"{family}-{name}-sft")
+    for family in ("llama", "qwen3", "mistral")
+    for name, nproc, overrides in SFT_LAYOUTS
+]
 
 
-@pytest.mark.parametrize("family,name,overrides", SFT_CASES)
-def test_sft_matches_single_process(family, name, overrides, single_process_run, sst2, cache_dir, tmp_path):
+@pytest.mark.parametrize("family,name,nproc,overrides", SFT_CASES)
+def test_sft_matches_single_process(family, name, nproc, overrides, single_process_run, sst2, cache_dir, tmp_path):
     from test_chat import sft_run_overrides
 
-    run_overrides = sft_run_overrides(sst2, cache_dir)
+    run_overrides = sft_run_overrides(sst2, cache_dir, family)
     reference = single_process_run(recipe(family), run_overrides)
-    run = launch(2, run_overrides + overrides, tmp_path / name, recipe=recipe(family))
+    run = launch(nproc, run_overrides + overrides, tmp_path / name, recipe=recipe(family))
     difference = assert_trains_like(run, reference, "sft", TOLERANCE)
     print(f"{family} {name} sft: largest loss difference {difference:.2e} over {len(run.losses)} steps")
+    layout = run.summary["layout"]
+    assert layout["world_size"] == nproc
+    assert layout["data_parallel"] * layout["tensor_parallel"] * layout["pipeline_parallel"] == nproc
