@@ -196,6 +196,57 @@ def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_pat
     assert all(torch.allclose(again[k], merged_weights[k], atol=1e-6) for k in again)
 
 
+# Issue 36: instruction tuning (task=sft) under LoRA on the shipped chat sample, the loss on the answers only: the
+# families made for chat, TP=2 against one process (one reference per family, shared in a session).
+SFT_FAMILIES = ("llama", "qwen3", "mistral")
+
+
+def lora_sft_overrides(sst2, cache_dir, family: str, **extra) -> list[str]:
+    from test_chat import sft_run_overrides
+
+    return sft_run_overrides(sst2, cache_dir, family, **extra) + LORA
+
+
+@pytest.mark.parametrize("family", SFT_FAMILIES, ids=[f"{f}-tp2-sft" for f in SFT_FAMILIES])
+def test_lora_sft_matches_single_process(family, single_process_run, sst2, cache_dir, tmp_path):
+    overrides = lora_sft_overrides(sst2, cache_dir, family)
+    reference = single_process_run(lora_recipe(family), overrides)
+    run = launch(2, overrides + TP2, tmp_path / "tp2", recipe=lora_recipe(family))
+    difference = assert_trains_like(run, reference, "sft", TOLERANCE)
+    print(f"{family} tp2 sft LoRA: largest loss difference {difference:.2e} over {len(run.losses)} steps")
+    assert "the base is frozen" in run.output and run.summary["task"] == "sft"
+
+
+def test_lora_sft_adapter_loads_with_peft_onto_its_base(sst2, cache_dir, tmp_path):
+    """A TP=2 sft LoRA run of the tiny Llama: adapter/ onto base/ with peft's own loader gives the trained model's
+    logits over every vocabulary entry at every position of chat rows; the merged hf/ too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    launch(
+        2,
+        lora_sft_overrides(sst2, cache_dir, "llama", max_steps=3, export="true") + TP2 + ["lora_export_merged=true"],
+        tmp_path,
+        script=WORKER,
+        recipe=lora_recipe("llama"),
+    )
+    saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
+    assert saved["logits"].shape[:2] == saved["batch"]["input_ids"].shape  # (rows, positions, vocabulary)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    scored = saved["batch"]["attention_mask"].bool()
+    with torch.no_grad():
+        untrained = base(**saved["batch"]).logits
+    assert (untrained - saved["logits"])[scored].abs().max() > 1e-3  # the adapters trained: not the base alone
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        logits = model(**saved["batch"]).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(**saved["batch"]).logits
+    assert (logits - saved["logits"])[scored].abs().max() < TOLERANCE
+    assert (merged - saved["logits"])[scored].abs().max() < TOLERANCE
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM", config["task_type"]
+
+
 def _check_base_unchanged(family: str, run_dir, base) -> None:
     """The frozen weights after training equal the initial ones bit for bit (the tiny base is the transformers
     model initialised from the seed, as the run's loader made it); only the head differs."""
