@@ -23,7 +23,7 @@ from parallel_finetune.data import train_tokenizer
 from parallel_finetune.errors import UserError
 from parallel_finetune.loss import IGNORE, loss_count, scored_count, targets
 from parallel_finetune.resolve import load_config
-from parallel_finetune.tasks import HeadKind
+from parallel_finetune.tasks import CHAT_SAMPLE_DIR, HeadKind
 
 # A template shaped unlike ChatML: a BOS first, header tokens around the role, the content trimmed, <|eot_id|>
 # ending each turn with no newline after it (Llama 3's layout).
@@ -314,8 +314,13 @@ def sft_run_overrides(sst2: Path, cache_dir: Path, family: str = "llama", **extr
     return tiny_overrides(sst2, cache_dir, "sft", family, **{**SFT_OVERRIDES, **extra})
 
 
+def sft_reference(single_process_run, sst2: Path, cache_dir: Path, family: str = "llama"):
+    """The one-process sft run of a family, hf/ exported: test_parity's sft rows compare their layouts with it."""
+    return single_process_run(recipe(family), sft_run_overrides(sst2, cache_dir, family, export="true"))
+
+
 def test_a_tiny_llama_trains_on_the_chat_sample(single_process_run, sst2, cache_dir):
-    run = single_process_run(recipe("llama"), sft_run_overrides(sst2, cache_dir))
+    run = sft_reference(single_process_run, sst2, cache_dir)
     assert "training on the small chat sample shipped in" in run.output
     assert "rows in the messages (a list of {role, content}) format" in run.output
     summary = run.summary
@@ -324,3 +329,67 @@ def test_a_tiny_llama_trains_on_the_chat_sample(single_process_run, sst2, cache_
         math.exp(summary["eval_loss"])
     )
     assert len(run.losses) == 6 and run.losses[-1] < run.losses[0]
+
+
+def test_every_answer_of_a_multi_turn_row_is_trained_in_the_runs_cache(single_process_run, sst2, cache_dir):
+    """The tokenized train split the run trained on (its own config's cache): in every multi-turn conversation of
+    the chat sample that fits max_length, the trained tokens are all its answers, each with its end of turn, and
+    nothing else."""
+    import yaml
+
+    from parallel_finetune.config import Config
+    from parallel_finetune.data import column
+
+    run = sft_reference(single_process_run, sst2, cache_dir)
+    config = Config.from_flat(yaml.safe_load((run.output_dir / "config.yaml").read_text()))
+    prepared = prepare_data(config)
+    train = prepared.splits["train"]
+    trained_of = dict(zip(map(tuple, column(train, "input_ids")), column(train, "target_mask")))
+    tokenizer, expected, found = prepared.tokenizer, [], []
+    for row in load_task_of(config)[0]["train"]["messages"]:
+        messages = json.loads(row)
+        answers = [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tuple(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        if len(answers) > 1 and len(ids) <= config.max_length:
+            expected.append("".join(answers))
+            found.append(tokenizer.decode([t for t, m in zip(ids, trained_of[ids]) if m]))
+    assert len(found) >= 50 and found == expected
+
+
+def test_the_exported_model_answers_messages_through_transformers_pipeline(single_process_run, sst2, cache_dir):
+    """hf/ of the sft run is a chat model for transformers' own client: pipeline("text-generation") given messages
+    renders them with the exported template and answers with the model's greedy continuation, token for token
+    what a plain argmax loop over the exported model gives."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    hf = sft_reference(single_process_run, sst2, cache_dir).output_dir / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    assert tokenizer.chat_template == chat.CHATML  # the template the run trained with travels with the model
+    row = (CHAT_SAMPLE_DIR / "validation.jsonl").read_text(encoding="utf-8").splitlines()[1]
+    messages = json.loads(row)["messages"][:-1]  # a conversation of three questions, up to its last answer
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    prompt = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    ids, stop = list(prompt["input_ids"]), {tokenizer.eos_token_id, *_ids(model.generation_config.eos_token_id)}
+    with torch.no_grad():
+        for _ in range(GENERATED):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stop:
+                break
+    greedy = ids[len(prompt["input_ids"]) :]
+    generator = pipeline("text-generation", model=str(hf))
+    answered = generator(messages, max_new_tokens=GENERATED, do_sample=False)[0]["generated_text"]
+    assert answered[:-1] == messages and answered[-1]["role"] == "assistant"
+    assert answered[-1]["content"] == tokenizer.decode(greedy, skip_special_tokens=True)
+    tokens = generator(messages, max_new_tokens=GENERATED, do_sample=False, return_tensors=True)
+    assert tokens[0]["generated_token_ids"] == ids
+    print(f"greedy answer of the exported model: {answered[-1]['content']!r}")
+
+
+GENERATED = 12  # new tokens: enough for a short answer of the sample
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)

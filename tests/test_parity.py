@@ -222,11 +222,10 @@ SFT_CASES = [
 
 @pytest.mark.parametrize("family,name,nproc,overrides", SFT_CASES)
 def test_sft_matches_single_process(family, name, nproc, overrides, single_process_run, sst2, cache_dir, tmp_path):
-    from test_chat import sft_run_overrides
+    from test_chat import sft_reference, sft_run_overrides
 
-    run_overrides = sft_run_overrides(sst2, cache_dir, family)
-    reference = single_process_run(recipe(family), run_overrides)
-    run = launch(nproc, run_overrides + overrides, tmp_path / name, recipe=recipe(family))
+    reference = sft_reference(single_process_run, sst2, cache_dir, family)
+    run = launch(nproc, sft_run_overrides(sst2, cache_dir, family) + overrides, tmp_path / name, recipe=recipe(family))
     difference = assert_trains_like(run, reference, "sft", TOLERANCE)
     print(f"{family} {name} sft: largest loss difference {difference:.2e} over {len(run.losses)} steps")
     layout = run.summary["layout"]
