@@ -228,21 +228,26 @@ PACKED_CASES = [
         ("bert", "classification", ("one_process", "tp2", "pp2_1f1b")),
         ("llama", "classification", ("one_process",)),
         ("llama", "causal_lm", ("one_process", "tp2", "pp2_1f1b")),
+        ("llama", "sft", ("one_process", "tp2", "pp2_1f1b")),  # chat rows: shorter than max_length, they share
     )
     for layout in layouts
 ]
 
 
 @pytest.mark.parametrize("family,task,layout", PACKED_CASES)
-def test_packed_run_trains_like_unpacked(family, task, layout, single_process, sst2, cache_dir, tmp_path):
-    reference = single_process(family, task, ())
+def test_packed_run_trains_like_unpacked(
+    family, task, layout, single_process, single_process_run, sst2, cache_dir, tmp_path
+):
+    if task == "sft":  # the shipped chat sample, the loss on the answers only (test_chat's runs)
+        from test_chat import sft_reference, sft_run_overrides
+
+        reference = sft_reference(single_process_run, sst2, cache_dir, family)
+        run_overrides = sft_run_overrides(sst2, cache_dir, family, export="true")
+    else:
+        reference = single_process(family, task, ())
+        run_overrides = tiny_overrides(sst2, cache_dir, task, family, export="true")
     nproc, overrides = LAYOUTS[layout]
-    run = launch(
-        nproc,
-        tiny_overrides(sst2, cache_dir, task, family, export="true") + ["packing=true", *overrides],
-        tmp_path / layout,
-        recipe=recipe(family),
-    )
+    run = launch(nproc, run_overrides + ["packing=true", *overrides], tmp_path / layout, recipe=recipe(family))
     difference = assert_trains_like(run, reference, task, TOLERANCE)
     print(f"{family} {layout} {task} packed: largest loss difference {difference:.2e} over {len(run.losses)} steps")
     efficiency = run.summary["packing_efficiency"]
