@@ -116,8 +116,9 @@ class TrainingSection:
     warmup_steps: int = 0  # linear warm-up from 0 to lr
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float | None = 1.0  # None or 0 = no clipping
-    # compute dtype under autocast (master weights stay fp32; fp16 adds dynamic loss scaling); auto = fp16 on a
-    # GPU (what the recipes target), on a CPU bf16 where it has bf16 units, else fp32
+    # compute dtype under autocast (master weights stay fp32; fp16 adds dynamic loss scaling); auto = bf16 on a GPU
+    # of compute capability 8.0 or above (A100, A10G, L4, H100), fp16 on older ones (V100, T4); on a CPU bf16 where
+    # it has bf16 units, else fp32
     precision: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     initial_loss_scale: float = 65536.0  # fp16: the first loss scale
     loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
