@@ -67,7 +67,7 @@ help:
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
 	@echo "make lint      ruff: lint and format check (src, tests, bench, scripts)"
 	@echo "make selftest  every layout vs one process on this machine's GPUs (nccl) or CPU (gloo): table + verdict"
-	@echo "make notebooks execute the four walkthrough notebooks (LAUNCH=local; MAX_STEPS=, DATA=)"
+	@echo "make notebooks execute the walkthrough notebooks: four families and sft (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
 	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
