@@ -36,11 +36,15 @@ export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 # A family's targets come from its recipes: recipes/<family>/tp.yaml (+ pp.yaml, tp_pp.yaml; lora.yaml for -lora).
 FAMILIES := $(patsubst recipes/%/tp.yaml,%,$(wildcard recipes/*/tp.yaml))
 LORA_FAMILIES := $(patsubst recipes/%/lora.yaml,%,$(wildcard recipes/*/lora.yaml))
+# Instruction tuning: recipes/<family>/sft.yaml for -sft, sft_lora.yaml for -sft-lora (chat data, docs/data.md).
+SFT_FAMILIES := $(patsubst recipes/%/sft.yaml,%,$(wildcard recipes/*/sft.yaml))
+SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/sft_lora.yaml))
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
-	$(addsuffix -lora,$(LORA_FAMILIES)) $(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
+	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
+	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -52,6 +56,10 @@ help:
 	@echo "make FAMILY-tp-pp (gptj-tp-pp, qwen3-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make FAMILY-lora   LoRA: base frozen, adapters + head trained:"
 	@echo "               $(addsuffix -lora,$(LORA_FAMILIES))"
+	@echo "make FAMILY-sft   instruction tuning (task=sft): chat rows, the loss on the answers, packed batches:"
+	@echo "               $(addsuffix -sft,$(SFT_FAMILIES))"
+	@echo "               your conversations: DATA=chat.jsonl (messages, prompt/completion or ShareGPT rows; docs/data.md)"
+	@echo "make FAMILY-sft-lora   the same with LoRA adapters: $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -59,7 +67,7 @@ help:
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
 	@echo "make lint      ruff: lint and format check (src, tests, bench, scripts)"
 	@echo "make selftest  every layout vs one process on this machine's GPUs (nccl) or CPU (gloo): table + verdict"
-	@echo "make notebooks execute the four walkthrough notebooks (LAUNCH=local; MAX_STEPS=, DATA=)"
+	@echo "make notebooks execute the walkthrough notebooks: four families and sft (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
 	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
@@ -106,6 +114,18 @@ $(1)-lora: setup
 	$$(call run_recipe,recipes/$(1)/lora.yaml)
 endef
 $(foreach family,$(LORA_FAMILIES),$(eval $(call lora_targets,$(family))))
+
+# Instruction tuning (recipes/<family>/sft.yaml, sft_lora.yaml): generations.jsonl shows the model's answers.
+define sft_targets
+$(1)-sft: setup
+	$$(call run_recipe,recipes/$(1)/sft.yaml)
+endef
+$(foreach family,$(SFT_FAMILIES),$(eval $(call sft_targets,$(family))))
+define sft_lora_targets
+$(1)-sft-lora: setup
+	$$(call run_recipe,recipes/$(1)/sft_lora.yaml)
+endef
+$(foreach family,$(SFT_LORA_FAMILIES),$(eval $(call sft_lora_targets,$(family))))
 
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in

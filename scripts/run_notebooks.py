@@ -2,7 +2,7 @@
 """Execute the walkthrough notebooks top to bottom with papermill (`make notebooks`).
 
 python scripts/run_notebooks.py [NAME ...] [-p KEY VALUE ...]
-  NAME      a family's walkthrough, notebooks/NAME.ipynb (default: every family's that has one)
+  NAME      a walkthrough, notebooks/NAME.ipynb: a family's, or sft (default: all of them)
   -p        a parameter for every notebook, e.g. -p MAX_STEPS 40 -p DATA ../shared/data/sst2 -p LAUNCH local
 
 Executed copies go to runs/notebooks/NAME.ipynb. Fails unless each notebook's plot cell drew a figure and its
@@ -20,8 +20,10 @@ from pathlib import Path
 from parallel_finetune.families import family_names
 
 REPO = Path(__file__).resolve().parents[1]
-# One walkthrough per family that has one, in the registry's order.
-NOTEBOOKS = tuple(name for name in family_names() if (REPO / "notebooks" / f"{name}.ipynb").is_file())
+# One walkthrough per family that has one, in the registry's order, then the topic walkthroughs (sft: instruction
+# tuning on the shipped chat sample; it reads DATA only when it holds conversations).
+TOPICS = ("sft",)
+NOTEBOOKS = tuple(name for name in (*family_names(), *TOPICS) if (REPO / "notebooks" / f"{name}.ipynb").is_file())
 
 
 def value(text: str):

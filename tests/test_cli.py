@@ -221,6 +221,38 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     assert (out / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("target", ["llama-sft", "qwen3-sft-lora"])
+def test_make_sft_targets(target, cache_dir, tmp_path):
+    """`make FAMILY-sft` / `FAMILY-sft-lora` run the family's sft recipes on the shipped chat sample (no DATA), forked:
+    TP=2, packed batches, generations.jsonl from generate_every."""
+    family, name = target.split("-", 1)
+    recipe = f"recipes/{family}/{name.replace('-', '_')}.yaml"
+    overrides = ["size=tiny", "max_steps=2", f"cache_dir={cache_dir}", "generate_max_new_tokens=4", "generate_every=2"]
+    check_command, train_command = make_commands(
+        target, "SIZE=tiny", "NPROC=2", f"ARGS=max_steps=2 cache_dir={cache_dir} {' '.join(overrides[3:])}"
+    )
+    assert check_command[-len(overrides) - 1 :] == [recipe, *overrides]
+    assert train_command[:6] == [
+        ".venv/bin/python",
+        "-m",
+        "parallel_finetune.launch",
+        "--nproc_per_node",
+        "2",
+        "scripts/train.py",
+    ]
+    assert train_command[6:] == [recipe, *overrides]
+    checked = python(*check_command[1:])
+    assert checked.returncode == 0 and "packed into sequences of 256 tokens" in checked.stdout, checked.stderr
+    out = tmp_path / target
+    launch(2, overrides, out, recipe=REPO / recipe)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["task"], summary["steps"], summary["layout"]["tensor_parallel"]) == ("sft", 2, 2)
+    assert summary["packing_efficiency"] > 0.5
+    answers = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in answers] == [2] * 4
+    assert (out / ("adapter" if "lora" in target else "hf")).is_dir()
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -305,3 +305,35 @@ def test_a_tracker_that_cannot_start_stops_every_rank_in_one_line(sst2, cache_di
     (line,) = [line for line in run.output.splitlines() if line.startswith("error: ")]
     assert line.startswith(f"error: report_to=mlflow: cannot start a run at {uri!r}"), line
     assert not (tmp_path / "run" / "metrics.jsonl").read_text(), "no step was trained"
+
+
+def test_generations_reach_the_run_folder_tensorboard_and_mlflow_and_survive_a_resume(tmp_path, monkeypatch):
+    """generate_every's answers: generations.jsonl (cut back to the resumed step, as metrics.jsonl), TensorBoard's
+    text tab and an MLflow artifact per step, read back through each library."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    output = tmp_path / "run"
+    output.mkdir()
+    answers = [{"prompt": "<|im_start|>user\nhi | there<|im_end|>\n", "answer": "hello"}]
+    first = Reporter(output, 4, 1, True)
+    first.add_trackers(("tensorboard", "mlflow"), None, {})
+    first.generations(2, answers)
+    first.generations(4, [{**answers[0], "answer": "lost to the resume"}])
+    first.close("stopped")
+    second = Reporter(output, 4, 1, True, resumed_at=2)
+    second.generations(4, [{**answers[0], "answer": "hi!"}])
+    second.close()
+    written = [json.loads(line) for line in (output / "generations.jsonl").read_text().splitlines()]
+    assert written == [{"step": 2, **answers[0]}, {"step": 4, **answers[0], "answer": "hi!"}]
+    assert "generations.jsonl" in (output / ".parallel-finetune-outputs").read_text().splitlines()
+    events = EventAccumulator(str(output / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    texts = events.Tensors("generations/text_summary")  # the first run's two (TensorBoard keeps a stopped run's)
+    assert [text.step for text in texts] == [2, 4]
+    table = texts[0].tensor_proto.string_val[0].decode()
+    assert "| hello |" in table and "hi \\| there" in table and "<br>" in table
+    client = mlflow.MlflowClient()
+    (tracked,) = client.search_runs(["0"])
+    artifacts = client.list_artifacts(tracked.info.run_id, "generations")
+    assert [a.path for a in artifacts] == ["generations/step-00000002.md", "generations/step-00000004.md"]

@@ -14,8 +14,8 @@ from conftest import FAMILIES, REPO
 REQUIRED = {"LAUNCH", "SIZE", "DATA", "MAX_STEPS", "NPROC", "RECIPE", "ARGS", "INSTANCE_TYPE", "INSTANCE_COUNT"}
 
 
-# Every family's walkthrough (a notebook is optional for a family registered from a file).
-NOTEBOOKS = [family for family in FAMILIES if (REPO / "notebooks" / f"{family}.ipynb").is_file()]
+# Every family's walkthrough (a notebook is optional for a family registered from a file), and instruction tuning's.
+NOTEBOOKS = [name for name in (*FAMILIES, "sft") if (REPO / "notebooks" / f"{name}.ipynb").is_file()]
 
 
 @pytest.mark.parametrize("family", NOTEBOOKS)

@@ -95,3 +95,30 @@ def test_fp16_loss_scaling_runs_for_every_family(family, sst2, cache_dir, tmp_pa
                 scale, clean = scale * 2, 0
     assert run.summary["precision"] == "fp16"
     assert run.summary["skipped_steps"] < len(run.records)
+
+
+@pytest.mark.parametrize(
+    "capability,expected", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")]
+)
+def test_auto_is_bf16_from_compute_capability_8_else_fp16(capability, expected, monkeypatch):
+    """V100 (7.0) and T4 (7.5) have no bf16 tensor cores: fp16 with loss scaling; A100 (8.0) on: bf16. No GPU here,
+    so the capability is faked; what a CPU gets is unchanged."""
+    import torch
+
+    from parallel_finetune.precision import cpu_has_bf16, resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_precision("auto", torch.device("cuda")) == expected
+    assert resolve_precision("fp16", torch.device("cuda")) == "fp16"  # what a recipe names is kept
+    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if cpu_has_bf16() else "fp32")
+
+
+@pytest.mark.parametrize("family", ["gptj", "gpt2", "gptneo", "bert", "llama", "qwen3", "mistral"])
+def test_recipes_name_their_precision(family):
+    """The seed families' recipes keep the fp16 they were tuned in on GPUs (auto at tiny size, on a CPU); the newer
+    families' bf16 checkpoints train under auto (bf16 from an A100 on)."""
+    from parallel_finetune.resolve import load_config
+
+    full = load_config(REPO / "recipes" / family / "tp.yaml").precision
+    tiny = load_config(REPO / "recipes" / family / "tp.yaml", ["size=tiny"]).precision
+    assert (full, tiny) == (("auto", "auto") if family in ("llama", "qwen3", "mistral") else ("fp16", "auto"))

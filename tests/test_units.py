@@ -658,10 +658,10 @@ def test_a_recipe_is_resolved_once_into_the_values_components_receive():
     from parallel_finetune.resolve import load_config, resolve
 
     dims = ParallelDims(1, 2, 1, 2, "optimizer")
-    full = resolve(load_config(REPO / "recipes/gptj/pp.yaml", ["export_dtype=bfloat16"]), torch.device("cpu"), dims)
-    assert full.model_name == "EleutherAI/gpt-j-6b" and full.family.name == "gptj"
+    full = resolve(load_config(REPO / "recipes/llama/pp.yaml", ["export_dtype=bfloat16"]), torch.device("cpu"), dims)
+    assert full.model_name == "meta-llama/Llama-3.1-8B" and full.family.name == "llama"
     assert full.microbatches == 4 and full.export_dtype == torch.bfloat16
-    assert full.precision == ("bf16" if cpu_has_bf16() else "fp32")
+    assert full.precision == ("bf16" if cpu_has_bf16() else "fp32")  # auto, decided for this CPU
     tiny = resolve(
         load_config(REPO / "recipes/gptj/pp.yaml", ["size=tiny", "microbatches=6", "precision=fp32"]),
         torch.device("cpu"),

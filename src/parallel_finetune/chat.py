@@ -128,14 +128,18 @@ def target_mask(tokenizer, full: str, offsets: list[tuple[int, int]], spans: lis
 
 def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: str, desc: str) -> datasets.Dataset:
     """Each row's tokens (`input_ids`, `length`), which are targets (`target_mask`, position 0 never) and how many
-    (`targets`), cut to `max_length`; rows left with no target are dropped, counted in one log line."""
-    columns: dict[str, list] = {"input_ids": [], "length": [], "target_mask": [], "targets": []}
+    (`targets`), cut to `max_length`; rows left with no target are dropped, counted in one log line.
+    `prompt_length`: how many leading tokens are the prompt of the row's first trained answer (the conversation
+    before it and the template's generation prompt), what generate_every answers; 0 where the row has none left
+    (plain text, or a prompt truncated to max_length)."""
+    columns: dict[str, list] = {"input_ids": [], "length": [], "target_mask": [], "targets": [], "prompt_length": []}
     conversational = "messages" in split.column_names
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
     dropped = 0
     for number, (row, answers_from) in enumerate(zip(rows, starts)):
-        ids, mask = _tokenized_row(tokenizer, row, answers_from, train_on, f"{desc} row {number + 1}", conversational)
+        where = f"{desc} row {number + 1}"
+        ids, mask, prompt = _tokenized_row(tokenizer, row, answers_from, train_on, where, conversational)
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):
             dropped += 1
@@ -144,6 +148,7 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
         columns["length"].append(len(ids))
         columns["target_mask"].append(mask)
         columns["targets"].append(sum(mask))
+        columns["prompt_length"].append(prompt if prompt < len(ids) else 0)
     if dropped:
         log.warning(
             "sft %s split: dropped %d of %d row(s) with no trained token left after truncation to max_length=%d",
@@ -160,14 +165,26 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
 
 
 def _tokenized_row(tokenizer, row: str, answers_from: int, train_on: str, where: str, conversational: bool):
+    """(ids, target mask, prompt length) of one row."""
     if not conversational:  # plain text: every token, and EOS to end it
         ids = tokenizer(row, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        return ids, [0] + [1] * (len(ids) - 1)
+        return ids, [0] + [1] * (len(ids) - 1), 0
     messages = json.loads(row)
     full = _render(tokenizer, messages, False)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    prompt = _prompt_length(tokenizer, messages, answers_from, full, offsets)
     if train_on == "all":
-        return ids, [0] + [1] * (len(ids) - 1)
+        return ids, [0] + [1] * (len(ids) - 1), prompt
     spans = answer_spans(tokenizer, messages, answers_from, full, where)
-    return ids, target_mask(tokenizer, full, encoded["offset_mapping"], spans, ids, where)
+    return ids, target_mask(tokenizer, full, offsets, spans, ids, where), prompt
+
+
+def _prompt_length(tokenizer, messages: list[dict], answers_from: int, full: str, offsets: list[tuple]) -> int:
+    """Tokens of `full` that lie wholly inside the rendering of the conversation before its first trained
+    assistant turn, with the generation prompt (a prefix of `full`); 0 if the template renders no such prefix."""
+    turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= answers_from), None)
+    prefix = _render(tokenizer, messages[:turn], True) if turn else ""
+    if not prefix or not full.startswith(prefix):
+        return 0
+    return next((t for t, (_, end) in enumerate(offsets) if end > len(prefix)), len(offsets))

@@ -116,14 +116,20 @@ class TrainingSection:
     warmup_steps: int = 0  # linear warm-up from 0 to lr
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float | None = 1.0  # None or 0 = no clipping
-    # compute dtype under autocast (master weights stay fp32; fp16 adds dynamic loss scaling); auto = fp16 on a
-    # GPU (what the recipes target), on a CPU bf16 where it has bf16 units, else fp32
+    # compute dtype under autocast (master weights stay fp32; fp16 adds dynamic loss scaling); auto = bf16 on a GPU
+    # of compute capability 8.0 or above (A100, A10G, L4, H100), fp16 on older ones (V100, T4); on a CPU bf16 where
+    # it has bf16 units, else fp32
     precision: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     initial_loss_scale: float = 65536.0  # fp16: the first loss scale
     loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
     seed: int = 42  # model initialisation, data order, dropout: same seed, same run in every layout
     eval_every: Continues[int | None] = None  # steps between dev evaluations; the end of training always evaluates
     log_every: Continues[int] = 10  # steps between log lines and metrics.jsonl records
+    # task=sft (and causal_lm): every N steps and at the end, greedy answers to the first generate_prompts
+    # validation prompts, written to generations.jsonl and the trackers; 0 = off
+    generate_every: Continues[int] = 0
+    generate_prompts: Continues[int] = 4  # how many validation prompts generate_every answers
+    generate_max_new_tokens: Continues[int] = 64  # the most tokens of one answer (it stops earlier at end of turn)
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
     # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for GPU runs of at
@@ -688,6 +694,7 @@ def check_keys(config: Config, where: str = "config") -> None:
         return UserError(f"{where}: {key}={config.value(key)!r} {why}")
 
     _check_training(config, bad)
+    _check_generation(config, bad)
     _check_peft(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
@@ -760,6 +767,20 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("max_grad_norm", "must be >= 0 (0 or null disables clipping)")
     if len(config.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in config.adam_betas):
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+def _check_generation(config: Config, bad: BadKey) -> None:
+    if config.generate_every < 0:
+        raise bad("generate_every", "must be >= 0 (0: no generations)")
+    for key in ("generate_prompts", "generate_max_new_tokens"):
+        if getattr(config, key) < 1:
+            raise bad(key, "must be at least 1")
+    if config.generate_every and config.task != "sft":
+        raise bad(
+            "generate_every",
+            f"answers the validation conversations' prompts, which task=sft has and task={config.task} has not; "
+            "set generate_every=0 or task=sft",
+        )
 
 
 def _check_peft(config: Config, bad: BadKey) -> None:

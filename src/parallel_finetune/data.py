@@ -302,7 +302,7 @@ def _save_atomically(folder: Path, save) -> None:
 
 @dataclass
 class PreparedData:
-    # tokenized: input_ids, length[, token_type_ids][, label][, index]; task=sft: target_mask, targets
+    # tokenized: input_ids, length[, token_type_ids][, label][, index]; task=sft: target_mask, targets, prompt_length
     splits: datasets.DatasetDict
     tokenizer: PreTrainedTokenizerFast
     source: Source
@@ -355,7 +355,8 @@ def prepare(
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]
     tokens = f"tok{tokenizer_identity(tokenizer)}-{model.task}-len{data.max_length}"
-    tokens += f"-{data.train_on}" if instruction else ""  # the template is in the tokenizer's identity
+    # the template is in the tokenizer's identity; -p: rows carry prompt_length (generate_every's prompts)
+    tokens += f"-{data.train_on}-p" if instruction else ""
     path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)

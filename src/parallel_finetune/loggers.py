@@ -12,8 +12,9 @@ deadline of ours (SIGALRM) that ends whatever they still wait in. SIGTERM during
 before its first step, as SIGTERM stops it elsewhere) and Ctrl-C stops the run; a helper process the abandoned start
 left (W&B's service) is ended, so the process exits at once.
 
-A logger is three calls (train record, evaluation, close); adding a destination is one class here and its name in
-`DESTINATIONS`.
+A logger is four calls (train record, evaluation, generations, close); adding a destination is one class here and
+its name in `DESTINATIONS`. Generations (generate_every's answers, generation.py) go to generations.jsonl, the log,
+TensorBoard's text tab, an MLflow artifact per step and a W&B table.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .runfolder import record_written
 DESTINATIONS = ("tensorboard", "mlflow", "wandb")
 # Per-step numbers sent to every tracker as "train/<key>" (metrics.jsonl keeps the whole record).
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu")
+GENERATIONS = "generations.jsonl"  # generate_every's answers: step, prompt, answer per line
 # Tracker run ids of this run folder, so that a resumed run continues the same MLflow / W&B run.
 TRACKING_IDS = "tracking.json"
 # The trackers whose start may wait on a server or a store: tracker_timeout_s bounds it.
@@ -54,6 +56,9 @@ class MetricLogger(Protocol):
     def log_train(self, record: dict) -> None: ...
 
     def log_eval(self, step: int, results: dict) -> None: ...
+
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        """generations: {prompt, answer} per held-out prompt."""
 
     def close(self, status: str = "finished") -> None:
         """status: finished | stopped (SIGTERM, resumable) | failed."""
@@ -124,8 +129,25 @@ class ProgressLogger:
     def log_eval(self, step: int, results: dict) -> None:
         self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        if self.bar.disable:  # rank 0 says it once
+            return
+        answers = " | ".join(repr(g["answer"][:60]) for g in generations)
+        self.bar.write(f"generations @ step {step} (generations.jsonl): {answers}")
+
     def close(self, status: str = "finished") -> None:
         self.bar.close()
+
+
+def generations_markdown(generations: list[dict]) -> str:
+    """A markdown table of prompts and answers (TensorBoard renders a text summary as markdown)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| prompt | answer |", "| --- | --- |"]
+    lines += [f"| {cell(g['prompt'])} | {cell(g['answer'])} |" for g in generations]
+    return "\n".join(lines)
 
 
 def finite_or_null(record: dict) -> dict:
@@ -154,8 +176,10 @@ class JsonlLogger:
 
     def __init__(self, output_dir: Path, resumed_at: int):
         record_written(output_dir, "metrics.jsonl", "eval.jsonl")
+        self.output_dir, self.resumed_at = output_dir, resumed_at
         self.metrics = _continue_jsonl(output_dir / "metrics.jsonl", resumed_at)
         self.evals = _continue_jsonl(output_dir / "eval.jsonl", resumed_at)
+        self.generations = None  # generations.jsonl, opened by the first generations (generate_every)
 
     def log_train(self, record: dict) -> None:
         self.metrics.write(json.dumps(finite_or_null(record)) + "\n")
@@ -165,9 +189,19 @@ class JsonlLogger:
         self.evals.write(json.dumps({"step": step, **results}) + "\n")
         self.evals.flush()
 
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        if self.generations is None:
+            record_written(self.output_dir, GENERATIONS)
+            self.generations = _continue_jsonl(self.output_dir / GENERATIONS, self.resumed_at)
+        for generation in generations:
+            self.generations.write(json.dumps({"step": step, **generation}, ensure_ascii=False) + "\n")
+        self.generations.flush()
+
     def close(self, status: str = "finished") -> None:
         self.metrics.close()
         self.evals.close()
+        if self.generations is not None:
+            self.generations.close()
 
 
 class TensorBoardLogger:
@@ -186,6 +220,9 @@ class TensorBoardLogger:
     def log_eval(self, step: int, results: dict) -> None:
         for name, value in _finite(results).items():
             self.writer.add_scalar(name, value, step)
+
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        self.writer.add_text("generations", generations_markdown(generations), step)
 
     def close(self, status: str = "finished") -> None:
         self.writer.close()
@@ -234,6 +271,9 @@ class MLflowLogger:
 
     def log_eval(self, step: int, results: dict) -> None:
         self.mlflow.log_metrics(_finite(results), step=step)
+
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        self.mlflow.log_text(generations_markdown(generations), f"generations/step-{step:08d}.md")
 
     def close(self, status: str = "finished") -> None:
         self.mlflow.end_run(self.STATUS[status])
@@ -285,6 +325,12 @@ class WandbLogger:
 
     def log_eval(self, step: int, results: dict) -> None:
         self.run.log(_finite(results), step=step)
+
+    def log_generations(self, step: int, generations: list[dict]) -> None:
+        import wandb
+
+        rows = [[step, g["prompt"], g["answer"]] for g in generations]
+        self.run.log({"generations": wandb.Table(columns=["step", "prompt", "answer"], data=rows)}, step=step)
 
     def close(self, status: str = "finished") -> None:
         self.run.finish(exit_code=self.EXIT_CODE[status])

@@ -1,6 +1,8 @@
 """What the walkthrough notebooks share: launch a recipe (local torchrun or SageMaker), then read its results.
 
-A notebook stays prose plus a few calls, so the four of them cannot drift apart in how they launch or plot.
+A notebook stays prose plus a few calls, so the walkthroughs cannot drift apart in how they launch or plot. The
+instruction-tuning one (notebooks/sft.ipynb) also shows which tokens train, what packing saves, the answers
+generate_every wrote, and a chat with the exported model.
 """
 
 from __future__ import annotations
@@ -265,6 +267,7 @@ def report(folder: str | Path) -> dict:
         "mfu_unknown",
         "achievable_matmul_tflops",
         "padding_fraction",
+        "packing_efficiency",
         "seconds",
         "peak_memory_mib_per_rank",
     ):
@@ -282,3 +285,79 @@ def classify(model_folder: str | Path, sentences: list[str]) -> list[tuple[str, 
     refuse_custom_code(model_folder)
     classifier = pipeline("text-classification", model=str(model_folder), device=-1, trust_remote_code=False)
     return [(result["label"], result["score"], sentence) for result, sentence in zip(classifier(sentences), sentences)]
+
+
+# --- instruction tuning (notebooks/sft.ipynb)
+
+ANSWER_MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧ around the trained tokens of a rendered row
+
+
+def instruction_data(data: str | Path) -> str | Path:
+    """DATA for the instruction-tuning walkthrough: a file of conversations or a save_to_disk folder as given; a
+    GLUE folder (what `make notebooks DATA=` hands every walkthrough) holds no conversations, so the shipped chat
+    sample is used instead, and said."""
+    if data and Path(data).expanduser().is_dir() and not data_overrides(data)[0].startswith("dataset="):
+        print(f"DATA={data}: a GLUE folder is no instruction data; this walkthrough trains on the shipped chat sample")
+        return ""
+    return data
+
+
+def marked_row(prepared, split: str = "train", row: int = 0) -> str:
+    """A tokenized row's text with its trained tokens (target_mask) inside ⟦ ⟧: the assistant's answers and the
+    template's end of turn; everything else is context only."""
+    tokens = prepared.splits[split][row]
+    ids, mask = tokens["input_ids"], tokens["target_mask"]
+    pieces, start = [], 0
+    for position in range(1, len(ids) + 1):
+        if position == len(ids) or mask[position] != mask[start]:
+            text = prepared.tokenizer.decode(ids[start:position], clean_up_tokenization_spaces=False)
+            pieces.append(ANSWER_MARKS[0] + text + ANSWER_MARKS[1] if mask[start] else text)
+            start = position
+    return "".join(pieces)
+
+
+def packing_efficiency(prepared, batch_size: int, max_length: int, seed: int = 42) -> dict[str, float]:
+    """One epoch of the train split in global batches of `batch_size` (one process): the share of token slots
+    holding real tokens, for random batches padded to their longest row ("padded") or packed into sequences of
+    `max_length` ("packed"), and for batches of similar lengths (group_by_length) padded ("grouped")."""
+    from .data import GlobalBatches, column, token_slots
+    from .packing import PackedShape, packed_token_slots
+
+    lengths = column(prepared.splits["train"], "length")
+    shape = PackedShape(capacity=max_length)
+
+    def share(group_by_length: bool, slots) -> float:
+        batches = GlobalBatches(lengths, batch_size, seed, group_by_length).epoch(0)
+        return sum(lengths[i] for batch in batches for i in batch) / sum(slots(batch) for batch in batches)
+
+    return {
+        "padded": share(False, lambda batch: token_slots(batch, lengths, 1, 1)),
+        "packed": share(False, lambda batch: packed_token_slots(batch, lengths, 1, 1, shape)),
+        "grouped": share(True, lambda batch: token_slots(batch, lengths, 1, 1)),
+    }
+
+
+def read_generations(folder: str | Path) -> list[dict]:
+    """generations.jsonl: generate_every's greedy answers (step, prompt, answer), in the order written."""
+    path = Path(folder) / "generations.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: no generations (generate_every=0, or the run has not trained that far)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def chat(model_folder: str | Path, conversations: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
+    """The exported model's greedy answer to each conversation (a list of {role, content}) through transformers'
+    text-generation pipeline, which renders it with the chat template saved in hf/ (no repository code)."""
+    from transformers import pipeline
+
+    from .generation import stop_ids
+    from .pretrained import refuse_custom_code
+
+    refuse_custom_code(model_folder)
+    generator = pipeline("text-generation", model=str(model_folder), device=-1, trust_remote_code=False)
+    stops = sorted(stop_ids(generator.tokenizer))  # EOS and the template's end of turn, as generate_every stops
+    answers = []
+    for messages in conversations:
+        out = generator(messages, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops)
+        answers.append(out[0]["generated_text"][-1]["content"])
+    return answers

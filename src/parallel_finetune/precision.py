@@ -37,12 +37,22 @@ FP16_ON_CPU = (
 )
 
 
+# bf16 tensor cores arrived with Ampere (A100, A10G, compute capability 8.0); below it bf16 is emulated or absent
+BF16_GPU_CAPABILITY = (8, 0)
+
+
+def gpu_has_bf16(device: torch.device) -> bool:
+    """Native bf16 matmuls: compute capability 8.0 or above (A100, A10G, L4, H100), not a V100 or T4."""
+    return tuple(torch.cuda.get_device_capability(device)) >= BF16_GPU_CAPABILITY
+
+
 def resolve_precision(precision: str, device: torch.device, engine: Engine | str = Engine.TORCH) -> str:
-    """auto = fp16 on CUDA (what the recipes target); on a CPU bf16 where it has bf16 units, else fp32
-    (no CPU here has fp16 units). fp16 on such a CPU: emulated with engine=torch, refused by DeepSpeed."""
+    """auto = on CUDA bf16 where the GPU has bf16 tensor cores (no loss scale to tune, fp32's range), else fp16
+    with loss scaling; on a CPU bf16 where it has bf16 units, else fp32 (no CPU here has fp16 units). fp16 on
+    such a CPU: emulated with engine=torch, refused by DeepSpeed."""
     if precision == "auto":
         if device.type == "cuda":
-            return "fp16"
+            return "bf16" if gpu_has_bf16(device) else "fp16"
         return "bf16" if cpu_has_bf16() else "fp32"
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("precision=bf16: this GPU has no bf16 support; use precision=fp16")

@@ -79,6 +79,10 @@ class Reporter:
         for logger in self.loggers:
             logger.log_eval(step, results)
 
+    def generations(self, step: int, generations: list[dict]) -> None:
+        for logger in self.loggers:
+            logger.log_generations(step, generations)
+
     def close(self, status: str = "finished") -> None:
         """Once: finished, stopped (SIGTERM) or failed, which trackers record as the run's status. The bar closes
         first, so what follows (an error) gets a line of its own."""

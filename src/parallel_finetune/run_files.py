@@ -17,6 +17,7 @@ RUN_OUTPUTS = (
     "labels.json",  # the task: its label names and ids, columns, problem type (tasks.LABEL_FILE)
     "metrics.jsonl",  # every run, once training starts (loggers.JsonlLogger), as eval.jsonl
     "eval.jsonl",
+    "generations.jsonl",  # generate_every: held-out prompts' greedy answers (loggers.JsonlLogger)
     "summary.json",  # a run that finished
     "deepspeed_config.json",  # engine=deepspeed
     "tensorboard",  # report_to=tensorboard

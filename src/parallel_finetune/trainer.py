@@ -33,6 +33,7 @@ from .divergence import NonFiniteGuard
 from .errors import Interrupted, RankError
 from .evaluation import evaluate, evaluate_all, predict_test
 from .export import ExportPlace, export_model
+from .generation import Generator, held_out_prompts
 from .launch import end_with_launcher
 from .layout import Engine, rank0_decides, shutdown, timed_out
 from .loggers import destinations
@@ -97,6 +98,28 @@ class Trainer:
         self.stop_agreed = False  # any rank was asked to stop (agreed in the step's one all-reduce)
         self.padding: dict[int, list[int]] = {}  # epoch -> [real tokens, token slots after padding] trained
         self.reporter: Reporter | None = None  # made when training starts
+        self.generator = self._generator() if self.config.generate_every else None
+        self.generated_at: int | None = None  # the step of the last generations
+
+    def _generator(self) -> Generator:
+        """generate_every's decoder over the run's runner, with the held-out prompts it answers."""
+        config = self.config
+        return Generator(
+            runner=self.runner,
+            model=self.model,
+            tokenizer=self.data.tokenizer,
+            prompts=held_out_prompts(self.data.splits["validation"], config.generate_prompts),
+            max_new_tokens=config.generate_max_new_tokens,
+            max_length=config.max_length,
+            layout=self.layout,
+        )
+
+    def generate(self) -> None:
+        """Every rank decodes the held-out prompts; rank 0's reporter writes the answers."""
+        with self.timer("generate"):
+            answers = self.generator.answers()
+        self.reporter.generations(self.step, answers)
+        self.generated_at = self.step
 
     def training_state(self) -> TrainingState:
         return self.parts.training_state(self.step)
@@ -222,6 +245,9 @@ class Trainer:
                                 self.model, self.runner, dev, tokenizer, self.data.task, config.eval_batch_size, layout
                             )
                             reporter.evaluation(self.step, results)
+                    every = config.generate_every
+                    if every and self.step % every == 0 and self.step < self.total_steps:
+                        self.generate()
                     if checkpoints.due(self.step, self.total_steps, self.stop_agreed):
                         checkpoints.save(self.step, self.nonfinite.bad_steps, self.training_state)
                     if self.stop_agreed:
@@ -232,6 +258,8 @@ class Trainer:
                         return self.history
                     if self.step >= self.total_steps:
                         break
+        if self.generator is not None and self.generated_at != self.step:  # and at the end
+            self.generate()
         if self.packed_shape is not None:
             real, slots = (sum(counts) for counts in zip(*self.padding.values()))
             log.info("packing: %.1f%% of the packed token slots held real tokens", 100 * real / slots)

@@ -32,6 +32,10 @@ register(
             "meta-llama/Llama-3.1-8B": _sizes(4096, 14336, 32, 32, 8, tied=False),
             "meta-llama/Llama-3.2-1B": _sizes(2048, 8192, 16, 32, 8, tied=True),
             "meta-llama/Llama-3.2-3B": _sizes(3072, 8192, 28, 24, 8, tied=True),
+            # the instruction-tuned releases (recipes/llama/sft*.yaml): the same shapes
+            "meta-llama/Llama-3.1-8B-Instruct": _sizes(4096, 14336, 32, 32, 8, tied=False),
+            "meta-llama/Llama-3.2-1B-Instruct": _sizes(2048, 8192, 16, 32, 8, tied=True),
+            "meta-llama/Llama-3.2-3B-Instruct": _sizes(3072, 8192, 28, 24, 8, tied=True),
         },
     )
 )

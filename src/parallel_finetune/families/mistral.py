@@ -15,7 +15,8 @@ register(
         name="mistral",
         default_model="mistralai/Mistral-7B-v0.3",
         published={
-            "mistralai/Mistral-7B-v0.3": dict(
+            # the instruction-tuned release (recipes/mistral/sft*.yaml) has the base model's shapes
+            name: dict(
                 vocab_size=32768,
                 hidden_size=4096,
                 intermediate_size=14336,
@@ -26,7 +27,8 @@ register(
                 max_position_embeddings=32768,
                 sliding_window=None,
                 tie_word_embeddings=False,
-            ),
+            )
+            for name in ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3")
         },
     )
 )

@@ -1,0 +1,123 @@
+"""generate_every: what the model answers while it trains. Every N steps and at the end, the prompts of the first
+`generate_prompts` validation conversations (the conversation before its first trained answer, with the
+template's generation prompt: a split's `prompt_length` tokens) are answered greedily and written to
+generations.jsonl and the trackers (reporting.Reporter.generations).
+
+Decoding goes through the run's own runner, so it works under every layout: each new token recomputes the whole
+prefix (no KV cache: a pipeline's stages and a tensor-parallel attention keep none), the argmax is taken where the
+logits are (every rank, or a pipeline's last stage, which broadcasts it over the pipeline group), and every rank
+runs the same forwards (FSDP and ZeRO-3 gather parameters in each). An answer ends at the template's end-of-turn
+token or EOS, or after `max_new_tokens`, or when prompt and answer fill `max_length` (the positions trained).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .chat import PROBE
+from .data import column, device_batch
+from .errors import UserError
+from .interfaces import Runner
+
+
+@dataclass(frozen=True)
+class Prompt:
+    row: int  # in the validation split
+    ids: tuple[int, ...]
+
+
+def held_out_prompts(split: datasets.Dataset, count: int) -> list[Prompt]:
+    """The prompts of the first `count` validation rows that have one (`prompt_length` > 0), in the split's
+    order; a one-line error where none has (plain-text rows, or prompts cut by max_length)."""
+    if "prompt_length" not in split.column_names:
+        raise UserError("generate_every answers conversations' prompts; the validation split has none (task=sft only)")
+    lengths = column(split, "prompt_length")
+    rows = [row for row, length in enumerate(lengths) if length > 0][:count]
+    if not rows:
+        raise UserError(
+            "generate_every: no validation row has a prompt to answer (plain-text rows, or every prompt longer "
+            "than max_length); give conversations (messages or prompt/completion rows) or set generate_every=0"
+        )
+    ids = column(split.select(rows), "input_ids")
+    return [Prompt(row, tuple(row_ids[: lengths[row]])) for row, row_ids in zip(rows, ids)]
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """EOS and the template's end-of-turn token: the first token its rendering writes after an assistant's answer
+    (chatml's <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>)."""
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
+        answer = PROBE[-1]["content"]
+        tail = rendered[rendered.rindex(answer) + len(answer) :]
+        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
+        stops.update(tail_ids[:1])
+    return stops
+
+
+class Generator:
+    """Greedy answers to fixed prompts through a runner, the same on every rank."""
+
+    def __init__(
+        self,
+        *,
+        runner: Runner,
+        model: nn.Module,
+        tokenizer,
+        prompts: list[Prompt],
+        max_new_tokens: int,
+        max_length: int,
+        layout,
+    ):
+        self.runner, self.model, self.tokenizer, self.prompts = runner, model, tokenizer, prompts
+        self.max_new_tokens, self.max_length, self.layout = max_new_tokens, max_length, layout
+        self.stops = stop_ids(tokenizer)
+
+    @torch.no_grad()
+    def answers(self) -> list[dict]:
+        """{prompt, answer} per prompt (text; the answer without its end-of-turn token); the model in eval mode
+        meanwhile. Every rank calls it and gets the same answers."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            results = []
+            for prompt in self.prompts:
+                new = self.greedy(list(prompt.ids))
+                results.append({"prompt": self.text(prompt.ids), "answer": self.text(new, skip_special_tokens=True)})
+            return results
+        finally:
+            self.model.train(training)
+
+    def text(self, ids, skip_special_tokens: bool = False) -> str:
+        """The tokens' text as rendered (no clean-up of the spaces before punctuation, which the data has)."""
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def greedy(self, ids: list[int]) -> list[int]:
+        """The new tokens after `ids`, one forward of the whole prefix each."""
+        new: list[int] = []
+        budget = min(self.max_new_tokens, self.max_length - len(ids))
+        for _ in range(max(budget, 0)):
+            token = self.next_token(ids + new)
+            if token in self.stops:
+                break
+            new.append(token)
+        return new
+
+    def next_token(self, ids: list[int]) -> int:
+        layout = self.layout
+        batch = device_batch([0], [ids], None, self.tokenizer, self.runner.pad_multiple, layout.device)
+        logits = self.runner.forward(batch)
+        chosen = torch.zeros((), dtype=torch.long, device=layout.device)
+        if logits is not None:  # every rank but a pipeline's earlier stages
+            last = int(batch["attention_mask"][0].nonzero()[-1])  # the last real token, either padding side
+            chosen = logits[0, last].float().argmax()
+        if layout.pp > 1:
+            dist.broadcast(chosen, group=layout.pp_group, group_src=layout.pp - 1)
+        return int(chosen)
