@@ -267,8 +267,8 @@ def test_make_sft_targets(target, cache_dir, tmp_path):
         (["lr_scheduler=bogus"], "lr_scheduler='bogus' is not valid; expected one of linear|cosine|"),
         (["cache_dir=/etc/hostname"], "cache_dir='/etc/hostname': /etc/hostname is a file, not a folder"),
         (
-            ["batch_size=67350", "tensor_parallel_degree=1", "gradient_accumulation_steps=67350"],
-            "batch_size=67350 is larger than the training split (67349 rows)",
+            ["batch_size=8001", "tensor_parallel_degree=1", "gradient_accumulation_steps=8001"],
+            "batch_size=8001 is larger than the training split (8000 rows)",  # SST2_ROWS
         ),
         (["device=cuda"], "device='cuda' but no CUDA device is visible"),
     ],
