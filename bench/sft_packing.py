@@ -213,6 +213,11 @@ def ours_chat_worker(name: str, args) -> dict:
     grouped = config.group_by_length
     batches = spec[f"batches_grouped_{grouped}"]
     lengths = spec["lengths"]
+    # the batches the trainer drew are the ones TRL is given: each step's token count must match
+    for number, (record, batch) in enumerate(zip(steps, batches), start=1):
+        expected = sum(lengths[i] for i in batch)
+        if abs(record["tokens_per_s"] * record["step_time_s"] - expected) > 0.01 * expected:
+            raise SystemExit(f"{name}: step {number} trained other rows than the batches given to TRL")
     return {
         "train_seconds": summary["seconds"]["train"],
         "losses": [record["loss"] for record in steps],
