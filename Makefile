@@ -44,7 +44,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm \
+	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -76,6 +76,7 @@ help:
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
 	@echo "make bench-dp  DP=2 weak scaling, gradients summed after vs during the backward"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
+	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -195,6 +196,21 @@ bench-minilm: setup
 
 bench-minilm-lora: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/minilm_epoch.py --recipe minilm_lora.yaml $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+# TRL's SFTTrainer is a benchmark peer only, never a dependency of the package: it lives in .venv-trl, which sees
+# .venv's packages (a .pth file) and adds trl alone (--no-deps).
+TRL_VENV := .venv-trl
+TRL_VERSION ?= 1.16.0
+$(TRL_VENV)/.installed: $(VENV)/.installed
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/parent_venv.pth', 'w').write(sys.argv[1] + '\\n')" \
+		"$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps trl==$(TRL_VERSION)
+	touch $@
+
+# Idle machine only (the script measures other processes' CPU use and refuses a shared machine).
+bench-sft: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/sft_packing.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
