@@ -314,6 +314,7 @@ def test_generations_reach_the_run_folder_tensorboard_and_mlflow_and_survive_a_r
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)  # a sqlite store keeps its artifacts in ./mlruns: here, not in the repository
     output = tmp_path / "run"
     output.mkdir()
     answers = [{"prompt": "<|im_start|>user\nhi | there<|im_end|>\n", "answer": "hello"}]
