@@ -1,6 +1,7 @@
-"""Write task=sft's small chat sample (src/parallel_finetune/sample_data/chat/) from real SST-2 sentences.
+"""Write task=sft's small chat sample (src/parallel_finetune/sample_data/chat/) from the package's own SST-2-style
+sample (sample_data/train.tsv and dev.tsv, written for this project: no GLUE row is shipped).
 
-    python scripts/make_chat_sample.py /path/to/sst2/train.tsv
+    python scripts/make_chat_sample.py
 
 Instructions whose answers follow from the sentence alone, so a model can learn them: the review's sentiment
 (SST-2's label), repeat, reverse or count the words, the first and last word, capital letters, a three-word
@@ -16,8 +17,9 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "src" / "parallel_finetune" / "sample_data" / "chat"
-SENTENCES = 520  # from the head of train.tsv: a few hundred only
+SAMPLE = Path(__file__).resolve().parents[1] / "src" / "parallel_finetune" / "sample_data"
+OUT = SAMPLE / "chat"
+TRAIN_ROWS, VALIDATION_ROWS, COMPLETION_ROWS = 400, 60, 60
 SYSTEMS = (
     "You are a helpful assistant. Answer briefly.",
     "You are a film critic's assistant: you read reviews carefully.",
@@ -26,7 +28,7 @@ SYSTEMS = (
 
 
 def read_sentences(path: Path) -> list[tuple[str, str]]:
-    lines = path.read_text(encoding="utf-8").splitlines()[1 : SENTENCES + 1]
+    lines = path.read_text(encoding="utf-8").splitlines()[1:]
     rows = []
     for line in lines:
         sentence, label = line.rsplit("\t", 1)
@@ -81,7 +83,7 @@ def multi_turn(sentence: str, label: str, rng: random.Random) -> list[dict]:
 
 
 def conversation(pool: list[tuple[str, str]], index: int, rng: random.Random) -> list[dict]:
-    sentence, label = pool[index]
+    sentence, label = pool[index % len(pool)]  # a pool smaller than the rows: each sentence, other instructions
     shape = rng.random()
     if shape < 0.25:
         messages = multi_turn(sentence, label, rng)
@@ -103,16 +105,15 @@ def write(path: Path, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("train_tsv", type=Path, help="SST-2's train.tsv (sentence<TAB>label)")
-    args = parser.parse_args()
+    parser.parse_args()
     rng = random.Random(0)
-    sentences = read_sentences(args.train_tsv)
-    train_pool, validation_pool, completion_pool = sentences[:400], sentences[400:460], sentences[460:]
+    train_pool, validation_pool = read_sentences(SAMPLE / "train.tsv"), read_sentences(SAMPLE / "dev.tsv")
+    completion_pool = train_pool[:COMPLETION_ROWS]
     OUT.mkdir(parents=True, exist_ok=True)
-    write(OUT / "train.jsonl", [{"messages": conversation(train_pool, i, rng)} for i in range(len(train_pool))])
+    write(OUT / "train.jsonl", [{"messages": conversation(train_pool, i, rng)} for i in range(TRAIN_ROWS)])
     write(
         OUT / "validation.jsonl",
-        [{"messages": conversation(validation_pool, i, rng)} for i in range(len(validation_pool))],
+        [{"messages": conversation(validation_pool, i, rng)} for i in range(VALIDATION_ROWS)],
     )
     pairs = [single(sentence, label, rng) for sentence, label in completion_pool]
     write(OUT / "prompt_completion.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
