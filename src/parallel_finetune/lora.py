@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import PeftSection
 from .errors import UserError
+from .quantize import NF4Settings
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class LoraSettings:
     dropout: float
     targets: tuple[str, ...] | str  # module names (a name or a dotted tail of a path inside a block), or all-linear
     modules_to_save: tuple[str, ...]  # trained in full (the classification head)
+    quantization: NF4Settings | None = None  # QLoRA: the base's block Linears held in NF4 (quantize.py)
 
     @property
     def scaling(self) -> float:
@@ -71,7 +73,10 @@ def lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | Non
     save = peft.lora_modules_to_save
     if save is None:
         save = family.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
-    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save))
+    quantization = None
+    if peft.lora_base_quantization == "nf4":
+        quantization = NF4Settings(peft.nf4_block_size, peft.nf4_scaler_block_size)
+    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save), quantization)
 
 
 def _matches(relative: str, target: str) -> bool:

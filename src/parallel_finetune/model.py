@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import lora
+from . import lora, quantize
 from .config import PeftSection
 from .families.base import Family
 from .hardware import peak_memory_mib
@@ -115,6 +115,8 @@ def load_model(
     shapes, adapters = parameter_shapes(model), {}
     if settings is not None:
         lora.check_targets(model, family, settings)
+        if settings.quantization is not None:
+            quantize.check_quantizable(model, family)
         lora.check_new_trained(list(whole_plan.new), settings, weights.description)
         adapters = lora.planned_shapes(model, family, settings)
         shapes.update(adapters)
@@ -137,11 +139,11 @@ def load_model(
         ):  # the model's only allocation
             adamw = zero_adamw(model, placement.layout, training=placement.training, tied=parallel.tied)
     else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
-        parallel = Parallelized()
-        if settings is not None:
-            parallel.lora = lora.apply_lora(model, family, settings, None)
-            parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
-    materialize(model, device)
+        parallel = _adapters_only(model, family, settings)
+    materialize(model, device, leave=parallel.quantized)
+    if parallel.quantized:  # QLoRA: each frozen Linear's block quantized as it is read, its full copy dropped
+        fallback = write or (lambda param, block: local_tensor(param).copy_(block))
+        write = quantize.quantizing_writer(parallel.quantized, settings.quantization, device, fallback)
     source, dtypes = None, []
     if weights is not None:
         load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
@@ -151,6 +153,17 @@ def load_model(
     loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
     seconds = time.perf_counter() - started
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
+
+
+def _adapters_only(model: nn.Module, family: Family, settings: lora.LoraSettings | None) -> Parallelized:
+    """A world of one's model (not parallelized): LoRA's adapters, QLoRA's quantized Linears (still on meta)."""
+    parallel = Parallelized()
+    if settings is not None:
+        parallel.lora = lora.apply_lora(model, family, settings, None)
+        parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
+        if settings.quantization is not None:
+            parallel.quantized = quantize.prepare(model, family, settings.quantization)
+    return parallel
 
 
 def log_loaded(

@@ -41,7 +41,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -513,10 +513,11 @@ def check_shape(checkpoint, key: str, parts: list[tuple[str, HFSource, tuple[int
 
 
 # ----------------------------------------------------------------------------------------------- materialize, load
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, leave: Collection[int] = ()) -> None:
     """Allocate every parameter still on `meta` (this rank's shard of it) on `device`, uninitialised; buffers,
     computed at build time, move there. FSDP-sharded models go through `to_empty`, which FSDP2 supports (its
-    sharded parameters are re-registered); others swap each parameter in place, so ties and references hold."""
+    sharded parameters are re-registered); others swap each parameter in place, so ties and references hold.
+    Parameters whose id is in `leave` stay on `meta` (QLoRA's: quantized as the loader reads them)."""
     from torch.distributed.fsdp import FSDPModule
 
     buffers = {
@@ -529,7 +530,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
     else:
         for param in {id(p): p for p in model.parameters()}.values():
-            if param.is_meta:
+            if param.is_meta and id(param) not in leave:
                 torch.utils.swap_tensors(param, nn.Parameter(_empty_like(param, device), param.requires_grad))
     for (module, name), buffer in buffers.items():
         module._buffers[name] = buffer.to(device)

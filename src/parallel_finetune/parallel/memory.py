@@ -54,8 +54,15 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _nf4_bytes(weight) -> int:
+    """An NF4 weight's bytes: 4-bit codes, int8 scalers, their factors and mean."""
+    inner = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean)
+    return sum(t.numel() * t.element_size() for t in inner)
+
+
 def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (tensor accounting, not process RSS).
+    """This rank's bytes of parameters (QLoRA's NF4 base counted at its quantized size), gradients and optimizer
+    state (tensor accounting, not process RSS).
     Flat-buffer views (optimizer sharding) are counted once, as the model's parameters and gradients."""
     params = list(model.parameters())
     state = [
@@ -64,8 +71,9 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
         for value in per_param.values()
         if isinstance(value, torch.Tensor) and value.numel() > 1
     ]  # not the scalar `step` counters
+    nf4 = [b for b in model.buffers() if type(b).__name__ == "NF4Tensor"]  # QLoRA's frozen base (quantize.py)
     return {
-        "params": sum(_local_bytes(p) for p in params),
+        "params": sum(_local_bytes(p) for p in params) + sum(_nf4_bytes(b) for b in nf4),
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(_local_bytes(t) for t in state),
     }
