@@ -86,10 +86,11 @@ TP2 = ["tensor_parallel_degree=2"]
 PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]
 CASES = [
     ("gptj", "tp2", 2, TP2 + ["checkpoint_every=3", "export=true", "lora_export_merged=true"]),
-    ("gptj", "pp2", 2, PP2),
+    ("gptj", "pp2_checkpointing", 2, PP2 + ["activation_checkpointing=true"]),
     ("gptj", "pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
     ("llama", "tp2", 2, TP2),
     ("bert", "tp2", 2, TP2),
+    ("gptj", "zero1_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
 ]
 _runs: dict = {}
 

@@ -813,7 +813,9 @@ def _check_peft(config: Config, bad: BadKey) -> None:
 def _check_qlora(config: Config, bad: BadKey) -> None:
     if config.peft.peft != "lora":
         raise bad("lora_base_quantization", "quantizes the frozen base of peft=lora (QLoRA); set peft=lora")
-    if config.sharding in ("full", "hybrid"):
+    from .layout import Sharding  # here: only quantized runs pay for its torch import
+
+    if Sharding(config.sharding).fsdp:
         raise bad(
             "sharding",
             "with lora_base_quantization=nf4 is not supported: FSDP2 would have to hold and all-gather the NF4 "

@@ -21,6 +21,7 @@ from .families.base import Family
 from .hardware import peak_memory_mib
 from .layout import Engine
 from .parallel import Parallelized, Placement, parallelize
+from .parallel.memory import nf4_bytes
 from .parallel.pipeline import stage_costs
 from .parallel.tensor import keep_gradients_sharded
 from .parallel.zero import ZeroAdamW, zero_adamw
@@ -155,6 +156,21 @@ def load_model(
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
 
 
+def _log_quantized(model: nn.Module, quantization: quantize.NF4Settings) -> None:
+    nf4 = [buffer for buffer in model.buffers() if quantize.is_nf4(buffer)]
+    full = sum(weight.numel() * weight.element_size() for weight in nf4)
+    log.info(
+        "qlora: %d Linear weights of this rank's blocks held in NF4 (blocks of %d, scalers double-quantized in "
+        "groups of %d): %.2f MiB instead of %.2f MiB in %s; embeddings, norms, biases and heads unquantized",
+        len(nf4),
+        quantization.block_size,
+        quantization.scaler_block_size,
+        nf4_bytes(nf4) / 2**20,
+        full / 2**20,
+        str(nf4[0].dtype).removeprefix("torch.") if nf4 else "-",
+    )
+
+
 def _adapters_only(model: nn.Module, family: Family, settings: lora.LoraSettings | None) -> Parallelized:
     """A world of one's model (not parallelized): LoRA's adapters, QLoRA's quantized Linears (still on meta)."""
     parallel = Parallelized()
@@ -203,6 +219,8 @@ def log_loaded(
             ", ".join(settings.modules_to_save) or "no head",
             f" and held in {precision}" if precision != "fp32" else "",
         )
+    if settings is not None and settings.quantization is not None:
+        _log_quantized(ready.model, settings.quantization)
     if model_name is not None:
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in ready.model.parameters())
         log.info(

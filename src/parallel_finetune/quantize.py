@@ -30,8 +30,8 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist

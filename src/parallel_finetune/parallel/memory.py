@@ -54,10 +54,10 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _nf4_bytes(weight) -> int:
-    """An NF4 weight's bytes: 4-bit codes, int8 scalers, their factors and mean."""
-    inner = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean)
-    return sum(t.numel() * t.element_size() for t in inner)
+def nf4_bytes(weights: list[torch.Tensor]) -> int:
+    """Bytes of QLoRA's NF4 weights (quantize.py) as held: 4-bit codes, int8 scalers, their factors and means."""
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+    return sum(getattr(w, key).numel() * getattr(w, key).element_size() for w in weights for key in inner)
 
 
 def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -73,7 +73,7 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     ]  # not the scalar `step` counters
     nf4 = [b for b in model.buffers() if type(b).__name__ == "NF4Tensor"]  # QLoRA's frozen base (quantize.py)
     return {
-        "params": sum(_local_bytes(p) for p in params) + sum(_nf4_bytes(b) for b in nf4),
+        "params": sum(_local_bytes(p) for p in params) + nf4_bytes(nf4),
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(_local_bytes(t) for t in state),
     }
