@@ -55,13 +55,13 @@ def references(sst2, cache_dir, tmp_path_factory):
 
 
 def whole_shards(run) -> dict[str, dict[str, torch.Tensor]]:
-    """Every NF4 weight of the run, its tensor-parallel shards' inner tensors laid end to end in rank order (the
-    whole matrix's, were the layout exact); the data-parallel replicas and pipeline stages checked to agree."""
+    """Every NF4 weight of the run, its shards' inner tensors (tensor-parallel ranks', or FSDP's data-parallel
+    ranks') laid end to end in rank order: the whole matrix's, were the layout exact; replicas checked to agree."""
     pieces: dict[str, dict[int, dict]] = {}
     for file in sorted(run.output_dir.glob("nf4-rank*.pt")):
         saved = torch.load(file, weights_only=True)
         for name, inner in saved["shards"].items():
-            held = pieces.setdefault(name, {}).setdefault(saved["where"]["tp_rank"], inner)
+            held = pieces.setdefault(name, {}).setdefault(saved["where"]["part"], inner)
             assert all(torch.equal(held[key], inner[key]) for key in INNER), f"{name}: replicas differ"
     whole = {}
     for name, by_rank in pieces.items():
@@ -91,6 +91,7 @@ CASES = [
     ("llama", "tp2", 2, TP2),
     ("bert", "tp2", 2, TP2),
     ("gptj", "zero1_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
+    ("gptj", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full", "export=true"]),
 ]
 _runs: dict = {}
 
@@ -146,6 +147,12 @@ def test_qlora_export_adapter_loads_with_peft_and_merged_with_transformers(refer
     assert all(len(block.unique()) <= 16 for block in q_proj.flatten().split(16))
     merged_q = load_file(out / "hf" / "model.safetensors")["transformer.h.0.attn.q_proj.weight"]
     assert not torch.equal(merged_q, q_proj)  # B·A merged in
+    # FSDP's export gathers its NF4 shards and dequantizes them: the same base, bit for bit
+    fsdp = _runs.get(("gptj", "fsdp_dp2")) or qlora_run(2, "gptj", "fsdp_dp2", CASES[-1][3], sst2, cache_dir, tmp_path)
+    sharded_base = load_file(fsdp.output_dir / "base" / "model.safetensors")
+    tp_base = load_file(out / "base" / "model.safetensors")
+    frozen = [name for name in tp_base if ".h." in name]
+    assert frozen and all(torch.equal(sharded_base[name], tp_base[name]) for name in frozen)
 
 
 # ----------------------------------------------------------------------------------------------- units
@@ -217,10 +224,10 @@ def test_qlora_forward_and_backward_dequantize_without_keeping_the_weight():
             ["peft=none"],
             "lora_base_quantization='nf4' quantizes the frozen base of peft=lora (QLoRA); set peft=lora",
         ),
-        (["sharding=full", "tensor_parallel_degree=1"], "sharding='full' with lora_base_quantization=nf4 is not"),
+        (["sharding=hybrid", "tensor_parallel_degree=1"], "sharding='hybrid' with lora_base_quantization=nf4 is not"),
         (["nf4_block_size=7"], "nf4_block_size=7 must be even and at least 2"),
     ],
-    ids=["needs_lora", "fsdp", "odd_block"],
+    ids=["needs_lora", "hybrid", "odd_block"],
 )
 def test_qlora_keys_are_refused_in_one_line(overrides, message, sst2):
     from parallel_finetune.resolve import load_config

@@ -815,12 +815,11 @@ def _check_qlora(config: Config, bad: BadKey) -> None:
         raise bad("lora_base_quantization", "quantizes the frozen base of peft=lora (QLoRA); set peft=lora")
     from .layout import Sharding  # here: only quantized runs pay for its torch import
 
-    if Sharding(config.sharding).fsdp:
+    if Sharding(config.sharding).hybrid:
         raise bad(
             "sharding",
-            "with lora_base_quantization=nf4 is not supported: FSDP2 would have to hold and all-gather the NF4 "
-            "shards as parameters, which this repository does not do yet; use tensor or pipeline parallelism, or "
-            "sharding=none|optimizer (the frozen NF4 base is small: only the adapters and head are trained)",
+            "with lora_base_quantization=nf4 is not supported: the NF4 shards' scaler mean is taken over one "
+            "1-D sharding group, and hybrid shards over a 2-D mesh; use sharding=full|optimizer|none",
         )
     if config.nf4_block_size < 2 or config.nf4_block_size % 2:
         raise bad("nf4_block_size", "must be even and at least 2 (two 4-bit codes per byte), e.g. 64")

@@ -159,8 +159,8 @@ def gather_full_state_dict(
     state: dict[str, torch.Tensor] = {}
     # QLoRA's NF4 weights (buffers outside the state dict) dequantized, their shards gathered, after the rest
     for name, tensor in itertools.chain(model.state_dict().items(), _dequantized(model, names)):
-        if names is not None and name not in names:
-            continue
+        if (names is not None and name not in names) or quantize.local_nf4(tensor) is not None:
+            continue  # FSDP holds NF4 weights as parameters: they come dequantized from _dequantized
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             full = full.detach().to("cpu")

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import PeftSection
 from .errors import UserError
-from .quantize import NF4Settings
+from .quantize import NF4Settings, check_quantizable
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def planned_shapes(model: nn.Module, family, settings: LoraSettings) -> dict[str
 def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
     """Every entry of lora_target_modules and lora_modules_to_save names something in `model` (the whole model,
     on `meta`), and no adapter is wider than its layer; else one line. A name matching nothing would leave what
-    it meant untouched: a misspelt head stays frozen at its random initialisation."""
+    it meant untouched: a misspelt head stays frozen at its random initialisation. QLoRA: the blocks have Linear
+    layers to quantize."""
     linears = sorted(
         {
             relative
@@ -147,6 +148,8 @@ def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
                 f"lora_modules_to_save: {module!r} names no module with parameters in this {family.name} model; "
                 f"modules outside the blocks: {', '.join(outside)} (or a block's path, {family.block_path}.0)"
             )
+    if settings.quantization is not None:
+        check_quantizable(model, family)
     for path, module, _ in target_modules(model, family, settings):
         if settings.rank > min(module.in_features, module.out_features):
             raise UserError(

@@ -115,23 +115,13 @@ def load_model(
         log.info("model: tiny %s from config (%s), %.2fM parameters", family.name, dimensions, total / 1e6)
     shapes, adapters = parameter_shapes(model), {}
     if settings is not None:
-        lora.check_targets(model, family, settings)
-        if settings.quantization is not None:
-            quantize.check_quantizable(model, family)
-        lora.check_new_trained(list(whole_plan.new), settings, weights.description)
-        adapters = lora.planned_shapes(model, family, settings)
+        adapters = _plan_adapters(model, family, settings, new, missing=list(whole_plan.new), source=weights, seed=seed)
         shapes.update(adapters)
-        for name, shape in adapters.items():
-            new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
     flops = model_flops(*stage_costs(model, family), attention_width(hf_config))
     box_of, write = shard_box, None
     deepspeed_config = placement.deepspeed_config if placement is not None else None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
-        from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
-
-        # Built again, partitioned as it is built: the meta model above gave the names, shapes and new weights.
-        model = family.build(task, hf_config, zero3_init(deepspeed_config, device.type))
-        box_of, write = zero3_box, zero3_write
+        model, box_of, write = _zero3_model(family, task, hf_config, deepspeed_config, device)
     adamw = None
     if placement is not None:
         parallel = parallelize(model, family, placement, task=task, adapters=settings)
@@ -141,13 +131,12 @@ def load_model(
             adamw = zero_adamw(model, placement.layout, training=placement.training, tied=parallel.tied)
     else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
         parallel = _adapters_only(model, family, settings)
-    materialize(model, device, leave=parallel.quantized)
-    if parallel.quantized:  # QLoRA: each frozen Linear's block quantized as it is read, its full copy dropped
-        fallback = write or (lambda param, block: local_tensor(param).copy_(block))
-        write = quantize.quantizing_writer(parallel.quantized, settings.quantization, device, fallback)
+    materialize(model, device, leave={id(entry.module.weight) for entry in parallel.quantized})
+    # QLoRA: each frozen Linear's block quantized as it is read, its full-precision copy dropped
+    write, box_of, global_shape = quantize.loading(parallel.quantized, settings, device, box_of, write)
     source, dtypes = None, []
     if weights is not None:
-        load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
+        load_weights(model, plan_load(model, family, weights, aliases, box_of, global_shape), weights, new, write)
         source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
         weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
@@ -156,8 +145,28 @@ def load_model(
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
 
 
+def _plan_adapters(
+    model: nn.Module, family: Family, settings: lora.LoraSettings, new: NewWeights, *, missing: list[str], source, seed
+) -> dict[str, list[int]]:
+    """LoRA's checks on the unsplit meta model, and its adapters' shapes, their initial values made from `seed`."""
+    lora.check_targets(model, family, settings)
+    lora.check_new_trained(missing, settings, source.description)
+    adapters = lora.planned_shapes(model, family, settings)
+    for name, shape in adapters.items():
+        new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
+    return adapters
+
+
+def _zero3_model(family: Family, task: str, hf_config, deepspeed_config: dict, device: torch.device):
+    """DeepSpeed ZeRO-3's model, built again, partitioned as it is built (the meta model gave the names, shapes and
+    new weights), with its loader's box and write."""
+    from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
+
+    return family.build(task, hf_config, zero3_init(deepspeed_config, device.type)), zero3_box, zero3_write
+
+
 def _log_quantized(model: nn.Module, quantization: quantize.NF4Settings) -> None:
-    nf4 = [buffer for buffer in model.buffers() if quantize.is_nf4(buffer)]
+    nf4 = quantize.nf4_weights(model)
     full = sum(weight.numel() * weight.element_size() for weight in nf4)
     log.info(
         "qlora: %d Linear weights of this rank's blocks held in NF4 (blocks of %d, scalers double-quantized in "

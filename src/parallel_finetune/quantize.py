@@ -13,8 +13,13 @@ one-process bits:
   (block_size x scaler_block_size elements): column-wise tensor-parallel layers shard rows; row-wise layers
   (sharded on their input dimension) are stored transposed, in x out, in every layout (one process too), so their
   shard is a range of rows as well;
-- the block absmaxes are gathered over the process group that splits the matrix (in rank order: the whole
-  matrix's order) and their mean taken exactly as torchao takes it, so every rank holds the whole matrix's mean.
+- the block absmaxes are gathered over the process group that splits the matrix (tensor parallelism's, or
+  FSDP's; in rank order: the whole matrix's order) and their mean taken exactly as torchao takes it, so every
+  rank holds the whole matrix's mean.
+
+Under FSDP2 the NF4 weight is FSDP's parameter: a meta NF4Tensor (stored shape) that FSDP splits with torchao's
+split before anything is allocated; the loader fills each rank's shard, and each forward all-gathers the 4-bit
+codes and int8 scalers through torchao's FSDP hooks.
 
 The rest (the NF4 codes, the int8 scalers and their factors) is local to the shard and made by torchao's own
 functions, so dequantization is torchao's `get_original_weight`.
@@ -202,6 +207,7 @@ class Pending:
     path: str  # the weight's name in the model
     module: NF4Linear
     group: dist.ProcessGroup | None  # the process group splitting it; None: this rank holds it whole
+    fsdp: bool = False  # FSDP2 holds it: the parameter is a DTensor whose local shard is an NF4Tensor
 
 
 def quantized_linears(model: nn.Module, family) -> Iterator[tuple[str, str, nn.Linear]]:
@@ -228,11 +234,45 @@ def _block_hint(elements: int, settings: NF4Settings) -> str:
     return f"nf4_block_size={block}, nf4_scaler_block_size={max(1, min(settings.scaler_block_size, largest // block))}"
 
 
-def prepare(model: nn.Module, family, settings: NF4Settings) -> dict[int, Pending]:
-    """On `meta`, after tensor parallelism, LoRA and freezing: every Linear of this rank's blocks becomes an
-    NF4Linear (its weight still on meta until loaded); returns them by their weight's id, for `materialize` (which
-    leaves them) and `quantizing_writer`. A shard that is not a whole number of scaler groups is refused."""
-    pending: dict[int, Pending] = {}
+def _check_blocks(path: str, stored: tuple[int, ...], settings: NF4Settings) -> None:
+    elements = math.prod(stored)
+    if elements % settings.group:
+        raise UserError(
+            f"lora_base_quantization=nf4: {path}'s shard on this rank is {list(stored)} ({elements} elements), "
+            f"not a whole number of nf4_block_size x nf4_scaler_block_size = {settings.block_size} x "
+            f"{settings.scaler_block_size} = {settings.group}; e.g. {_block_hint(elements, settings)}"
+        )
+
+
+def meta_nf4(shape: tuple[int, int], dtype: torch.dtype, settings: NF4Settings) -> torch.Tensor:
+    """An NF4Tensor of `shape` on `meta` (its inner tensors too), for FSDP2 to shard before anything is
+    allocated: torchao's split gives each rank its rows' codes, scalers and factors."""
+    nf4_tensor = torchao_nf4()
+    elements = math.prod(shape)
+
+    def empty(size, inner_dtype):
+        return torch.empty(size, dtype=inner_dtype, device="meta")
+
+    meta = nf4_tensor.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, torch.device("meta"), False)
+    return nf4_tensor.NF4Tensor(
+        meta,
+        settings.block_size,
+        elements // settings.block_size,
+        settings.scaler_block_size,
+        empty(elements // settings.block_size, torch.int8),
+        empty(elements // settings.group, dtype),
+        empty((), dtype),
+        empty(elements // 2, torch.uint8),
+        empty(16, dtype),
+    )
+
+
+def prepare(model: nn.Module, family, settings: NF4Settings, fsdp_mesh: DeviceMesh | None = None) -> list[Pending]:
+    """On `meta`, after tensor parallelism, LoRA and freezing, before FSDP (`fsdp_mesh`: the 1-D mesh it will
+    shard over): every Linear of this rank's blocks becomes an NF4Linear, its weight still on meta until loaded
+    (`quantizing_writer`); under FSDP the weight becomes a meta NF4Tensor parameter (stored shape) for FSDP to
+    shard. A shard that is not a whole number of scaler groups is refused."""
+    pending: list[Pending] = []
     for path, relative, module in quantized_linears(model, family):
         weight, transposed = module.weight, relative in family.row_wise
         mesh: DeviceMesh | None = None
@@ -244,30 +284,74 @@ def prepare(model: nn.Module, family, settings: NF4Settings) -> dict[int, Pendin
                 raise UserError(f"lora_base_quantization=nf4: {path} is split on dim {dim}, unlike its plan")
         local_shape = tuple(weight.to_local().shape if isinstance(weight, DTensor) else weight.shape)
         stored = local_shape[::-1] if transposed else local_shape
-        elements = math.prod(stored)
-        if elements % settings.group:
+        if fsdp_mesh is not None and mesh is not None:
             raise UserError(
-                f"lora_base_quantization=nf4: {path}'s shard on this rank is {list(stored)} ({elements} elements), "
-                f"not a whole number of nf4_block_size x nf4_scaler_block_size = {settings.block_size} x "
-                f"{settings.scaler_block_size} = {settings.group}; e.g. {_block_hint(elements, settings)}"
+                "lora_base_quantization=nf4 with sharding=full and tensor_parallel_degree > 1 is not supported (an "
+                "NF4 shard of a shard); use one of them, or pipeline stages with either"
             )
+        if fsdp_mesh is not None:
+            mesh = fsdp_mesh
+            if stored[0] % mesh.size():
+                raise UserError(
+                    f"lora_base_quantization=nf4: {path} ({list(stored)} as stored) has {stored[0]} rows, which "
+                    f"FSDP cannot split evenly over {mesh.size()} ranks; use sharding=none|optimizer"
+                )
+            stored = (stored[0] // mesh.size(), stored[1])
+        _check_blocks(path, stored, settings)
         module.__class__ = NF4Linear
         module.nf4_transposed, module.nf4_style = transposed, style
-        pending[id(weight)] = Pending(f"{path}.weight", module, mesh.get_group() if mesh is not None else None)
+        if fsdp_mesh is not None:
+            whole = tuple(weight.shape[::-1] if transposed else weight.shape)
+            module.weight = nn.Parameter(meta_nf4(whole, weight.dtype, settings), requires_grad=False)
+        group = mesh.get_group() if mesh is not None else None
+        pending.append(Pending(f"{path}.weight", module, group, fsdp_mesh is not None))
     return pending
 
 
+def load_shapes(pending: list[Pending], box_of: Callable) -> tuple[Callable, Callable]:
+    """(box_of, global shape) for the loader's plan: an FSDP-held NF4 weight of a row-wise layer is stored
+    transposed, so its box and shape are turned back to the checkpoint's out x in."""
+    transposed = {id(entry.module.weight) for entry in pending if entry.fsdp and entry.module.nf4_transposed}
+
+    def box(param: torch.Tensor):
+        offsets, shape = box_of(param)
+        return (offsets[::-1], shape[::-1]) if id(param) in transposed else (offsets, shape)
+
+    def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        return shape[::-1] if id(param) in transposed else shape
+
+    return box, global_shape
+
+
+def loading(
+    pending: list[Pending], settings, device: torch.device, box_of: Callable, write: Callable | None
+) -> tuple[Callable | None, Callable, Callable | None]:
+    """The loader's (write, box_of, global shape), given its own (`box_of`, `write`), for a model with `pending`
+    weights (once allocated; `settings`: lora.LoraSettings): other parameters' blocks go where they always go."""
+    if not pending:
+        return write, box_of, None
+
+    def copy(param: torch.Tensor, block: torch.Tensor) -> None:
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(block)
+
+    writer = quantizing_writer(pending, settings.quantization, device, write or copy)
+    return (writer, *load_shapes(pending, box_of))
+
+
 def quantizing_writer(
-    pending: dict[int, Pending],
+    pending: list[Pending],
     settings: NF4Settings,
     device: torch.device,
     fallback: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """The loader's `write`: a pending weight's block (this rank's shard, out x in) is quantized in the weight's
-    dtype and replaces the meta parameter; any other parameter goes to `fallback`."""
+    """The loader's `write` (made once the parameters are allocated): a pending weight's block (this rank's
+    shard, out x in) is quantized in the weight's dtype and replaces the meta parameter (under FSDP: fills the
+    local NF4 shard FSDP allocated); any other parameter goes to `fallback`."""
+    waiting = {id(entry.module.weight): entry for entry in pending}
 
     def write(param: torch.Tensor, block: torch.Tensor) -> None:
-        entry = pending.pop(id(param), None)
+        entry = waiting.pop(id(param), None)
         if entry is None:
             fallback(param, block)
             return
@@ -276,11 +360,29 @@ def quantizing_writer(
             data = data.t()
         nf4 = quantize_sharded(data, settings, entry.group)
         del data
+        entry.module.nf4_group = entry.group
+        if entry.fsdp:
+            local = param._local_tensor  # FSDP's own shard object (to_local() would be an alias)
+            for key in ("quantized_data", "quantized_scalers", "quantization_factor"):
+                getattr(local, key).copy_(getattr(nf4, key))
+            local.scaler_mean, local.nf4 = nf4.scaler_mean, nf4.nf4  # FSDP's allocation leaves these on meta
+            return
         del entry.module._parameters["weight"]
         entry.module.register_buffer("weight", nf4, persistent=False)
-        entry.module.nf4_group = entry.group
 
     return write
+
+
+def local_nf4(weight) -> torch.Tensor | None:
+    """The NF4Tensor this rank holds of a weight (FSDP's: the local shard of its DTensor), or None."""
+    local = weight._local_tensor if isinstance(weight, DTensor) else weight
+    return local if is_nf4(local) else None
+
+
+def nf4_weights(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's NF4 weights (local shards)."""
+    found = [local_nf4(m.weight) for m in model.modules() if isinstance(m, NF4Linear)]
+    return [weight for weight in found if weight is not None]
 
 
 def is_nf4(tensor) -> bool:
@@ -291,9 +393,9 @@ def dequantized_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole weight out x in) of every NF4 weight of this process's model, dequantized in its dtype; a
     collective over each weight's tensor-parallel group (every rank of it gets the whole weight)."""
     for path, module in model.named_modules():
-        if not isinstance(module, NF4Linear) or not is_nf4(module.weight):
+        if not isinstance(module, NF4Linear) or local_nf4(module.weight) is None:
             continue
-        local = module.weight.get_original_weight()
+        local = local_nf4(module.weight).get_original_weight()
         group = getattr(module, "nf4_group", None)
         if group is not None and dist.get_world_size(group) > 1:
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]

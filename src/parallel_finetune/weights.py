@@ -443,10 +443,12 @@ def plan_load(
     checkpoint,
     aliases: dict[str, list[str]] | None = None,
     box_of: Callable[[torch.Tensor], Box] = shard_box,
+    global_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
 ) -> LoadPlan:
     """For every parameter this rank holds: the checkpoint tensor and block to read, each tensor checked against
     the parameters it fills (`check_shape`, and floating point for floating point). `aliases`: other names of a
-    tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only."""
+    tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only. `global_shape`: a
+    parameter's unsharded shape in the checkpoint's terms (default: its shape, or ZeRO-3's ds_shape)."""
     plan, used = LoadPlan(), set()
     pieces: dict[str, list[tuple[str, HFSource, tuple[int, ...]]]] = {}  # key -> the parameters read from it
     for name, param in model.named_parameters():
@@ -466,7 +468,8 @@ def plan_load(
             plan.new[name] = box
             continue
         source, key = found
-        whole = tuple(getattr(param, "ds_shape", param.shape))  # the unsharded shape (ZeRO-3 keeps it in ds_shape)
+        # the unsharded shape (ZeRO-3 keeps it in ds_shape; QLoRA's FSDP-held row-wise weights are stored in x out)
+        whole = global_shape(param) if global_shape else tuple(getattr(param, "ds_shape", param.shape))
         pieces.setdefault(key, []).append((name, source, whole[::-1] if source.transpose else whole))
         if checkpoint.dtype(key).is_floating_point != param.dtype.is_floating_point:
             raise UserError(

@@ -10,7 +10,7 @@ import torch
 
 from parallel_finetune import data
 from parallel_finetune import trainer as trainer_module
-from parallel_finetune.quantize import NF4Linear, is_nf4
+from parallel_finetune.quantize import NF4Linear, local_nf4
 from parallel_finetune.resolve import load_config
 
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
@@ -24,11 +24,13 @@ def write_shards(trainer, step: int) -> None:
     RUN["trainer"] = trainer
     layout = trainer.layout
     shards = {
-        f"{path}.weight": {key: getattr(module.weight, key).cpu() for key in INNER}
+        f"{path}.weight": {key: getattr(local_nf4(module.weight), key).cpu() for key in INNER}
         for path, module in trainer.model.named_modules()
-        if isinstance(module, NF4Linear) and is_nf4(module.weight)
+        if isinstance(module, NF4Linear) and local_nf4(module.weight) is not None
     }
-    where = {"tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "pp_rank": layout.pp_rank}
+    # which part of each stored matrix this rank holds: its tensor-parallel rank, or under FSDP its data-parallel one
+    part = layout.dp_rank if layout.dims.fsdp else layout.tp_rank
+    where = {"part": part, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "pp_rank": layout.pp_rank}
     torch.save({"where": where, "shards": shards}, trainer.output_dir / f"nf4-rank{layout.rank}.pt")
 
 

@@ -31,7 +31,7 @@ class Parallelized:
     tied_shapes: dict[str, torch.Size] = field(default_factory=dict)  # their global shapes, by first name
     lora: list[str] = field(default_factory=list)  # peft=lora: the adapters' parameters this rank holds
     trainable: set[str] | None = None  # peft=lora: the parameters that train (adapters, head); None = all
-    quantized: dict[int, quantize.Pending] = field(default_factory=dict)  # QLoRA: weights quantized as loaded
+    quantized: list[quantize.Pending] = field(default_factory=list)  # QLoRA: weights quantized as loaded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,8 @@ def parallelize(
         result.trainable = lora.trainable_names(model, result.lora, adapters)
         lora.freeze_base(model, result.trainable, placement.autocast_dtype)
         if adapters.quantization is not None:  # still on meta: each weight is quantized as its block is read
-            result.quantized = quantize.prepare(model, family, adapters.quantization)
+            fsdp_mesh = layout.fsdp_mesh if layout.dims.fsdp else None  # FSDP2 shards the NF4 weights too
+            result.quantized = quantize.prepare(model, family, adapters.quantization, fsdp_mesh)
         # a frozen weight shared by the first and last stage has no gradient to sum
         result.tied = [names for names in result.tied if set(names) & result.trainable]
     checkpointed = apply_activation_checkpointing(

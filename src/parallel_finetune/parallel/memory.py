@@ -47,6 +47,12 @@ def offload_context(enabled: bool, device: torch.device):
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -71,9 +77,10 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
         for value in per_param.values()
         if isinstance(value, torch.Tensor) and value.numel() > 1
     ]  # not the scalar `step` counters
-    nf4 = [b for b in model.buffers() if type(b).__name__ == "NF4Tensor"]  # QLoRA's frozen base (quantize.py)
+    # QLoRA's frozen base (quantize.py): NF4 buffers, or FSDP's NF4 parameters (DTensors of NF4 shards)
+    nf4 = [t for t in [*model.buffers(), *(_local(p) for p in params)] if type(t).__name__ == "NF4Tensor"]
     return {
-        "params": sum(_local_bytes(p) for p in params) + nf4_bytes(nf4),
+        "params": sum(_local_bytes(p) for p in params if type(_local(p)).__name__ != "NF4Tensor") + nf4_bytes(nf4),
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(_local_bytes(t) for t in state),
     }
