@@ -108,6 +108,7 @@ def test_qlora_layout_matches_single_process_and_quantizes_bit_for_bit(
     print(f"{family} {name}: largest loss difference {difference:.2e}; {weights} NF4 weights bit for bit")
     per_rank = run.summary["state_bytes_per_rank"]
     assert all(rank["optimizer"] > 0 for rank in per_rank)
+    assert "held in NF4 (blocks of 16, scalers double-quantized in groups of 8)" in run.output
 
 
 def test_qlora_resumes_exactly_from_a_checkpoint_without_the_base(references, sst2, cache_dir, tmp_path):
