@@ -47,8 +47,6 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from .errors import UserError
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class NF4Settings:
@@ -176,7 +174,8 @@ def _dequantized(nf4: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class NF4Linear(nn.Linear):
-    """A frozen Linear whose `weight` is this rank's NF4 shard (a buffer, see the module docstring), with its
+    """A frozen Linear whose `weight` is this rank's NF4 shard (a non-persistent buffer; under FSDP2 the parameter
+    FSDP all-gathers to the whole NF4 weight for the forward), with its
     LoRA adapter if it has one: y = W x + scaling * B(A(dropout(x))) + b. Under tensor parallelism the NF4 shard is
     a plain local tensor: the input's local tensor is multiplied and the output made the DTensor the layer's plan
     expects (column-wise: sharded on the last dim; row-wise: a partial sum, reduced with the adapter's by the
