@@ -148,6 +148,15 @@ def test_qlora_export_adapter_loads_with_peft_and_merged_with_transformers(refer
     assert all(len(block.unique()) <= 16 for block in q_proj.flatten().split(16))
     merged_q = load_file(out / "hf" / "model.safetensors")["transformer.h.0.attn.q_proj.weight"]
     assert not torch.equal(merged_q, q_proj)  # B·A merged in
+    # export_hf.py from the QLoRA checkpoint (adapters + head only): the base read and quantized again in one
+    # process (the same bits), dequantized, B·A merged in: the run's merged export
+    from parallel_finetune.export import export_checkpoint
+
+    export_checkpoint(out / "checkpoints" / "step-00000006", tmp_path / "from-checkpoint")
+    again = load_file(tmp_path / "from-checkpoint" / "model.safetensors")
+    merged_weights = load_file(out / "hf" / "model.safetensors")
+    assert again.keys() == merged_weights.keys()
+    assert all(torch.allclose(again[k], merged_weights[k], atol=1e-6) for k in again)
     # FSDP's export gathers its NF4 shards and dequantizes them: the same base, bit for bit
     fsdp = _runs.get(("gptj", "fsdp_dp2")) or qlora_run(2, "gptj", "fsdp_dp2", CASES[-1][3], sst2, cache_dir, tmp_path)
     sharded_base = load_file(fsdp.output_dir / "base" / "model.safetensors")
