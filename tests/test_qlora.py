@@ -247,9 +247,9 @@ def test_qlora_keys_are_refused_in_one_line(overrides, message, sst2):
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_qlora_refuses_shards_that_cannot_be_blocked_and_blocks_without_linears():
-    """A TP shard that is not whole scaler groups names the layer, its shard shape and a block size that fits; a
-    model whose blocks hold no Linear is refused; so is a missing torchao."""
+def test_qlora_refuses_shards_that_cannot_be_blocked_and_blocks_without_linears(sst2):
+    """A shard that is not whole scaler groups names the layer, its shard shape and a block size that fits (the
+    run, and --check); a model whose blocks hold no Linear is refused."""
     from torch import nn
 
     from parallel_finetune.families import get_family
@@ -266,6 +266,16 @@ def test_qlora_refuses_shards_that_cannot_be_blocked_and_blocks_without_linears(
     text = str(error.value)
     assert "transformer.h.0.attn.k_proj's shard on this rank is [128, 128] (16384 elements)" in text, text
     assert "64 x 512 = 32768; e.g. nf4_block_size=64, nf4_scaler_block_size=256" in text and "\n" not in text
+
+    # --check says the same before any process starts: the layout's shards, from the recipe and the process count
+    from parallel_finetune.preflight import preflight
+    from parallel_finetune.resolve import load_config
+
+    sizes = ["nf4_block_size=64", "nf4_scaler_block_size=256"]
+    config = load_config(qlora_recipe("gptj"), ["size=tiny", f"data_dir={sst2}", *sizes])  # TP=2: 64 x 128 shards
+    with pytest.raises(UserError, match=r"k_proj's shard on this rank is \[64, 128\] \(8192 elements\)"):
+        preflight(config, 2)
+    assert "ok: " in preflight(load_config(qlora_recipe("gptj"), ["size=tiny", f"data_dir={sst2}"]), 2)
 
     class NoLinear:
         name, block_path = "stub", "h"

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import PeftSection
 from .errors import UserError
-from .quantize import NF4Settings, check_quantizable
+from .quantize import NF4Settings, check_quantizable, check_shards
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -172,13 +172,25 @@ def check_new_trained(new: list[str], settings: LoraSettings, source: str) -> No
         )
 
 
-def preflight(settings: LoraSettings | None, *, family, task: str, hf_config, pretrained_folder: str | None) -> None:
-    """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, and (pretrained weights
-    in a local folder, `pretrained_folder`) a new weight left frozen."""
+def preflight(
+    settings: LoraSettings | None,
+    *,
+    family,
+    task: str,
+    hf_config,
+    pretrained_folder: str | None,
+    tp: int = 1,
+    fsdp: int = 1,
+) -> None:
+    """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, QLoRA's shards that do
+    not block under `tp`-way tensor parallelism and `fsdp`-way FSDP, and (pretrained weights in a local folder,
+    `pretrained_folder`) a new weight left frozen."""
     if settings is None:
         return
     model = family.build(task, hf_config)
     check_targets(model, family, settings)
+    if settings.quantization is not None:
+        check_shards(model, family, settings.quantization, tp=tp, fsdp=fsdp)
     if pretrained_folder is None or not Path(pretrained_folder).is_dir():
         return  # trained from scratch, or a Hub name: the run checks the same once it has the files
     from .weights import plan_whole

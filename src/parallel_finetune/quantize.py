@@ -243,6 +243,35 @@ def _check_blocks(path: str, stored: tuple[int, ...], settings: NF4Settings) -> 
         )
 
 
+def _fsdp_shard(path: str, stored: tuple[int, ...], ranks: int, *, tensor_parallel: bool) -> tuple[int, int]:
+    """The rows of `stored` (this rank's shape of a weight, as stored) that FSDP gives each of its `ranks`."""
+    if tensor_parallel:
+        raise UserError(
+            "lora_base_quantization=nf4 with sharding=full and tensor_parallel_degree > 1 is not supported (an "
+            "NF4 shard of a shard); use one of them, or pipeline stages with either"
+        )
+    if stored[0] % ranks:
+        raise UserError(
+            f"lora_base_quantization=nf4: {path} ({list(stored)} as stored) has {stored[0]} rows, which FSDP "
+            f"cannot split evenly over {ranks} ranks; use sharding=none|optimizer"
+        )
+    return stored[0] // ranks, stored[1]
+
+
+def check_shards(model: nn.Module, family, settings: NF4Settings, *, tp: int, fsdp: int) -> None:
+    """`--check`'s version of what `prepare` refuses, from the unsplit meta model: each block Linear's shard
+    under `tp`-way tensor parallelism (the family's column-wise and row-wise layers) and `fsdp`-way FSDP (1: none)
+    holds whole scaler groups."""
+    for path, relative, module in quantized_linears(model, family):
+        transposed, split = relative in family.row_wise, relative in (*family.column_wise, *family.row_wise)
+        stored = (module.in_features, module.out_features) if transposed else (module.out_features, module.in_features)
+        if split and tp > 1:
+            stored = (stored[0] // tp, stored[1])
+        if fsdp > 1:
+            stored = _fsdp_shard(path, stored, fsdp, tensor_parallel=split and tp > 1)
+        _check_blocks(path, stored, settings)
+
+
 def meta_nf4(shape: tuple[int, int], dtype: torch.dtype, settings: NF4Settings) -> torch.Tensor:
     """An NF4Tensor of `shape` on `meta` (its inner tensors too), for FSDP2 to shard before anything is
     allocated: torchao's split gives each rank its rows' codes, scalers and factors."""
@@ -283,19 +312,9 @@ def prepare(model: nn.Module, family, settings: NF4Settings, fsdp_mesh: DeviceMe
                 raise UserError(f"lora_base_quantization=nf4: {path} is split on dim {dim}, unlike its plan")
         local_shape = tuple(weight.to_local().shape if isinstance(weight, DTensor) else weight.shape)
         stored = local_shape[::-1] if transposed else local_shape
-        if fsdp_mesh is not None and mesh is not None:
-            raise UserError(
-                "lora_base_quantization=nf4 with sharding=full and tensor_parallel_degree > 1 is not supported (an "
-                "NF4 shard of a shard); use one of them, or pipeline stages with either"
-            )
         if fsdp_mesh is not None:
+            stored = _fsdp_shard(path, stored, fsdp_mesh.size(), tensor_parallel=mesh is not None)
             mesh = fsdp_mesh
-            if stored[0] % mesh.size():
-                raise UserError(
-                    f"lora_base_quantization=nf4: {path} ({list(stored)} as stored) has {stored[0]} rows, which "
-                    f"FSDP cannot split evenly over {mesh.size()} ranks; use sharding=none|optimizer"
-                )
-            stored = (stored[0] // mesh.size(), stored[1])
         _check_blocks(path, stored, settings)
         module.__class__ = NF4Linear
         module.nf4_transposed, module.nf4_style = transposed, style
