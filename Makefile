@@ -37,6 +37,7 @@ export HF_HUB_DOWNLOAD_TIMEOUT ?= 10
 # A family's targets come from its recipes: recipes/<family>/tp.yaml (+ pp.yaml, tp_pp.yaml; lora.yaml for -lora).
 FAMILIES := $(patsubst recipes/%/tp.yaml,%,$(wildcard recipes/*/tp.yaml))
 LORA_FAMILIES := $(patsubst recipes/%/lora.yaml,%,$(wildcard recipes/*/lora.yaml))
+QLORA_FAMILIES := $(patsubst recipes/%/qlora.yaml,%,$(wildcard recipes/*/qlora.yaml))
 # Instruction tuning: recipes/<family>/sft.yaml for -sft, sft_lora.yaml for -sft-lora (chat data, docs/data.md).
 SFT_FAMILIES := $(patsubst recipes/%/sft.yaml,%,$(wildcard recipes/*/sft.yaml))
 SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/sft_lora.yaml))
@@ -44,7 +45,7 @@ SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/s
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
-	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
+	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft \
 	bench-memory bench-load plan notebooks lint docs clean-runs help
 help:
@@ -57,6 +58,7 @@ help:
 	@echo "make FAMILY-tp-pp (gptj-tp-pp, qwen3-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
 	@echo "make FAMILY-lora   LoRA: base frozen, adapters + head trained:"
 	@echo "               $(addsuffix -lora,$(LORA_FAMILIES))"
+	@echo "make FAMILY-qlora   QLoRA: the same with the base's linear layers in 4-bit NF4: $(addsuffix -qlora,$(QLORA_FAMILIES))"
 	@echo "make FAMILY-sft   instruction tuning (task=sft): chat rows, the loss on the answers, packed batches:"
 	@echo "               $(addsuffix -sft,$(SFT_FAMILIES))"
 	@echo "               your conversations: DATA=chat.jsonl (messages, prompt/completion or ShareGPT rows; docs/data.md)"
@@ -116,6 +118,13 @@ $(1)-lora: setup
 	$$(call run_recipe,recipes/$(1)/lora.yaml)
 endef
 $(foreach family,$(LORA_FAMILIES),$(eval $(call lora_targets,$(family))))
+
+# QLoRA (recipes/<family>/qlora.yaml): LoRA with the frozen base's block linear layers in NF4 (docs/lora.md).
+define qlora_targets
+$(1)-qlora: setup
+	$$(call run_recipe,recipes/$(1)/qlora.yaml)
+endef
+$(foreach family,$(QLORA_FAMILIES),$(eval $(call qlora_targets,$(family))))
 
 # Instruction tuning (recipes/<family>/sft.yaml, sft_lora.yaml): generations.jsonl shows the model's answers.
 define sft_targets

@@ -405,7 +405,7 @@ def test_make_help_names_every_family_in_recipes():
     shown = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     targets = [
         f"{recipe.parent.name}-{recipe.stem}"
-        for kind in ("tp", "lora")
+        for kind in ("tp", "lora", "qlora")
         for recipe in REPO.glob(f"recipes/*/{kind}.yaml")
     ]
     assert {"llama-tp", "qwen3-tp", "mistral-tp"} <= set(targets)

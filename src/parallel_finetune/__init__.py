@@ -5,9 +5,8 @@ import logging as _logging
 
 __version__ = "0.1.0"
 
-# peft imports torchao whenever it is installed (peft.lora_base_quantization=nf4 needs it). Where its CUDA kernels
-# cannot load (no GPU, or another CUDA), torchao's import logs one warning per kernel file, and torch logs that a
-# call torchao makes is deprecated: none of it concerns NF4, which is plain PyTorch, and it would reach every
-# run's and test's output. Errors still show.
-_logging.getLogger("torchao").setLevel(_logging.ERROR)
-_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
+# peft and transformers import torchao whenever it is installed (their quantizers), and torchao then logs a WARNING for each
+# CUDA extension it cannot load (every CPU, and GPUs it was not built for) and torch one about an Enum it
+# registers: lines about kernels no run here uses, in every rank's log. QLoRA's NF4 (quantize.py) is plain PyTorch.
+for _name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)

@@ -206,6 +206,12 @@ class PeftSection:
     lora_modules_to_save: list | None = None  # trained in full; None = the classification head (none for causal_lm)
     # also export hf/: the base with B·A merged in (the adapter goes to adapter/)
     lora_export_merged: Continues[bool] = False
+    # nf4 = QLoRA: the frozen base's Linear weights inside the blocks held in 4-bit NormalFloat with double
+    # quantization (torchao's NF4), dequantized to the compute dtype in each matmul; embeddings, norms, biases and
+    # heads, the adapters and the optimizer stay in full precision. Needs peft=lora and engine=torch
+    lora_base_quantization: Literal["none", "nf4"] = "none"
+    nf4_block_size: int = 64  # elements per absmax scaler (QLoRA's 64); each shard must hold whole scaler groups
+    nf4_scaler_block_size: int = 256  # scalers per int8 group of the double quantization (QLoRA's 256)
 
 
 @dataclass
@@ -784,6 +790,8 @@ def _check_generation(config: Config, bad: BadKey) -> None:
 
 
 def _check_peft(config: Config, bad: BadKey) -> None:
+    if config.lora_base_quantization == "nf4":
+        _check_qlora(config, bad)
     if config.peft.peft != "lora":
         return
     if config.engine == "deepspeed":
@@ -800,3 +808,20 @@ def _check_peft(config: Config, bad: BadKey) -> None:
             raise bad(key, "must be a list of module names, e.g. [q_proj, v_proj]")
     if config.lora_target_modules == []:
         raise bad("lora_target_modules", "must name at least one module (or default, all-linear)")
+
+
+def _check_qlora(config: Config, bad: BadKey) -> None:
+    if config.peft.peft != "lora":
+        raise bad("lora_base_quantization", "quantizes the frozen base of peft=lora (QLoRA); set peft=lora")
+    from .layout import Sharding  # here: only quantized runs pay for its torch import
+
+    if Sharding(config.sharding).hybrid:
+        raise bad(
+            "sharding",
+            "with lora_base_quantization=nf4 is not supported: the NF4 shards' scaler mean is taken over one "
+            "1-D sharding group, and hybrid shards over a 2-D mesh; use sharding=full|optimizer|none",
+        )
+    if config.nf4_block_size < 2 or config.nf4_block_size % 2:
+        raise bad("nf4_block_size", "must be even and at least 2 (two 4-bit codes per byte), e.g. 64")
+    if config.nf4_scaler_block_size < 1:
+        raise bad("nf4_scaler_block_size", "must be at least 1, e.g. 256")

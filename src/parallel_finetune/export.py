@@ -6,6 +6,7 @@ one rename)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import integrity, lora
+from . import integrity, lora, quantize
 from .checkpoint import read_tensors, resolve_resume
 from .config import Config, ModelSection, PeftSection
 from .errors import UserError
@@ -156,9 +157,10 @@ def gather_full_state_dict(
     stages, each stage's first rank then hands its part to rank 0."""
     keep = layout.dp_rank == 0 and layout.tp_rank == 0  # one rank per pipeline stage keeps its stage's tensors
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if names is not None and name not in names:
-            continue
+    # QLoRA's NF4 weights (buffers outside the state dict) dequantized, their shards gathered, after the rest
+    for name, tensor in itertools.chain(model.state_dict().items(), _dequantized(model, names)):
+        if (names is not None and name not in names) or quantize.local_nf4(tensor) is not None:
+            continue  # FSDP holds NF4 weights as parameters: they come dequantized from _dequantized
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             full = full.detach().to("cpu")
@@ -168,6 +170,11 @@ def gather_full_state_dict(
     parts: list | None = [None] * layout.pp if layout.pp_rank == 0 else None
     dist.gather_object(state if keep else {}, parts, group=layout.pp_group, group_dst=0)
     return {name: tensor for part in parts or [] for name, tensor in part.items()} if layout.is_main else {}
+
+
+def _dequantized(model: nn.Module, names: set[str] | None):
+    """QLoRA's base weights, whole and dequantized, unless only `names` (the trained ones) are gathered."""
+    return quantize.dequantized_weights(model) if names is None else iter(())
 
 
 def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
@@ -228,7 +235,7 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     ready = load_model(
         family, head_of(config.task), hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
     )
-    state = ready.model.state_dict()
+    state = {**ready.model.state_dict(), **dict(quantize.dequantized_weights(ready.model))}  # QLoRA: NF4 base
     trainable = ready.parallel.trainable
     held = state if trainable is None else {name: tensor for name, tensor in state.items() if name in trainable}
     try:

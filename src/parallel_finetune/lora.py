@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import PeftSection
 from .errors import UserError
+from .quantize import NF4Settings, check_quantizable, check_shards
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class LoraSettings:
     dropout: float
     targets: tuple[str, ...] | str  # module names (a name or a dotted tail of a path inside a block), or all-linear
     modules_to_save: tuple[str, ...]  # trained in full (the classification head)
+    quantization: NF4Settings | None = None  # QLoRA: the base's block Linears held in NF4 (quantize.py)
 
     @property
     def scaling(self) -> float:
@@ -71,7 +73,10 @@ def lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | Non
     save = peft.lora_modules_to_save
     if save is None:
         save = family.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
-    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save))
+    quantization = None
+    if peft.lora_base_quantization == "nf4":
+        quantization = NF4Settings(peft.nf4_block_size, peft.nf4_scaler_block_size)
+    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save), quantization)
 
 
 def _matches(relative: str, target: str) -> bool:
@@ -108,7 +113,8 @@ def planned_shapes(model: nn.Module, family, settings: LoraSettings) -> dict[str
 def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
     """Every entry of lora_target_modules and lora_modules_to_save names something in `model` (the whole model,
     on `meta`), and no adapter is wider than its layer; else one line. A name matching nothing would leave what
-    it meant untouched: a misspelt head stays frozen at its random initialisation."""
+    it meant untouched: a misspelt head stays frozen at its random initialisation. QLoRA: the blocks have Linear
+    layers to quantize."""
     linears = sorted(
         {
             relative
@@ -142,6 +148,8 @@ def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
                 f"lora_modules_to_save: {module!r} names no module with parameters in this {family.name} model; "
                 f"modules outside the blocks: {', '.join(outside)} (or a block's path, {family.block_path}.0)"
             )
+    if settings.quantization is not None:
+        check_quantizable(model, family)
     for path, module, _ in target_modules(model, family, settings):
         if settings.rank > min(module.in_features, module.out_features):
             raise UserError(
@@ -164,13 +172,25 @@ def check_new_trained(new: list[str], settings: LoraSettings, source: str) -> No
         )
 
 
-def preflight(settings: LoraSettings | None, *, family, task: str, hf_config, pretrained_folder: str | None) -> None:
-    """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, and (pretrained weights
-    in a local folder, `pretrained_folder`) a new weight left frozen."""
+def preflight(
+    settings: LoraSettings | None,
+    *,
+    family,
+    task: str,
+    hf_config,
+    pretrained_folder: str | None,
+    tp: int = 1,
+    fsdp: int = 1,
+) -> None:
+    """`--check`'s LoRA checks, on the model built on `meta`: what check_targets refuses, QLoRA's shards that do
+    not block under `tp`-way tensor parallelism and `fsdp`-way FSDP, and (pretrained weights in a local folder,
+    `pretrained_folder`) a new weight left frozen."""
     if settings is None:
         return
     model = family.build(task, hf_config)
     check_targets(model, family, settings)
+    if settings.quantization is not None:
+        check_shards(model, family, settings.quantization, tp=tp, fsdp=fsdp)
     if pretrained_folder is None or not Path(pretrained_folder).is_dir():
         return  # trained from scratch, or a Hub name: the run checks the same once it has the files
     from .weights import plan_whole

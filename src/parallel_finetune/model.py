@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import lora
+from . import lora, quantize
 from .config import PeftSection
 from .families.base import Family
 from .hardware import peak_memory_mib
 from .layout import Engine
 from .parallel import Parallelized, Placement, parallelize
+from .parallel.memory import nf4_bytes
 from .parallel.pipeline import stage_costs
 from .parallel.tensor import keep_gradients_sharded
 from .parallel.zero import ZeroAdamW, zero_adamw
@@ -114,21 +115,13 @@ def load_model(
         log.info("model: tiny %s from config (%s), %.2fM parameters", family.name, dimensions, total / 1e6)
     shapes, adapters = parameter_shapes(model), {}
     if settings is not None:
-        lora.check_targets(model, family, settings)
-        lora.check_new_trained(list(whole_plan.new), settings, weights.description)
-        adapters = lora.planned_shapes(model, family, settings)
+        adapters = _plan_adapters(model, family, settings, new, missing=list(whole_plan.new), source=weights, seed=seed)
         shapes.update(adapters)
-        for name, shape in adapters.items():
-            new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
     flops = model_flops(*stage_costs(model, family), attention_width(hf_config))
     box_of, write = shard_box, None
     deepspeed_config = placement.deepspeed_config if placement is not None else None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
-        from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
-
-        # Built again, partitioned as it is built: the meta model above gave the names, shapes and new weights.
-        model = family.build(task, hf_config, zero3_init(deepspeed_config, device.type))
-        box_of, write = zero3_box, zero3_write
+        model, box_of, write = _zero3_model(family, task, hf_config, deepspeed_config, device)
     adamw = None
     if placement is not None:
         parallel = parallelize(model, family, placement, task=task, adapters=settings)
@@ -137,20 +130,65 @@ def load_model(
         ):  # the model's only allocation
             adamw = zero_adamw(model, placement.layout, training=placement.training, tied=parallel.tied)
     else:  # a world of one: the adapters only, so that the names are those of a run's checkpoint
-        parallel = Parallelized()
-        if settings is not None:
-            parallel.lora = lora.apply_lora(model, family, settings, None)
-            parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
-    materialize(model, device)
+        parallel = _adapters_only(model, family, settings)
+    materialize(model, device, leave={id(entry.module.weight) for entry in parallel.quantized})
+    # QLoRA: each frozen Linear's block quantized as it is read, its full-precision copy dropped
+    write, box_of, global_shape = quantize.loading(parallel.quantized, settings, device, box_of, write)
     source, dtypes = None, []
     if weights is not None:
-        load_weights(model, plan_load(model, family, weights, aliases, box_of), weights, new, write)
+        load_weights(model, plan_load(model, family, weights, aliases, box_of, global_shape), weights, new, write)
         source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
         weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
     loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
     seconds = time.perf_counter() - started
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
+
+
+def _plan_adapters(
+    model: nn.Module, family: Family, settings: lora.LoraSettings, new: NewWeights, *, missing: list[str], source, seed
+) -> dict[str, list[int]]:
+    """LoRA's checks on the unsplit meta model, and its adapters' shapes, their initial values made from `seed`."""
+    lora.check_targets(model, family, settings)
+    lora.check_new_trained(missing, settings, source.description)
+    adapters = lora.planned_shapes(model, family, settings)
+    for name, shape in adapters.items():
+        new.computed[name] = functools.partial(lora.initial_value, name, shape, seed)
+    return adapters
+
+
+def _zero3_model(family: Family, task: str, hf_config, deepspeed_config: dict, device: torch.device):
+    """DeepSpeed ZeRO-3's model, built again, partitioned as it is built (the meta model gave the names, shapes and
+    new weights), with its loader's box and write."""
+    from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
+
+    return family.build(task, hf_config, zero3_init(deepspeed_config, device.type)), zero3_box, zero3_write
+
+
+def _log_quantized(model: nn.Module, quantization: quantize.NF4Settings) -> None:
+    nf4 = quantize.nf4_weights(model)
+    full = sum(weight.numel() * weight.element_size() for weight in nf4)
+    log.info(
+        "qlora: %d Linear weights of this rank's blocks held in NF4 (blocks of %d, scalers double-quantized in "
+        "groups of %d): %.2f MiB instead of %.2f MiB in %s; embeddings, norms, biases and heads unquantized",
+        len(nf4),
+        quantization.block_size,
+        quantization.scaler_block_size,
+        nf4_bytes(nf4) / 2**20,
+        full / 2**20,
+        str(nf4[0].dtype).removeprefix("torch.") if nf4 else "-",
+    )
+
+
+def _adapters_only(model: nn.Module, family: Family, settings: lora.LoraSettings | None) -> Parallelized:
+    """A world of one's model (not parallelized): LoRA's adapters, QLoRA's quantized Linears (still on meta)."""
+    parallel = Parallelized()
+    if settings is not None:
+        parallel.lora = lora.apply_lora(model, family, settings, None)
+        parallel.trainable = lora.trainable_names(model, parallel.lora, settings)
+        if settings.quantization is not None:
+            parallel.quantized = quantize.prepare(model, family, settings.quantization)
+    return parallel
 
 
 def log_loaded(
@@ -190,6 +228,8 @@ def log_loaded(
             ", ".join(settings.modules_to_save) or "no head",
             f" and held in {precision}" if precision != "fp32" else "",
         )
+    if settings is not None and settings.quantization is not None:
+        _log_quantized(ready.model, settings.quantization)
     if model_name is not None:
         mine = sum(getattr(p, "ds_tensor", local_tensor(p)).numel() for p in ready.model.parameters())
         log.info(

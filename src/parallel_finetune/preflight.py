@@ -220,6 +220,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         task=head_of(config.task),
         hf_config=hf_config,
         pretrained_folder=pretrained,
+        tp=dims.tp,
+        fsdp=dims.dp_shard if dims.fsdp else 1,
     )
     if config.size == "full" and Path(folder := resolve_model_path(pretrained_name(config))).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded

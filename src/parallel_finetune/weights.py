@@ -41,7 +41,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -443,10 +443,12 @@ def plan_load(
     checkpoint,
     aliases: dict[str, list[str]] | None = None,
     box_of: Callable[[torch.Tensor], Box] = shard_box,
+    global_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
 ) -> LoadPlan:
     """For every parameter this rank holds: the checkpoint tensor and block to read, each tensor checked against
     the parameters it fills (`check_shape`, and floating point for floating point). `aliases`: other names of a
-    tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only."""
+    tied weight (GPT-2's lm_head is wte), for checkpoints that store it under one of them only. `global_shape`: a
+    parameter's unsharded shape in the checkpoint's terms (default: its shape, or ZeRO-3's ds_shape)."""
     plan, used = LoadPlan(), set()
     pieces: dict[str, list[tuple[str, HFSource, tuple[int, ...]]]] = {}  # key -> the parameters read from it
     for name, param in model.named_parameters():
@@ -466,7 +468,8 @@ def plan_load(
             plan.new[name] = box
             continue
         source, key = found
-        whole = tuple(getattr(param, "ds_shape", param.shape))  # the unsharded shape (ZeRO-3 keeps it in ds_shape)
+        # the unsharded shape (ZeRO-3 keeps it in ds_shape; QLoRA's FSDP-held row-wise weights are stored in x out)
+        whole = global_shape(param) if global_shape else tuple(getattr(param, "ds_shape", param.shape))
         pieces.setdefault(key, []).append((name, source, whole[::-1] if source.transpose else whole))
         if checkpoint.dtype(key).is_floating_point != param.dtype.is_floating_point:
             raise UserError(
@@ -513,10 +516,11 @@ def check_shape(checkpoint, key: str, parts: list[tuple[str, HFSource, tuple[int
 
 
 # ----------------------------------------------------------------------------------------------- materialize, load
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, leave: Collection[int] = ()) -> None:
     """Allocate every parameter still on `meta` (this rank's shard of it) on `device`, uninitialised; buffers,
     computed at build time, move there. FSDP-sharded models go through `to_empty`, which FSDP2 supports (its
-    sharded parameters are re-registered); others swap each parameter in place, so ties and references hold."""
+    sharded parameters are re-registered); others swap each parameter in place, so ties and references hold.
+    Parameters whose id is in `leave` stay on `meta` (QLoRA's: quantized as the loader reads them)."""
     from torch.distributed.fsdp import FSDPModule
 
     buffers = {
@@ -529,7 +533,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.to_empty(device=device)
     else:
         for param in {id(p): p for p in model.parameters()}.values():
-            if param.is_meta:
+            if param.is_meta and id(param) not in leave:
                 torch.utils.swap_tensors(param, nn.Parameter(_empty_like(param, device), param.requires_grad))
     for (module, name), buffer in buffers.items():
         module._buffers[name] = buffer.to(device)

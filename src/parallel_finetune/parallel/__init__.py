@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import lora
+from .. import lora, quantize
 from ..config import MemorySection, ParallelSection, TrainingSection
 from ..families.base import Family
 from ..layout import Layout
@@ -31,6 +31,7 @@ class Parallelized:
     tied_shapes: dict[str, torch.Size] = field(default_factory=dict)  # their global shapes, by first name
     lora: list[str] = field(default_factory=list)  # peft=lora: the adapters' parameters this rank holds
     trainable: set[str] | None = None  # peft=lora: the parameters that train (adapters, head); None = all
+    quantized: list[quantize.Pending] = field(default_factory=list)  # QLoRA: weights quantized as loaded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,9 @@ def parallelize(
         result.lora = lora.apply_lora(model, family, adapters, layout.tp_mesh)
         result.trainable = lora.trainable_names(model, result.lora, adapters)
         lora.freeze_base(model, result.trainable, placement.autocast_dtype)
+        if adapters.quantization is not None:  # still on meta: each weight is quantized as its block is read
+            fsdp_mesh = layout.fsdp_mesh if layout.dims.fsdp else None  # FSDP2 shards the NF4 weights too
+            result.quantized = quantize.prepare(model, family, adapters.quantization, fsdp_mesh)
         # a frozen weight shared by the first and last stage has no gradient to sum
         result.tied = [names for names in result.tied if set(names) & result.trainable]
     checkpointed = apply_activation_checkpointing(

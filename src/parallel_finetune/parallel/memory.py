@@ -47,6 +47,12 @@ def offload_context(enabled: bool, device: torch.device):
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -54,8 +60,15 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def nf4_bytes(weights: list[torch.Tensor]) -> int:
+    """Bytes of QLoRA's NF4 weights (quantize.py) as held: 4-bit codes, int8 scalers, their factors and means."""
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+    return sum(getattr(w, key).numel() * getattr(w, key).element_size() for w in weights for key in inner)
+
+
 def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (tensor accounting, not process RSS).
+    """This rank's bytes of parameters (QLoRA's NF4 base counted at its quantized size), gradients and optimizer
+    state (tensor accounting, not process RSS).
     Flat-buffer views (optimizer sharding) are counted once, as the model's parameters and gradients."""
     params = list(model.parameters())
     state = [
@@ -64,8 +77,10 @@ def measure_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
         for value in per_param.values()
         if isinstance(value, torch.Tensor) and value.numel() > 1
     ]  # not the scalar `step` counters
+    # QLoRA's frozen base (quantize.py): NF4 buffers, or FSDP's NF4 parameters (DTensors of NF4 shards)
+    nf4 = [t for t in [*model.buffers(), *(_local(p) for p in params)] if type(t).__name__ == "NF4Tensor"]
     return {
-        "params": sum(_local_bytes(p) for p in params),
+        "params": sum(_local_bytes(p) for p in params if type(_local(p)).__name__ != "NF4Tensor") + nf4_bytes(nf4),
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(_local_bytes(t) for t in state),
     }
