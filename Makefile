@@ -22,9 +22,9 @@ DATA ?=
 TASK ?=
 ARGS ?=
 PYTEST_ARGS ?= -q
-# Two workers fill both cores while one waits on a single-process reference run or a real torchrun test. Three
-# were faster (757-768 s against 996 s for 936 tests) but squeeze the load-peak RSS bounds of test_full_size.py.
-PYTEST_WORKERS ?= 2
+# Three workers keep both cores busy while one waits on a single-process reference run, a real torchrun test or
+# a timeout (757-768 s against 905-996 s with two, for 936 tests); four were slower again (852 s for 956 tests).
+PYTEST_WORKERS ?= 3
 # Which key DATA is: a folder holding dataset_dict.json or state.json -> dataset, another folder -> data_dir; a
 # file, or a missing path with a data file's suffix -> train_file; anything else -> data_dir (its error names it).
 folder_key = $(if $(wildcard $(1)/dataset_dict.json $(1)/state.json),dataset,data_dir)

@@ -31,10 +31,7 @@ state, never in a checkpoint (a resumed run reads and quantizes the base again, 
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -59,28 +56,10 @@ class NF4Settings:
         return self.block_size * self.scaler_block_size
 
 
-@contextlib.contextmanager
-def _quiet_import():
-    """torchao's import logs a WARNING per CUDA extension it cannot load (on a CPU, or a GPU without them) and torch
-    warns about an Enum it registers; none of it concerns NF4, which is plain PyTorch."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def torchao_nf4():
     """torchao's NF4 module, imported on first use (only runs with lora_base_quantization=nf4 pay for it)."""
-    try:
-        with _quiet_import():
-            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    try:  # (the package's __init__ quiets the kernel-loading lines torchao's import logs)
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as exc:
         raise UserError(
             f"lora_base_quantization=nf4 needs torchao ({exc}); install it with `pip install torchao==0.18.0` "
