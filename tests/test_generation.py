@@ -45,7 +45,7 @@ def test_generations_equal_transformers_generate_on_the_exported_model(one_proce
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from parallel_finetune.generation import stop_ids
+    from parallel_finetune.chat import stop_ids
 
     written = generations(one_process)
     assert [g["step"] for g in written] == [2, 2, 2, 3, 3, 3]
@@ -55,6 +55,8 @@ def test_generations_equal_transformers_generate_on_the_exported_model(one_proce
     tokenizer = AutoTokenizer.from_pretrained(one_process / "hf")
     stops = sorted(stop_ids(tokenizer))
     assert tokenizer.convert_ids_to_tokens(stops) == ["<|endoftext|>", "<|im_end|>"]  # EOS and ChatML's end of turn
+    # the export stops there by itself: generate below is given no eos_token_id
+    assert model.generation_config.eos_token_id == stops
     lengths = []
     for record in written[3:]:
         ids = tokenizer(record["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -64,8 +66,6 @@ def test_generations_equal_transformers_generate_on_the_exported_model(one_proce
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=NEW_TOKENS,
-                eos_token_id=stops,
-                pad_token_id=tokenizer.pad_token_id,
             )
         new = [token for token in out[0, ids.shape[1] :].tolist() if token not in stops]
         assert record["answer"] == tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -188,3 +188,16 @@ def _prompt_length(tokenizer, messages: list[dict], answers_from: int, full: str
     if not prefix or not full.startswith(prefix):
         return 0
     return next((t for t, (_, end) in enumerate(offsets) if end > len(prefix)), len(offsets))
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """EOS and the template's end-of-turn token: the first token its rendering writes after an assistant's answer
+    (chatml's <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>)."""
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
+        answer = PROBE[-1]["content"]
+        tail = rendered[rendered.rindex(answer) + len(answer) :]
+        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
+        stops.update(tail_ids[:1])
+    return stops

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import integrity, lora, quantize
+from .chat import stop_ids
 from .checkpoint import read_tensors, resolve_resume
 from .config import Config, ModelSection, PeftSection
 from .errors import UserError
@@ -188,7 +189,21 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     clean.load_state_dict(state, assign=True, strict=True)
     clean.tie_weights()  # assign=True replaced tied parameters one by one; tie them again (GPT-2, GPT-Neo)
     clean.config.dtype = next(iter(state.values())).dtype
+    _stop_at_end_of_turn(clean, tokenizer)
     write_folder(out, lambda folder: (clean.save_pretrained(folder), tokenizer.save_pretrained(folder)))
+
+
+def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:
+    """A chat model's generation_config.json stops at the template's end-of-turn token as well as at EOS (what
+    generate_every stops at): transformers' generate and pipelines read it, and without it an answer runs on into
+    a made-up next turn until max_new_tokens."""
+    if not getattr(tokenizer, "chat_template", None) or not model.can_generate():
+        return
+    eos, stops = tokenizer.eos_token_id, stop_ids(tokenizer)
+    ordered = ([eos] if eos in stops else []) + sorted(stops - {eos})
+    model.generation_config.eos_token_id = ordered if len(ordered) > 1 else ordered[0]
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 def check_new_export_folder(out: Path) -> None:

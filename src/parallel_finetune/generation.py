@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .chat import PROBE
+from .chat import stop_ids
 from .data import column, device_batch
 from .errors import UserError
 from .interfaces import Runner
@@ -45,19 +45,6 @@ def held_out_prompts(split: datasets.Dataset, count: int) -> list[Prompt]:
         )
     ids = column(split.select(rows), "input_ids")
     return [Prompt(row, tuple(row_ids[: lengths[row]])) for row, row_ids in zip(rows, ids)]
-
-
-def stop_ids(tokenizer) -> set[int]:
-    """EOS and the template's end-of-turn token: the first token its rendering writes after an assistant's answer
-    (chatml's <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>)."""
-    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    if tokenizer.chat_template:
-        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
-        answer = PROBE[-1]["content"]
-        tail = rendered[rendered.rindex(answer) + len(answer) :]
-        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
-        stops.update(tail_ids[:1])
-    return stops
 
 
 class Generator:

@@ -350,14 +350,13 @@ def chat(model_folder: str | Path, conversations: list[list[dict]], max_new_toke
     text-generation pipeline, which renders it with the chat template saved in hf/ (no repository code)."""
     from transformers import pipeline
 
-    from .generation import stop_ids
     from .pretrained import refuse_custom_code
 
     refuse_custom_code(model_folder)
+    # the export's generation_config.json stops at EOS and the template's end of turn, as generate_every does
     generator = pipeline("text-generation", model=str(model_folder), device=-1, trust_remote_code=False)
-    stops = sorted(stop_ids(generator.tokenizer))  # EOS and the template's end of turn, as generate_every stops
     answers = []
     for messages in conversations:
-        out = generator(messages, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops)
+        out = generator(messages, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(out[0]["generated_text"][-1]["content"])
     return answers
