@@ -183,6 +183,10 @@ def test_bad_data_on_two_ranks_is_one_line_and_leaves_no_run_folder(cache_dir, t
     assert not out.exists()
 
 
+# what `make FAMILY-...` runs after --check: the launcher, two processes, the training script
+TWO_PROCESS_LAUNCH = [".venv/bin/python", "-m", "parallel_finetune.launch", "--nproc_per_node", "2", "scripts/train.py"]
+
+
 @pytest.mark.parametrize("target", ["gpt2-tp", "gptneo-tp", "bert-tp"])
 def test_make_family_targets(target, sst2, cache_dir, tmp_path):
     """The commands each target runs, run forked (test_make_gptj_tp_end_to_end runs make and torchrun for real)."""
@@ -201,16 +205,7 @@ def test_make_family_targets(target, sst2, cache_dir, tmp_path):
         recipe,
         *overrides,
     ]
-    assert train_command == [
-        ".venv/bin/python",
-        "-m",
-        "parallel_finetune.launch",
-        "--nproc_per_node",
-        "2",
-        "scripts/train.py",
-        recipe,
-        *overrides,
-    ]
+    assert train_command == [*TWO_PROCESS_LAUNCH, recipe, *overrides]
     checked = python(*check_command[1:])
     assert checked.returncode == 0, checked.stderr
     out = tmp_path / target
@@ -232,15 +227,7 @@ def test_make_sft_targets(target, cache_dir, tmp_path):
         target, "SIZE=tiny", "NPROC=2", f"ARGS=max_steps=2 cache_dir={cache_dir} {' '.join(overrides[3:])}"
     )
     assert check_command[-len(overrides) - 1 :] == [recipe, *overrides]
-    assert train_command[:6] == [
-        ".venv/bin/python",
-        "-m",
-        "parallel_finetune.launch",
-        "--nproc_per_node",
-        "2",
-        "scripts/train.py",
-    ]
-    assert train_command[6:] == [recipe, *overrides]
+    assert train_command == [*TWO_PROCESS_LAUNCH, recipe, *overrides]
     checked = python(*check_command[1:])
     assert checked.returncode == 0 and "packed into sequences of 256 tokens" in checked.stdout, checked.stderr
     out = tmp_path / target
