@@ -92,6 +92,12 @@ CASES = [
     ("bert", "tp2", 2, TP2),
     ("gptj", "zero1_dp2", 2, ["tensor_parallel_degree=1", "sharding=optimizer"]),
     ("gptj", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full", "export=true"]),
+    ("llama", "pp2", 2, PP2),
+    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"]),
+    ("llama", "pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
+    ("bert", "pp2", 2, PP2),
+    ("bert", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"]),
+    ("bert", "pp2_tp2", 4, ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]),
 ]
 _runs: dict = {}
 
