@@ -46,7 +46,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from torch import nn
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import PretrainedConfig
 
 from . import quantize
@@ -88,6 +88,7 @@ class ModelShape:
     matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
     largest: tuple[int, int]  # elements of the largest tensor-parallel-sharded and of the largest replicated tensor
     block_linear_in_out: int = 0  # sum of in + out features over the blocks' Linear layers (LoRA all-linear: x rank)
+    block_linear_split: int = 0  # of those, the features tensor parallelism splits (out column-wise, in row-wise)
     head_total: int = 0  # parameters after the last block (the classification head LoRA trains in full)
     lora_rank: int = 0  # > 0: plan LoRA (see `with_lora`)
     nf4: bool = False  # QLoRA: the blocks' Linear weights in NF4 (needs lora_rank)
@@ -99,6 +100,11 @@ class ModelShape:
     def lora_elements(self) -> int:
         """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus the head."""
         return self.lora_rank * self.block_linear_in_out + self.head_total
+
+    def lora_elements_per_rank(self, tp: int) -> float:
+        """`lora_elements` on one of `tp` tensor-parallel ranks: an adapter's factor on the split dimension is
+        sharded like its layer (B of a column-wise layer, A of a row-wise one), the other factor whole."""
+        return self.lora_elements - self.lora_rank * self.block_linear_split * (1 - 1 / tp)
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -173,6 +179,12 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
             quantizable[int(name[len(prefix) :].split(".")[0])][replicated] += param.numel()
         largest[replicated] = max(largest[replicated], param.numel())
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
+    split = 0
+    for name, module in built.named_modules():
+        if name.startswith(prefix) and isinstance(module, nn.Linear):
+            style = plan.get(name)
+            split += module.in_features if isinstance(style, RowwiseParallel) else 0
+            split += module.out_features if isinstance(style, ColwiseParallel) else 0
     in_out = sum(
         m.in_features + m.out_features
         for block in family.blocks(built)
@@ -192,6 +204,7 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         matmul,
         tuple(largest),
         in_out,
+        split,
         sum(head) - sum(tied),
         split_activations=split_activations(hf_config, family.blocks(built)[0]),
         quantizable=[tuple(q) for q in quantizable],
@@ -289,8 +302,8 @@ def memory_per_gpu(
         # NF4 (QLoRA): this rank's share of its blocks' Linear weights; one block's, dequantized, is working memory
         nf4 = rank_elements([shape.quantizable[n] for n in numbers], t) if shape.nf4 else [0]
         # LoRA: the frozen base in the compute dtype (no gradient, no AdamW state); adapters + head in fp32 with both
-        # (counted whole on every stage and tensor-parallel rank: an upper bound, they are small)
-        trainable = shape.lora_elements / layout.pp if shape.lora_rank else elements
+        # (the adapters sharded like their layers; spread evenly over the stages)
+        trainable = shape.lora_elements_per_rank(t) / layout.pp if shape.lora_rank else elements
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h * compute_bytes / 2 if layout.ac else layer)
         kept += layer if layout.ac else 0
