@@ -12,6 +12,8 @@ and layout and prints, per rank:
   context on a CPU, no 1.1 factor);
 - training: the run's peak RSS (peak_memory_mib_per_rank) above the same baseline, against the planner's params +
   gathered + dequantized + grads + optimizer + activations, at the compute dtype's 4 B (fp32 on a CPU).
+The ranks run with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB: glibc otherwise raises its mmap threshold as
+tensors are freed and keeps later freed tensors in its heap, so RSS would count memory the process no longer uses.
 The checkpoint is deleted at the end unless --keep. Full fine-tuning keeps 16 B per parameter: 7.8 GB per rank.
 """
 
@@ -108,7 +110,13 @@ def measure(folder: Path, work: Path, mode: str, layout: str) -> dict:
         *LAYOUTS[layout],
     ]
     command = torchrun_command(2, __file__, "--worker", str(out), *overrides)
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
+    )
     if proc.returncode:
         return {"failed": (proc.stdout + proc.stderr)[-1500:]}
     summary = json.loads((out / "summary.json").read_text())
@@ -130,13 +138,25 @@ def estimate(folder: Path, mode: str, layout: str) -> dict:
     if mode != "full":
         shape = dataclasses.replace(shape, lora_rank=RANK, nf4=mode == "qlora")
     candidate = Candidate(2, 1, 1, "none", False, 1) if layout == "TP=2" else Candidate(1, 1, 2, "full", False, 1, 2)
-    memory = memory_per_gpu(shape, candidate, MAX_LENGTH, BATCH, compute_bytes=4)
+    memory = memory_per_gpu(shape, candidate, longest_row(folder), BATCH, compute_bytes=4)
     terms = ("params", "gathered", "dequantized", "grads", "optimizer", "activations")
     return {
         "state": memory["params"] + memory["grads"] + memory["optimizer"],
         "load": memory["load"],
         "train": sum(memory[t] for t in terms),
     }
+
+
+def longest_row(folder: Path) -> int:
+    """Tokens in the longest training row: the planner's s, the worst batch (the sample sentences are shorter than
+    MAX_LENGTH, and batches are padded to their longest row only)."""
+    from transformers import AutoTokenizer
+
+    from parallel_finetune.data import column, read_glue_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = column(read_glue_dir(REPO / "src" / "parallel_finetune" / "sample_data")["train"], "text")
+    return min(MAX_LENGTH, max(len(tokenizer(text)["input_ids"]) for text in texts) + 1)
 
 
 def write_model(work: Path) -> Path:
@@ -175,8 +195,14 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--keep", action="store_true", help="keep the written checkpoint for the next run")
+    parser.add_argument("--report", action="store_true", help="print the table of --work's last runs again")
     args = parser.parse_args()
     folder = write_model(args.work)
+    if args.report:
+        for result in json.loads((args.work / "qlora_memory.json").read_text()):
+            planned = estimate(folder, result["mode"], result["layout"])
+            print(row(result["mode"], result["layout"], result["measured"], planned))
+        return 0
     from parallel_finetune.planner import model_shape
 
     print(
@@ -189,8 +215,8 @@ def main() -> int:
         f"{'training':>15} {'plan':>7} {'ratio':>5}"
     )
     results = []
-    for mode in args.modes:
-        for layout in args.layouts:
+    for layout in args.layouts:
+        for mode in args.modes:
             measured, planned = measure(folder, args.work, mode, layout), estimate(folder, mode, layout)
             results.append({"mode": mode, "layout": layout, "measured": measured, "estimate": planned})
             print(row(mode, layout, measured, planned), flush=True)

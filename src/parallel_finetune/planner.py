@@ -69,6 +69,10 @@ HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
 # 64 elements, one fp32 factor per group of 256 scalers
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+# Quantizing a shard at load holds it in fp32, its block-scaled copy and one byte per code (9 B per element), and
+# torchao's nearest-code search runs over chunks of 2**20 elements: distances to the 16 codes in fp32, the
+# nearest's fp32 value and int64 index
+NF4_QUANTIZE_BYTES, NF4_SEARCH_BYTES = 9, 2**20 * (16 * 4 + 4 + 8)
 LINK_EFFICIENCY = 0.7
 
 
@@ -93,6 +97,7 @@ class ModelShape:
     lora_rank: int = 0  # > 0: plan LoRA (see `with_lora`)
     nf4: bool = False  # QLoRA: the blocks' Linear weights in NF4 (needs lora_rank)
     quantizable: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # per block: its Linear weights
+    largest_linear: int = 0  # elements of the blocks' largest Linear weight
     meta_model: nn.Module | None = None  # the model on meta, for the trainer's NF4 shard checks
     split_activations: float = 24  # S: activation bytes per token and unit of hidden width that TP splits
 
@@ -208,6 +213,9 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         sum(head) - sum(tied),
         split_activations=split_activations(hf_config, family.blocks(built)[0]),
         quantizable=[tuple(q) for q in quantizable],
+        largest_linear=max(
+            (m.weight.numel() for b in family.blocks(built) for m in b.modules() if isinstance(m, nn.Linear)), default=0
+        ),
         meta_model=built,
     )
 
@@ -322,6 +330,9 @@ def memory_per_gpu(
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
         largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
         memory["load"] = memory["params"] + 4 * largest_block
+        if shape.nf4:  # or the largest NF4 shard being quantized
+            quantized = NF4_QUANTIZE_BYTES * shape.largest_linear / t / state_divisor + NF4_SEARCH_BYTES
+            memory["load"] = memory["params"] + max(4 * largest_block, quantized)
         memory["load_total"] = (1 + OVERHEAD_FRACTION) * memory["load"] + OVERHEAD_BYTES
         memory["peak"] = max(memory["total"], memory["load_total"])
         if memory["peak"] > worst.get("peak", -1):
