@@ -47,7 +47,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft \
-	bench-memory bench-load plan notebooks lint docs clean-runs help
+	bench-memory bench-load bench-qlora-memory plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "               your data: DATA=my.csv (.tsv .jsonl .parquet; columns text, label; others: ARGS=\"label_column=y\")"
@@ -83,6 +83,8 @@ help:
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
+	@echo "make bench-qlora-memory   QLoRA vs LoRA vs full fine-tuning of a ~1B Llama at TP=2 and FSDP DP=2:"
+	@echo "               per-rank state, load and training peaks against the planner's estimate"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
 setup: $(VENV)/.installed
@@ -227,6 +229,9 @@ bench-memory: setup
 
 bench-load: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/load.py $(ARGS)
+
+bench-qlora-memory: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/qlora_memory.py $(ARGS)
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"

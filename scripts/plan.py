@@ -3,6 +3,7 @@
 
 python scripts/plan.py EleutherAI/gpt-j-6b --instance ml.p4d.24xlarge
 python scripts/plan.py gpt2-xl --gpus 8 --gpu-mem-gb 24 --nodes 2 --all
+python scripts/plan.py meta-llama/Llama-3.1-70B --instance ml.p4d.24xlarge --qlora 16
 """
 
 import argparse
@@ -53,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only layouts the trainer runs now (all but pipeline stages with FSDP)",
     )
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="plan LoRA of this rank (peft=lora)")
+    adapters = parser.add_mutually_exclusive_group()
+    adapters.add_argument("--lora", type=int, default=0, metavar="RANK", help="plan LoRA of this rank (peft=lora)")
+    adapters.add_argument(
+        "--qlora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="plan QLoRA: LoRA of this rank on a base whose block Linear weights are NF4 (lora_base_quantization=nf4)",
+    )
     parser.add_argument("--all", action="store_true", help="print every layout, not the best 15")
     args = parser.parse_args(argv)
     try:
@@ -65,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             nodes=args.nodes,
             gpu=args.gpu,
             workload=Workload(
-                args.task, args.max_length, args.batch_size, args.tokens_per_sample, args.padded, args.mfu, args.lora
+                args.task,
+                args.max_length,
+                args.batch_size,
+                args.tokens_per_sample,
+                args.padded,
+                args.mfu,
+                args.lora or args.qlora,
+                "nf4" if args.qlora else "none",
             ),
             runs_today=args.runs_today,
         )

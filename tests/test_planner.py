@@ -10,6 +10,7 @@ import torch
 from conftest import FAMILIES, REPO, fake_tp_mesh, make_commands, python
 
 from parallel_finetune.data import collate
+from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.families.base import tiny_vocab_size
 from parallel_finetune.hub import resolve_model_path
@@ -101,6 +102,7 @@ def test_memory_and_time_arithmetic_by_hand():
     expected = {
         "params": 4 * per_rank,
         "gathered": 0,
+        "dequantized": 0,  # QLoRA's working copy of one block
         "grads": 4 * per_rank,
         "optimizer": 8 * per_rank / 2,
         "activations": 2 * layer,
@@ -270,3 +272,64 @@ def test_plan_families_widths_come_from_the_config():
     flops = 32 * 13.4 * (6 * qwen.matmul + 12 * 36 * 13.4 * 4096)  # attention at 32 x 128, not 2560
     single = Candidate(1, 1, 1, "none", False, 1)
     assert step_seconds(qwen, one_gpu, single, 32, 13.4, 0.35) == pytest.approx(flops / (312e12 * 0.35))
+
+
+# --- issue 37: QLoRA (the blocks' Linear weights in NF4) ---
+
+
+def test_planner_fits_llama_8b_qlora_on_one_a10g_with_activation_checkpointing():
+    """Llama 3.1 8B, QLoRA rank 16, SST-2 batch 32 x 128 tokens, one A10G (24 GB): fits with activation
+    checkpointing, not without; its NF4 weights are the blocks' Linear weights at 0.5 + 1/64 + 4/16384 B each, the
+    embeddings and lm_head stay 16-bit, and one block's Linear weights are dequantized at a time."""
+    from parallel_finetune.planner import NF4_BYTES
+
+    qlora = plan(
+        "meta-llama/Llama-3.1-8B", instance="ml.g5.2xlarge", workload=Workload(lora_rank=16, base_quantization="nf4")
+    )
+    shape = qlora.shape
+    block_linear = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q, o; k, v; gate, up, down
+    assert shape.quantizable == [(block_linear, 0)] * 32
+    assert NF4_BYTES == 0.5 + 1 / 64 + 4 / (64 * 256)
+    checkpointed = row(qlora, tp=1, pp=1, dp=1, ac=True)
+    assert checkpointed.fits and qlora.recommended is checkpointed
+    assert not row(qlora, tp=1, pp=1, dp=1, ac=False).fits  # 32 x 128 tokens' activations do not fit
+    frozen_16_bit = shape.total - 32 * block_linear - shape.head_total  # embeddings, norms, lm_head
+    memory = checkpointed.memory
+    assert memory["params"] == pytest.approx(
+        NF4_BYTES * 32 * block_linear + 2 * frozen_16_bit + 6 * shape.head_total + 4 * shape.lora_elements, rel=1e-3
+    )
+    assert memory["dequantized"] == 2 * block_linear
+    assert memory["optimizer"] == 8 * shape.lora_elements
+    lora = plan("meta-llama/Llama-3.1-8B", instance="ml.g5.2xlarge", workload=Workload(lora_rank=16))
+    assert row(lora, tp=1, pp=1, dp=1, ac=True).memory["total"] > 2 * memory["total"]  # 16-bit base: 16 GB
+    assert row(lora, tp=1, pp=1, dp=1, ac=True).step_s == checkpointed.step_s  # FLOPs as LoRA's
+    print(qlora.table(limit=2))
+
+
+def test_planner_fits_llama_70b_qlora_on_one_8_gpu_node_in_a_layout_the_trainer_runs():
+    """Llama 3.1 70B, QLoRA rank 16, one ml.p4d.24xlarge (8 x A100 40 GB): the recommendation is a layout the
+    trainer runs with NF4 (FSDP over the 8 GPUs, the NF4 weights sharded), using less memory than LoRA's best
+    runnable layout on its 16-bit base, and no row is one the trainer refuses with NF4 (hybrid, FSDP with tensor
+    parallelism)."""
+    qlora = plan(
+        "meta-llama/Llama-3.1-70B", instance="ml.p4d.24xlarge", workload=Workload(lora_rank=16, base_quantization="nf4")
+    )
+    assert qlora.recommended is not None and qlora.recommended.layout.runs_today
+    assert qlora.recommended.memory["total"] <= 0.9 * 40 * GB
+    assert not [r for r in qlora.rows if r.layout.dims.hybrid or (r.layout.dims.fsdp and r.layout.tp > 1)]
+    lora = plan(
+        "meta-llama/Llama-3.1-70B", instance="ml.p4d.24xlarge", workload=Workload(lora_rank=16), runs_today=True
+    )
+    assert lora.recommended.memory["params"] > 2 * qlora.recommended.memory["params"]
+    print(qlora.table(limit=3))
+
+
+def test_qlora_plans_refuse_what_the_trainer_refuses(capsys):
+    with pytest.raises(UserError, match="base_quantization=nf4 is QLoRA: it quantizes LoRA's frozen base"):
+        plan("meta-llama/Llama-3.1-8B", instance="ml.g5.2xlarge", workload=Workload(base_quantization="nf4"))
+    with pytest.raises(UserError, match="base_quantization='int4' is not valid; valid: none, nf4"):
+        plan("tiny:llama", 1, 24, workload=Workload(lora_rank=8, base_quantization="int4"))
+    code, out, err = run_cli(capsys, "tiny:llama", "--gpus", "1", "--gpu-mem-gb", "24", "--lora", "8", "--qlora", "8")
+    assert (code, out, err) == (2, "", "error: argument --qlora: not allowed with argument --lora\n")
+    code, out, err = run_cli(capsys, "meta-llama/Llama-3.1-8B", "--instance", "ml.g5.2xlarge", "--qlora", "16")
+    assert code == 0 and "QLoRA rank 16" in out and "recommended: tp=1 pp=1 dp=1 sharding=none ac=on" in out

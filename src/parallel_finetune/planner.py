@@ -42,12 +42,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from torch import nn
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import PretrainedConfig
 
+from . import quantize
 from .errors import UserError
 from .families import Family, all_families, family_names, get_family, published_model, published_models
 from .families.base import tiny_vocab_size
@@ -63,6 +65,14 @@ GB = 1e9
 SST2_TRAIN_SENTENCES = 67_349
 OVERHEAD_FRACTION, OVERHEAD_BYTES = 0.10, 1.5 * GB
 HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
+# QLoRA's NF4 with double quantization (QLoRA's and the recipes' blocks): 4-bit codes, one int8 scaler per block of
+# 64 elements, one fp32 factor per group of 256 scalers
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+# Quantizing a shard at load holds it in fp32, its block-scaled copy and one byte per code (9 B per element), and
+# torchao's nearest-code search runs over chunks of 2**20 elements: distances to the 16 codes in fp32, the
+# nearest's fp32 value and int64 index
+NF4_QUANTIZE_BYTES, NF4_SEARCH_BYTES = 9, 2**20 * (16 * 4 + 4 + 8)
 LINK_EFFICIENCY = 0.7
 
 
@@ -82,14 +92,24 @@ class ModelShape:
     matmul: int  # weights of Linear layers: 2 FLOPs per token each in the forward
     largest: tuple[int, int]  # elements of the largest tensor-parallel-sharded and of the largest replicated tensor
     block_linear_in_out: int = 0  # sum of in + out features over the blocks' Linear layers (LoRA all-linear: x rank)
+    block_linear_split: int = 0  # of those, the features tensor parallelism splits (out column-wise, in row-wise)
     head_total: int = 0  # parameters after the last block (the classification head LoRA trains in full)
     lora_rank: int = 0  # > 0: plan LoRA (see `with_lora`)
+    nf4: bool = False  # QLoRA: the blocks' Linear weights in NF4 (needs lora_rank)
+    quantizable: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # per block: its Linear weights
+    largest_linear: int = 0  # elements of the blocks' largest Linear weight
+    meta_model: nn.Module | None = None  # the model on meta, for the trainer's NF4 shard checks
     split_activations: float = 24  # S: activation bytes per token and unit of hidden width that TP splits
 
     @property
     def lora_elements(self) -> int:
         """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus the head."""
         return self.lora_rank * self.block_linear_in_out + self.head_total
+
+    def lora_elements_per_rank(self, tp: int) -> float:
+        """`lora_elements` on one of `tp` tensor-parallel ranks: an adapter's factor on the split dimension is
+        sharded like its layer (B of a column-wise layer, A of a row-wise one), the other factor whole."""
+        return self.lora_elements - self.lora_rank * self.block_linear_split * (1 - 1 / tp)
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -132,6 +152,10 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
     prefix = family.block_path + "."
     blocks = [[0, 0] for _ in family.blocks(built)]
     embedding, head, tied = [0, 0], [0, 0], [0, 0]
+    quantizable = [[0, 0] for _ in family.blocks(built)]
+    linear_weights = {
+        id(m.weight) for block in family.blocks(built) for m in block.modules() if isinstance(m, nn.Linear)
+    }
     where: dict[int, str] = {}  # id(parameter) -> "embedding" | "block" | "head": ties appear under two names
     largest = [0, 0]
     after_blocks = False  # parameters come in module order: embeddings, blocks, final norm and head
@@ -156,8 +180,16 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
             continue
         where[id(param)] = place
         counts[replicated] += param.numel()
+        if place == "block" and id(param) in linear_weights:
+            quantizable[int(name[len(prefix) :].split(".")[0])][replicated] += param.numel()
         largest[replicated] = max(largest[replicated], param.numel())
     matmul = sum(m.weight.numel() for m in built.modules() if isinstance(m, nn.Linear))
+    split = 0
+    for name, module in built.named_modules():
+        if name.startswith(prefix) and isinstance(module, nn.Linear):
+            style = plan.get(name)
+            split += module.in_features if isinstance(style, RowwiseParallel) else 0
+            split += module.out_features if isinstance(style, ColwiseParallel) else 0
     in_out = sum(
         m.in_features + m.out_features
         for block in family.blocks(built)
@@ -177,8 +209,14 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         matmul,
         tuple(largest),
         in_out,
+        split,
         sum(head) - sum(tied),
         split_activations=split_activations(hf_config, family.blocks(built)[0]),
+        quantizable=[tuple(q) for q in quantizable],
+        largest_linear=max(
+            (m.weight.numel() for b in family.blocks(built) for m in b.modules() if isinstance(m, nn.Linear)), default=0
+        ),
+        meta_model=built,
     )
 
 
@@ -224,12 +262,16 @@ class Candidate:
     runs_today = property(lambda self: not (self.dims.pp_enabled and self.dims.fsdp))
 
 
+def stage_blocks(layers: int, pp: int) -> list[range]:
+    """The block numbers of each pipeline stage: contiguous, later stages take the blocks that do not divide evenly."""
+    sizes = [layers // pp + (i >= pp - layers % pp) for i in range(pp)]
+    return [range(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(pp)]
+
+
 def stages(shape: ModelShape, pp: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """(blocks, parameter parts) of each pipeline stage; later stages take the blocks that do not divide evenly."""
-    n = shape.layers
-    sizes = [n // pp + (i >= pp - n % pp) for i in range(pp)]
     result, start = [], 0
-    for i, size in enumerate(sizes):
+    for i, size in enumerate(len(blocks) for blocks in stage_blocks(shape.layers, pp)):
         first, last = i == 0, i == pp - 1
         parts = (
             shape.blocks[start : start + size]
@@ -246,29 +288,40 @@ def rank_elements(parts: list[tuple[int, int]], tp: int) -> list[float]:
     return [sharded / tp + replicated for sharded, replicated in parts]
 
 
-def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_size: int) -> dict[str, float]:
-    """Bytes on the fullest GPU (the worst pipeline stage): params, grads, optimizer, activations, total (training);
-    load (this rank's shards + the largest block being read, before the first step), load_total, and peak."""
+def memory_per_gpu(
+    shape: ModelShape, layout: Candidate, seq_len: int, batch_size: int, *, compute_bytes: int = 2
+) -> dict[str, float]:
+    """Bytes on the fullest GPU (the worst pipeline stage): params, gathered, dequantized, grads, optimizer,
+    activations, total (training); load (this rank's shards + the largest block being read, before the first step),
+    load_total, and peak. `compute_bytes`: the compute dtype's bytes (2: 16-bit autocast, as on GPUs; 4: fp32),
+    which frozen LoRA weights, dequantized NF4 weights and activations take."""
     s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
     b = batch_size // (layout.dp * layout.microbatches)
-    layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t))
+    layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t)) * compute_bytes / 2
     fsdp = layout.dims.fsdp
     state_divisor = layout.shard_degree if fsdp else 1
     optimizer_divisor = layout.shard_degree if layout.dims.sharded else 1
     worst: dict[str, float] = {}
-    for i, (blocks, parts) in enumerate(stages(shape, layout.pp)):
+    for i, ((blocks, parts), numbers) in enumerate(
+        zip(stages(shape, layout.pp), stage_blocks(shape.layers, layout.pp))
+    ):
         per_part = rank_elements(parts, t)
         elements = sum(per_part)
-        # LoRA: the frozen base in 16-bit (no gradient, no AdamW state); adapters + head in fp32 with both (counted
-        # whole on every stage and tensor-parallel rank: an upper bound, they are small)
-        trainable = shape.lora_elements / layout.pp if shape.lora_rank else elements
+        # NF4 (QLoRA): this rank's share of its blocks' Linear weights; one block's, dequantized, is working memory
+        nf4 = rank_elements([shape.quantizable[n] for n in numbers], t) if shape.nf4 else [0]
+        # LoRA: the frozen base in the compute dtype (no gradient, no AdamW state); adapters + head in fp32 with both
+        # (the adapters sharded like their layers; spread evenly over the stages)
+        trainable = shape.lora_elements_per_rank(t) / layout.pp if shape.lora_rank else elements
         in_flight = min(layout.microbatches, layout.pp - i)
-        kept = in_flight * blocks * (2 * s * b * h if layout.ac else layer) + (layer if layout.ac else 0)
+        kept = in_flight * blocks * (2 * s * b * h * compute_bytes / 2 if layout.ac else layer)
+        kept += layer if layout.ac else 0
         if i == layout.pp - 1 and HeadKind(shape.task) is HeadKind.CAUSAL_LM:
-            kept += 10 * s * b * shape.hf_config.vocab_size
+            kept += 10 * s * b * shape.hf_config.vocab_size * compute_bytes / 2
+        frozen = NF4_BYTES * sum(nf4) + compute_bytes * (elements - sum(nf4))
         memory = {
-            "params": (2 * elements + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,
-            "gathered": 2 * max(per_part) if fsdp else 0,
+            "params": (frozen + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,
+            "gathered": gathered_block(per_part, nf4, compute_bytes) if fsdp else 0,
+            "dequantized": compute_bytes * max(nf4),
             "grads": 4 * trainable / state_divisor,
             "optimizer": 8 * trainable / optimizer_divisor,
             "activations": kept,
@@ -277,11 +330,22 @@ def memory_per_gpu(shape: ModelShape, layout: Candidate, seq_len: int, batch_siz
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
         largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
         memory["load"] = memory["params"] + 4 * largest_block
+        if shape.nf4:  # or the largest NF4 shard being quantized
+            quantized = NF4_QUANTIZE_BYTES * shape.largest_linear / t / state_divisor + NF4_SEARCH_BYTES
+            memory["load"] = memory["params"] + max(4 * largest_block, quantized)
         memory["load_total"] = (1 + OVERHEAD_FRACTION) * memory["load"] + OVERHEAD_BYTES
         memory["peak"] = max(memory["total"], memory["load_total"])
         if memory["peak"] > worst.get("peak", -1):
             worst = memory
     return worst
+
+
+def gathered_block(per_part: list[float], nf4: list[float], compute_bytes: int) -> float:
+    """FSDP's all-gathered copy of the largest part in the compute dtype; with NF4 a block's Linear weights travel
+    as their codes and scalers (`nf4`: the quantized elements of the stage's blocks, the first parts)."""
+    return max(
+        compute_bytes * part - (compute_bytes - NF4_BYTES) * q for part, q in zip_longest(per_part, nf4, fillvalue=0)
+    )
 
 
 def step_seconds(
@@ -329,6 +393,26 @@ def candidate_layouts(shape: ModelShape, hardware: Hardware, batch_size: int) ->
                 shard = ParallelDims.split(dp, tp, pp, sharding, group).optimizer_shards
                 layouts += [Candidate(tp, pp, dp, sharding, ac, m, shard) for ac in (False, True)]
     return layouts
+
+
+def nf4_refusal(shape: ModelShape, layout: Candidate) -> str | None:
+    """Why the trainer refuses QLoRA in `layout` (None: it runs it, or the plan is not QLoRA): hybrid sharding,
+    FSDP with tensor parallelism, or a shard that is not whole NF4 scaler groups (the trainer's own check)."""
+    if not shape.nf4:
+        return None
+    if layout.dims.hybrid:
+        return "lora_base_quantization=nf4 with sharding=hybrid is not supported"
+    try:
+        quantize.check_shards(
+            shape.meta_model,
+            shape.family,
+            quantize.NF4Settings(NF4_BLOCK, NF4_SCALER_BLOCK),
+            tp=layout.tp,
+            fsdp=layout.shard_degree if layout.dims.fsdp else 1,
+        )
+    except UserError as refused:
+        return str(refused)
+    return None
 
 
 @dataclass(frozen=True)
@@ -389,7 +473,7 @@ class Plan:
     def _cells(self, row: Row) -> tuple[str, ...]:
         lay, mem = row.layout, row.memory
         micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
-        sizes = [f"{(mem['params'] + mem['gathered']) / GB:.2f}"]
+        sizes = [f"{(mem['params'] + mem['gathered'] + mem['dequantized']) / GB:.2f}"]
         sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer", "activations")]
         return (
             str(lay.tp),
@@ -422,7 +506,17 @@ class Plan:
                     f"LoRA rank {shape.lora_rank} on every linear layer + head: {shape.lora_elements:,} trainable "
                     f"parameters ({shape.lora_elements / shape.total:.2%}); the base frozen in 16-bit"
                 ]
-                if shape.lora_rank
+                if shape.lora_rank and not shape.nf4
+                else []
+            ),
+            *(
+                [
+                    f"QLoRA rank {shape.lora_rank} on every linear layer + head: {shape.lora_elements:,} trainable "
+                    f"parameters ({shape.lora_elements / shape.total:.2%}); the blocks' Linear weights "
+                    f"({sum(map(sum, shape.quantizable)):,}) frozen in NF4 ({NF4_BYTES:.4f} B each), the rest "
+                    "of the base in 16-bit; layouts the trainer refuses with NF4 (hybrid, FSDP with tp) left out"
+                ]
+                if shape.nf4
                 else []
             ),
             f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
@@ -461,6 +555,10 @@ class Plan:
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
             "- LoRA (--lora R): frozen parameters 2 B (16-bit), adapters + head 4 + 4 + 8 B; 4N FLOPs per token",
             "  instead of 6N (no weight gradients of the frozen matmuls); data parallel moves trainable gradients.",
+            f"- QLoRA (--qlora R): LoRA with the blocks' Linear weights in NF4, {NF4_BYTES:.4f} B (4-bit codes, an",
+            "  int8 scaler per 64, an fp32 factor per 256 scalers), the rest of the base 16-bit; params adds one",
+            "  block's Linear weights dequantized (16-bit working memory); FLOPs as LoRA (dequantizing each weight",
+            "  in the forward and backward is a few operations per weight and step: negligible).",
             "- Activations: Korthikanti et al. 2022, s*b*h*(10 + S/t + 5*a*s/(h*t)) bytes per layer at",
             f"  s = max_length, S = {self.shape.split_activations:.4g} (24 for a 4h GeLU MLP; grouped-query attention",
             "  and gated MLPs change it); ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i",
@@ -476,7 +574,7 @@ class Plan:
 class Workload:
     """What a plan trains: the task, tokens per sequence for memory (`seq_len`), the global batch, real tokens per
     sample for time (SST-2's mean after dynamic padding; `padded`: every row padded to `seq_len`), the model FLOPs
-    utilisation assumed, and LoRA's rank (0: full fine-tuning)."""
+    utilisation assumed, LoRA's rank (0: full fine-tuning) and the frozen base's quantization (nf4: QLoRA)."""
 
     task: str = "classification"
     seq_len: int = 128
@@ -485,6 +583,7 @@ class Workload:
     padded: bool = False
     mfu: float = 0.35
     lora_rank: int = 0
+    base_quantization: str = "none"
 
 
 def plan(
@@ -507,13 +606,18 @@ def plan(
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
     shape = model_shape(model, workload.task)
+    if workload.base_quantization not in ("none", "nf4"):
+        raise UserError(f"base_quantization={workload.base_quantization!r} is not valid; valid: none, nf4")
+    nf4 = workload.base_quantization == "nf4"
+    if nf4 and not lora_rank:
+        raise UserError("base_quantization=nf4 is QLoRA: it quantizes LoRA's frozen base; give a lora_rank > 0")
     if lora_rank:
-        shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank))
+        shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank), nf4=nf4)
     tokens = seq_len if workload.padded else min(tokens_per_sample, seq_len)
     steps = SST2_TRAIN_SENTENCES // batch_size
     rows = []
     for layout in candidate_layouts(shape, hardware, batch_size):
-        if runs_today and not layout.runs_today:
+        if (runs_today and not layout.runs_today) or nf4_refusal(shape, layout):
             continue
         memory = memory_per_gpu(shape, layout, seq_len, batch_size)
         step = step_seconds(shape, hardware, layout, batch_size, tokens, mfu)

@@ -30,6 +30,7 @@ register(
         default_model="meta-llama/Llama-3.1-8B",
         published={
             "meta-llama/Llama-3.1-8B": _sizes(4096, 14336, 32, 32, 8, tied=False),
+            "meta-llama/Llama-3.1-70B": _sizes(8192, 28672, 80, 64, 8, tied=False),  # QLoRA plans (issue 37)
             "meta-llama/Llama-3.2-1B": _sizes(2048, 8192, 16, 32, 8, tied=True),
             "meta-llama/Llama-3.2-3B": _sizes(3072, 8192, 28, 24, 8, tied=True),
             # the instruction-tuned releases (recipes/llama/sft*.yaml): the same shapes
