@@ -23,7 +23,8 @@ TASK ?=
 ARGS ?=
 PYTEST_ARGS ?= -q
 # Three workers keep both cores busy while one waits on a single-process reference run, a real torchrun test or
-# a timeout (757-768 s against 905-996 s with two, for 936 tests); four were slower again (852 s for 956 tests).
+# a timeout (757-768 s against 996 s with two on one machine; docs/testing.md has every figure). The suite is
+# CPU-bound, so more workers do not help: four took 852 s for 956 tests.
 PYTEST_WORKERS ?= 3
 # Which key DATA is: a folder holding dataset_dict.json or state.json -> dataset, another folder -> data_dir; a
 # file, or a missing path with a data file's suffix -> train_file; anything else -> data_dir (its error names it).
