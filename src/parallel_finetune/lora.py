@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .config import PeftSection
 from .errors import UserError
-from .quantize import NF4Settings, check_quantizable, check_shards
+from .quantize import NF4Settings, block_linears, check_quantizable, check_shards
 from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,11 @@ def target_modules(model: nn.Module, family, settings: LoraSettings) -> list[tup
     """(path, module, tensor-parallel style: column|row|none) of every adapted Linear in the blocks this
     process holds (a pipeline stage: its blocks), in order."""
     found = []
-    for number, block in zip(family.block_numbers(model), family.blocks(model)):
-        for relative, module in block.named_modules():
-            if not isinstance(module, nn.Linear) or not relative or "lora_" in relative:
-                continue
-            if settings.targets != ALL_LINEAR and not any(_matches(relative, t) for t in settings.targets):
-                continue
-            style = "column" if relative in family.column_wise else "row" if relative in family.row_wise else "none"
-            found.append((f"{family.block_path}.{number}.{relative}", module, style))
+    for path, relative, module in block_linears(model, family):
+        if settings.targets != ALL_LINEAR and not any(_matches(relative, t) for t in settings.targets):
+            continue
+        style = "column" if relative in family.column_wise else "row" if relative in family.row_wise else "none"
+        found.append((path, module, style))
     return found
 
 
@@ -115,14 +112,7 @@ def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
     on `meta`), and no adapter is wider than its layer; else one line. A name matching nothing would leave what
     it meant untouched: a misspelt head stays frozen at its random initialisation. QLoRA: the blocks have Linear
     layers to quantize."""
-    linears = sorted(
-        {
-            relative
-            for block in family.blocks(model)
-            for relative, m in block.named_modules()
-            if isinstance(m, nn.Linear) and relative and "lora_" not in relative
-        }
-    )
+    linears = sorted({relative for _, relative, _ in block_linears(model, family)})
     for target in settings.targets if settings.targets != ALL_LINEAR else ():
         if not any(_matches(relative, target) for relative in linears):
             raise UserError(

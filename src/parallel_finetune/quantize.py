@@ -188,8 +188,9 @@ class Pending:
     fsdp: bool = False  # FSDP2 holds it: the parameter is a DTensor whose local shard is an NF4Tensor
 
 
-def quantized_linears(model: nn.Module, family) -> Iterator[tuple[str, str, nn.Linear]]:
-    """(path, path inside its block, module) of every Linear in the blocks this process holds, adapters aside."""
+def block_linears(model: nn.Module, family) -> Iterator[tuple[str, str, nn.Linear]]:
+    """(path, path inside its block, module) of every Linear in the blocks this process holds, adapters aside:
+    what QLoRA quantizes and what LoRA's targets are chosen from."""
     for number, block in zip(family.block_numbers(model), family.blocks(model)):
         for relative, module in block.named_modules():
             if isinstance(module, nn.Linear) and relative and "lora_" not in relative:
@@ -198,7 +199,7 @@ def quantized_linears(model: nn.Module, family) -> Iterator[tuple[str, str, nn.L
 
 def check_quantizable(model: nn.Module, family) -> None:
     """The base has Linear layers in its blocks: nothing else is quantized (embeddings, norms and heads stay)."""
-    if next(quantized_linears(model, family), None) is None:
+    if next(block_linears(model, family), None) is None:
         raise UserError(
             f"lora_base_quantization=nf4 quantizes the Linear layers of the {family.name} blocks, and they have "
             "none; set lora_base_quantization=none"
@@ -241,7 +242,7 @@ def check_shards(model: nn.Module, family, settings: NF4Settings, *, tp: int, fs
     """`--check`'s version of what `prepare` refuses, from the unsplit meta model: each block Linear's shard
     under `tp`-way tensor parallelism (the family's column-wise and row-wise layers) and `fsdp`-way FSDP (1: none)
     holds whole scaler groups."""
-    for path, relative, module in quantized_linears(model, family):
+    for path, relative, module in block_linears(model, family):
         transposed, split = relative in family.row_wise, relative in (*family.column_wise, *family.row_wise)
         stored = (module.in_features, module.out_features) if transposed else (module.out_features, module.in_features)
         if split and tp > 1:
@@ -280,7 +281,7 @@ def prepare(model: nn.Module, family, settings: NF4Settings, fsdp_mesh: DeviceMe
     (`quantizing_writer`); under FSDP the weight becomes a meta NF4Tensor parameter (stored shape) for FSDP to
     shard. A shard that is not a whole number of scaler groups is refused."""
     pending: list[Pending] = []
-    for path, relative, module in quantized_linears(model, family):
+    for path, relative, module in block_linears(model, family):
         weight, transposed = module.weight, relative in family.row_wise
         mesh: DeviceMesh | None = None
         style = "none"
