@@ -10,6 +10,9 @@ GPT-J config with 4 blocks (64-wide heads, MLP 4 x hidden) and the SST-2 BPE voc
             the achievable matmul rate (a 0.5 s matmul probe, 2 threads)
   compile   compile=true vs eager, one process with two threads: step time, and the compile time paid in the
             warm-up steps
+On GPUs each process has a GPU of its own (nccl refuses two ranks on one GPU): with one GPU the TP rows are
+skipped, said so, and the one-process rows and compile still run. `--batch`/`--length` size the step (a GPU needs
+bigger ones than a CPU to leave launch overhead behind).
 Writes runs/bench/speed/speed.json.
 """
 
@@ -19,6 +22,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from steps import REPO, measure  # noqa: E402
@@ -41,15 +46,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "sst2"))
     parser.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--length", type=int, default=LENGTH)
     args = parser.parse_args()
     out = REPO / "runs" / "bench" / "speed"
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"tp": {}, "compile": {}}
+    results: dict = {"tp": {}, "single": {}, "compile": {}, "batch": args.batch, "length": args.length}
+    gpus = torch.cuda.device_count()
+    step = (args.batch, args.length)
     for hidden in args.hidden:
-        single = measure(1, 2, BATCH, LENGTH, model(hidden), args.data_dir, out / f"single-h{hidden}")
-        tp = measure(
-            2, 1, BATCH, LENGTH, model(hidden) + ["tensor_parallel_degree=2"], args.data_dir, out / f"tp2-h{hidden}"
-        )
+        single = measure(1, 2, *step, model(hidden), args.data_dir, out / f"single-h{hidden}")
+        results["single"][hidden] = single
+        if gpus == 1:
+            print(
+                f"hidden {hidden}: one process on {torch.cuda.get_device_name(0)} {single['step_s']:.4f} s/step, "
+                f"{single['tflops_per_device']:.3g} TFLOP/s, MFU {percent(single['mfu'])} of "
+                f"{single['peak_tflops'] or float('nan'):.3g} TFLOP/s (TP=2 skipped: it needs 2 GPUs, this machine "
+                "has 1)",
+                flush=True,
+            )
+            continue
+        tp = measure(2, 1, *step, model(hidden) + ["tensor_parallel_degree=2"], args.data_dir, out / f"tp2-h{hidden}")
         results["tp"][hidden] = {
             "single_2_threads": single,
             "tp2_1_thread_each": tp,
@@ -63,10 +80,8 @@ def main() -> int:
             flush=True,
         )
     hidden = args.hidden[0]
-    eager = results["tp"][hidden]["single_2_threads"]
-    compiled = measure(
-        1, 2, BATCH, LENGTH, model(hidden) + ["compile=true"], args.data_dir, out / f"compiled-h{hidden}"
-    )
+    eager = results["single"][hidden]
+    compiled = measure(1, 2, *step, model(hidden) + ["compile=true"], args.data_dir, out / f"compiled-h{hidden}")
     results["compile"] = {
         "hidden": hidden,
         "eager": eager,

@@ -37,8 +37,9 @@ def worker(argv: list[str]) -> None:
         def batch_of(self, indices):
             generator = torch.Generator().manual_seed(len(indices))
             rows = len(indices)
+            vocab = min(1000, len(self.data.tokenizer))  # the sample data's tokenizer has fewer than 1000 tokens
             batch = {
-                "input_ids": torch.randint(1, 1000, (rows, length), generator=generator),
+                "input_ids": torch.randint(1, vocab, (rows, length), generator=generator),
                 "attention_mask": torch.ones(rows, length, dtype=torch.long),
                 "labels": torch.randint(0, 2, (rows,), generator=generator),
             }

@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from parallel_finetune.selftest import INJECT_STEP, Check, compare
+from parallel_finetune.selftest import INJECT_STEP, Check, check_reference, compare, verdict
 
 
 def write_run(folder, losses, eval_loss, skipped=(), weights=None):
@@ -55,3 +55,21 @@ def test_loaded_weights_must_equal_the_file(tmp_path):
     assert compare(check, tmp_path / "equal", tmp_path / "one", tmp_path / "model")[1]
     detail, ok = compare(check, tmp_path / "off", tmp_path / "one", tmp_path / "model")
     assert not ok and "0/1 tensors equal the file" in detail
+
+
+def test_the_one_process_fp16_run_must_skip_the_planted_overflow_itself(tmp_path):
+    check = Check("fp16 one", "gptj", 1, [], fp16_overflow=True)
+    write_run(tmp_path / "skipped", [0.7, 0.6, 0.5], 0.4, skipped=(INJECT_STEP,))
+    write_run(tmp_path / "not", [0.7, 0.6, 0.5], 0.4)
+    assert check_reference(check, tmp_path / "skipped", None)[1]
+    detail, ok = check_reference(check, tmp_path / "not", None)
+    assert not ok and "skipped steps []" in detail
+
+
+def test_one_gpu_passes_its_runs_but_never_claims_a_layout():
+    one, tp = Check("one", "gptj", 1, []), Check("tp=2", "gptj", 2, [], reference="one")
+    line, passed = verdict([(one, "reference", True), (tp, "not run: needs 2 GPUs", None)], 9.0, "1 x H200, nccl")
+    assert passed and "no parallel layout was checked" in line and "every layout" not in line
+    line, passed = verdict([(one, "reference", True), (tp, "max |loss difference| 1e-7", True)], 9.0, "CPU")
+    assert passed and "every layout trains like one process" in line
+    assert not verdict([(one, "reference", True), (tp, "moved", False)], 9.0, "CPU")[1]
