@@ -7,9 +7,9 @@ random fp16 weights, safetensors; 1.9 GiB) into --work, then under torchrun trai
 and layout and prints, per rank:
 - state: parameters + gradients + optimizer bytes (summary.json's state_bytes_per_rank, tensor accounting; NF4
   weights as their codes and scalers) against the planner's params + grads + optimizer;
-- load: the process's peak RSS when the model is ready (load_peak_mib_per_rank) above its RSS before the run
-  started (torch and the package imported), against the planner's `load` (its GPU overheads left out: no CUDA
-  context on a CPU, no 1.1 factor);
+- load: the process's peak RSS while the model loads (load_peak_mib_per_rank) above its RSS as the load began
+  (the data already tokenized, the process groups up: neither is the model's), against the planner's `load` (its
+  GPU overheads left out: no CUDA context on a CPU, no 1.1 factor);
 - training: the run's peak RSS (peak_memory_mib_per_rank) above the same baseline, against the planner's params +
   gathered + dequantized + grads + optimizer + activations, at the compute dtype's 4 B (fp32 on a CPU).
 The ranks run with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB: glibc otherwise raises its mmap threshold as
@@ -61,16 +61,34 @@ class PeakSampler(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak = anonymous_rss_mib()
+        self.peak = self.window_peak = anonymous_rss_mib()
 
     def run(self) -> None:
         while True:
-            self.peak = max(self.peak, anonymous_rss_mib())
+            rss = anonymous_rss_mib()
+            self.peak, self.window_peak = max(self.peak, rss), max(self.window_peak, rss)
             time.sleep(0.001)
 
     def __call__(self, device=None) -> float:  # stands in for hardware.peak_memory_mib in the trainer's records
         self.peak = max(self.peak, anonymous_rss_mib())
         return self.peak
+
+
+class LoadWindow:
+    """Stands in for hardware.peak_memory_mib in model.py, which reads it as the model's load starts and when the
+    model is ready: the first call opens a window at the RSS of that moment (the data read and tokenized, the
+    process groups up: what the planner's load term leaves out), the second returns the window's peak."""
+
+    def __init__(self, sampler: PeakSampler, record: Path) -> None:
+        self.sampler, self.record, self.start = sampler, record, None
+
+    def __call__(self, device=None) -> float:
+        rss = anonymous_rss_mib()
+        if self.start is None:
+            self.start = self.sampler.window_peak = rss
+            self.record.write_text(json.dumps(rss))
+            return rss
+        return max(self.sampler.window_peak, rss)
 
 
 def worker(out: str, overrides: list[str]) -> None:
@@ -83,7 +101,8 @@ def worker(out: str, overrides: list[str]) -> None:
     rank = os.environ["RANK"]
     Path(out, f"baseline-{rank}.json").write_text(json.dumps(sampler.peak))
     sampler.start()
-    model.peak_memory_mib = summary.peak_memory_mib = sampler  # load_peak_mib and peak_memory_mib: RssAnon peaks
+    summary.peak_memory_mib = sampler  # the run's peak: RssAnon since the process started
+    model.peak_memory_mib = LoadWindow(sampler, Path(out, f"load-start-{rank}.json"))  # the load's own peak
     run(load_config(None, overrides))
     Path(out, f"vmhwm-{rank}.json").write_text(json.dumps(peak_memory_mib(__import__("torch").device("cpu"))))
 
@@ -122,11 +141,13 @@ def measure(folder: Path, work: Path, mode: str, layout: str) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # full fine-tuning's is 12 GB
     baseline = [json.loads((out / f"baseline-{r}.json").read_text()) for r in range(2)]
+    load_start = [json.loads((out / f"load-start-{r}.json").read_text()) for r in range(2)]
     return {
         "state": [sum(rank.values()) for rank in summary["state_bytes_per_rank"]],
-        "load": [(p - b) * MIB for p, b in zip(summary["load_peak_mib_per_rank"], baseline)],
+        "load": [(p - b) * MIB for p, b in zip(summary["load_peak_mib_per_rank"], load_start)],
         "train": [(p - b) * MIB for p, b in zip(summary["peak_memory_mib_per_rank"], baseline)],
         "baseline_mib": baseline,
+        "load_start_mib": load_start,  # load_start - baseline: the data and process groups, before the model
         "vmhwm_mib": [json.loads((out / f"vmhwm-{r}.json").read_text()) for r in range(2)],
     }
 

@@ -4,6 +4,7 @@ wrote."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import inspect
@@ -12,17 +13,26 @@ import os
 import pickle
 import random
 import shlex
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness
-import pytest
+# A Hugging Face cache of this test process's own, empty but for what a test puts there, set before anything
+# imports huggingface_hub (it reads HF_HUB_CACHE once, at import): no test reads the developer's cache, and the
+# forked ranks (whose zygote imported the Hub client under this environment) see what a test fills in.
+HUB_CACHE = Path(tempfile.mkdtemp(prefix="pf-hub-cache-"))
+os.environ["HF_HUB_CACHE"] = str(HUB_CACHE)
 
-from parallel_finetune.families import family_names, get_family
-from parallel_finetune.launch import torchrun_command
+import harness  # noqa: E402
+import pytest  # noqa: E402
+
+from parallel_finetune.families import family_names, get_family  # noqa: E402
+from parallel_finetune.launch import torchrun_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+atexit.register(shutil.rmtree, HUB_CACHE, ignore_errors=True)
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 # Every registered family (the registry's: built-in ones, plus those of PARALLEL_FINETUNE_FAMILIES files).
 FAMILIES = tuple(family_names())

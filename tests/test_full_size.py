@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, fake_tp_mesh, launch, recipe, sst2_head
+from conftest import HUB_CACHE, REPO, check, fake_tp_mesh, launch, recipe, sst2_head
 from safetensors.torch import load_file, save_file
 
 from parallel_finetune import synthetic
@@ -35,7 +35,8 @@ TASK = {
     "qwen3": "causal_lm",  # tied embeddings: the file holds the embedding only
     "mistral": "causal_lm",  # untied: the LM head sharded by columns under TP
 }
-# GPT-J ~100M parameters (400 MB in fp32): big enough that its bytes dominate a process's memory; the others small.
+# GPT-J ~100M parameters (400 MB in fp32): big enough that its bytes dominate a process's memory, for the rows that
+# measure memory at load (one process, TP=2, PP=2: test_load_peak_memory_per_rank); the others small.
 SIZES = {
     "gptj": dict(hidden=1024, layers=8, heads=16),
     "gpt2": dict(hidden=256, layers=4, heads=8),
@@ -81,6 +82,9 @@ CASES = [
     ("mistral", "tp2", "float32"),
     ("mistral", "pp2", "float16"),
 ]
+# GPT-J rows whose point is the shards, not the memory: a small GPT-J (a 100M one costs ~20 s of CPU per row).
+SMALL = {("gptj", "fsdp2"), ("gptj", "pp2_tp2"), ("gptj", "zero3")}
+SMALL_GPTJ = dict(hidden=256, layers=4, heads=8)
 COMPARED_WITH_ONE_PROCESS = {("gptj", "tp2"), ("gptj", "pp2_tp2"), ("gpt2", "pp2"), ("gpt2", "pp2_tp2")}
 CACHE = REPO / ".cache" / "test-checkpoints-v1"
 
@@ -97,10 +101,11 @@ def checkpoint(sst2):
     """family, dtype -> a model folder (written on first use, reused by later sessions)."""
     sentences = column(read_glue_dir(sst2)["train"], "text")
 
-    def get(family: str, dtype: str) -> Path:
-        folder = CACHE / f"{family}-{dtype}"
+    def get(family: str, dtype: str, small: bool = False) -> Path:
+        folder = CACHE / f"{family}{'-small' if small else ''}-{dtype}"
         if not (folder / "config.json").is_file():
-            synthetic.write_checkpoint(folder, family, sentences, dtype=dtype, **SIZES[family])
+            size = SMALL_GPTJ if small else SIZES[family]
+            synthetic.write_checkpoint(folder, family, sentences, dtype=dtype, **size)
         return folder
 
     return get
@@ -130,14 +135,14 @@ def overrides(family: str, folder: Path, data: Path, cache_dir: Path, **extra) -
 
 @pytest.fixture(scope="module")
 def runs(checkpoint, small_sst2, cache_dir, tmp_path_factory):
-    """(family, layout, dtype, size) -> the finished run (launched on first use)."""
+    """(family, layout, dtype, size, small) -> the finished run (launched on first use)."""
     done = {}
 
-    def get(family: str, layout: str, dtype: str = "float32", size: str = "full"):
-        key = (family, layout, dtype, size)
+    def get(family: str, layout: str, dtype: str = "float32", size: str = "full", small: bool = False):
+        key = (family, layout, dtype, size, small)
         if key not in done:
             nproc, layout_overrides = LAYOUTS[layout]
-            folder = checkpoint(family, dtype)
+            folder = checkpoint(family, dtype, small)
             extra = {"size": "tiny", "model": None} if size == "tiny" else {}
             if layout == "one" or (family, layout) in COMPARED_WITH_ONE_PROCESS:
                 extra["max_steps"] = 3  # losses compared step by step
@@ -170,10 +175,11 @@ def compare_with_file(exported: dict[str, torch.Tensor], folder: Path, prefix: s
 
 @pytest.mark.parametrize("family,layout,dtype", CASES, ids=["-".join(case) for case in CASES])
 def test_loaded_shards_equal_the_checkpoint(family, layout, dtype, runs, checkpoint):
-    run = runs(family, layout, dtype)
+    small = (family, layout) in SMALL
+    run = runs(family, layout, dtype, small=small)
     exported = load_file(run.output_dir / "loaded" / "model.safetensors")
     prefix = get_family(family).model_classes[TASK[family]].base_model_prefix
-    new = compare_with_file(exported, checkpoint(family, dtype), prefix)
+    new = compare_with_file(exported, checkpoint(family, dtype, small), prefix)
     expected_new = {
         "classification": {
             "gptj": {"score.weight"},
@@ -185,17 +191,17 @@ def test_loaded_shards_equal_the_checkpoint(family, layout, dtype, runs, checkpo
     if new:
         assert "new (not in the checkpoint), initialised from seed 42: " + ", ".join(sorted(new)) in run.output
         # Same seed, same values, whatever the layout: one process's are the reference.
-        single = load_file(runs(family, "one", "float32").output_dir / "loaded" / "model.safetensors")
+        single = load_file(runs(family, "one", "float32", small=small).output_dir / "loaded" / "model.safetensors")
         for name in new:
             assert torch.equal(exported[name], single[name]), name
     if (family, layout) in COMPARED_WITH_ONE_PROCESS:
-        reference = runs(family, "one", "float32")
+        reference = runs(family, "one", "float32", small=small)
         differences = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
         assert len(run.losses) == 3 and max(differences) < 1e-5, differences
         assert reference.losses[0] != reference.losses[-1]
         assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=1e-5)
     if layout == "zero3":  # built partitioned: each rank holds half of one process's parameter bytes
-        single = runs(family, "one", "float32").summary["state_bytes_per_rank"][0]["params"]
+        single = runs(family, "one", "float32", small=small).summary["state_bytes_per_rank"][0]["params"]
         assert max(rank["params"] for rank in run.summary["state_bytes_per_rank"]) <= 0.55 * single
 
 
@@ -306,8 +312,8 @@ def test_summary_reports_load_peak_and_time(runs):
 def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2, cache_dir, tmp_path):
     """A Hub name with `revision=` is fetched by one process per node into the Hugging Face cache and read from
     there by all: here the cache is filled beforehand and the Hub is off, so the run can only succeed through it."""
-    hub = tmp_path / "hub"
-    repo = hub / "models--testorg--small-gpt2"
+    name = f"testorg/small-gpt2-{tmp_path.name}"  # the session's cache (conftest.HUB_CACHE), a repository of its own
+    repo = HUB_CACHE / f"models--{name.replace('/', '--')}"
     for revision, dtype, commit in (("main", "float32", "a" * 40), ("float16", "float16", "b" * 40)):
         snapshot = repo / "snapshots" / commit
         snapshot.mkdir(parents=True)
@@ -317,13 +323,11 @@ def test_hub_name_and_revision_resolve_through_the_cache(checkpoint, small_sst2,
         (repo / "refs" / revision).write_text(commit)
     run = launch(
         2,
-        overrides("gpt2", "testorg/small-gpt2", small_sst2, cache_dir, revision="float16") + LAYOUTS["tp2"][1],
+        overrides("gpt2", name, small_sst2, cache_dir, revision="float16") + LAYOUTS["tp2"][1],
         tmp_path / "run",
         script=WORKER,
         recipe=recipe("gpt2"),
-        env={"HF_HUB_CACHE": str(hub)},
-        torchrun=True,
-    )  # the Hub client reads HF_HUB_CACHE at import
+    )
     assert "(float16)" in run.output and "b" * 40 in run.output
     compare_with_file(
         load_file(run.output_dir / "loaded" / "model.safetensors"), checkpoint("gpt2", "float16"), "transformer"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import zipfile
 
+import harness
 import yaml
 from conftest import REPO, subprocess_env
 
@@ -59,14 +60,11 @@ def test_recipes_hold_no_paths_into_the_repository():
 
 
 def test_copied_recipe_runs_from_another_folder(tmp_path, sst2, cache_dir):
+    """`torchrun --nproc_per_node=2 -m parallel_finetune.train recipes/gptj/tp.yaml ...` in the user's own folder,
+    the ranks forked as torchrun's would be (tests/harness.py; test_harness proves them the same)."""
     project = tmp_path / "my-project"
     shutil.copytree(REPO / "recipes" / "gptj", project / "recipes" / "gptj")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
+    argv = [
         "-m",
         "parallel_finetune.train",
         "recipes/gptj/tp.yaml",
@@ -76,10 +74,8 @@ def test_copied_recipe_runs_from_another_folder(tmp_path, sst2, cache_dir):
         f"cache_dir={cache_dir}",
         "output_dir=runs/copied",
     ]
-    done = subprocess.run(
-        command, cwd=project, capture_output=True, text=True, timeout=600, env=dict(subprocess_env(), PYTHONPATH="")
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    done = harness.run_ranks(2, argv, dict(subprocess_env(), PYTHONPATH=""), project, 600)
+    assert done.returncode == 0, done.report()
     summary = project / "runs" / "copied" / "summary.json"
     assert summary.is_file() and (project / "runs" / "copied" / "hf" / "config.json").is_file()
     assert not (REPO / "runs" / "copied").exists()
