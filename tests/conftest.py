@@ -193,7 +193,15 @@ class Run:
 
 
 def subprocess_env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # TORCHINDUCTOR_COMPILE_THREADS=1: compile=true runs compile in the rank itself; a pool of compile workers (one
+    # per core, each importing torch) costs a 2-core machine more than it saves.
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+    )
     return env
 
 

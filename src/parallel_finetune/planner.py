@@ -70,9 +70,9 @@ HEADROOM = 0.10  # the recommendation leaves this much of the GPU free
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 # Quantizing a shard at load holds it in fp32, its block-scaled copy and one byte per code (9 B per element), and
-# torchao's nearest-code search runs over chunks of 2**20 elements: distances to the 16 codes in fp32, the
-# nearest's fp32 value and int64 index
-NF4_QUANTIZE_BYTES, NF4_SEARCH_BYTES = 9, 2**20 * (16 * 4 + 4 + 8)
+# torchao's nearest-code search runs over chunks of 2**20 elements: the differences to the 16 codes in fp32 and
+# their absolute values (`(value - nf4).abs()`: two such tensors at once), the nearest's fp32 value and int64 index
+NF4_QUANTIZE_BYTES, NF4_SEARCH_BYTES = 9, 2**20 * (2 * 16 * 4 + 4 + 8)
 LINK_EFFICIENCY = 0.7
 
 
