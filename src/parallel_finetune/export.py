@@ -201,6 +201,8 @@ def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:
         return
     eos, stops = tokenizer.eos_token_id, stop_ids(tokenizer)
     ordered = ([eos] if eos in stops else []) + sorted(stops - {eos})
+    if not ordered:  # no EOS and a template that writes nothing after an answer: nothing to stop at
+        return
     model.generation_config.eos_token_id = ordered if len(ordered) > 1 else ordered[0]
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

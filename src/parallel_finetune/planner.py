@@ -329,10 +329,10 @@ def memory_per_gpu(
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
         largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
-        memory["load"] = memory["params"] + 4 * largest_block
+        working = 4 * largest_block
         if shape.nf4:  # or the largest NF4 shard being quantized
-            quantized = NF4_QUANTIZE_BYTES * shape.largest_linear / t / state_divisor + NF4_SEARCH_BYTES
-            memory["load"] = memory["params"] + max(4 * largest_block, quantized)
+            working = max(working, NF4_QUANTIZE_BYTES * shape.largest_linear / t / state_divisor + NF4_SEARCH_BYTES)
+        memory["load"] = memory["params"] + working
         memory["load_total"] = (1 + OVERHEAD_FRACTION) * memory["load"] + OVERHEAD_BYTES
         memory["peak"] = max(memory["total"], memory["load_total"])
         if memory["peak"] > worst.get("peak", -1):
