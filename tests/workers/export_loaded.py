@@ -1,7 +1,9 @@
 """A normal run that also exports the weights as loaded into its shards: from the first step's after-backward hook
-(every rank still holds the pretrained values, no update yet) into `loaded/`. tests/test_full_size.py compares that
-folder with the checkpoint file and the losses with one process."""
+(every rank still holds the pretrained values, no update yet) into `loaded/`, and writes each rank's memory as
+its load began and when its model was ready (`load-memory-rank{N}.json`). tests/test_full_size.py compares that
+folder with the checkpoint file, the losses with one process and the load's memory with the planner."""
 
+import json
 import sys
 
 from parallel_finetune.resolve import load_config
@@ -11,6 +13,9 @@ from parallel_finetune.trainer import run
 
 def export_loaded(trainer, step: int) -> None:
     if step == 1:
+        ready, rank = trainer.ready, trainer.layout.rank
+        memory = {"before_mib": ready.memory_before_load_mib, "peak_mib": ready.load_peak_mib}
+        (trainer.output_dir / f"load-memory-rank{rank}.json").write_text(json.dumps(memory))
         export_as_loaded(trainer)
 
 
