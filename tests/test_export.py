@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO, launch, recipe, tiny_overrides
+from conftest import REPO, launch, python, recipe, tiny_overrides
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -64,3 +64,34 @@ def test_export_reloads_with_same_logits(family, task, layout, sst2, cache_dir, 
             )
             if "lm_head.weight" in weights.keys() and family != "gptj":  # tied, saved twice: the same values
                 assert torch.equal(weights.get_tensor("lm_head.weight"), embedding)
+
+
+SAVE_BOTH_WAYS = """
+import sys
+from pathlib import Path
+import torch
+from parallel_finetune.families import get_family
+from parallel_finetune.pretrained import save_model
+
+family = get_family("gptj")
+torch.manual_seed(0)
+model = family.model_classes["causal_lm"](family.tiny_config(8192, 64))
+out = Path(sys.argv[1])
+save_model(model, out / "ours")
+print("deepspeed imported:", "deepspeed" in sys.modules)
+model.save_pretrained(out / "transformers")
+"""
+
+
+def test_an_export_writes_what_save_pretrained_writes_without_importing_deepspeed(tmp_path):
+    """transformers' save_pretrained unwraps through accelerate, which imports deepspeed when installed (seconds of
+    imports per export); save_model skips that unwrapping and writes the same bytes."""
+    script = tmp_path / "save_both_ways.py"
+    script.write_text(SAVE_BOTH_WAYS)
+    done = python(str(script), str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "deepspeed imported: False" in done.stdout
+    ours, theirs = tmp_path / "ours", tmp_path / "transformers"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for file in theirs.iterdir():
+        assert (ours / file.name).read_bytes() == file.read_bytes(), file.name

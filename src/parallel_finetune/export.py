@@ -29,7 +29,7 @@ from .interfaces import Updates
 from .layout import rank0_decides
 from .model import load_model
 from .precision import DTYPES, EXPORT_DTYPES
-from .pretrained import load_hf_tokenizer
+from .pretrained import load_hf_tokenizer, save_model
 from .resolve import Resolved, pretrained_name
 from .run_files import CONFIG_FILE, LOCK, RECORD
 from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
@@ -190,7 +190,7 @@ def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Pa
     clean.tie_weights()  # assign=True replaced tied parameters one by one; tie them again (GPT-2, GPT-Neo)
     clean.config.dtype = next(iter(state.values())).dtype
     _stop_at_end_of_turn(clean, tokenizer)
-    write_folder(out, lambda folder: (clean.save_pretrained(folder), tokenizer.save_pretrained(folder)))
+    write_folder(out, lambda folder: (save_model(clean, folder), tokenizer.save_pretrained(folder)))
 
 
 def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:

@@ -1,5 +1,5 @@
 """The one way this project reads a transformers config or tokenizer from a model folder (or the Hub): never with
-code from the folder.
+code from the folder; and the one way it writes a model folder (`save_model`).
 
 A `config.json` or `tokenizer_config.json` with an `auto_map` names Python classes in files beside it; transformers
 asks on stdin whether to run them ("[y/N]") and runs them on "y". Here every `from_pretrained` of a config or
@@ -11,6 +11,7 @@ saves (prepared data, checkpoints, exports) can either, and no code file is ever
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
@@ -63,3 +64,29 @@ def load_hf_tokenizer(where: str | Path):
     if tokenizer.init_kwargs.get("auto_map"):
         _refuse(f"{where}/tokenizer_config.json", tokenizer.init_kwargs["auto_map"])
     return tokenizer
+
+
+def save_model(model, folder: str | Path) -> None:
+    """`model.save_pretrained(folder)` for a plain transformers model (no DDP, DeepSpeed or compile wrapper).
+
+    save_pretrained first unwraps its model through accelerate, which imports deepspeed (and mlflow with it) when
+    deepspeed is installed, as it is here: seconds of imports in every run that exports, and deepspeed's import-time
+    set-up in runs that never use it. What this project saves is built unwrapped, so there is nothing to unwrap."""
+    with _unwrapping_skipped():
+        model.save_pretrained(folder)
+
+
+@contextmanager
+def _unwrapping_skipped():
+    from transformers import modeling_utils
+
+    unwrap = modeling_utils.unwrap_model  # an AttributeError here, not a silent no-op, if transformers renames it
+    modeling_utils.unwrap_model = _unwrapped
+    try:
+        yield
+    finally:
+        modeling_utils.unwrap_model = unwrap
+
+
+def _unwrapped(model, recursive: bool = False):
+    return model

@@ -15,6 +15,7 @@ import torch
 
 from .families import get_family
 from .precision import DTYPES
+from .pretrained import save_model
 
 WEIGHT_SEED = 0
 
@@ -51,7 +52,7 @@ def write_checkpoint(
             if "norm" in name.lower() and name.endswith("weight"):
                 param.add_(1.0)  # LayerNorm scales near 1, as trained models have them
     model.tie_weights()
-    model.to(DTYPES[dtype]).save_pretrained(partial)
+    save_model(model.to(DTYPES[dtype]), partial)
     for file in (partial / "tokenizer").iterdir():
         file.rename(partial / file.name)
     (partial / "tokenizer").rmdir()
