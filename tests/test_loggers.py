@@ -217,7 +217,11 @@ def test_a_signal_stops_a_tracker_start_at_once(name, silent_server, tmp_path, m
     or two of the signal, not after MLflow's retries."""
     asked = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), getattr(signal, name)))
+    # To the main thread, as a terminal's Ctrl-C or a `kill` reaches a process whose other threads are idle: a
+    # signal sent to the process may be taken by another thread (this one, or one an earlier test left running),
+    # which does not interrupt the main thread's blocking read (seen once in ~7 suite runs: the start ran to its
+    # 60 s deadline).
+    timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, getattr(signal, name)))
     timer.start()
     started = time.monotonic()
     try:
