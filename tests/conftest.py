@@ -73,7 +73,9 @@ def sst2_full() -> Path:
 
 # What a tiny run reads of SST-2. A parity row trains 6 steps of 16 rows and scores the dev split, so loading all
 # 67,349 training rows and scoring all 872 dev rows was most of each run's time; these real rows compare layouts
-# as well. Tests about reading the whole data set take `sst2_full`.
+# as well. 128 dev rows, not 256 (until 2026-11-27): one evaluation batch of the tiny runs' 128, half the scoring,
+# and the training rows, so every loss a parity row compares, unchanged. Tests about reading the whole data set
+# take `sst2_full`.
 SST2_ROWS = {"train.tsv": 8000, "dev.tsv": 128, "test.tsv": 128}
 
 
