@@ -3,12 +3,15 @@ MFU, padding share). No wall-clock assertions: timings go to `make bench`."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from conftest import assert_mfu_as_documented, assert_trains_like, launch, tiny_overrides
+from conftest import RECIPE, assert_mfu_as_documented, assert_trains_like, check, launch, tiny_overrides
 
 from parallel_finetune import data, throughput
-from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, Config, compile_decision
+from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, COMPILE_WITH_TP, Config, compile_decision
+from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import stage_costs
 from parallel_finetune.reporting import format_step, format_throughput
@@ -18,14 +21,22 @@ from parallel_finetune.throughput import Peak, achieved, cpu_peak, gpu_peak_tflo
 
 @pytest.mark.parametrize(
     "nproc,layout",
-    [(1, []), (2, ["tensor_parallel_degree=2", "activation_checkpointing=true"])],
-    ids=["single_process", "tp2_checkpointing"],
+    [
+        (1, ["tensor_parallel_degree=1", "activation_checkpointing=true"]),
+        (2, ["tensor_parallel_degree=1", "sharding=full", "activation_checkpointing=true"]),
+    ],
+    ids=["single_process_checkpointing", "fsdp2_checkpointing"],
 )
 def test_compile_trains_like_eager(nproc, layout, sst2, cache_dir, tmp_path):
+    """With activation checkpointing, which compile traces into the block's graph (until 2026-11-27 dynamo skipped
+    the checkpointed blocks and they ran eager, while the log said compiled): dynamo's own count of the graphs it
+    compiled, not only our log line, and the same training as eager."""
     overrides = tiny_overrides(sst2, cache_dir, max_steps=5) + layout
     eager = launch(nproc, overrides, tmp_path / "eager")
     compiled = launch(nproc, overrides + ["compile=true"], tmp_path / "compiled")
     assert "compiled on first use" in compiled.output
+    graphs = re.search(r"compile: torch.compile compiled (\d+) graph", compiled.output)
+    assert graphs and int(graphs.group(1)) >= 2, compiled.output[-3000:]  # with and without gradients, at least
     assert_trains_like(compiled, eager, "classification")
     summary = compiled.summary
     assert 0 < summary["padding_fraction"] < 0.5 and set(summary["padding_fraction_per_epoch"]) == {"0"}
@@ -77,18 +88,34 @@ def test_token_slots_and_padding_fraction_by_hand():
 
 
 def test_compile_auto_compiles_long_gpu_runs_only():
-    assert compile_decision(Config(), 999, "cuda") == (False, "compile=auto: off (999 steps < 1000)")
-    assert compile_decision(Config(), COMPILE_AUTO_MIN_STEPS, "cuda") == (
+    assert compile_decision(Config(), 999, "cuda", 1) == (False, "compile=auto: off (999 steps < 1000)")
+    assert compile_decision(Config(), COMPILE_AUTO_MIN_STEPS, "cuda", 1) == (
         True,
         "compile=auto: on (1000 steps >= 1000)",
     )
-    assert compile_decision(Config(), 5000, "cpu") == (
+    assert compile_decision(Config(), 5000, "cpu", 1) == (
         False,
         "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)",
     )
-    assert compile_decision(Config.from_flat(dict(compile=False)), 5000, "cuda")[0] is False
-    assert compile_decision(Config.from_flat(dict(compile=True)), 5, "cpu")[0] is True
-    assert compile_decision(Config.from_flat(dict(engine="deepspeed")), 5000, "cuda")[0] is False
+    assert compile_decision(Config.from_flat(dict(compile=False)), 5000, "cuda", 1)[0] is False
+    assert compile_decision(Config.from_flat(dict(compile=True)), 5, "cpu", 1)[0] is True
+    assert compile_decision(Config.from_flat(dict(engine="deepspeed")), 5000, "cuda", 1)[0] is False
+    # tensor parallelism: torch.compile fails on its sharded blocks (config.COMPILE_WITH_TP)
+    assert compile_decision(Config(), 5000, "cuda", 2) == (
+        False,
+        f"compile=auto: off (tensor_parallel_degree=2: torch.compile {COMPILE_WITH_TP})",
+    )
+    with pytest.raises(UserError) as refused:
+        compile_decision(Config.from_flat(dict(compile=True)), 5000, "cuda", 4)
+    assert str(refused.value) == f"compile=true with tensor_parallel_degree=4 {COMPILE_WITH_TP}"
+
+
+def test_compile_with_tensor_parallelism_is_refused_before_the_launch():
+    """What tensor_parallel_degree=auto decides is checked by every rank (compile_decision, above)."""
+    checked = check("compile=true", "tensor_parallel_degree=2")
+    assert checked.returncode == 2 and checked.stderr.strip().splitlines() == [
+        f"error: recipe {RECIPE}: compile=True with tensor_parallel_degree=2 {COMPILE_WITH_TP}"
+    ], checked.stderr
 
 
 # ----------------------------------------------------------------- issue 26: true figures (CPU peak, MFU <= 100%)

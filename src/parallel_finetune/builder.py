@@ -360,7 +360,7 @@ class RunBuilder:
         family.check_tp(hf_config, layout.tp)
         if config.packing:
             family.check_packing(hf_config, config.max_length)
-        compiled, why = compile_decision(config, rows.total_steps, layout.device.type)
+        compiled, why = compile_decision(config, rows.total_steps, layout.device.type, layout.tp)
         if config.compile == "auto":
             log.info("%s", why)
         placement = Placement(

@@ -133,8 +133,9 @@ class TrainingSection:
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
     # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for GPU runs of at
-    # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: long enough to earn the compile time back), off for shorter ones
-    # and on CPUs (a compiled MiniLM step measured 1.16x slower than eager there)
+    # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: long enough to earn the compile time back), off for shorter ones,
+    # on CPUs (a compiled MiniLM step measured 1.16x slower than eager there) and under tensor parallelism (where
+    # torch 2.13 fails to compile the sharded blocks; compile=true with it is an error)
     compile: Continues[bool | Literal["auto"]] = "auto"
     # per device, for MFU; None = known GPU's 16-bit peak, CPU's theoretical
     peak_tflops: Continues[float | None] = None
@@ -373,13 +374,27 @@ COLLECTIVE_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
 TRACKER_TIMEOUT_RANGE_S = (1.0, 600.0)
 
 
-def compile_decision(config: Config, total_steps: int, device_type: str) -> tuple[bool, str]:
+# Measured with torch 2.13 (2026-11-27): compiling a block whose Linear weights are DTensor shards fails while
+# AOTAutograd traces its backward (RecursionError with dynamic shapes, AttributeError '_local_tensor' with static
+# ones), in one process per rank as on any number. One process, FSDP and pipeline stages compile.
+COMPILE_WITH_TP = (
+    "fails on tensor-parallel blocks under torch 2.13 (tracing a sharded block's backward raises); use "
+    "compile=false, or compile with FSDP (sharding=full), pipeline stages or one process"
+)
+
+
+def compile_decision(config: Config, total_steps: int, device_type: str, tensor_parallel: int) -> tuple[bool, str]:
     """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
-    COMPILE_AUTO_MIN_STEPS steps on GPUs. Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x
-    slower than eager (median over 200 identical steps; with lengths padded to a multiple of 8 and static shapes,
-    1.17x), so no run length earns the compile time back (docs/speed.md)."""
+    COMPILE_AUTO_MIN_STEPS steps on GPUs, without tensor parallelism (COMPILE_WITH_TP; compile=true with it is an
+    error). Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x slower than eager (median over
+    200 identical steps; with lengths padded to a multiple of 8 and static shapes, 1.17x), so no run length earns
+    the compile time back (docs/speed.md)."""
+    if config.compile is True and tensor_parallel > 1:
+        raise UserError(f"compile=true with tensor_parallel_degree={tensor_parallel} {COMPILE_WITH_TP}")
     if config.compile != "auto":
         return bool(config.compile), f"compile={str(config.compile).lower()}"
+    if tensor_parallel > 1:
+        return False, f"compile=auto: off (tensor_parallel_degree={tensor_parallel}: torch.compile {COMPILE_WITH_TP})"
     if config.engine != "torch":
         return False, "compile=auto: off (engine=deepspeed)"
     if device_type == "cpu":

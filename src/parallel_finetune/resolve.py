@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, check_keys, parse_config
+from .config import COMPILE_WITH_TP, Config, check_keys, parse_config
 from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
@@ -156,6 +156,8 @@ def _check_parallel(config: Config, bad) -> None:
         raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
+    if config.compile is True and tp != "auto" and tp > 1:
+        raise bad("compile", f"with tensor_parallel_degree={tp} {COMPILE_WITH_TP}")
     if config.compile is True and Engine(config.engine) is Engine.DEEPSPEED:
         raise bad(
             "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"

@@ -38,6 +38,7 @@ from .launch import end_with_launcher
 from .layout import Engine, rank0_decides, shutdown, timed_out
 from .loggers import destinations
 from .loss import loss_count
+from .parallel import compiled_graphs
 from .reporting import Reporter
 from .runfolder import record_written
 from .summary import RunRecord, run_summary, write_summary
@@ -266,6 +267,14 @@ class Trainer:
         return self.history
 
 
+def report_compiled(graphs: int) -> None:
+    """What compile=true did: a run whose blocks ran eager says so (dynamo skips frames it cannot trace quietly)."""
+    if graphs:
+        log.info("compile: torch.compile compiled %d graph(s) of the blocks", graphs)
+    else:
+        log.warning("compile: torch.compile compiled no graph; the blocks ran eager")
+
+
 def run(config: Config, after_backward: Callable | None = None) -> dict:
     """Train, evaluate, export and report: what `scripts/train.py` does. Returns summary.json's content.
     SIGTERM, or the torchrun launcher's end: checkpoint and stop; Ctrl-C: stop at once (Interrupted)."""
@@ -284,6 +293,8 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         with trainer.timer("eval"):
             results = evaluate_all(model, runner, data, batch_size, layout)
         trainer.reporter.evaluation(trainer.step, results)
+        if trainer.ready.parallel.compiled:
+            report_compiled(compiled_graphs())
         if config.predict:
             with trainer.timer("predict"):
                 predict_test(model, runner, data, batch_size, layout, trainer.output_dir)

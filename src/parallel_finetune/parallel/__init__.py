@@ -32,6 +32,7 @@ class Parallelized:
     lora: list[str] = field(default_factory=list)  # peft=lora: the adapters' parameters this rank holds
     trainable: set[str] | None = None  # peft=lora: the parameters that train (adapters, head); None = all
     quantized: list[quantize.Pending] = field(default_factory=list)  # QLoRA: weights quantized as loaded
+    compiled: bool = False  # the blocks go through torch.compile (`compiled_graphs` counts what it compiled)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,7 @@ def parallelize(
         )
     if placement.compile:
         compile_blocks(family.blocks(model))
+        result.compiled = True
         log.info(
             "compile: each of the %d transformer blocks%s compiled on first use (torch.compile)",
             len(family.blocks(model)),
@@ -103,6 +105,13 @@ def parallelize(
     if layout.dims.fsdp:
         apply_fsdp(model, family.blocks(model), layout, placement.autocast_dtype)
     return result
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile compiled in this process so far (dynamo's count of unique graphs)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def compile_blocks(blocks: list[nn.Module]) -> None:

@@ -8,7 +8,6 @@ RNG state, so dropout draws the same masks when the block is recomputed: the los
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 
@@ -36,8 +35,20 @@ def apply_activation_checkpointing(
     chosen = checkpointed_blocks(numbers, every)
     for block, number in zip(blocks, numbers):
         if number in chosen:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = _checkpointed(block.forward)
     return chosen
+
+
+def _checkpointed(forward):
+    """`forward` under activation checkpointing, as a function of this module. compile=true compiles a block from
+    the first frame below its `__call__` that is not torch's own; a bare `torch.utils.checkpoint` there (a
+    functools.partial) is torch's own, and dynamo skipped it with everything it called: the block ran eager. From
+    this frame dynamo traces the checkpoint into the block's graph."""
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def offload_context(enabled: bool, device: torch.device):
