@@ -110,12 +110,20 @@ def test_compile_auto_compiles_long_gpu_runs_only():
     assert str(refused.value) == f"compile=true with tensor_parallel_degree=4 {COMPILE_WITH_TP}"
 
 
-def test_compile_with_tensor_parallelism_is_refused_before_the_launch():
-    """What tensor_parallel_degree=auto decides is checked by every rank (compile_decision, above)."""
+def test_compile_with_tensor_parallelism_is_refused_before_the_launch(sst2, tmp_path):
+    """A given degree, and the one tensor_parallel_degree=auto decides for the processes (every rank checks it
+    again: compile_decision, above)."""
     checked = check("compile=true", "tensor_parallel_degree=2")
     assert checked.returncode == 2 and checked.stderr.strip().splitlines() == [
         f"error: recipe {RECIPE}: compile=True with tensor_parallel_degree=2 {COMPILE_WITH_TP}"
     ], checked.stderr
+    tiny = ("size=tiny", f"data_dir={sst2}", f"output_dir={tmp_path / 'run'}", "compile=true")
+    checked = check(*tiny, "tensor_parallel_degree=auto")
+    assert checked.returncode == 2 and checked.stderr.strip().splitlines() == [
+        f"error: compile=true with tensor_parallel_degree=2 {COMPILE_WITH_TP}"
+    ], checked.stderr
+    checked = check(*tiny, "tensor_parallel_degree=1")
+    assert checked.returncode == 0, checked.stderr
 
 
 # ----------------------------------------------------------------- issue 26: true figures (CPU peak, MFU <= 100%)
