@@ -383,14 +383,19 @@ COMPILE_WITH_TP = (
 )
 
 
+def refuse_compile_with_tp(compile: bool | str, tensor_parallel: int) -> None:
+    """compile=true under tensor parallelism (COMPILE_WITH_TP): at --check and on every rank, the same line."""
+    if compile is True and tensor_parallel > 1:
+        raise UserError(f"compile=true with tensor_parallel_degree={tensor_parallel} {COMPILE_WITH_TP}")
+
+
 def compile_decision(config: Config, total_steps: int, device_type: str, tensor_parallel: int) -> tuple[bool, str]:
     """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
     COMPILE_AUTO_MIN_STEPS steps on GPUs, without tensor parallelism (COMPILE_WITH_TP; compile=true with it is an
     error). Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x slower than eager (median over
     200 identical steps; with lengths padded to a multiple of 8 and static shapes, 1.17x), so no run length earns
     the compile time back (docs/speed.md)."""
-    if config.compile is True and tensor_parallel > 1:
-        raise UserError(f"compile=true with tensor_parallel_degree={tensor_parallel} {COMPILE_WITH_TP}")
+    refuse_compile_with_tp(config.compile, tensor_parallel)
     if config.compile != "auto":
         return bool(config.compile), f"compile={str(config.compile).lower()}"
     if tensor_parallel > 1:

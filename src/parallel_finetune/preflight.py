@@ -6,7 +6,7 @@ from pathlib import Path
 
 from . import lora
 from .checkpoint import check_resume
-from .config import COMPILE_WITH_TP, Config
+from .config import Config, refuse_compile_with_tp
 from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer
 from .errors import UserError
 from .families import get_family
@@ -40,8 +40,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
         config.pipeline_parallel_degree,
     )
     family.check_tp(hf_config, dims.tp)
-    if config.compile is True and dims.tp > 1:  # tensor_parallel_degree=auto decided it: as every rank will say
-        raise UserError(f"compile=true with tensor_parallel_degree={dims.tp} {COMPILE_WITH_TP}")
+    refuse_compile_with_tp(config.compile, dims.tp)  # the degree tensor_parallel_degree=auto gives, as every rank
     check_batch_split(config.batch_size, dims.dp, config.gradient_accumulation_steps)
     pipeline = ""
     if dims.pp_enabled:
