@@ -134,9 +134,9 @@ class TrainingSection:
     lr_scaling: Literal["none", "linear"] = "none"
     # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for GPU runs of at
     # least 1,000 steps (COMPILE_AUTO_MIN_STEPS: what a real-size model needs to earn the ~1 min compile back; a
-    # small one needs thousands, docs/speed.md), off for shorter ones,
-    # on CPUs (a compiled MiniLM step measured 1.16x slower than eager there) and under tensor parallelism (where
-    # torch 2.13 fails to compile the sharded blocks; compile=true with it is an error)
+    # small one needs thousands, docs/speed.md), off for shorter ones, on CPUs (a compiled MiniLM step measured
+    # 1.16x slower than eager there) and under tensor parallelism (where torch 2.13 fails to compile the sharded
+    # blocks; compile=true with it is an error)
     compile: Continues[bool | Literal["auto"]] = "auto"
     # per device, for MFU; None = known GPU's 16-bit peak, CPU's theoretical
     peak_tflops: Continues[float | None] = None
