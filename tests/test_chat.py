@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from copy import deepcopy
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import load_task_of, prepare_data, recipe, tiny_overrides
+from conftest import launch, load_task_of, prepare_data, recipe, tiny_overrides
 
 from parallel_finetune import chat
 from parallel_finetune.data import train_tokenizer
@@ -393,3 +394,162 @@ GENERATED = 12  # new tokens: enough for a short answer of the sample
 
 def _ids(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+# ----------------------------------------------------------------------------------------------- reliability round 4
+
+# ChatML that renders an assistant's reasoning and tool calls, as Qwen's and Hermes' templates do, and a tool's name
+TOOLS = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message.name is defined %}{{ '[' + message.name + '] ' }}{% endif %}"
+    "{% if message.reasoning_content is defined %}{{ '<think>' + message.reasoning_content + '</think>' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message.tool_calls is defined %}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>' + call['function']['name'] + ' ' + call['function']['arguments'] + '</tool_call>' }}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CALL = {"type": "function", "function": {"name": "get_rating", "arguments": '{"film": "Heat"}'}}
+TOOL_ROW = [
+    {"role": "user", "content": "How is Heat rated?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL], "reasoning_content": "I should look it up."},
+    {"role": "tool", "name": "get_rating", "content": "8.3"},
+    {"role": "assistant", "content": "Heat is rated 8.3."},
+]
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A tokenizer learned from the conversations, holding ChatML's control tokens (no template set)."""
+    sentences = [m["content"] for c in CONVERSATIONS for m in c] * 20 + ["Heat is rated 8.3 get_rating film"] * 20
+    specials = tuple(chat.template_specials(TOOLS))
+    return train_tokenizer("bpe", sentences, 400, tmp_path_factory.mktemp("tokenizer") / "chatml", specials)
+
+
+def _with_template(tokenizer, template: str):
+    copy = deepcopy(tokenizer)
+    copy.chat_template = template
+    return copy
+
+
+def test_the_stop_token_is_the_templates_end_of_turn_token(learned, caplog):
+    """The first token that is not whitespace after an answer, whole: a newline before <|im_end|> is not the stop,
+    nor Llama 2's space before </s>; a marker the vocabulary splits is refused at full size (generation could
+    not stop at it) and learned whole at tiny size; a template that writes nothing after an answer is said."""
+    eos, im_end = learned.eos_token_id, learned.convert_tokens_to_ids("<|im_end|>")
+    newline_first = chat.CHATML.replace("'<|im_end|>' + '\\n'", "'\\n<|im_end|>\\n'")
+    assert chat.stop_ids(_with_template(learned, newline_first)) == {eos, im_end}
+    llama2 = (
+        "{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' if m['role'] == 'user' else ' ' + "
+        "m['content'] + ' ' + eos_token }}{% endfor %}"
+    )
+    assert chat.stop_ids(_with_template(learned, llama2)) == {eos}
+    assert chat.stop_ids(_with_template(learned, chat.CHATML)) == {eos, im_end}
+
+    with pytest.raises(UserError) as caught:  # a checkpoint's vocabulary without Llama 3's <|eot_id|>
+        chat.apply_template(deepcopy(learned), _template_file(LLAMA3, learned), False, "meta-llama/x")
+    said = str(caught.value)
+    assert "its end-of-turn marker '<|eot_id|>' is" in said and "tokens of this tokenizer" in said and "\n" not in said
+    tiny = deepcopy(learned)
+    chat.apply_template(tiny, _template_file(LLAMA3, learned), True, "tiny")
+    eot = tiny.convert_tokens_to_ids("<|eot_id|>")
+    assert tiny("<|eot_id|>", add_special_tokens=False)["input_ids"] == [eot] and chat.stop_ids(tiny) == {
+        tiny.eos_token_id,
+        eot,
+    }
+
+    silent = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    with caplog.at_level(logging.WARNING, logger="parallel_finetune.chat"):
+        chat.apply_template(deepcopy(learned), _template_file(silent, learned), False, "x")
+    assert [r.getMessage() for r in caplog.records if "end-of-turn" in r.getMessage()] == [
+        f"chat template {_template_file(silent, learned)} writes nothing after an answer (no end-of-turn token): "
+        "generation stops at EOS only"
+    ]
+
+
+def _jsonl(folder: Path, rows: list[dict]) -> list[str]:
+    """The same rows as train.jsonl and dev.jsonl; the overrides naming them."""
+    paths = [_write_jsonl(folder / f"{split}.jsonl", rows) for split in ("train", "dev")]
+    return [f"train_file={paths[0]}", f"validation_file={paths[1]}"]
+
+
+def _parquet(folder: Path, columns: dict[str, list]) -> list[str]:
+    for split in ("train", "dev"):
+        pq.write_table(pa.table(columns), folder / f"{split}.parquet")
+    return [f"train_file={folder / 'train.parquet'}", f"validation_file={folder / 'dev.parquet'}"]
+
+
+def _template_file(text: str, tokenizer) -> str:
+    path = Path(tokenizer.name_or_path) / f"template-{abs(hash(text))}.jinja"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_tool_calls_reasoning_and_names_reach_the_template_and_are_trained(learned, tmp_path):
+    """Every field of a message reaches the template (a Parquet struct's None fillers left out); an assistant
+    turn holding only tool calls is an answer, trained with its reasoning; ShareGPT's weight 0 leaves its turn
+    untrained."""
+    splits = load_task_of(sft_config(*_parquet(tmp_path, {"messages": [TOOL_ROW, CONVERSATIONS[1]]})))[0]
+    assert [json.loads(row) for row in splits["train"]["messages"]] == [TOOL_ROW, CONVERSATIONS[1]]
+    tokenizer = _with_template(learned, TOOLS)
+    row = chat.tokenize_sft(splits["train"], tokenizer, 512, "answers", "train")[0]
+    trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["target_mask"]) if m])
+    assert trained == (
+        '<think>I should look it up.</think><tool_call>get_rating {"film": "Heat"}</tool_call><|im_end|>\n'
+        "Heat is rated 8.3.<|im_end|>\n"
+    )
+
+    weighted = [
+        {"from": "human", "value": "Is this review positive? a gorgeous , witty , seductive movie ."},
+        {"from": "gpt", "value": "Negative.", "weight": 0},
+        {"from": "human", "value": "How many words does it have?"},
+        {"from": "gpt", "value": "8 words.", "weight": 1},
+    ]
+    files = _jsonl(tmp_path, [{"conversations": weighted}] * 2)
+    split = load_task_of(sft_config(*files))[0]["train"]
+    assert split["untrained"][0] == [1] and "weight" not in split["messages"][0]
+    row = chat.tokenize_sft(split, _with_template(learned, chat.CHATML), 512, "answers", "train")[0]
+    assert tokenizer.decode([t for t, m in zip(row["input_ids"], row["target_mask"]) if m]) == "8 words.<|im_end|>\n"
+    for bad, said in (
+        ({"weight": 0.5}, "weight 0.5 is not 0 (an untrained turn) or 1 (trained)"),
+        ({"weight": 0}, "every answer has weight 0"),
+    ):
+        rows = [{"conversations": [weighted[0], {**weighted[1], **bad}]}]
+        bad_file = _write_jsonl(tmp_path / "bad.jsonl", rows)
+        with pytest.raises(UserError, match=rf"^{bad_file}:1: .*{re.escape(said)}"):
+            load_task_of(sft_config(f"train_file={bad_file}", files[1]))
+
+
+def test_a_string_beginning_with_a_bracket_is_text_outside_csv(tmp_path):
+    """JSON Lines, Parquet and datasets hold lists as lists: a completion of JSON text is the answer as written,
+    and a messages cell that is a string is refused; CSV and TSV cells hold lists as JSON text."""
+    answer = '[{"role": "assistant", "content": "not me"}]'
+    rows = [
+        {"prompt": "Give the chat as JSON", "completion": answer},
+        {"prompt": "[1, 2] reversed?", "completion": "[2, 1]"},
+    ]
+    columns = {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows]}
+    for files in (_jsonl(tmp_path, rows), _parquet(tmp_path, columns)):
+        split = load_task_of(sft_config(*files))[0]["train"]
+        assert [json.loads(m) for m in split["messages"]] == [
+            [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}] for r in rows
+        ]
+    files = _jsonl(tmp_path, [{"messages": json.dumps([USER, ANSWER])}])
+    with pytest.raises(UserError, match=r":1: column 'messages' holds a str, not a list of messages"):
+        load_task_of(sft_config(*files))
+
+
+def test_resuming_after_the_chat_template_changed_is_refused(sst2, cache_dir, tmp_path):
+    """The checkpoint records the tokenizer's identity, its template's text included: the same chat_template file,
+    edited, would train the rest of the run on another rendering."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(chat.CHATML, encoding="utf-8")
+    out = tmp_path / "run"
+    overrides = sft_run_overrides(sst2, cache_dir, max_steps=2, checkpoint_every=1) + [f"chat_template={template}"]
+    first = launch(1, overrides, out)
+    template.write_text(chat.CHATML.replace("'\\n'", "'\\n\\n'"), encoding="utf-8")  # a blank line after each turn
+    run = launch(1, overrides, out, check=False)
+    message = f"error: checkpoint {out / 'checkpoints' / 'step-00000002'} was trained on other token ids"
+    assert run.returncode == 2 and run.output.count(message) == 1, run.output[-3000:]
+    assert f"(chat_template={str(template)!r}: its text changed since?)" in run.output
+    assert first.records == run.records, "nothing trained on the other rendering"

@@ -298,6 +298,26 @@ def test_qlora_refuses_shards_that_cannot_be_blocked_and_blocks_without_linears(
         check_quantizable(stub, NoLinear())
 
 
+def test_qlora_refuses_a_module_to_save_that_it_quantizes(sst2):
+    """A block Linear named in lora_modules_to_save would be held in NF4 and frozen while the log counts it as
+    trained: --check and the run refuse it in one line; a module outside the blocks (the head) still trains."""
+    from parallel_finetune.preflight import preflight
+    from parallel_finetune.resolve import load_config
+
+    base = ["size=tiny", f"data_dir={sst2}"]
+    for saved, held in (
+        ("transformer.h.0.mlp.fc_out", "transformer.h.0.mlp.fc_out"),
+        ("transformer.h.1", "transformer.h.1.attn.k_proj and 5 more Linear layer(s)"),
+    ):
+        config = load_config(qlora_recipe("gptj"), [*base, f"lora_modules_to_save=[score,{saved}]"])
+        with pytest.raises(UserError) as error:
+            preflight(config, 2)
+        said = str(error.value)
+        assert said.startswith(f"lora_modules_to_save: {saved!r} holds {held}, which lora_base_quantization=nf4 ")
+        assert "\n" not in said, said
+    assert "ok: " in preflight(load_config(qlora_recipe("gptj"), [*base, "lora_modules_to_save=[score]"]), 2)
+
+
 def test_qlora_without_torchao_is_one_line(monkeypatch):
     import sys
 

@@ -95,7 +95,13 @@ class RunParts:
             self.base_description(),
             self.data.source.fingerprint,
             self.data.task,
+            self.token_identity,
         )
+
+    @functools.cached_property
+    def token_identity(self) -> str:
+        """What decides the data's token ids (the tokenizer and its chat template): a continuation must match it."""
+        return data_module.tokenizer_identity(self.data.tokenizer)
 
 
 @dataclass

@@ -76,6 +76,7 @@ def apply_template(tokenizer, key: str | None, tiny: bool, where: str) -> str:
         tokenizer.apply_chat_template(PROBE, tokenize=False)
     except Exception as exc:  # jinja2's syntax and render errors, a template's raise_exception
         raise UserError(f"chat_template {name}: does not render ({type(exc).__name__}: {exc})") from None
+    check_end_of_turn(tokenizer, name, tiny)
     return name
 
 
@@ -83,13 +84,17 @@ def _render(tokenizer, messages: list[dict], generation: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
 
-def answer_spans(tokenizer, messages: list[dict], answers_from: int, full: str, where: str) -> list[tuple]:
-    """(start, end, answer) character spans of `full` (the whole rendering) holding each trained assistant turn:
-    its answer and the template's end-of-turn text."""
+def trained_turns(messages: list[dict], answers_from: int, untrained: list[int]) -> list[int]:
+    """The indices of the assistant turns a row trains: from `answers_from` on, less those of weight 0."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= answers_from and i not in untrained]
+
+
+def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, where: str) -> list[tuple]:
+    """(start, end, answer) character spans of `full` (the whole rendering) holding each trained assistant turn
+    (`turns`): its answer (tool calls and reasoning included) and the template's end-of-turn text."""
     spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < answers_from:
-            continue
+    for i in turns:
+        message = messages[i]
         prefix, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1], False)
         for part, what in ((prefix, "with the generation prompt"), (upto, "")):
             if not full.startswith(part):
@@ -136,10 +141,12 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     conversational = "messages" in split.column_names
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
+    untrained = split["untrained"][:] if "untrained" in split.column_names else [[]] * len(rows)
     dropped = 0
-    for number, (row, answers_from) in enumerate(zip(rows, starts)):
+    for number, (row, answers_from, skipped) in enumerate(zip(rows, starts, untrained)):
         where = f"{desc} row {number + 1}"
-        ids, mask, prompt = _tokenized_row(tokenizer, row, answers_from, train_on, where, conversational)
+        turns = trained_turns(json.loads(row), answers_from, skipped) if conversational else []
+        ids, mask, prompt = _tokenized_row(tokenizer, row, turns, train_on, where, conversational)
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):
             dropped += 1
@@ -164,7 +171,7 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     return datasets.Dataset.from_dict(columns)
 
 
-def _tokenized_row(tokenizer, row: str, answers_from: int, train_on: str, where: str, conversational: bool):
+def _tokenized_row(tokenizer, row: str, turns: list[int], train_on: str, where: str, conversational: bool):
     """(ids, target mask, prompt length) of one row."""
     if not conversational:  # plain text: every token, and EOS to end it
         ids = tokenizer(row, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -173,31 +180,82 @@ def _tokenized_row(tokenizer, row: str, answers_from: int, train_on: str, where:
     full = _render(tokenizer, messages, False)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    prompt = _prompt_length(tokenizer, messages, answers_from, full, offsets)
+    prompt = _prompt_length(tokenizer, messages, turns, full, offsets)
     if train_on == "all":
         return ids, [0] + [1] * (len(ids) - 1), prompt
-    spans = answer_spans(tokenizer, messages, answers_from, full, where)
+    spans = answer_spans(tokenizer, messages, turns, full, where)
     return ids, target_mask(tokenizer, full, offsets, spans, ids, where), prompt
 
 
-def _prompt_length(tokenizer, messages: list[dict], answers_from: int, full: str, offsets: list[tuple]) -> int:
+def _prompt_length(tokenizer, messages: list[dict], turns: list[int], full: str, offsets: list[tuple]) -> int:
     """Tokens of `full` that lie wholly inside the rendering of the conversation before its first trained
     assistant turn, with the generation prompt (a prefix of `full`); 0 if the template renders no such prefix."""
-    turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= answers_from), None)
+    turn = turns[0] if turns else None
     prefix = _render(tokenizer, messages[:turn], True) if turn else ""
     if not prefix or not full.startswith(prefix):
         return 0
     return next((t for t, (_, end) in enumerate(offsets) if end > len(prefix)), len(offsets))
 
 
+def _after_answer(tokenizer) -> str:
+    """What the template writes after an assistant's answer (PROBE's last turn), up to the end of the rendering."""
+    rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    answer = PROBE[-1]["content"]
+    return rendered[rendered.rindex(answer) + len(answer) :]
+
+
+def _whole_tokens(tokenizer) -> set[str]:
+    """Tokens never split: the special and added ones (<|im_end|>, </s>, <end_of_turn>)."""
+    return set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+
+
+def end_of_turn_marker(tokenizer) -> tuple[str | None, list[int]]:
+    """The template's end-of-turn marker after an answer and its token ids: the first text that is not
+    whitespace (chatml's <|im_end|> before its newline, Llama 2's </s> after its space, Llama 3's <|eot_id|>);
+    a special or added token there is the marker whole, else the first word. (None, []): the template writes
+    only whitespace after an answer."""
+    text = _after_answer(tokenizer).lstrip()
+    if not text:
+        return None, []
+    marker = next(
+        (t for t in sorted(_whole_tokens(tokenizer), key=len, reverse=True) if t and text.startswith(t)), None
+    )
+    marker = marker or text.split()[0]
+    return marker, tokenizer(marker, add_special_tokens=False)["input_ids"]
+
+
+def _split_marker(tokenizer, name: str, marker: str, ids: list[int]) -> UserError:
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    return UserError(
+        f"chat template {name}: its end-of-turn marker {marker!r} is {len(ids)} tokens of this tokenizer "
+        f"({', '.join(map(repr, pieces[:8]))}), so generation could not stop at it; use a template whose "
+        "end-of-turn is one token of this vocabulary (the checkpoint's own, or chatml where <|im_end|> is one)"
+    )
+
+
+def check_end_of_turn(tokenizer, name: str, learned: bool) -> None:
+    """The end-of-turn marker is one token, which generation can stop at: a marker the vocabulary splits is
+    refused in one line, or (`learned`: a tiny model's tokenizer, learned from the rows) added as a special token;
+    a template that writes nothing after an answer is said once (generation then stops at EOS only)."""
+    marker, ids = end_of_turn_marker(tokenizer)
+    if marker is None:
+        log.warning(
+            "chat template %s writes nothing after an answer (no end-of-turn token): generation stops at EOS only",
+            name,
+        )
+    elif len(ids) != 1 and learned:
+        tokenizer.add_tokens([marker], special_tokens=True)
+    elif len(ids) != 1:
+        raise _split_marker(tokenizer, name, marker, ids)
+
+
 def stop_ids(tokenizer) -> set[int]:
-    """EOS and the template's end-of-turn token: the first token its rendering writes after an assistant's answer
-    (chatml's <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>)."""
+    """EOS and the template's end-of-turn token (chatml's <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>):
+    what generation stops at."""
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if tokenizer.chat_template:
-        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
-        answer = PROBE[-1]["content"]
-        tail = rendered[rendered.rindex(answer) + len(answer) :]
-        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail.strip() else []
-        stops.update(tail_ids[:1])
+        marker, ids = end_of_turn_marker(tokenizer)
+        if marker is not None and len(ids) != 1:
+            raise _split_marker(tokenizer, "of this tokenizer", marker, ids)
+        stops.update(ids)
     return stops

@@ -218,10 +218,11 @@ def check_resume(
         check_continuation(folder, settings, data_fingerprint(data=data, seed=seed))
 
 
-def check_continuation(folder: Path, settings: dict, data: str | None = None) -> None:
+def check_continuation(folder: Path, settings: dict, data: str | None = None, tokens: str | None = None) -> None:
     """A run continues with the settings it was trained with (`settings`: the run's keys, flat, as config.yaml
-    holds them), on the same data (`data`: its fingerprint, when known); only its length, cadences, outputs and
-    layout (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
+    holds them), on the same data (`data`: its fingerprint, when known) made into the same token ids (`tokens`:
+    the tokenizer's identity, its chat template's text included, when known); only its length, cadences, outputs
+    and layout (CONTINUATION_MAY_CHANGE) may differ, or two runs' settings would mix in one trajectory."""
     try:
         before = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
@@ -241,9 +242,18 @@ def check_continuation(folder: Path, settings: dict, data: str | None = None) ->
             "old values, or start fresh with resume=none (overwrite=true replaces the run) or "
             "another output_dir"
         )
+    written = json.loads((folder / STATE_FILE).read_text())
+    if tokens is not None and written.get("tokens") not in (None, tokens):  # None: written before they were kept
+        template = settings.get("chat_template")
+        edited = f" (chat_template={template!r}: its text changed since?)" if template else ""
+        raise UserError(
+            f"checkpoint {folder} was trained on other token ids: its tokenizer or chat template differs from this "
+            f"run's{edited}; continue with the ones it was trained with, or start fresh with resume=none "
+            "(overwrite=true replaces the run) or another output_dir"
+        )
     if data is None:
         return
-    recorded = json.loads((folder / STATE_FILE).read_text()).get("data")
+    recorded = written.get("data")
     if recorded is None:  # written before checkpoints recorded it
         log.warning("checkpoint %s does not record its data's fingerprint: cannot check it is this data", folder)
     elif recorded != data:
@@ -274,6 +284,7 @@ class TrainingState:
     base: str | None = None  # peft=lora: the frozen base model the adapters belong to
     data: str | None = None  # the training data's fingerprint (data.Source): a continuation must train on the same
     task: object = None  # the data's tasks.Task: labels.json, so an export knows the head's labels
+    tokens: str | None = None  # data.tokenizer_identity (tokenizer, chat template): a continuation must match it
 
     def model_state(self) -> dict:
         state = self.model.state_dict()
@@ -386,6 +397,7 @@ def trainer_state(state: TrainingState, tensors: dict) -> dict:
         "layout": state.layout.describe(),
         "parameter_shapes": state.parameter_shapes,
         "data": state.data,
+        "tokens": state.tokens,
     }
     if state.trainable is not None:  # LoRA: the adapters and head only; the base is read from its source
         written["lora"] = {"base": state.base, "written": sorted(tensors["model"])}
@@ -478,7 +490,7 @@ def load(state: TrainingState, folder: Path) -> int:
     `state` but the tensors DCP loads is touched (a retry from another checkpoint overwrites those)."""
     written = json.loads((folder / STATE_FILE).read_text())
     check_same_model(folder, written, state.family, state.settings["task"], state.parameter_shapes)
-    check_continuation(folder, state.settings, state.data)
+    check_continuation(folder, state.settings, state.data, state.tokens)
     rng_name = f"rng/rank{state.layout.rank}.pt"
     rng, problem = None, None
     if (folder / rng_name).is_file():  # a different world size has other ranks: their dropout masks differ anyway

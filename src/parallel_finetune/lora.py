@@ -140,12 +140,29 @@ def check_targets(model: nn.Module, family, settings: LoraSettings) -> None:
             )
     if settings.quantization is not None:
         check_quantizable(model, family)
+        check_saved_unquantized(model, family, settings)
     for path, module, _ in target_modules(model, family, settings):
         if settings.rank > min(module.in_features, module.out_features):
             raise UserError(
                 f"lora_rank={settings.rank} is larger than the layer it adapts: {path} has {module.in_features} "
                 f"inputs and {module.out_features} outputs; use lora_rank <= "
                 f"{min(module.in_features, module.out_features)} or leave that layer out of lora_target_modules"
+            )
+
+
+def check_saved_unquantized(model: nn.Module, family, settings: LoraSettings) -> None:
+    """QLoRA holds every Linear of the blocks in NF4, frozen: a module to save that is one of them, or holds one,
+    would be logged as trained and never change, so it is refused in one line."""
+    for module in settings.modules_to_save:
+        inside = [
+            path for path, _, _ in block_linears(model, family) if path == module or path.startswith(f"{module}.")
+        ]
+        if inside:
+            raise UserError(
+                f"lora_modules_to_save: {module!r} holds {inside[0]}"
+                + (f" and {len(inside) - 1} more Linear layer(s)" if len(inside) > 1 else "")
+                + ", which lora_base_quantization=nf4 keeps frozen in 4 bits, so it would never train; adapt it "
+                "with lora_target_modules, or set lora_base_quantization=none to train it in full"
             )
 
 

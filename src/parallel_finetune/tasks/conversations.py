@@ -6,9 +6,12 @@
   few-shot assistant turns included, and the answer's turns);
 - `text`: plain text, every token trained, no template.
 
-Each conversational row becomes the same thing, a list of {role, content} and `answers_from` (the index of the
-first message whose assistant turns are trained: 0, or the prompt's length), stored as JSON text so every row of
-a split has one column type. A CSV cell holding a list is JSON text. A malformed row is one line naming its place
+Each conversational row becomes the same thing, a list of messages as the chat template receives them (every
+field kept: tool_calls, reasoning_content, name, ...), `answers_from` (the index of the first message whose
+assistant turns are trained: 0, or the prompt's length) and `untrained` (assistant turns whose `weight` is 0,
+ShareGPT's and axolotl's per-turn key), stored as JSON text so every row of a split has one column type. A CSV or
+TSV cell holding a list is JSON text; in JSON Lines, Parquet and `datasets` a string is text, never parsed. A
+malformed row is one line naming its place
 (file:line, or `row N`) and what is valid.
 """
 
@@ -75,8 +78,9 @@ def detect_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, .
 
 
 def _listed(table: Table, row: int, column: str, value) -> list:
-    """A cell holding a list of messages; a string (a CSV cell) is read as JSON text."""
-    if isinstance(value, str):
+    """A cell holding a list of messages; a CSV or TSV cell holds it as JSON text (other sources hold lists, and
+    a string there is text, never parsed)."""
+    if isinstance(value, str) and table.text_cells:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -92,8 +96,24 @@ def _listed(table: Table, row: int, column: str, value) -> list:
     return list(value)
 
 
-def _message(table: Table, row: int, column: str, number: int, item) -> dict:
-    """One message as {role, content}; ShareGPT's {from, value} is translated."""
+def _weight(where: str, item: dict, role: str) -> bool:
+    """Whether a turn trains: a message's `weight` (ShareGPT's and axolotl's per-turn key) is 1 or 0, and 0
+    leaves an assistant turn untrained; absent: trained."""
+    weight = item.get("weight")
+    if weight is None:
+        return True
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise UserError(f"{where}: weight {weight!r} is not 0 (an untrained turn) or 1 (trained)")
+    if role != "assistant" and weight == 0:
+        return True  # only answers are trained: a prompt turn's weight changes nothing
+    return weight == 1
+
+
+def _message(table: Table, row: int, column: str, number: int, item) -> tuple[dict, bool]:
+    """One message as the template receives it, and whether it trains: every field as given (tool_calls,
+    reasoning_content, name, ...), ShareGPT's {from, value} as {role, content}; fields a table stores as None
+    (a Parquet or datasets struct gives every message every field) are left out, as a template expects;
+    `weight` is read (`_weight`), not passed on."""
     where = f"{table.at(row)}: {column} message {number}"
     if not isinstance(item, dict):
         raise UserError(f"{where} is a {type(item).__name__}, not an object {{role, content}}")
@@ -104,47 +124,60 @@ def _message(table: Table, row: int, column: str, number: int, item) -> dict:
     if role not in ROLES:
         raise UserError(f"{where}: {key} {given!r} is not one of {', '.join(valid)}")
     content = item.get(text_key)
-    if not isinstance(content, str):
+    calls = item.get("tool_calls")
+    if not isinstance(content, str) and not (content is None and role == "assistant" and calls):
         what = "missing" if content is None else f"a {type(content).__name__}, not text"
-        raise UserError(f"{where}: {text_key} is {what}; every message has text")
-    if role == "assistant" and not content.strip():
-        raise UserError(f"{where}: an empty assistant answer; an answer has text to learn")
-    check_text(table, row, content)
-    return {"role": role, "content": content}
+        raise UserError(f"{where}: {text_key} is {what}; every message has text (an assistant's may be tool_calls)")
+    if role == "assistant" and not (content or "").strip() and not calls:
+        raise UserError(f"{where}: an empty assistant answer; an answer has text or tool_calls to learn")
+    check_text(table, row, content or "")
+    message = {
+        name: value for name, value in item.items() if value is not None and name not in (key, text_key, "weight")
+    }
+    message.update(role=role, content=content or "")
+    return message, _weight(where, item, role)
 
 
-def _messages(table: Table, row: int, column: str, value, needs_answer: bool) -> list[dict]:
-    messages = [_message(table, row, column, n, item) for n, item in enumerate(_listed(table, row, column, value), 1)]
+def _messages(table: Table, row: int, column: str, value, needs_answer: bool) -> tuple[list[dict], list[bool]]:
+    """The messages of one cell and, per message, whether it trains (`weight`)."""
+    read = [_message(table, row, column, n, item) for n, item in enumerate(_listed(table, row, column, value), 1)]
+    messages, trained = [m for m, _ in read], [t for _, t in read]
     if needs_answer and not any(m["role"] == "assistant" for m in messages):
         raise UserError(
             f"{table.at(row)}: column {column!r} has no assistant turn (roles: "
             f"{', '.join(m['role'] for m in messages) or 'none'}); a row trains on its assistant answers"
         )
-    return messages
+    return messages, trained
 
 
-def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tuple[list[dict], int]:
+def _holds_messages(table: Table, value) -> bool:
+    """A prompt or completion cell holds messages: a list, or in a CSV/TSV cell JSON text of one. Elsewhere a
+    string is the text itself, whatever it begins with."""
+    return not isinstance(value, str) or (table.text_cells and value.lstrip().startswith("["))
+
+
+def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tuple[list[dict], list[bool], int]:
     prompt_column, completion_column = columns
     prompt, completion = table.columns[prompt_column][row], table.columns[completion_column][row]
-    if isinstance(completion, str) and not completion.lstrip().startswith("["):
+    if not _holds_messages(table, completion):
         if not completion.strip():
             raise UserError(f"{table.at(row)}: column {completion_column!r} is empty; a completion is the answer")
         check_text(table, row, completion)
-        answer = [{"role": "assistant", "content": completion}]
+        answer, answer_trained = [{"role": "assistant", "content": completion}], [True]
     else:
-        answer = _messages(table, row, completion_column, completion, needs_answer=True)
-    if isinstance(prompt, str) and not prompt.lstrip().startswith("["):
+        answer, answer_trained = _messages(table, row, completion_column, completion, needs_answer=True)
+    if not _holds_messages(table, prompt):
         check_text(table, row, prompt)
-        asked = [{"role": "user", "content": prompt}]
+        asked, asked_trained = [{"role": "user", "content": prompt}], [True]
     else:
-        asked = _messages(table, row, prompt_column, prompt, needs_answer=False)
-    return asked + answer, len(asked)
+        asked, asked_trained = _messages(table, row, prompt_column, prompt, needs_answer=False)
+    return asked + answer, asked_trained + answer_trained, len(asked)
 
 
 def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
-    """`table`'s rows in format `form` as the columns the model side reads: `messages` (JSON text of a list of
-    {role, content}), `answers_from` and `index` for conversations; `text` and `index` for plain text (an
-    empty text is dropped and counted)."""
+    """`table`'s rows in format `form` as the columns the model side reads: `messages` (JSON text of the list of
+    messages), `answers_from`, `untrained` (the assistant turns a `weight` of 0 leaves untrained) and `index` for
+    conversations; `text` and `index` for plain text (an empty text is dropped and counted)."""
     missing = [name for name in columns if name not in table.columns]
     if missing:
         raise UserError(
@@ -153,17 +186,22 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
         )
     if form == "text":
         return _text_rows(table, split, columns[0])
-    conversations, starts = [], []
+    conversations, starts, untrained = [], [], []
     for row in range(len(table)):
         if form == "prompt_completion":
-            messages, start = _prompt_completion(table, row, columns)
+            messages, trained, start = _prompt_completion(table, row, columns)
         else:
-            messages, start = _messages(table, row, columns[0], table.columns[columns[0]][row], needs_answer=True), 0
+            value = table.columns[columns[0]][row]
+            (messages, trained), start = _messages(table, row, columns[0], value, needs_answer=True), 0
+        skipped = [i for i, (m, t) in enumerate(zip(messages, trained)) if m["role"] == "assistant" and not t]
+        if not any(m["role"] == "assistant" and t for m, t in zip(messages[start:], trained[start:])):
+            raise UserError(f"{table.at(row)}: every answer has weight 0; a row trains on at least one answer")
         conversations.append(json.dumps(messages, ensure_ascii=False))
         starts.append(start)
+        untrained.append(skipped)
     if not conversations:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
-    return {"messages": conversations, "answers_from": starts, "index": list(range(len(table)))}
+    return {"messages": conversations, "answers_from": starts, "untrained": untrained, "index": list(range(len(table)))}
 
 
 def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:

@@ -37,6 +37,7 @@ class Table:
     where: str  # the file (or data set and split) the rows came from
     columns: dict[str, list]
     places: list[str] = field(default_factory=list)  # per row: "file:line" or "file row N"
+    text_cells: bool = False  # CSV or TSV: every cell is text, so a list of messages is stored as JSON text
 
     def __len__(self) -> int:
         return len(self.places)
@@ -46,7 +47,10 @@ class Table:
 
     def take(self, rows: list[int]) -> Table:
         return Table(
-            self.where, {k: [v[i] for i in rows] for k, v in self.columns.items()}, [self.places[i] for i in rows]
+            self.where,
+            {k: [v[i] for i in rows] for k, v in self.columns.items()},
+            [self.places[i] for i in rows],
+            self.text_cells,
         )
 
 
@@ -143,7 +147,7 @@ def read_delimited(
             places.append(f"{path}:{start}")
     except csv.Error as exc:
         raise UserError(f"{path}:{reader.line_num}: not a valid {kind} row ({exc})") from None
-    return Table(str(path), columns, places)
+    return Table(str(path), columns, places, text_cells=True)
 
 
 def read_json(path: Path) -> Table:
