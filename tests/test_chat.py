@@ -553,3 +553,42 @@ def test_resuming_after_the_chat_template_changed_is_refused(sst2, cache_dir, tm
     assert run.returncode == 2 and run.output.count(message) == 1, run.output[-3000:]
     assert f"(chat_template={str(template)!r}: its text changed since?)" in run.output
     assert first.records == run.records, "nothing trained on the other rendering"
+
+
+def test_check_renders_the_rows_and_the_template_as_the_run_does(tmp_path, cache_dir):
+    """--check (preflight) makes the run's tokenizer, sets the template and renders the rows: a template raising on
+    a row, an assistant-first conversation, plain text under generate_every and a tokenizer with no template are
+    each one line before any process starts, not an "ok"; a row the template raises on is one line in the run too."""
+    from parallel_finetune.preflight import preflight
+
+    def checked(*overrides: str) -> str:
+        config = sft_config(*overrides, f"output_dir={tmp_path / 'run'}", cache_dir=cache_dir)
+        with pytest.raises(UserError) as caught:
+            preflight(config, 1)
+        assert "\n" not in str(caught.value), caught.value
+        return str(caught.value)
+
+    picky = tmp_path / "picky.jinja"
+    picky.write_text(
+        "{% for message in messages %}{% if 'Reverse' in message['content'] %}"
+        "{{ raise_exception('this template takes no reversals') }}{% endif %}{% endfor %}" + chat.CHATML
+    )
+    good = {"messages": [USER, ANSWER]}
+    reverse = {
+        "messages": [{"role": "user", "content": "Reverse the words: a b"}, {"role": "assistant", "content": "b a"}]
+    }
+    files = _jsonl(tmp_path, [good, good, reverse])
+    said = checked(*files, f"chat_template={picky}")
+    assert said.startswith("train row 3: the chat template does not render this conversation (TemplateError: ")
+    assert "this template takes no reversals" in said
+
+    first = _jsonl(tmp_path, [good, {"messages": [ANSWER, USER, ANSWER]}])
+    assert ":2: the conversation begins with an assistant turn" in checked(*first)
+    texts = _jsonl(tmp_path, [{"text": "a plain line"}, {"text": "another one"}])
+    assert checked(*texts, "generate_every=5").startswith("generate_every: no validation row has a prompt to answer")
+    folder = tmp_path / "plain-tokenizer"
+    train_tokenizer("bpe", [m["content"] for c in CONVERSATIONS for m in c] * 5, 300, folder)
+    assert "has no chat template: set chat_template=" in checked(f"tokenizer={folder}")
+    assert preflight(
+        sft_config(*_jsonl(tmp_path, [good, good]), f"output_dir={tmp_path / 'run'}", cache_dir=cache_dir), 1
+    ).startswith("ok: ")

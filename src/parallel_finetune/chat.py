@@ -142,20 +142,42 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
     untrained = split["untrained"][:] if "untrained" in split.column_names else [[]] * len(rows)
-    dropped = 0
+    dropped = cut = ends_lost = 0
     for number, (row, answers_from, skipped) in enumerate(zip(rows, starts, untrained)):
         where = f"{desc} row {number + 1}"
-        turns = trained_turns(json.loads(row), answers_from, skipped) if conversational else []
-        ids, mask, prompt = _tokenized_row(tokenizer, row, turns, train_on, where, conversational)
+        try:
+            turns = trained_turns(json.loads(row), answers_from, skipped) if conversational else []
+            ids, mask, prompt = _tokenized_row(tokenizer, row, turns, train_on, where, conversational)
+        except UserError:
+            raise
+        except Exception as exc:  # jinja2's render errors, a template's raise_exception on this conversation
+            raise UserError(
+                f"{where}: the chat template does not render this conversation ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'})"
+            ) from None
+        whole = mask
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):
             dropped += 1
             continue
+        if len(whole) > max_length:
+            cut += 1
+            ends_lost += any(whole[max_length:])
         columns["input_ids"].append(ids)
         columns["length"].append(len(ids))
         columns["target_mask"].append(mask)
         columns["targets"].append(sum(mask))
         columns["prompt_length"].append(prompt if prompt < len(ids) else 0)
+    if cut:
+        log.warning(
+            "sft %s split: cut %d of %d row(s) to max_length=%d; %d of them lost trained tokens at the end (the "
+            "end of an answer: its end-of-turn is not learned there)",
+            desc,
+            cut,
+            len(rows),
+            max_length,
+            ends_lost,
+        )
     if dropped:
         log.warning(
             "sft %s split: dropped %d of %d row(s) with no trained token left after truncation to max_length=%d",

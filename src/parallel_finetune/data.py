@@ -329,26 +329,9 @@ def prepare(
     check_writable(cache_dir, "cache_dir")
     raw, task, source = load_raw(data=data, model=model, seed=seed, predict=predict)
     instruction = task.problem_type == SFT
-    learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
-    template = (
-        chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
+    tokenizer = run_tokenizer(
+        data=data, model=model, family=family, model_name=model_name, raw=raw, task=task, source=source
     )
-    tokenizer = load_tokenizer(
-        model.tokenizer,
-        model.size,
-        model_name,
-        TinyTokenizer(
-            family.tiny_tokenizer,
-            model.tokenizer_vocab_size,
-            tuple(chat.template_specials(template)) if template else (),
-        ),
-        _tokenizer_sentences(raw["train"]),
-        source,
-        cache_dir,
-    )
-    if instruction:  # set on the cached tokenizer, so the exported one renders conversations as training did
-        name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
-        log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
     check_inserted_tokens(
         tokenizer, model.tokenizer or model_name, task.head is HeadKind.CAUSAL_LM, task.pair and not token_types
     )
@@ -378,6 +361,36 @@ def prepare(
 
     _save_atomically(path, save)
     return load_prepared(path, source)
+
+
+def run_tokenizer(
+    *, data: DataSection, model: ModelSection, family: Family, model_name: str | None, raw, task: Task, source: Source
+) -> PreTrainedTokenizerFast:
+    """The run's tokenizer for `raw` (load_raw's splits): learned from the training rows (a tiny model) or loaded;
+    task=sft's chat template set on it and checked (chat.apply_template), so the cached and exported tokenizer
+    renders conversations as training did. --check makes the same to render a sample of the rows."""
+    learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
+    instruction = task.problem_type == SFT
+    template = (
+        chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
+    )
+    tokenizer = load_tokenizer(
+        model.tokenizer,
+        model.size,
+        model_name,
+        TinyTokenizer(
+            family.tiny_tokenizer,
+            model.tokenizer_vocab_size,
+            tuple(chat.template_specials(template)) if template else (),
+        ),
+        _tokenizer_sentences(raw["train"]),
+        source,
+        Path(data.cache_dir),
+    )
+    if instruction:
+        name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
+        log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
+    return tokenizer
 
 
 def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import lora
+from .chat import tokenize_sft
 from .checkpoint import check_resume
 from .config import Config, refuse_compile_with_tp
-from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer
+from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
 from .errors import UserError
 from .families import get_family
 from .hub import check_model_source, resolve_model_path
@@ -136,6 +137,36 @@ def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     )
 
 
+CHECKED_ROWS = 256  # of each split --check renders, as the run will: enough to meet a bad row of a small file
+
+
+def check_chat_rows(config: Config, family, raw, task, source) -> None:
+    """task=sft: what the run's data stage refuses, before the launch. The run's tokenizer (learned for a tiny
+    model; a local one at full size: a Hub name's is checked by the run, once downloaded) with its chat template
+    set and checked, and the first CHECKED_ROWS rows of each split rendered and masked; generate_every needs
+    conversations in the validation split."""
+    if task.problem_type != SFT:
+        return
+    if config.generate_every and "messages" not in raw["validation"].column_names:
+        raise UserError(
+            "generate_every: no validation row has a prompt to answer (plain-text rows); give conversations "
+            "(messages or prompt/completion rows) or set generate_every=0"
+        )
+    local = config.size == "tiny" and not config.tokenizer
+    where = config.tokenizer or (pretrained_name(config) if config.size == "full" else None)
+    if not local and not (where and Path(resolve_model_path(where)).is_dir()):
+        return
+    model_name = pretrained_name(config) if config.size == "full" else None
+    tokenizer = run_tokenizer(
+        data=config.data, model=config.model, family=family, model_name=model_name, raw=raw, task=task, source=source
+    )
+    for split, rows in raw.items():
+        if split != "test":
+            tokenize_sft(
+                rows.select(range(min(len(rows), CHECKED_ROWS))), tokenizer, config.max_length, config.train_on, split
+            )
+
+
 def describe_sharding(config: Config, dims) -> str:
     """The sharding part of --check's line; engine=deepspeed's config is generated (and its problems, fp16 on a
     CPU, MiCS, a JSON contradicting the recipe, said in one line) here."""
@@ -183,6 +214,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
             data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict
         )
         data = source.description
+        check_chat_rows(config, family, raw, task, source)
         if task.head is HeadKind.CLASSIFICATION and len(raw["train"]) < config.batch_size:
             raise UserError(
                 f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"

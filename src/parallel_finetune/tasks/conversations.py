@@ -193,6 +193,12 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
         else:
             value = table.columns[columns[0]][row]
             (messages, trained), start = _messages(table, row, columns[0], value, needs_answer=True), 0
+        first = next((m["role"] for m in messages if m["role"] != "system"), None)
+        if first == "assistant":
+            raise UserError(
+                f"{table.at(row)}: the conversation begins with an assistant turn (after any system message); an "
+                "answer follows the user turn (or prompt) it answers"
+            )
         skipped = [i for i, (m, t) in enumerate(zip(messages, trained)) if m["role"] == "assistant" and not t]
         if not any(m["role"] == "assistant" and t for m, t in zip(messages[start:], trained[start:])):
             raise UserError(f"{table.at(row)}: every answer has weight 0; a row trains on at least one answer")
