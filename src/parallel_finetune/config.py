@@ -125,11 +125,13 @@ class TrainingSection:
     seed: int = 42  # model initialisation, data order, dropout: same seed, same run in every layout
     eval_every: Continues[int | None] = None  # steps between dev evaluations; the end of training always evaluates
     log_every: Continues[int] = 10  # steps between log lines and metrics.jsonl records
-    # task=sft (and causal_lm): every N steps and at the end, greedy answers to the first generate_prompts
-    # validation prompts, written to generations.jsonl and the trackers; 0 = off
+    # task=sft only: every N steps and at the end, greedy answers to the prompts of the first generate_prompts
+    # validation conversations, written to generations.jsonl, the log and the trackers; 0 = off
     generate_every: Continues[int] = 0
     generate_prompts: Continues[int] = 4  # how many validation prompts generate_every answers
-    generate_max_new_tokens: Continues[int] = 64  # the most tokens of one answer (it stops earlier at end of turn)
+    # the most new tokens of one answer; it stops earlier at the template's end-of-turn token or EOS, or where
+    # prompt and answer reach max_length
+    generate_max_new_tokens: Continues[int] = 64
     # linear = when batch_size differs from the recipe's, lr = recipe lr / recipe batch_size x batch_size
     lr_scaling: Literal["none", "linear"] = "none"
     # torch.compile each transformer block (regional: one small graph, compiled once); auto = on for GPU runs of at
@@ -722,6 +724,7 @@ def check_keys(config: Config, where: str = "config") -> None:
 
     _check_training(config, bad)
     _check_generation(config, bad)
+    _check_sft_keys(config, bad)
     _check_peft(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
@@ -794,6 +797,23 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("max_grad_norm", "must be >= 0 (0 or null disables clipping)")
     if len(config.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in config.adam_betas):
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+# keys that only instruction tuning reads: set with another task they would change nothing, so they are refused
+SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column")
+
+
+def _check_sft_keys(config: Config, bad: BadKey) -> None:
+    if config.task == "sft":
+        return
+    defaults = DataSection()
+    for key in SFT_KEYS:
+        if getattr(config.data, key) != getattr(defaults, key):
+            raise bad(
+                key,
+                f"is task=sft's (conversations rendered by a chat template), and task={config.task} reads none; "
+                f"drop it or set task=sft",
+            )
 
 
 def _check_generation(config: Config, bad: BadKey) -> None:

@@ -109,6 +109,12 @@ def check_model_config(config: Config, model_path: str | None = None):
     for key, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UserError(f"model_config: {family.name} {key}={size!r} must be a positive integer")
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and config.max_length > positions:  # a position table indexed past its end
+        raise UserError(
+            f"max_length={config.max_length} is more than the {positions} positions of this {family.name} model "
+            f"(max_position_embeddings); use max_length <= {positions}"
+        )
     return hf_config
 
 

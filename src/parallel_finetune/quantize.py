@@ -209,8 +209,14 @@ def check_quantizable(model: nn.Module, family) -> None:
 def _block_hint(elements: int, settings: NF4Settings) -> str:
     """A valid (block size, scaler block size) pair for a shard of `elements`, near the chosen one."""
     largest = elements & -elements  # the largest power of two dividing it
-    block = min(settings.block_size, max(2, largest // 2))
-    return f"nf4_block_size={block}, nf4_scaler_block_size={max(1, min(settings.scaler_block_size, largest // block))}"
+
+    def power_of_two_at_most(n: int) -> int:
+        return 1 << (max(n, 1).bit_length() - 1)
+
+    # powers of two both, so that they divide `largest` (a chosen 48 would not divide a power of two)
+    block = max(2, min(power_of_two_at_most(settings.block_size), largest // 2))
+    scaler = max(1, min(power_of_two_at_most(settings.scaler_block_size), largest // block))
+    return f"nf4_block_size={block}, nf4_scaler_block_size={scaler}"
 
 
 def _check_blocks(path: str, stored: tuple[int, ...], settings: NF4Settings) -> None:

@@ -49,9 +49,11 @@ def _user_columns(train: Table, head: HeadKind, *, data: DataSection) -> tuple[s
     if text is None:
         text = next((name for name in TEXT_COLUMNS if name in train.columns), None)
         if text is None:
+            chat = [name for name in ("messages", "conversations", "prompt", "completion") if name in train.columns]
+            hint = f" (its {', '.join(chat)} column(s) are chat rows: task=sft trains on them)" if chat else ""
             raise UserError(
                 f"{train.where}: no text column named {', '.join(TEXT_COLUMNS)}; set text_column= one of "
-                f"{', '.join(train.columns)}{_separator_hint(train)}"
+                f"{', '.join(train.columns)}{hint}{_separator_hint(train)}"
             )
     _column(train, "text_column", text, "")
     pair = data.text_pair_column
