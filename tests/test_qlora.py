@@ -332,9 +332,10 @@ def test_the_block_size_hint_names_sizes_that_work(block, scaler):
             _check_blocks("layer", stored, NF4Settings(block, scaler))
             continue
         except UserError as error:
-            hint = re.search(r"e\.g\. nf4_block_size=(\d+), nf4_scaler_block_size=(\d+)$", str(error))
+            said = str(error)
+        hint = re.search(r"e\.g\. nf4_block_size=(\d+), nf4_scaler_block_size=(\d+)$", said)
         named = NF4Settings(int(hint[1]), int(hint[2]))
-        assert named.block_size % 2 == 0 and elements % named.group == 0, (stored, str(error))
+        assert named.block_size % 2 == 0 and elements % named.group == 0, (stored, said)
         _check_blocks("layer", stored, named)
 
 
