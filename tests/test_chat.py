@@ -631,3 +631,15 @@ def test_long_words_are_refused_only_where_a_tokenizer_is_learned(tmp_path):
     folder = tmp_path / "pretrained-tokenizer"
     train_tokenizer("bpe", [m["content"] for c in CONVERSATIONS for m in c] * 5, 300, folder)
     assert len(load_task_of(sft_config(*files, f"tokenizer={folder}"))[0]["train"]) == 2
+
+
+def test_predict_on_a_chat_model_says_it_is_one(single_process_run, sst2, cache_dir, tmp_path, capsys):
+    from parallel_finetune.inference import main as predict_main
+
+    run = sft_reference(single_process_run, sst2, cache_dir)
+    texts = tmp_path / "new.csv"
+    texts.write_text("text\na gorgeous movie\n")
+    assert predict_main([str(run.output_dir / "hf"), str(texts)]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith(f"error: {run.output_dir / 'labels.json'}: the model beside it")
+    assert "is a chat model (task=sft), and predict.py classifies texts" in said

@@ -164,11 +164,40 @@ def test_qlora_export_adapter_loads_with_peft_and_merged_with_transformers(refer
     assert again.keys() == merged_weights.keys()
     assert all(torch.allclose(again[k], merged_weights[k], atol=1e-6) for k in again)
     # FSDP's export gathers its NF4 shards and dequantizes them: the same base, bit for bit
-    fsdp = _runs.get(("gptj", "fsdp_dp2")) or qlora_run(2, "gptj", "fsdp_dp2", CASES[-1][3], sst2, cache_dir, tmp_path)
+    layout = next(case[3] for case in CASES if case[:2] == ("gptj", "fsdp_dp2"))
+    fsdp = _runs.get(("gptj", "fsdp_dp2")) or qlora_run(2, "gptj", "fsdp_dp2", layout, sst2, cache_dir, tmp_path)
     sharded_base = load_file(fsdp.output_dir / "base" / "model.safetensors")
     tp_base = load_file(out / "base" / "model.safetensors")
     frozen = [name for name in tp_base if ".h." in name]
     assert frozen and all(torch.equal(sharded_base[name], tp_base[name]) for name in frozen)
+    _predict_says_when_the_base_is_not_the_trained_one(out, tmp_path)
+
+
+def _predict_says_when_the_base_is_not_the_trained_one(out, tmp_path) -> None:
+    """predict.py on adapter/ over base/ (the base as trained, NF4 dequantized) says nothing; over another copy of
+    the base (a 16-bit checkpoint, as a Hub name gives) it says the base differs from the one trained."""
+    import contextlib
+    import io
+    import shutil
+
+    from parallel_finetune.inference import main as predict_main
+
+    texts = tmp_path / "new.tsv"
+    texts.write_text("sentence\na gorgeous , witty , seductive movie .\nthe story is bland\n")
+    run = tmp_path / "copied-run"
+    shutil.copytree(out / "adapter", run / "adapter")
+    for name in ("config.yaml", "labels.json"):
+        shutil.copy(out / name, run / name)
+    shutil.copytree(out / "base", tmp_path / "sixteen-bit")
+    for base, note in ((out / "base", ""), (tmp_path / "sixteen-bit", "note: ")):
+        settings = json.loads((run / "adapter" / "adapter_config.json").read_text())
+        settings["base_model_name_or_path"] = str(base)
+        (run / "adapter" / "adapter_config.json").write_text(json.dumps(settings))
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            assert predict_main([str(run / "adapter"), str(texts)]) == 0
+        assert said.getvalue().startswith(note) and ("note:" in said.getvalue()) == bool(note), said.getvalue()
+    assert f"and {tmp_path / 'sixteen-bit'} is that base unquantized, so the scores differ" in said.getvalue()
 
 
 # ----------------------------------------------------------------------------------------------- units

@@ -24,9 +24,10 @@ import torch
 
 from .data import collate, joined_pair
 from .errors import UserError, one_line
+from .run_files import CONFIG_FILE
 from .tasks.columns import PAIR_OF, TEXT_COLUMNS
 from .tasks.files import Table, check_text, read_file
-from .tasks.task import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, REGRESSION, HeadKind, Task, configure_head
+from .tasks.task import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -92,6 +93,11 @@ def _read_labels(path: Path) -> Task:
     def strings(value) -> bool:
         return isinstance(value, list) and all(isinstance(item, str) and item for item in value)
 
+    if problem == SFT:
+        raise UserError(
+            f"{path}: the model beside it is a chat model (task=sft), and predict.py classifies texts; chat with it "
+            "through transformers (pipeline('text-generation') given messages; docs/running.md)"
+        )
     if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
         wrong = f"problem_type {problem!r}"
     elif not isinstance(pair, bool):
@@ -239,10 +245,21 @@ def _adapter_settings(folder: Path) -> dict:
         raise UserError(f"{folder / ADAPTER_CONFIG}: not a JSON object (peft's adapter settings)")
     if settings.get("task_type") not in (None, "SEQ_CLS"):
         raise UserError(
-            f"{folder / ADAPTER_CONFIG}: task_type {settings['task_type']}, not SEQ_CLS (a task=causal_lm run); "
-            "predict.py needs a model trained with task=classification"
+            f"{folder / ADAPTER_CONFIG}: task_type {settings['task_type']}, not SEQ_CLS (a task=causal_lm or "
+            "task=sft run: a language model); predict.py needs a model trained with task=classification"
         )
     return settings
+
+
+def _trained_over_nf4(folder: Path) -> bool:
+    """The run that exported `folder` (adapter/, base/) held its base in NF4 (QLoRA): its config.yaml, beside."""
+    import yaml
+
+    try:
+        settings = yaml.safe_load((folder.parent / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(settings, dict) and settings.get("lora_base_quantization") == "nf4"
 
 
 def _hub_offline() -> bool:
@@ -335,6 +352,14 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
             configure_head(hf_config, task)
         if hf_config.pad_token_id is None:  # GPT configs: the padding id training used, to find each last token
             hf_config.pad_token_id = tokenizer.pad_token_id
+        # a QLoRA run's own base/ (its parent a run folder of nf4) holds the base as trained: NF4, dequantized
+        if _trained_over_nf4(folder) and not _trained_over_nf4(Path(base)):
+            print(
+                f"note: {folder} was trained over its base quantized to NF4 (QLoRA), and {base} is that base "
+                "unquantized, so the scores differ slightly from the trained model's (the run's base/ folder, where "
+                "it wrote one, holds the base as trained: NF4, dequantized)",
+                file=sys.stderr,
+            )
         base_model, fresh = _from_pretrained(base, hf_config, head_from_adapter=True)
         _check_adapter_head(folder, settings, fresh, hf_config)
         try:
