@@ -643,3 +643,18 @@ def test_predict_on_a_chat_model_says_it_is_one(single_process_run, sst2, cache_
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.startswith(f"error: {run.output_dir / 'labels.json'}: the model beside it")
     assert "is a chat model (task=sft), and predict.py classifies texts" in said
+
+
+def test_a_template_without_turn_markers_or_generation_prompt_is_said_and_an_empty_one_refused(learned, caplog):
+    bare = "{% for m in messages %}{{ m['content'] + '<|im_end|>' }}{% endfor %}"
+    with caplog.at_level(logging.WARNING, logger="parallel_finetune.chat"):
+        chat.apply_template(deepcopy(learned), _template_file(bare, learned), False, "x")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "writes nothing between a user's turn and the answer (no role markers)" in said[0]
+    assert "ignores add_generation_prompt" in said[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="parallel_finetune.chat"):
+        chat.apply_template(deepcopy(learned), "chatml", False, "x")
+    assert not caplog.records
+    with pytest.raises(UserError, match=r"renders nothing for a conversation, so there is nothing to train on$"):
+        chat.apply_template(deepcopy(learned), _template_file("{# nothing #}", learned), False, "x")

@@ -73,11 +73,37 @@ def apply_template(tokenizer, key: str | None, tiny: bool, where: str) -> str:
         )
     name = key or (TINY_DEFAULT if text is not None else "the tokenizer's own chat template")
     try:
-        tokenizer.apply_chat_template(PROBE, tokenize=False)
+        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
+        asked = tokenizer.apply_chat_template(PROBE[:1], tokenize=False, add_generation_prompt=True)
+        told = tokenizer.apply_chat_template(PROBE[:1], tokenize=False)
     except Exception as exc:  # jinja2's syntax and render errors, a template's raise_exception
         raise UserError(f"chat_template {name}: does not render ({type(exc).__name__}: {exc})") from None
+    if not rendered.strip():
+        raise UserError(f"chat_template {name}: renders nothing for a conversation, so there is nothing to train on")
     check_end_of_turn(tokenizer, name, tiny)
+    marker, _ = end_of_turn_marker(tokenizer)
+    check_turn_markers(name, *(text.replace(marker, "") if marker else text for text in (rendered, asked, told)))
     return name
+
+
+def check_turn_markers(name: str, rendered: str, asked: str, told: str) -> None:
+    """Warn about a template that marks no turn (the model could not tell who speaks) or ignores
+    add_generation_prompt (a prompt would end with the user's text, not the assistant's turn); the texts are
+    renderings without their end-of-turn marker."""
+    question, answer = PROBE[0]["content"], PROBE[1]["content"]
+    between = rendered[rendered.find(question) + len(question) : rendered.rfind(answer)]
+    if rendered.find(question) >= 0 and rendered.rfind(answer) >= 0 and not between.strip():
+        log.warning(
+            "chat template %s writes nothing between a user's turn and the answer (no role markers): the model "
+            "cannot tell who speaks",
+            name,
+        )
+    if asked == told and told.rstrip().endswith(question):  # Mistral's [/INST] marks the answer's turn itself
+        log.warning(
+            "chat template %s ignores add_generation_prompt: generate_every's prompts and a chat's end with the "
+            "user's text, not the start of the assistant's turn",
+            name,
+        )
 
 
 def _render(tokenizer, messages: list[dict], generation: bool) -> str:
