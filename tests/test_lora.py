@@ -410,3 +410,27 @@ def test_lora_never_leaves_a_new_head_frozen(sst2, tmp_path):
     settings = lora.LoraSettings(8, 16.0, 0.0, ("c_attn",), ())
     with pytest.raises(UserError, match="score.weight not in the checkpoint"):
         lora.check_new_trained(["score.weight", "transformer.h.0.attn.c_attn.q.lora_A.weight"], settings, "a folder")
+
+
+def test_dropout_on_a_cpu_tensor_parallel_mesh_warns_no_more():
+    """LoRA's dropout on DTensors of a CPU mesh made torch warn that "DTensor random operators may not have complete
+    support" on every rank; what it means (each rank's own generator, seeded alike) is said in apply_tp, once."""
+    import warnings
+
+    from conftest import fake_tp_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from parallel_finetune.families import get_family
+    from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.parallel.tensor import apply_tp
+
+    family = get_family("gptj")
+    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
+    family.set_task(hf_config, "classification", pad_token_id=0)
+    with fake_tp_mesh(2, 0) as mesh, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.device("meta"):
+            model = family.build("classification", hf_config)
+        apply_tp(model, family, mesh)
+        torch.nn.functional.dropout(distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]), 0.5, training=True)
+    assert not [w for w in caught if "DTensor random operators" in str(w.message)]

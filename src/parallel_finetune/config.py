@@ -122,7 +122,9 @@ class TrainingSection:
     precision: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     initial_loss_scale: float = 65536.0  # fp16: the first loss scale
     loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
-    seed: int = 42  # model initialisation, data order, dropout: same seed, same run in every layout
+    # model initialisation, data order, dropout masks: the same seed repeats a run in its layout and a resume
+    # continues it exactly; other layouts train alike with dropout off (each rank draws its own dropout masks)
+    seed: int = 42
     eval_every: Continues[int | None] = None  # steps between dev evaluations; the end of training always evaluates
     log_every: Continues[int] = 10  # steps between log lines and metrics.jsonl records
     # task=sft only: every N steps and at the end, greedy answers to the prompts of the first generate_prompts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -14,6 +16,10 @@ def apply_tp(model: nn.Module, family: Family, tp_mesh: DeviceMesh) -> nn.Module
     """Shard the model in place; parameter names stay those of the unsplit model."""
     if tp_mesh.size() == 1:
         return model
+    if tp_mesh.device_type == "cpu":
+        # On a CPU mesh DTensor has no offset-based RNG tracker: a dropout on a DTensor draws from each rank's own
+        # generator, seeded alike on every rank (model.py), which is all the warning (once per rank) is about.
+        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support on cpu device mesh")
     parallelize_module(model, tp_mesh, family.tp_plan(model))
     family.localize_attention(model, tp_mesh.size())
     return model
