@@ -248,9 +248,10 @@ def test_rows_whose_answers_are_cut_off_are_dropped_and_counted(templated, caplo
         chat.tokenize_sft(_split([long_prompt]), tokenizer, 3, "answers", "train")
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(templated):
-    """A rendering of the first turns that does not begin the whole one (a template dropping earlier answers'
-    text): the answer's tokens cannot be found from it, so one line says so."""
+def test_a_template_that_drops_earlier_answers_is_refused(templated):
+    """A template that leaves earlier answers out of the whole conversation's rendering: their tokens are not
+    there to train, so one line says so (templates that only move text, Mistral's and Qwen3's, train: the real
+    templates' test below)."""
     tokenizer, _ = templated
     rewriting = (
         "{% for message in messages %}{% if loop.last or message['role'] != 'assistant' %}"
@@ -259,7 +260,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(templated):
     )
     copy = deepcopy(tokenizer)
     copy.chat_template = rewriting
-    with pytest.raises(UserError, match=r"^train row 1: the chat template renders the conversation up to turn 3"):
+    with pytest.raises(UserError, match=r"^train row 1: the whole conversation's rendering does not hold turn 3's"):
         chat.tokenize_sft(_split([CONVERSATIONS[0]]), copy, 512, "answers", "train")
 
 
@@ -658,3 +659,57 @@ def test_a_template_without_turn_markers_or_generation_prompt_is_said_and_an_emp
     assert not caplog.records
     with pytest.raises(UserError, match=r"renders nothing for a conversation, so there is nothing to train on$"):
         chat.apply_template(deepcopy(learned), _template_file("{# nothing #}", learned), False, "x")
+
+
+REAL_TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+# What each real template trains of CONVERSATIONS[0] (a system message, two answers): every answer as the whole
+# conversation's rendering holds it, with its end of turn. Qwen3 renders the earlier answer without a think
+# block and the last one with an empty one; Mistral's v3 template moves the system message into the last user
+# turn, so the first answer's rendering alone does not begin the whole one (both were refused before).
+TRAINED_OF = {
+    "smollm2-135m-instruct": "Positive.<|im_end|>\n8 words.<|im_end|>\n",
+    "qwen3-0.6b": "Positive.<|im_end|>\n<think>\n\n</think>\n\n8 words.<|im_end|>\n",
+    "llama-3.3-70b-instruct": "Positive.<|eot_id|>8 words.<|eot_id|>",
+    "mistral-7b-instruct-v0.3": " Positive.<|endoftext|> 8 words.<|endoftext|>",
+    "gemma-2-2b-it": "Positive.<end_of_turn>\n8 words.<end_of_turn>\n",
+}
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(tmp_path_factory):
+    """A tokenizer learned from the chat sample holding the real templates' control tokens, as a tiny run's would."""
+    texts = [REAL_TEMPLATES.joinpath(f"{name}.jinja").read_text() for name in TRAINED_OF]
+    specials = tuple(dict.fromkeys(s for text in texts for s in chat.template_specials(text)))
+    rows = (CHAT_SAMPLE_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    sentences = [m["content"] for row in rows for m in json.loads(row)["messages"]] * 2
+    folder = tmp_path_factory.mktemp("tokenizer") / "real"
+    return train_tokenizer("bpe", sentences, 1000, folder, (*specials, "[INST]", "[/INST]"))
+
+
+@pytest.mark.parametrize("name", TRAINED_OF)
+def test_the_real_templates_train_every_answer_as_the_conversation_renders_it(real_tokenizer, name):
+    """The published templates of SmolLM2, Qwen3, Llama 3.1/3.3, Mistral v0.3 and Gemma 2 (tests/fixtures/
+    chat_templates, where each came from) on a multi-turn conversation: the trained tokens are each answer and its
+    end of turn as the whole rendering holds them; and every row of the shipped chat sample renders and trains
+    (Gemma's template refuses system messages, said in one line naming the row)."""
+    tokenizer = deepcopy(real_tokenizer)
+    chat.apply_template(tokenizer, str(REAL_TEMPLATES / f"{name}.jinja"), True, "tiny")
+    conversation = CONVERSATIONS[0] if name != "gemma-2-2b-it" else CONVERSATIONS[0][1:]
+    row = chat.tokenize_sft(_split([conversation]), tokenizer, 1024, "answers", "train")[0]
+    trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["target_mask"]) if m])
+    assert trained == TRAINED_OF[name]
+    assert chat.stop_ids(tokenizer) - {tokenizer.eos_token_id} <= {
+        tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+    }
+
+    sample = [json.loads(row)["messages"] for row in (CHAT_SAMPLE_DIR / "train.jsonl").read_text().splitlines()]
+    if name == "gemma-2-2b-it":
+        with pytest.raises(UserError, match=r"row \d+: the chat template does not render .*System role not supported"):
+            chat.tokenize_sft(_split(sample), tokenizer, 1024, "answers", "train")
+        sample = [rows for rows in sample if rows[0]["role"] != "system"]
+    split = chat.tokenize_sft(_split(sample), tokenizer, 1024, "answers", "train")
+    assert len(split) == len(sample)
+    for messages, ids, mask in zip(sample, split["input_ids"], split["target_mask"]):
+        trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        answers = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+        assert all(answer in trained for answer in answers) and len(trained) < 2 * sum(map(len, answers)) + 80

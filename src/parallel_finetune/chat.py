@@ -3,10 +3,11 @@
 The template is the tokenizer's own `chat_template`, or the recipe's `chat_template` (a built-in name, or a Jinja
 file), set on the tokenizer that data.prepare caches, so it travels with the exported one. Each conversation is
 rendered to text, tokenized with the fast tokenizer's offsets, and its trained tokens (`target_mask`) found from
-the rendering itself: for every trained assistant turn i, the rendering of messages[:i] with the generation
-prompt is a prefix of the whole, and the characters after it up to the end of messages[:i + 1]'s rendering (the
-answer and the template's end-of-turn text) are the answer's; a token holding any of them is a target. No token
-string is ever searched for. `train_on: all` trains every token; plain-text rows are every token plus EOS.
+the rendering itself: for every trained assistant turn i, the characters that messages[:i + 1]'s rendering adds
+to messages[:i]'s with the generation prompt (the answer and the template's end-of-turn text) are the answer's,
+read where the whole rendering holds them (`answer_spans`: templates that move the system message or drop
+earlier think blocks included); a token holding any of them is a target. No token string is ever searched for.
+`train_on: all` trains every token; plain-text rows are every token plus EOS.
 """
 
 from __future__ import annotations
@@ -116,21 +117,52 @@ def trained_turns(messages: list[dict], answers_from: int, untrained: list[int])
 
 
 def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, where: str) -> list[tuple]:
-    """(start, end, answer) character spans of `full` (the whole rendering) holding each trained assistant turn
-    (`turns`): its answer (tool calls and reasoning included) and the template's end-of-turn text."""
-    spans = []
+    """(start, end, answer) character spans of `full` (the whole conversation's rendering) holding each trained
+    assistant turn (`turns`): its answer (tool calls and reasoning included) and the template's end-of-turn text.
+
+    A turn's text is what the template adds for it: the rendering of the conversation through it, less the
+    rendering before it with the generation prompt. Where the whole rendering begins with both, the span lies
+    between them. Templates that render history otherwise (Mistral's system message inside the last user turn,
+    Qwen3's earlier answers without their think block) are read in the whole rendering itself, after the
+    previous span: the turn's text where it is there whole; else the answer's text and what closes its turn."""
+    spans, cursor = [], 0
     for i in turns:
         message = messages[i]
         prefix, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1], False)
-        for part, what in ((prefix, "with the generation prompt"), (upto, "")):
-            if not full.startswith(part):
-                raise UserError(
-                    f"{where}: the chat template renders the conversation up to turn {i + 1} {what} as text that "
-                    "does not begin the whole conversation's rendering, so the answer's tokens cannot be found; "
-                    "use another chat_template (e.g. chatml) or train_on=all"
-                )
-        spans.append((len(prefix), len(upto), message["content"]))
+        turn = upto[len(prefix) :] if upto.startswith(prefix) else None
+        if turn is not None and full.startswith(upto) and len(prefix) >= cursor:
+            start, end = len(prefix), len(upto)
+        elif turn and full.find(turn, cursor) >= 0:
+            start = full.find(turn, cursor)
+            end = start + len(turn)
+        else:
+            start, end = _located(tokenizer, messages, i, upto, full, cursor, where)
+        spans.append((start, end, message["content"]))
+        cursor = end
     return spans
+
+
+def _located(tokenizer, messages: list[dict], i: int, upto: str, full: str, cursor: int, where: str):
+    """Turn i's span in the whole rendering `full`, found after `cursor` by its answer's text and the closing text
+    the template writes after it (`upto`: the rendering through turn i, which ends with them): back to the end of
+    the generation prompt before it (a think block the template adds is the answer's) or, without one, the
+    whitespace before it; on to the end of that closing text."""
+    said = messages[i]["content"].strip()
+    closing = upto[upto.rfind(said) + len(said) :] if said and said in upto else ""
+    found = full.find(said + closing, cursor) if said else -1
+    if found < 0:
+        raise UserError(
+            f"{where}: the whole conversation's rendering does not hold turn {i + 1}'s answer "
+            f"({said[:40] or 'tool calls only'!r}) as the chat template renders it alone, so its tokens cannot be "
+            "found; use another chat_template (e.g. chatml) or train_on=all"
+        )
+    bare, asked = _render(tokenizer, messages[:i], False), _render(tokenizer, messages[:i], True)
+    generation = asked[len(bare) :] if asked.startswith(bare) else ""
+    opened = full.rfind(generation, cursor, found) if generation else -1
+    start = opened + len(generation) if opened >= 0 else found
+    while opened < 0 and start > cursor and full[start - 1] in " \n":  # the separator a template writes (Mistral's)
+        start -= 1
+    return start, found + len(said) + len(closing)
 
 
 def target_mask(tokenizer, full: str, offsets: list[tuple[int, int]], spans: list[tuple], ids: list[int], where: str):
