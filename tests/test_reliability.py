@@ -298,7 +298,14 @@ def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path)
 
 
 def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
-    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS, read_glue_dir
+    """A tiny model learns its tokenizer from the rows: bounded; a pretrained tokenizer (full size) takes them."""
+    from parallel_finetune.config import DataSection, ModelSection, TrainingSection
+    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS
+    from parallel_finetune.tasks import load_task
+
+    def read_glue_dir(folder, size="tiny"):
+        data = DataSection(glue_task="sst2", data_dir=str(folder))
+        return load_task(data=data, model=ModelSection(size=size), seed=TrainingSection().seed, predict=False)[0]
 
     (tmp_path / "dev.tsv").write_text("sentence\tlabel\nfine\t1\nbad\t0\n")
     path = tmp_path / "train.tsv"
@@ -310,6 +317,7 @@ def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
     path.write_text(f"sentence\tlabel\na good film\t1\n{'x' * (MAX_WORD_CHARS + 1)} now\t0\n")
     with pytest.raises(UserError, match=r"train\.tsv:3: a word of 1,001 characters \('x{20}'\.\.\.\), more than"):
         read_glue_dir(tmp_path)
+    assert read_glue_dir(tmp_path, size="full")["train"]["label"] == [1, 0]
     path.write_text(f"sentence\tlabel\n{'x' * MAX_WORD_CHARS} {'y ' * 40_000}\t1\nok\t0\n")  # at both limits: fine
     assert read_glue_dir(tmp_path)["train"]["label"] == [1, 0]
 
