@@ -195,7 +195,10 @@ def templated(request, tmp_path_factory):
 
 def _split(rows: list[list[dict]], answers_from: list[int] | None = None) -> datasets.Dataset:
     starts = answers_from or [0] * len(rows)
-    return datasets.Dataset.from_dict({"messages": [json.dumps(r) for r in rows], "answers_from": starts})
+    untrained = [[] for _ in rows]
+    return datasets.Dataset.from_dict(
+        {"messages": [json.dumps(r) for r in rows], "answers_from": starts, "untrained": untrained}
+    )
 
 
 @pytest.mark.parametrize("answers_from", [0, 3])

@@ -81,8 +81,7 @@ def apply_template(tokenizer, key: str | None, tiny: bool, where: str) -> str:
         raise UserError(f"chat_template {name}: does not render ({type(exc).__name__}: {exc})") from None
     if not rendered.strip():
         raise UserError(f"chat_template {name}: renders nothing for a conversation, so there is nothing to train on")
-    check_end_of_turn(tokenizer, name, tiny)
-    marker, _ = end_of_turn_marker(tokenizer)
+    marker = check_end_of_turn(tokenizer, name, tiny)
     check_turn_markers(name, *(text.replace(marker, "") if marker else text for text in (rendered, asked, told)))
     return name
 
@@ -130,23 +129,25 @@ def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, w
         message = messages[i]
         prefix, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1], False)
         turn = upto[len(prefix) :] if upto.startswith(prefix) else None
+        held = full.find(turn, cursor) if turn else -1
         if turn is not None and full.startswith(upto) and len(prefix) >= cursor:
             start, end = len(prefix), len(upto)
-        elif turn and full.find(turn, cursor) >= 0:
-            start = full.find(turn, cursor)
-            end = start + len(turn)
+        elif held >= 0:
+            start, end = held, held + len(turn)
         else:
-            start, end = _located(tokenizer, messages, i, upto, full, cursor, where)
+            start, end = _located(tokenizer, messages, i, prefix, upto, full, cursor, where)
         spans.append((start, end, message["content"]))
         cursor = end
     return spans
 
 
-def _located(tokenizer, messages: list[dict], i: int, upto: str, full: str, cursor: int, where: str):
+def _located(
+    tokenizer, messages: list[dict], i: int, asked: str, upto: str, full: str, cursor: int, where: str
+) -> tuple[int, int]:
     """Turn i's span in the whole rendering `full`, found after `cursor` by its answer's text and the closing text
     the template writes after it (`upto`: the rendering through turn i, which ends with them): back to the end of
-    the generation prompt before it (a think block the template adds is the answer's) or, without one, the
-    whitespace before it; on to the end of that closing text."""
+    the generation prompt before it (`asked`: the rendering before turn i with it; a think block the template adds
+    is the answer's) or, without one, the whitespace before it; on to the end of that closing text."""
     said = messages[i]["content"].strip()
     closing = upto[upto.rfind(said) + len(said) :] if said and said in upto else ""
     found = full.find(said + closing, cursor) if said else -1
@@ -156,7 +157,7 @@ def _located(tokenizer, messages: list[dict], i: int, upto: str, full: str, curs
             f"({said[:40] or 'tool calls only'!r}) as the chat template renders it alone, so its tokens cannot be "
             "found; use another chat_template (e.g. chatml) or train_on=all"
         )
-    bare, asked = _render(tokenizer, messages[:i], False), _render(tokenizer, messages[:i], True)
+    bare = _render(tokenizer, messages[:i], False)
     generation = asked[len(bare) :] if asked.startswith(bare) else ""
     opened = full.rfind(generation, cursor, found) if generation else -1
     start = opened + len(generation) if opened >= 0 else found
@@ -199,13 +200,12 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     conversational = "messages" in split.column_names
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
-    untrained = split["untrained"][:] if "untrained" in split.column_names else [[]] * len(rows)
+    untrained = split["untrained"][:] if conversational else [[]] * len(rows)
     dropped = cut = ends_lost = 0
     for number, (row, answers_from, skipped) in enumerate(zip(rows, starts, untrained)):
         where = f"{desc} row {number + 1}"
         try:
-            turns = trained_turns(json.loads(row), answers_from, skipped) if conversational else []
-            ids, mask, prompt = _tokenized_row(tokenizer, row, turns, train_on, where, conversational)
+            ids, mask, prompt = _tokenized_row(tokenizer, row, answers_from, skipped, train_on, where, conversational)
         except UserError:
             raise
         except Exception as exc:  # jinja2's render errors, a template's raise_exception on this conversation
@@ -251,12 +251,15 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     return datasets.Dataset.from_dict(columns)
 
 
-def _tokenized_row(tokenizer, row: str, turns: list[int], train_on: str, where: str, conversational: bool):
+def _tokenized_row(
+    tokenizer, row: str, answers_from: int, untrained: list[int], train_on: str, where: str, conversational: bool
+):
     """(ids, target mask, prompt length) of one row."""
     if not conversational:  # plain text: every token, and EOS to end it
         ids = tokenizer(row, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return ids, [0] + [1] * (len(ids) - 1), 0
     messages = json.loads(row)
+    turns = trained_turns(messages, answers_from, untrained)
     full = _render(tokenizer, messages, False)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
@@ -304,29 +307,33 @@ def end_of_turn_marker(tokenizer) -> tuple[str | None, list[int]]:
     return marker, tokenizer(marker, add_special_tokens=False)["input_ids"]
 
 
-def _split_marker(tokenizer, name: str, marker: str, ids: list[int]) -> UserError:
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    return UserError(
-        f"chat template {name}: its end-of-turn marker {marker!r} is {len(ids)} tokens of this tokenizer "
-        f"({', '.join(map(repr, pieces[:8]))}), so generation could not stop at it; use a template whose "
-        "end-of-turn is one token of this vocabulary (the checkpoint's own, or chatml where <|im_end|> is one)"
-    )
-
-
-def check_end_of_turn(tokenizer, name: str, learned: bool) -> None:
-    """The end-of-turn marker is one token, which generation can stop at: a marker the vocabulary splits is
-    refused in one line, or (`learned`: a tiny model's tokenizer, learned from the rows) added as a special token;
-    a template that writes nothing after an answer is said once (generation then stops at EOS only)."""
+def _end_of_turn(tokenizer, name: str, learned: bool = False) -> tuple[str | None, list[int]]:
+    """end_of_turn_marker, made one token: a marker the vocabulary splits is refused in one line (generation could
+    not stop at it), or (`learned`: a tiny model's tokenizer, learned from the rows) added as a special token."""
     marker, ids = end_of_turn_marker(tokenizer)
+    if marker is None or len(ids) == 1:
+        return marker, ids
+    if not learned:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise UserError(
+            f"chat template {name}: its end-of-turn marker {marker!r} is {len(ids)} tokens of this tokenizer "
+            f"({', '.join(map(repr, pieces[:8]))}), so generation could not stop at it; use a template whose "
+            "end-of-turn is one token of this vocabulary (the checkpoint's own, or chatml where <|im_end|> is one)"
+        )
+    tokenizer.add_tokens([marker], special_tokens=True)
+    return marker, tokenizer(marker, add_special_tokens=False)["input_ids"]
+
+
+def check_end_of_turn(tokenizer, name: str, learned: bool) -> str | None:
+    """The template's end-of-turn marker, one token (`_end_of_turn`); a template that writes nothing after an
+    answer is said once (generation then stops at EOS only)."""
+    marker, _ = _end_of_turn(tokenizer, name, learned)
     if marker is None:
         log.warning(
             "chat template %s writes nothing after an answer (no end-of-turn token): generation stops at EOS only",
             name,
         )
-    elif len(ids) != 1 and learned:
-        tokenizer.add_tokens([marker], special_tokens=True)
-    elif len(ids) != 1:
-        raise _split_marker(tokenizer, name, marker, ids)
+    return marker
 
 
 def stop_ids(tokenizer) -> set[int]:
@@ -334,8 +341,5 @@ def stop_ids(tokenizer) -> set[int]:
     what generation stops at."""
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if tokenizer.chat_template:
-        marker, ids = end_of_turn_marker(tokenizer)
-        if marker is not None and len(ids) != 1:
-            raise _split_marker(tokenizer, "of this tokenizer", marker, ids)
-        stops.update(ids)
+        stops.update(_end_of_turn(tokenizer, "of this tokenizer")[1])
     return stops

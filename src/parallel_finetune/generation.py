@@ -31,6 +31,12 @@ class Prompt:
     ids: tuple[int, ...]
 
 
+NO_PROMPTS = (  # the run's error, and --check's (preflight) for plain-text validation rows
+    "generate_every: no validation row has a prompt to answer (plain-text rows, or every prompt longer than "
+    "max_length); give conversations (messages or prompt/completion rows) or set generate_every=0"
+)
+
+
 def held_out_prompts(split: datasets.Dataset, count: int) -> list[Prompt]:
     """The prompts of the first `count` validation rows that have one (`prompt_length` > 0), in the split's
     order; a one-line error where none has (plain-text rows, or prompts cut by max_length)."""
@@ -39,10 +45,7 @@ def held_out_prompts(split: datasets.Dataset, count: int) -> list[Prompt]:
     lengths = column(split, "prompt_length")
     rows = [row for row, length in enumerate(lengths) if length > 0][:count]
     if not rows:
-        raise UserError(
-            "generate_every: no validation row has a prompt to answer (plain-text rows, or every prompt longer "
-            "than max_length); give conversations (messages or prompt/completion rows) or set generate_every=0"
-        )
+        raise UserError(NO_PROMPTS)
     ids = column(split.select(rows), "input_ids")
     return [Prompt(row, tuple(row_ids[: lengths[row]])) for row, row_ids in zip(rows, ids)]
 

@@ -353,7 +353,7 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
         if hf_config.pad_token_id is None:  # GPT configs: the padding id training used, to find each last token
             hf_config.pad_token_id = tokenizer.pad_token_id
         # a QLoRA run's own base/ (its parent a run folder of nf4) holds the base as trained: NF4, dequantized
-        if _trained_over_nf4(folder) and not _trained_over_nf4(Path(base)):
+        if _trained_over_nf4(folder) and not (Path(base).is_dir() and _trained_over_nf4(Path(base))):
             print(
                 f"note: {folder} was trained over its base quantized to NF4 (QLoRA), and {base} is that base "
                 "unquantized, so the scores differ slightly from the trained model's (the run's base/ folder, where "

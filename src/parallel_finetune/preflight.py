@@ -11,6 +11,7 @@ from .config import Config, refuse_compile_with_tp
 from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
 from .errors import UserError
 from .families import get_family
+from .generation import NO_PROMPTS
 from .hub import check_model_source, resolve_model_path
 from .layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
@@ -154,10 +155,7 @@ def check_chat_rows(config: Config, family, raw, task, source) -> None:
     if task.problem_type != SFT:
         return
     if config.generate_every and "messages" not in raw["validation"].column_names:
-        raise UserError(
-            "generate_every: no validation row has a prompt to answer (plain-text rows); give conversations "
-            "(messages or prompt/completion rows) or set generate_every=0"
-        )
+        raise UserError(NO_PROMPTS)
     local = config.size == "tiny" and not config.tokenizer
     where = config.tokenizer or (pretrained_name(config) if config.size == "full" else None)
     if not local and not (where and Path(resolve_model_path(where)).is_dir()):
