@@ -21,7 +21,6 @@ import transformers  # noqa: E402
 
 from parallel_finetune.builder import RunBuilder  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
-from parallel_finetune.trainer import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,9 +47,9 @@ def main() -> int:
     )
     prof = profile(activities=[ProfilerActivity.CPU])
     if which == "ours":
-        trainer = Trainer(RunBuilder(config).build())
+        trainer = RunBuilder(config).build().trainer
         trainer.model.train()
-        batches = trainer.batches.epoch(0)
+        batches = trainer.sampler.epoch(0)
         for batch in batches[:12]:
             trainer.train_step(batch)
         started = time.perf_counter()

@@ -95,7 +95,7 @@ def worker(out: str, overrides: list[str]) -> None:
     from parallel_finetune import model, summary
     from parallel_finetune.hardware import peak_memory_mib
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import run
+    from parallel_finetune.run import run
 
     sampler = PeakSampler()  # torch and the package imported, nothing loaded: the baseline
     rank = os.environ["RANK"]

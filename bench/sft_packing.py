@@ -202,7 +202,7 @@ def heldout_loss(model_dir: str, validation_ids: list[list[int]], batch_size: in
 # ----------------------------------------------------------------------------------- workers (one per process)
 def ours_chat_worker(name: str, args) -> dict:
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import run
+    from parallel_finetune.run import run
 
     spec = json.loads((OUT / "spec.json").read_text())
     config = load_config(
@@ -320,7 +320,7 @@ def attends_across_rows(model, spec: dict, batch: list[int]) -> float:
 
 def minilm_worker(name: str, args) -> dict:
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import run
+    from parallel_finetune.run import run
 
     config = load_config(
         REPO / "recipes" / "bert" / "minilm.yaml",

@@ -64,7 +64,7 @@ def convert(gguf: Path, folder: Path) -> Path:
 
 def train(model: Path, out: Path, steps: int, lr: float, overrides: list[str]) -> dict:
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import run
+    from parallel_finetune.run import run
 
     settings = [
         "size=full",

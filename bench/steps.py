@@ -24,29 +24,41 @@ RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 
 
 def worker(argv: list[str]) -> None:
+    import dataclasses
+
     import torch
 
+    from parallel_finetune.batch import padded_batch
     from parallel_finetune.builder import RunBuilder
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.trainer import Trainer
 
     warmup, steps, length = (int(os.environ[k]) for k in ("BENCH_WARMUP", "BENCH_STEPS", "BENCH_LENGTH"))
     config = load_config(RECIPE, argv)
 
-    class FixedLengthTrainer(Trainer):
-        def batch_of(self, indices):
-            generator = torch.Generator().manual_seed(len(indices))
-            rows = len(indices)
-            vocab = min(1000, len(self.data.tokenizer))  # the sample data's tokenizer has fewer than 1000 tokens
-            batch = {
-                "input_ids": torch.randint(1, vocab, (rows, length), generator=generator),
-                "attention_mask": torch.ones(rows, length, dtype=torch.long),
-                "labels": torch.randint(0, 2, (rows,), generator=generator),
-            }
-            return {k: v.to(self.layout.device) for k, v in batch.items()}
+    class FixedLengthBatcher:
+        """Random rows of `length` tokens, labelled at random: every step the same shapes."""
 
-    trainer = FixedLengthTrainer(RunBuilder(config).build())
-    trainer.train_lengths = [length] * len(trainer.train_lengths)  # what FLOPs and tokens/s count
+        packed = False
+
+        def __init__(self, split, vocab: int, device):
+            self.split = dataclasses.replace(split, lengths=[length] * len(split))  # what FLOPs and tokens/s count
+            self.vocab, self.device = vocab, device
+
+        def batch(self, indices):
+            generator = torch.Generator().manual_seed(len(indices))
+            rows = torch.randint(1, self.vocab, (len(indices), length), generator=generator).tolist()
+            batch = padded_batch(rows, pad_id=0)
+            batch.labels = torch.randint(0, 2, (len(indices),), generator=generator)
+            return batch.to(self.device)
+
+        def token_slots(self, global_batch, dp, accumulation):
+            return len(global_batch) * length
+
+    built = RunBuilder(config).build()
+    trainer = built.trainer
+    # the sample data's tokenizer has fewer than 1000 tokens
+    vocab = min(1000, len(built.data.tokenizer))
+    trainer.batcher = FixedLengthBatcher(trainer.batcher.split, vocab, trainer.layout.device)
     trainer.model.train()
     records = [trainer.train_step(list(range(config.batch_size))) for _ in range(warmup + steps)]
     if trainer.layout.is_main:

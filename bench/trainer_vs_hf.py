@@ -35,25 +35,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
 from parallel_finetune.builder import RunBuilder, prepare_data  # noqa: E402
-from parallel_finetune.evaluation import evaluate  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
 from parallel_finetune.hub import download_model  # noqa: E402
 from parallel_finetune.model import load_model, seed_everything  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
 from parallel_finetune.summary import padding_fraction  # noqa: E402
-from parallel_finetune.trainer import Trainer as OurTrainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def our_run(config) -> dict:
-    trainer = OurTrainer(RunBuilder(config).build())
+    trainer = RunBuilder(config).build().trainer
     trainer.fit()
     trainer.reporter.close()
-    dev, tokenizer = trainer.data.splits["validation"], trainer.data.tokenizer
-    results = evaluate(
-        trainer.model, trainer.runner, dev, tokenizer, trainer.data.task, config.eval_batch_size, trainer.layout
-    )
+    results = trainer.evaluator.evaluate()
     seconds = trainer.timer.seconds["train"]
     torch.distributed.destroy_process_group()
     return {

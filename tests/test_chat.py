@@ -20,11 +20,12 @@ import pytest
 from conftest import launch, load_task_of, prepare_data, recipe, tiny_overrides
 
 from parallel_finetune import chat
+from parallel_finetune.batch import IGNORE, PaddedBatcher, TokenizedSplit
 from parallel_finetune.data import train_tokenizer
 from parallel_finetune.errors import UserError
-from parallel_finetune.loss import IGNORE, loss_count, scored_count, targets
 from parallel_finetune.resolve import load_config
 from parallel_finetune.tasks import CHAT_SAMPLE_DIR, HeadKind
+from parallel_finetune.tasks.task import Task
 
 # A template shaped unlike ChatML: a BOS first, header tokens around the role, the content trimmed, <|eot_id|>
 # ending each turn with no newline after it (Llama 3's layout).
@@ -270,15 +271,19 @@ def test_a_template_that_drops_earlier_answers_is_refused(templated):
 def test_loss_and_counts_follow_the_target_mask():
     import torch
 
-    batch = {
-        "input_ids": torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]]),
-        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
-        "target_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]]),
-    }
-    assert targets(batch, HeadKind.CAUSAL_LM).tolist() == [[IGNORE, 7, 8], [6, IGNORE, IGNORE]]
-    assert scored_count(batch, HeadKind.CAUSAL_LM) == 3
-    assert loss_count([4, 3], HeadKind.CAUSAL_LM, [2, 1]) == 3
-    assert loss_count([4, 3], HeadKind.CAUSAL_LM) == 5  # without targets: every next token, as before
+    split = TokenizedSplit(
+        HeadKind.CAUSAL_LM, [[5, 6, 7, 8], [5, 6, 7]], [4, 3], [2, 1], target_masks=[[0, 0, 1, 1], [0, 1, 0]]
+    )
+    batch = PaddedBatcher(split, pad_id=0, padding_side="right", pad_multiple=1, device=torch.device("cpu")).batch(
+        [0, 1]
+    )
+    assert batch.labels.tolist() == [[IGNORE, 7, 8, IGNORE], [6, IGNORE, IGNORE, IGNORE]]
+    assert batch.scored() == 3 == split.loss_count([0, 1])
+    plain = TokenizedSplit.of(
+        datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [5, 6, 7]], "length": [4, 3]}),
+        Task.language_model("custom", "text"),
+    )
+    assert plain.loss_count([0, 1]) == 5  # without targets: every next token
 
 
 # ----------------------------------------------------------------------------------------------- runs

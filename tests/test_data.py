@@ -146,14 +146,24 @@ def test_micro_batches_partition_the_global_batch():
     assert all(len(micro) == 4 for share in shares for micro in share)
 
 
-def test_collate_pads_dynamically_both_sides():
-    right = data.collate([[5, 6, 7], [8]], pad_id=0, padding_side="right", labels=[1, 0])
-    assert right["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert right["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert right["labels"].tolist() == [1, 0]
-    left = data.collate([[5, 6, 7], [8]], pad_id=0, padding_side="left")
-    assert left["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
-    assert data.collate([[1, 2, 3]], 0, "right", pad_to_multiple_of=8)["input_ids"].shape == (1, 8)
+def test_padded_batches_pad_dynamically_both_sides():
+    import torch
+
+    from parallel_finetune.batch import BatchKind, PaddedBatcher, TokenizedSplit, padded_batch
+    from parallel_finetune.tasks.task import HeadKind
+
+    split = TokenizedSplit(HeadKind.CLASSIFICATION, [[5, 6, 7], [8]], [3, 1], [1, 1], labels=[1, 0])
+    right = PaddedBatcher(split, pad_id=0, padding_side="right", pad_multiple=1, device=torch.device("cpu"))
+    batch = right.batch([0, 1])
+    assert batch.kind is BatchKind.PADDED and not batch.packed
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.labels.tolist() == [1, 0] and batch.scored() == 2
+    assert right.batch([0, 1], labelled=False).labels is None  # a test split's rows
+    left = padded_batch([[5, 6, 7], [8]], pad_id=0, padding_side="left")
+    assert left.input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert left.positions.tolist() == [[0, 1, 2], [0, 0, 0]]  # a left-padded row sees its unpadded positions
+    assert padded_batch([[1, 2, 3]], pad_id=0, pad_multiple=8).input_ids.shape == (1, 8)
 
 
 def test_a_byte_order_mark_and_any_line_ending_are_accepted(tmp_path):

@@ -297,7 +297,7 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
     from torch.distributed.tensor.debug import CommDebugMode
 
     from parallel_finetune import lora
-    from parallel_finetune.data import collate
+    from parallel_finetune.batch import padded_batch
     from parallel_finetune.families import get_family
     from parallel_finetune.families.base import tiny_vocab_size
     from parallel_finetune.model import load_model
@@ -308,7 +308,7 @@ def test_lora_adds_no_collective_and_places_adapters_like_their_layer(family_nam
     family = get_family(family_name)
     hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
     family.set_task(hf_config, "classification", pad_token_id=0)
-    batch = model_inputs(collate([[5, 6, 7, 8, 9], [10, 11, 12]], 0, "right"))
+    batch = model_inputs(padded_batch([[5, 6, 7, 8, 9], [10, 11, 12]], pad_id=0))
     settings = lora.LoraSettings(4, 8.0, 0.0, lora.ALL_LINEAR, family.lora_head)
 
     def collectives(model) -> dict:

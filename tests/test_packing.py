@@ -11,15 +11,16 @@ import pytest
 import torch
 from conftest import assert_trains_like, launch, recipe, tiny_overrides
 
-from parallel_finetune.data import device_batch
+from parallel_finetune.batch import IGNORE, BatchKind, PackedBatcher, PaddedBatcher, TokenizedSplit
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.families.plans import PlanFamily, mask_kind
-from parallel_finetune.loss import IGNORE, summed_loss, targets
-from parallel_finetune.packing import PackedShape, first_fit_decreasing, packed_batch, packed_slots
+from parallel_finetune.loss import class_loss, token_loss
+from parallel_finetune.packing import PackedShape, first_fit_decreasing, packed_slots
 from parallel_finetune.parallel.pipeline import Stage, StageForward, cut_model
 from parallel_finetune.resolve import load_config
 from parallel_finetune.runner import WholeModel
+from parallel_finetune.tasks.task import HeadKind
 
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")
@@ -39,43 +40,39 @@ def test_first_fit_decreasing_keeps_every_row_once_within_capacity_and_is_determ
     assert first_fit_decreasing([3, 5, 2, 5, 4], 8) == [[1, 0], [3, 2], [4]]
 
 
+def rows_split(ids, labels=None, head=HeadKind.CLASSIFICATION, regression=False) -> TokenizedSplit:
+    """A TokenizedSplit of rows in memory (what TokenizedSplit.of reads from a cached split)."""
+    lengths = [len(row) for row in ids]
+    targets = [1] * len(ids) if head is HeadKind.CLASSIFICATION else [n - 1 for n in lengths]
+    return TokenizedSplit(head, ids, lengths, targets, labels, regression)
+
+
+def packed_rows(ids, shape, labels=None, head=HeadKind.CLASSIFICATION, regression=False):
+    split = rows_split(ids, labels, head, regression)
+    return PackedBatcher(split, pad_id=0, shape=shape, device=CPU).batch(list(range(len(ids))))
+
+
 def test_packed_batch_positions_targets_and_slots():
     ids = [[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]]
     shape = PackedShape(capacity=6, pooled="last")
-    batch = packed_batch(
-        [0, 1, 2, 3],
-        ids=ids,
-        labels=[0, 1, 2, 3],
-        token_types=None,
-        target_masks=None,
-        pad_id=0,
-        shape=shape,
-        device=CPU,
-    )
+    batch = packed_rows(ids, shape, labels=[0, 1, 2, 3])
     # bins: [row 2 (4 tokens), row 1 (2)], [row 0 (3), row 3 (1)] -> length 6, the second with a padding tail
-    assert batch["input_ids"].tolist() == [[31, 32, 33, 34, 21, 22], [11, 12, 13, 41, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 1, 0, 0]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1]]
-    assert batch["labels"].tolist() == [[IGNORE, IGNORE, IGNORE, 2, IGNORE, 1], [IGNORE, IGNORE, 0, 3, IGNORE, IGNORE]]
-    lm = targets(batch, "causal_lm")  # never across a row boundary, never padding
-    assert lm.tolist() == [[32, 33, 34, IGNORE, 22], [12, 13, IGNORE, IGNORE, IGNORE]]
+    assert batch.kind is BatchKind.PACKED and batch.packed
+    assert batch.input_ids.tolist() == [[31, 32, 33, 34, 21, 22], [11, 12, 13, 41, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 6, [1, 1, 1, 1, 0, 0]]
+    assert batch.positions.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1]]
+    assert batch.labels.tolist() == [[IGNORE, IGNORE, IGNORE, 2, IGNORE, 1], [IGNORE, IGNORE, 0, 3, IGNORE, IGNORE]]
+    assert batch.scored() == 4
+    lm = packed_rows(ids, shape, head=HeadKind.CAUSAL_LM).labels  # shifted: never across a row, never padding
+    assert lm.tolist() == [[32, 33, 34, IGNORE, 22, IGNORE], [12, 13, IGNORE, IGNORE, IGNORE, IGNORE]]
     assert packed_slots([3, 2, 4, 1], shape) == 12
     # a pipeline's static shapes: every sequence max_length long (rounded), sequences to a multiple of micro-batches
     fixed = PackedShape(capacity=6, pad_multiple=8, fixed_length=True, rows_multiple=4, pooled="first")
-    batch = packed_batch(
-        [0, 1, 2, 3],
-        ids=ids,
-        labels=[0.5, 1.5, 2.5, 3.5],
-        token_types=None,
-        target_masks=None,
-        pad_id=0,
-        shape=fixed,
-        device=CPU,
-    )
-    assert batch["input_ids"].shape == (4, 8) and packed_slots([3, 2, 4, 1], fixed) == 32
-    assert batch["attention_mask"][2:].sum() == 0 and batch["position_ids"][3].tolist() == list(range(8))
-    scored = ~batch["labels"].isnan()
-    assert batch["labels"][scored].tolist() == [2.5, 1.5, 0.5, 3.5] and scored.sum() == 4
+    batch = packed_rows(ids, fixed, labels=[0.5, 1.5, 2.5, 3.5], regression=True)
+    assert batch.input_ids.shape == (4, 8) and packed_slots([3, 2, 4, 1], fixed) == 32
+    assert batch.attention_mask[2:].sum() == 0 and batch.positions[3].tolist() == list(range(8))
+    scored = ~batch.labels.isnan()
+    assert batch.labels[scored].tolist() == [2.5, 1.5, 0.5, 3.5] and scored.sum() == 4 == batch.scored()
 
 
 # ----------------------------------------------------------------------------------------------- in one process
@@ -101,23 +98,13 @@ def tiny_model(family_name: str, task: str, attention: str):
     return family, model.eval()
 
 
-def packed(rows, family, labels, capacity=12):
+def head_of_test(task: str) -> HeadKind:
+    return HeadKind.CLASSIFICATION if task == "classification" else HeadKind.CAUSAL_LM
+
+
+def packed(rows, family, labels, task="classification", capacity=12):
     shape = PackedShape(capacity=capacity, pooled=family.pooled_token)
-    return packed_batch(
-        list(range(len(rows))),
-        ids=rows,
-        labels=labels,
-        token_types=None,
-        target_masks=None,
-        pad_id=0,
-        shape=shape,
-        device=CPU,
-    )
-
-
-class RightPadding:
-    pad_token_id = 0
-    padding_side = "right"
+    return packed_rows(rows, shape, labels, head_of_test(task))
 
 
 MODELS = [
@@ -136,23 +123,26 @@ MODELS = [
 @pytest.mark.parametrize("family_name,task,attention", MODELS)
 def test_packed_forward_equals_unpacked_and_rows_stay_apart(family_name, task, attention):
     family, model = tiny_model(family_name, task, attention)
-    runner = WholeModel(model, task, contextlib.nullcontext, None, False, CPU, packing=family)
+    head = head_of_test(task)
+    loss = class_loss if head is HeadKind.CLASSIFICATION else token_loss
+    runner = WholeModel(model, head, loss, contextlib.nullcontext, None, False, CPU, packing=family)
     labels = LABELS if task == "classification" else None
-    unpacked = device_batch(list(range(len(ROWS))), ROWS, labels, RightPadding, 1, CPU)
-    batch = packed(ROWS, family, labels)
-    assert batch["input_ids"].shape[0] < len(ROWS)  # rows did share sequences
+    split = rows_split(ROWS, labels, head)
+    unpacked = PaddedBatcher(split, pad_id=0, padding_side="right", pad_multiple=1, device=CPU).batch(range(len(ROWS)))
+    batch = packed(ROWS, family, labels, task)
+    assert batch.rows < len(ROWS)  # rows did share sequences
     with torch.no_grad():
-        expected = summed_loss(runner.forward(unpacked), targets(unpacked, task))
+        expected = loss(runner.forward(unpacked), unpacked.labels)
         logits = runner.forward(batch)
-        got = summed_loss(logits, targets(batch, task))
+        got = loss(logits, batch.labels)
         assert got.item() == pytest.approx(expected.item(), abs=TOLERANCE)
         # another row 4 (2 tokens, packed beside others): every other row's logits stay as they were
         changed = [list(row) for row in ROWS]
         changed[4] = [7, 8]
-        again = runner.forward(packed(changed, family, labels))
-    other = packed(changed, family, labels)["position_ids"]
-    row_of = _row_numbers(batch["position_ids"])
-    assert torch.equal(other, batch["position_ids"])
+        again = runner.forward(packed(changed, family, labels, task))
+    other = packed(changed, family, labels, task).positions
+    row_of = _row_numbers(batch.positions)
+    assert torch.equal(other, batch.positions)
     moved = (again - logits).abs().amax(-1)
     row_four = row_of == _row_number_of(batch, ROWS, 4)
     assert moved[~row_four].max() == 0 and moved[row_four].max() > 0
@@ -165,10 +155,10 @@ def _row_numbers(position_ids: torch.Tensor) -> torch.Tensor:
 
 def _row_number_of(batch, rows, index) -> int:
     """The segment number `_row_numbers` gives row `index` of `rows` (found by its tokens)."""
-    segments = _row_numbers(batch["position_ids"])
+    segments = _row_numbers(batch.positions)
     for number in segments.unique():
         where = segments == number
-        if batch["input_ids"][where].tolist() == rows[index]:
+        if batch.input_ids[where].tolist() == rows[index]:
             return int(number)
     raise AssertionError(f"row {index} is not in the packed batch")
 
@@ -178,15 +168,17 @@ def test_pipeline_stage_packed_equals_the_whole_model(family_name):
     """One stage holding every block: its packed masks and per-position head give the whole model's logits."""
     family, model = tiny_model(family_name, "classification", "sdpa")
     batch = packed(ROWS, family, LABELS)
-    runner = WholeModel(model, "classification", contextlib.nullcontext, None, False, CPU, packing=family)
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, None, False, CPU, packing=family
+    )
     whole = Stage(0, (0, 1), True, True)
     with torch.no_grad():
         expected = runner.forward(batch)
         cut_model(model, family, [whole])  # the blocks by their numbers, as a stage holds them
         stage = StageForward(model, family, whole, classifier=True)
         stage.packed = True
-        got = stage(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    scored = batch["labels"] != IGNORE
+        got = stage(batch.input_ids, batch.attention_mask, batch.positions)
+    scored = batch.labels != IGNORE
     assert (got[scored] - expected[scored]).abs().max() < TOLERANCE
 
 

@@ -10,11 +10,12 @@ import torch
 from conftest import RECIPE, assert_mfu_as_documented, assert_trains_like, check, launch, tiny_overrides
 
 from parallel_finetune import data, throughput
-from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, COMPILE_WITH_TP, Config, compile_decision
+from parallel_finetune.config import COMPILE_AUTO_MIN_STEPS, COMPILE_WITH_TP, Config
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.parallel.pipeline import stage_costs
 from parallel_finetune.reporting import format_step, format_throughput
+from parallel_finetune.resolve import compile_decision
 from parallel_finetune.summary import padding_fraction
 from parallel_finetune.throughput import Peak, achieved, cpu_peak, gpu_peak_tflops, model_flops, probe_matmul_tflops
 

@@ -19,13 +19,16 @@ from conftest import REPO, subprocess_env
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
 from parallel_finetune import checkpoint, integrity
+from parallel_finetune.batch import IGNORE, Batch, TokenizedSplit, next_token_labels
 from parallel_finetune.config import Config
-from parallel_finetune.loss import IGNORE, loss_count, summed_loss, targets
+from parallel_finetune.loss import class_loss, regression_loss, summed_loss_for, token_loss
 from parallel_finetune.model import parameter_shapes
 from parallel_finetune.parallel import Parallelized
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss
 from parallel_finetune.precision import DynamicLossScaler
 from parallel_finetune.runner import WholeModel
+from parallel_finetune.tasks.glue import TASKS
+from parallel_finetune.tasks.task import HeadKind, Task
 from parallel_finetune.updates import TorchUpdates
 
 STEPS = 3
@@ -53,7 +56,7 @@ def tiny_classifier() -> GPT2ForSequenceClassification:
     return GPT2ForSequenceClassification(model_config)
 
 
-def batches() -> list[dict[str, torch.Tensor]]:
+def batches() -> list[Batch]:
     """STEPS right-padded batches of 4 rows of different lengths."""
     generator = torch.Generator().manual_seed(1)
     result = []
@@ -62,7 +65,7 @@ def batches() -> list[dict[str, torch.Tensor]]:
         mask = (torch.arange(8)[None, :] < lengths[:, None]).long()
         ids = torch.randint(1, 50, (4, 8), generator=generator) * mask
         labels = torch.randint(0, 2, (4,), generator=generator)
-        result.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        result.append(Batch(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), labels))
     return result
 
 
@@ -80,11 +83,11 @@ def reference_training() -> tuple[torch.nn.Module, list[float]]:
     )
     losses = []
     for batch in batches():
-        mask = batch["attention_mask"]
+        mask = batch.attention_mask
         logits = model(
-            input_ids=batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+            input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
         ).logits
-        loss = F.cross_entropy(logits, batch["labels"])
+        loss = F.cross_entropy(logits, batch.labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         optimizer.step()
@@ -119,13 +122,20 @@ def test_loss_scaler_halves_and_skips_on_overflow_and_grows_after_clean_steps():
     assert off.scale == 1.0 and not off.update(True) and off.scale == 1.0
 
 
-def test_causal_lm_targets_are_the_next_real_tokens_and_the_count_is_predicted_tokens():
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
-    assert targets(batch, "causal_lm").tolist() == [[6, 7, IGNORE]]
-    assert loss_count([3, 5], "causal_lm") == 6 and loss_count([3, 5], "classification") == 2
+def test_causal_lm_labels_are_the_next_real_tokens_and_the_count_is_predicted_tokens():
+    ids, mask = torch.tensor([[5, 6, 7, 0]]), torch.tensor([[1, 1, 1, 0]])
+    labels = next_token_labels(ids, mask)
+    assert labels.tolist() == [[6, 7, IGNORE, IGNORE]]  # aligned with the logits: no shift in the loss
+    lm = TokenizedSplit(HeadKind.CAUSAL_LM, [[1, 2, 3], [1, 2, 3, 4, 5]], [3, 5], [2, 4])
+    classes = TokenizedSplit(HeadKind.CLASSIFICATION, [[1, 2, 3], [1, 2, 3, 4, 5]], [3, 5], [1, 1], labels=[0, 1])
+    assert lm.loss_count([0, 1]) == 6 and classes.loss_count([0, 1]) == 2
     logits = torch.randn(1, 4, 9)
     expected = F.cross_entropy(logits[0, :2], torch.tensor([6, 7]), reduction="sum")
-    assert torch.allclose(summed_loss(logits, targets(batch, "causal_lm")), expected)
+    assert torch.allclose(token_loss(logits, labels), expected)
+    # the loss is the head's, chosen by the task: no shapes are read
+    assert summed_loss_for(Task.language_model("custom", "text")) is token_loss
+    assert summed_loss_for(Task.of_glue(TASKS["stsb"])) is regression_loss
+    assert summed_loss_for(Task.of_glue(TASKS["sst2"])) is class_loss
 
 
 def test_reduce_norm_and_loss_in_a_world_of_one(world_of_one):
@@ -139,16 +149,21 @@ def test_reduce_norm_and_loss_in_a_world_of_one(world_of_one):
 def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of_one):
     batch = batches()[0]
     model = tiny_classifier()
-    runner = WholeModel(model, "classification", contextlib.nullcontext, lambda loss, last: loss.backward(), False,
-                        world_of_one.device)  # fmt: skip
-    halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 3), slice(3, 4))]
+    backward = lambda loss, last: loss.backward()  # noqa: E731
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, backward, False, world_of_one.device
+    )
+    halves = [
+        Batch(batch.input_ids[rows], batch.attention_mask[rows], batch.positions[rows], batch.labels[rows])
+        for rows in (slice(0, 3), slice(3, 4))
+    ]
     total = sum(runner.train(half, count=4, last=True).item() for half in halves)
     sliced = {name: param.grad.clone() for name, param in model.named_parameters()}
 
     reference = tiny_classifier()
-    mask = batch["attention_mask"]
-    logits = reference(batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    mean = F.cross_entropy(logits, batch["labels"])
+    mask = batch.attention_mask
+    logits = reference(batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    mean = F.cross_entropy(logits, batch.labels)
     mean.backward()
     assert total == pytest.approx(mean.item(), abs=1e-6)
     for name, param in reference.named_parameters():
@@ -158,7 +173,7 @@ def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of
 def train(model, updates, runner) -> list[float]:
     losses = []
     for batch in batches():
-        local = runner.train(batch, count=len(batch["labels"]), last=True)
+        local = runner.train(batch, count=len(batch.labels), last=True)
         losses.append(updates.step(local, False, NO_SKIP).loss)
     return losses
 
@@ -166,7 +181,9 @@ def train(model, updates, runner) -> list[float]:
 def test_torch_updates_equal_plain_adamw_with_clipping(world_of_one):
     model = tiny_classifier()
     updates = torch_updates(model, world_of_one, config())
-    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, world_of_one.device
+    )
     losses = train(model, updates, runner)
     reference, reference_losses = reference_training()
     assert losses == pytest.approx(reference_losses, abs=1e-6)
@@ -184,7 +201,7 @@ def test_an_fp16_overflow_skips_the_update_halves_the_scale_and_keeps_the_weight
     model = tiny_classifier()
     updates = torch_updates(model, world_of_one, config(initial_loss_scale=1024.0), "fp16")
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    logits = model(batches()[0]["input_ids"]).logits
+    logits = model(batches()[0].input_ids).logits
     updates.backward((logits * math.inf).sum())
     outcome = updates.step(torch.tensor(1.0), False, NO_SKIP)
     assert outcome.skipped and outcome.grad_norm is None and outcome.loss_scale == 1024.0
@@ -202,7 +219,9 @@ def training_state(layout, folder_config: Config, step: int):
 
     model = tiny_classifier()
     updates = torch_updates(model, layout, folder_config)
-    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, layout.device)
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, layout.device
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(updates.optimizer, lambda s: 1.0 / (1 + s))
     for batch in batches()[:step]:
         updates.step(runner.train(batch, count=4, last=True), False, NO_SKIP)
@@ -375,19 +394,28 @@ def test_the_checkpoint_manager_writes_on_its_cadence_and_keeps_the_newest_recor
 
     settings = config(output_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2)
     root, timer = tmp_path / "checkpoints", PhaseTimer()
-    manager = CheckpointManager.for_run(root, checkpoint=settings.checkpoint, enabled=True, timer=timer)
+    states = []
+
+    def state(step):
+        states.append(step)
+        return training_state(world_of_one, settings, step)
+
+    manager = CheckpointManager(root, checkpoint=settings.checkpoint, enabled=True, timer=timer, state=state)
     assert [step for step in range(1, 8) if manager.due(step, 7, stopping=False)] == [2, 4, 6, 7]
     assert manager.due(3, 7, stopping=True)
-    deepspeed_run = CheckpointManager.for_run(root, checkpoint=settings.checkpoint, enabled=False, timer=timer)
+    deepspeed_run = CheckpointManager(root, checkpoint=settings.checkpoint, enabled=False, timer=timer, state=state)
     assert not deepspeed_run.due(2, 7, stopping=True)  # updates that cannot be checkpointed
+    assert deepspeed_run.resume(output=settings.output) == 0 and not states
     with caplog.at_level("WARNING"):
-        assert manager.save(2, [1, 2], lambda: pytest.fail("no state for a refused checkpoint")) is None
+        assert manager.save(2, [1, 2]) is None
+    assert not states, "no state made for a refused checkpoint"
     assert "checkpoint at step 2 not written: the loss or gradient norm of step 2 was not finite" in caplog.text
     assert "checkpoint" not in timer.seconds
     (root / "step-00000001").mkdir(parents=True)  # someone else's: on no record
     for step in (2, 4, 6):
-        written = manager.save(step, [], lambda step=step: training_state(world_of_one, settings, step))
+        written = manager.save(step, [])
         assert written == root / f"step-{step:08d}"
+    assert states == [2, 4, 6]
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001", "step-00000004", "step-00000006"]
     assert timer.seconds["checkpoint"] > 0
 
@@ -646,7 +674,9 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
 
     model = tiny_classifier()
     updates = torch_updates(model, world_of_one, config())
-    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, world_of_one.device)
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, world_of_one.device
+    )
     assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)
 
 

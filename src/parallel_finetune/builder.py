@@ -1,121 +1,78 @@
 """A run's assembly, before any training: the layout, the settings resolved and checked, the run folders claimed,
-the data prepared, the model built and loaded, its updates, runner and lr schedule, a checkpoint resumed. All of
-them, or one line on a bad input before any work; the Trainer (trainer.py) receives them (`RunParts`) and only
-trains.
+the data prepared, the model built and loaded, its updates, runner and lr schedule, a checkpoint resumed, the
+loop's components made. All of them, or one line on a bad input before any work; the Trainer (trainer.py)
+receives the components and only trains.
 
-    RunBuilder(config).build():  layout -> checks -> run folders (+ the model fetched) -> data -> model, updates,
-                                 runner, schedule -> resume -> the run folder written
+    RunBuilder(config).build():  layout -> checks -> run folders (+ the model fetched) -> data (+ the schedule
+                                 resolved) -> model, updates, runner, lr schedule -> resume -> the run folder
+                                 written -> batcher, evaluator, generator, reporter (trackers started) -> Trainer
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import transformers
 from torch import nn
 
-from . import checkpoint
 from . import data as data_module
+from .batch import PackedBatcher, PaddedBatcher, TokenizedSplit
 from .checkpoint import TrainingState
-from .config import Config, compile_decision
+from .checkpointer import CheckpointManager
+from .config import Config
+from .divergence import NonFiniteGuard
 from .errors import UserError
+from .evaluation import Evaluator
 from .families import get_family
 from .families.base import Family
+from .generation import Generator, held_out_prompts
 from .hub import fetch_model
 from .interfaces import Runner, Updates
 from .layout import Engine, Layout, check_batch_split, init_distributed, rank0_decides
+from .loggers import destinations
+from .loss import summed_loss_for
 from .model import ReadyModel, load_model, log_loaded
+from .packing import PackedShape
 from .parallel import Placement
 from .parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from .precision import autocast
 from .preflight import check_heads, check_model_config
-from .reporting import PhaseTimer
-from .resolve import Resolved, pretrained_name, resolve
+from .reporting import PhaseTimer, Reporter
+from .resolve import Resolved, pretrained_name, resolve, resolve_schedule
 from .runfolder import RunLock, claim_run_folders, open_run_folder
 from .runner import WholeModel
 from .throughput import Peak, device_peak
+from .trainer import Steps, StopRequest, Trainer
 from .updates import TorchUpdates
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunParts:
-    """What the builder assembles and the Trainer drives: every part made, its inputs accepted."""
+class BuiltRun:
+    """What the entry point (train.run) drives: the Trainer, and what the run's end reads."""
 
-    config: Config
+    trainer: Trainer
+    resolved: Resolved
     family: Family
-    layout: Layout
-    resolved: Resolved  # decided once; components receive these
-    peak: Peak  # the device's peak FLOP/s (for MFU)
-    timer: PhaseTimer  # seconds per phase: setup, data, model, resume here; the Trainer adds its own
-    output_dir: Path
-    checkpoint_root: Path
+    ready: ReadyModel  # the model as loaded (its load figures, its parallel placement)
     data: data_module.PreparedData
-    train_ids: list
-    train_lengths: list[int]
-    train_labels: list | None
-    train_types: list | None  # token type ids (sentence pairs of a family with them), else None
-    train_target_masks: list | None  # which tokens are trained (task=sft), else None: every next token
-    train_targets: list[int] | None  # each row's count of trained tokens (task=sft), else None
-    batches: data_module.GlobalBatches
-    total_steps: int
+    output_dir: Path
+    resumed_from: Path | None
+
+
+@dataclass
+class _Model:
+    """The model built and what drives it."""
+
     ready: ReadyModel
     model: nn.Module  # ready.model, or DeepSpeed's engine (forwards go through it: ZeRO-3 gathers there)
     updates: Updates
     runner: Runner
     scheduler: object  # the lr schedule
-    resumed_from: Path | None = None
-    resumed_step: int = 0
-
-    def base_description(self) -> str:
-        config = self.config
-        if config.size == "tiny":
-            return f"tiny {self.family.name} from config, initialised from seed {config.seed}"
-        name = self.resolved.model_name
-        return f"{name}@{config.revision}" if config.revision else name
-
-    def training_state(self, step: int) -> TrainingState:
-        return TrainingState(
-            step,
-            self.model,
-            self.updates,
-            self.scheduler,
-            self.config.to_dict(),
-            self.data.tokenizer,
-            self.layout,
-            self.family.name,
-            self.ready.parameter_shapes,
-            self.ready.parallel.trainable,
-            self.base_description(),
-            self.data.source.fingerprint,
-            self.data.task,
-            self.token_identity,
-        )
-
-    @functools.cached_property
-    def token_identity(self) -> str:
-        """What decides the data's token ids (the tokenizer and its chat template): a continuation must match it."""
-        return data_module.tokenizer_identity(self.data.tokenizer)
-
-
-@dataclass
-class _TrainRows:
-    """The training split's columns that the loop reads, and the global batches over them."""
-
-    ids: list
-    lengths: list[int]
-    labels: list | None
-    types: list | None
-    target_masks: list | None
-    targets: list[int] | None
-    batches: data_module.GlobalBatches
-    total_steps: int
 
 
 def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
@@ -147,8 +104,9 @@ class RunBuilder:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def build(self) -> RunParts:
-        """Every part of the run, or an error before any work; the run folder is written last (rank 0)."""
+    def build(self, stop: StopRequest | None = None) -> BuiltRun:
+        """Every part of the run, or an error before any work; the run folder is written last (rank 0), then the
+        trackers start. `stop`: the SIGTERM handler the Trainer obeys."""
         config = self.config
         with self.timer("setup"):
             layout = init_distributed(
@@ -168,50 +126,59 @@ class RunBuilder:
                 layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
             )
             if config.size == "full":
-                name = resolved.model_name
-                self.model_path = fetch_model(name, config.revision, layout, config.collective_timeout_s)
+                self.model_path = fetch_model(resolved.model_name, config.revision, layout, config.collective_timeout_s)
         with self.timer("data"):
-            prepared, rows = self._prepare_data(layout, resolved)
+            prepared = self._prepare_data(layout, resolved)
+            train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
+            sampler = data_module.GlobalBatches(train.lengths, config.batch_size, config.seed, config.group_by_length)
+            schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
         with self.timer("model"):
-            ready, model, updates, runner, scheduler = self._build(layout, resolved, prepared, rows)
-        parts = RunParts(
-            config,
-            self.family,
-            layout,
-            resolved,
-            peak,
-            self.timer,
-            output_dir,
+            built = self._build(layout, resolved, prepared, train, schedule)
+        checkpoints = CheckpointManager(
             checkpoint_root,
-            prepared,
-            rows.ids,
-            rows.lengths,
-            rows.labels,
-            rows.types,
-            rows.target_masks,
-            rows.targets,
-            rows.batches,
-            rows.total_steps,
-            ready,
-            model,
-            updates,
-            runner,
-            scheduler,
+            checkpoint=config.checkpoint,
+            enabled=built.updates.checkpointable,
+            timer=self.timer,
+            state=self._state_of(layout, resolved, prepared, built),
         )
-        if parts.updates.checkpointable:
-            self._resume(parts)
+        step = self.resumed_step = checkpoints.resume(output=config.output)
         if layout.is_main:  # only now, with every input accepted, is the run folder written
-            deepspeed_config = parts.updates.config if self.deepspeed_config is not None else None
-            open_run_folder(
-                output_dir,
-                checkpoint_root,
-                settings=config.to_dict(),
-                overwrite=config.output.overwrite,
-                deepspeed_config=deepspeed_config,
-                task=prepared.task,
-            )
+            self._open_run_folder(output_dir, checkpoint_root, built.updates, prepared)
         log.info("run folder %s | %s", output_dir, layout.describe())
-        return parts
+        trainer = Trainer(
+            steps=Steps(schedule.total_steps, len(sampler), config.gradient_accumulation_steps),
+            sampler=sampler,
+            batcher=self._batcher(train, prepared, layout, resolved, built.runner),
+            runner=built.runner,
+            updates=built.updates,
+            scheduler=built.scheduler,
+            model=built.model,
+            evaluator=Evaluator(
+                model=built.model,
+                runner=built.runner,
+                data=prepared,
+                batch_size=config.eval_batch_size,
+                layout=layout,
+                every=config.eval_every,
+            ),
+            generator=self._generator(prepared, layout, built) if config.generate_every else None,
+            checkpoints=checkpoints,
+            reporter=self._reporter(output_dir, layout, resolved, schedule.total_steps, step),
+            guard=NonFiniteGuard(config.max_nonfinite_steps, config.lr),
+            layout=layout,
+            timer=self.timer,
+            flops=built.ready.flops,
+            peak=peak,
+            step=step,
+            stop=stop or StopRequest(),
+        )
+        accumulation = config.gradient_accumulation_steps
+        log.info(
+            "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
+            *(schedule.total_steps, len(sampler), config.batch_size, layout.dp, accumulation),
+            *(config.batch_size // (layout.dp * accumulation), resolved.precision),
+        )
+        return BuiltRun(trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from)
 
     def _check_settings(self, layout: Layout) -> tuple[Resolved, Peak]:
         """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
@@ -241,19 +208,92 @@ class RunBuilder:
             )
         return resolved, peak
 
-    def _resume(self, parts: RunParts) -> None:
-        """From the newest checkpoint that all ranks together verify and load (skipped ones said once, by rank 0),
-        if there is one."""
-        started, state = time.perf_counter(), parts.training_state(0)
-        config = parts.config
-        parts.resumed_from = checkpoint.resume(
-            state, parts.checkpoint_root, checkpoint=config.checkpoint, output=config.output
+    def _open_run_folder(self, output_dir: Path, checkpoint_root: Path, updates: Updates, prepared) -> None:
+        """Rank 0: config.yaml, labels.json (and DeepSpeed's config) into the run folder, claimed before."""
+        config = self.config
+        open_run_folder(
+            output_dir,
+            checkpoint_root,
+            settings=config.to_dict(),
+            overwrite=config.output.overwrite,
+            deepspeed_config=updates.config if self.deepspeed_config is not None else None,
+            task=prepared.task,
         )
-        if parts.resumed_from:
-            parts.resumed_step = self.resumed_step = state.step
-            self.timer.seconds["resume"] = time.perf_counter() - started
 
-    def _prepare_data(self, layout: Layout, resolved: Resolved) -> tuple[data_module.PreparedData, _TrainRows]:
+    def _state_of(self, layout: Layout, resolved: Resolved, prepared, built: _Model):
+        """step -> what a checkpoint of that step holds (checkpoint.TrainingState)."""
+        config, ready = self.config, built.ready
+        if config.size == "tiny":
+            base = f"tiny {self.family.name} from config, initialised from seed {config.seed}"
+        else:
+            base = f"{resolved.model_name}@{config.revision}" if config.revision else resolved.model_name
+        return functools.partial(
+            TrainingState,
+            model=built.model,
+            updates=built.updates,
+            scheduler=built.scheduler,
+            settings=config.to_dict(),
+            tokenizer=prepared.tokenizer,
+            layout=layout,
+            family=self.family.name,
+            parameter_shapes=ready.parameter_shapes,
+            trainable=ready.parallel.trainable,
+            base=base,
+            data=prepared.source.fingerprint,
+            task=prepared.task,
+            tokens=data_module.tokenizer_identity(prepared.tokenizer),
+        )
+
+    def _batcher(self, train: TokenizedSplit, prepared, layout: Layout, resolved: Resolved, runner: Runner):
+        """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
+        pipeline's are of static shapes)."""
+        config, tokenizer = self.config, prepared.tokenizer
+        if not config.packing:
+            return PaddedBatcher(
+                train,
+                pad_id=tokenizer.pad_token_id,
+                padding_side=tokenizer.padding_side,
+                pad_multiple=runner.pad_multiple,
+                device=layout.device,
+            )
+        pipeline = layout.pp > 1
+        shape = PackedShape(
+            capacity=config.max_length,
+            pad_multiple=runner.pad_multiple,
+            fixed_length=pipeline,
+            rows_multiple=resolved.microbatches if pipeline else 1,
+            pooled=self.family.pooled_token,
+        )
+        return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
+
+    def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
+        """generate_every's decoder over the run's runner, with the held-out prompts it answers."""
+        config = self.config
+        validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
+        return Generator(
+            runner=built.runner,
+            model=built.model,
+            tokenizer=prepared.tokenizer,
+            prompts=held_out_prompts(validation, config.generate_prompts),
+            max_new_tokens=config.generate_max_new_tokens,
+            max_length=config.max_length,
+            layout=layout,
+            every=config.generate_every,
+        )
+
+    def _reporter(self, output_dir: Path, layout: Layout, resolved: Resolved, total_steps: int, step: int):
+        """The progress bar, metrics files and the trackers `report_to` names, started by rank 0 (a failure is
+        every rank's one line)."""
+        config = self.config
+        reporter = Reporter(output_dir, total_steps, config.log_every, layout.is_main, resumed_at=step)
+        trackers = destinations(config.report_to)
+        params = config.to_dict() | resolved.as_params()  # as written, and what `auto` became
+        reporter.started = rank0_decides(
+            layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
+        )
+        return reporter
+
+    def _prepare_data(self, layout: Layout, resolved: Resolved) -> data_module.PreparedData:
         config = self.config
         mine: list[data_module.PreparedData] = []
 
@@ -264,35 +304,20 @@ class RunBuilder:
         # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.
         cache_path, source = rank0_decides(layout, prepare_on_rank0)
         prepared = mine[0] if mine else data_module.load_prepared(Path(cache_path), source)
-        train = prepared.splits["train"]
-        lengths = data_module.column(train, "length")
-        batches = data_module.GlobalBatches(lengths, config.batch_size, config.seed, config.group_by_length)
-        rows = _TrainRows(
-            data_module.column(train, "input_ids"),
-            lengths,
-            data_module.column(train, "label") if "label" in train.column_names else None,
-            data_module.column(train, "token_type_ids") if "token_type_ids" in train.column_names else None,
-            *(
-                data_module.column(train, name) if name in train.column_names else None
-                for name in ("target_mask", "targets")
-            ),
-            batches,
-            config.max_steps or max(1, math.ceil(config.epochs * len(batches))),
-        )
         log.info(
             "data: %s | %s",
             prepared.source.description,
             ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()),
         )
-        return prepared, rows
+        return prepared
 
     def _build(
-        self, layout: Layout, resolved: Resolved, prepared: data_module.PreparedData, rows: _TrainRows
-    ) -> tuple[ReadyModel, nn.Module, Updates, Runner, object]:
+        self, layout: Layout, resolved: Resolved, prepared: data_module.PreparedData, train: TokenizedSplit, schedule
+    ) -> _Model:
         """The model (each rank its own shards; the module forwards go through), the updates, the runner, the lr
         schedule."""
         config, family = self.config, self.family
-        ready = self._load_model(layout, resolved, prepared, rows)
+        ready = self._load_model(layout, resolved, prepared, schedule)
         model, precision = ready.model, resolved.precision
         if resolved.engine is Engine.DEEPSPEED:
             from .parallel.deepspeed_engine import DeepSpeedUpdates
@@ -312,12 +337,14 @@ class RunBuilder:
                 adamw=ready.zero_adamw,
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
+        loss = summed_loss_for(prepared.task)
         if layout.pp > 1:
             settings = PipelineSettings(
                 config.pipeline_schedule,
                 resolved.microbatches,
                 resolved.head,
-                token_types=rows.types is not None,
+                loss,
+                token_types=train.token_types is not None,
                 packing=config.packing,
             )
             runner = Pipeline(
@@ -333,23 +360,26 @@ class RunBuilder:
             runner = WholeModel(
                 model,
                 resolved.head,
+                loss,
                 autocast_context,
                 updates.backward,
                 config.offload_activations,
                 layout.device,
                 packing=family if config.packing else None,
             )
-        warmup = config.warmup_steps or math.ceil(config.warmup_ratio * rows.total_steps)
         try:
             scheduler = transformers.get_scheduler(
-                config.lr_scheduler, updates.optimizer, num_warmup_steps=warmup, num_training_steps=rows.total_steps
+                config.lr_scheduler,
+                updates.optimizer,
+                num_warmup_steps=schedule.warmup_steps,
+                num_training_steps=schedule.total_steps,
             )
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
-        return ready, model, updates, runner, scheduler
+        return _Model(ready, model, updates, runner, scheduler)
 
     def _load_model(
-        self, layout: Layout, resolved: Resolved, prepared: data_module.PreparedData, rows: _TrainRows
+        self, layout: Layout, resolved: Resolved, prepared: data_module.PreparedData, schedule
     ) -> ReadyModel:
         """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""
         config, family, tokenizer = self.config, self.family, prepared.tokenizer
@@ -366,9 +396,8 @@ class RunBuilder:
         family.check_tp(hf_config, layout.tp)
         if config.packing:
             family.check_packing(hf_config, config.max_length)
-        compiled, why = compile_decision(config, rows.total_steps, layout.device.type, layout.tp)
         if config.compile == "auto":
-            log.info("%s", why)
+            log.info("%s", schedule.compile_why)
         placement = Placement(
             layout=layout,
             parallel=config.parallel,
@@ -377,7 +406,7 @@ class RunBuilder:
             precision=resolved.precision,
             autocast_dtype=resolved.autocast_dtype,
             microbatches=resolved.microbatches,
-            compile=compiled,
+            compile=schedule.compile,
             deepspeed_config=self.deepspeed_config,
         )
         ready = load_model(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from . import checkpoint
 from .checkpoint import TrainingState
-from .config import CheckpointSection
+from .config import CheckpointSection, OutputSection
 from .reporting import PhaseTimer
 from .runfolder import checkpoint_folders, recorded
 
@@ -25,22 +26,39 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    """A run's checkpoint cadence and retention: `due` says whether this step ends with a checkpoint, `save`
-    writes it (every rank calls both, with the same arguments) and removes the ones beyond `keep`."""
+    """A run's checkpoints: `resume` restores the newest one the run continues, `due` says whether this step
+    ends with a checkpoint, `save` writes it (every rank calls them, with the same arguments) and removes the ones
+    beyond `keep`. `state(step)` is what a checkpoint of `step` holds (the builder makes it)."""
 
-    def __init__(self, root: Path, every: int | None, keep: int, enabled: bool, timer: PhaseTimer):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        checkpoint: CheckpointSection,
+        enabled: bool,
+        timer: PhaseTimer,
+        state: Callable[[int], TrainingState],
+    ):
         self.root = root  # the checkpoint folder
-        self.every = every  # checkpoint_every: None, a checkpoint at the end (or stop) only
-        self.keep = keep  # keep_checkpoints
+        self.every = checkpoint.checkpoint_every  # None: a checkpoint at the end (or stop) only
+        self.keep = checkpoint.keep_checkpoints
+        self.resuming = checkpoint  # resume: which checkpoint a run continues
         self.enabled = enabled  # the updates can be checkpointed
         self.timer = timer  # the run's: writing checkpoints is its own phase in summary.json
+        self.state = state
+        self.resumed_from: Path | None = None
 
-    @classmethod
-    def for_run(
-        cls, root: Path, *, checkpoint: CheckpointSection, enabled: bool, timer: PhaseTimer
-    ) -> CheckpointManager:
-        """The run's: `checkpoint`'s cadence (checkpoint_every) and rotation (keep_checkpoints)."""
-        return cls(root, checkpoint.checkpoint_every, checkpoint.keep_checkpoints, enabled, timer)
+    def resume(self, *, output: OutputSection) -> int:
+        """Restore the model, its updates and schedule from the checkpoint this run continues (checkpoint.resume:
+        verified and loaded by all ranks together), if there is one; the step it reached, else 0."""
+        if not self.enabled:
+            return 0
+        started, state = time.perf_counter(), self.state(0)
+        self.resumed_from = checkpoint.resume(state, self.root, checkpoint=self.resuming, output=output)
+        if self.resumed_from is None:
+            return 0
+        self.timer.seconds["resume"] = time.perf_counter() - started
+        return state.step
 
     def due(self, step: int, total_steps: int, stopping: bool) -> bool:
         """Whether the step just taken ends with a checkpoint: every `every` steps, the last, or a stop."""
@@ -48,8 +66,8 @@ class CheckpointManager:
             return False
         return stopping or step >= total_steps or bool(self.every and step % self.every == 0)
 
-    def save(self, step: int, nonfinite_steps: list[int], state: Callable[[], TrainingState]) -> Path | None:
-        """The checkpoint of `step` from `state()`, or None: not written while `nonfinite_steps` (the divergence
+    def save(self, step: int, nonfinite_steps: list[int]) -> Path | None:
+        """The checkpoint of `step`, or None: not written while `nonfinite_steps` (the divergence
         guard's current run of non-finite steps) holds any, or after a failure checkpoint.save warned about."""
         if nonfinite_steps:  # weights that just gave a NaN/inf loss or gradient are not worth resuming
             log.warning(
@@ -59,7 +77,7 @@ class CheckpointManager:
             )
             return None
         with self.timer("checkpoint"):
-            written = state()
+            written = self.state(step)
             folder = checkpoint.save(written, self.root)
             if folder is not None and written.layout.is_main:
                 self.remove_old()

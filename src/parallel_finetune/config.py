@@ -394,26 +394,6 @@ def refuse_compile_with_tp(compile: bool | str, tensor_parallel: int) -> None:
         raise UserError(f"compile=true with tensor_parallel_degree={tensor_parallel} {COMPILE_WITH_TP}")
 
 
-def compile_decision(config: Config, total_steps: int, device_type: str, tensor_parallel: int) -> tuple[bool, str]:
-    """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
-    COMPILE_AUTO_MIN_STEPS steps on GPUs, without tensor parallelism (COMPILE_WITH_TP; compile=true with it is an
-    error). Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x slower than eager (median over
-    200 identical steps; with lengths padded to a multiple of 8 and static shapes, 1.17x), so no run length earns
-    the compile time back (docs/speed.md)."""
-    refuse_compile_with_tp(config.compile, tensor_parallel)
-    if config.compile != "auto":
-        return bool(config.compile), f"compile={str(config.compile).lower()}"
-    if tensor_parallel > 1:
-        return False, f"compile=auto: off (tensor_parallel_degree={tensor_parallel}: torch.compile {COMPILE_WITH_TP})"
-    if config.engine != "torch":
-        return False, "compile=auto: off (engine=deepspeed)"
-    if device_type == "cpu":
-        return False, "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)"
-    on = total_steps >= COMPILE_AUTO_MIN_STEPS
-    relation = ">=" if on else "<"
-    return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"
-
-
 def _coerce(key: str, value: Any, where: str) -> Any:
     """Check `value` against the field's type; accept the spellings YAML and shells produce (e.g. '1e-5')."""
     options = _options(key)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -475,61 +474,3 @@ def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulati
             if indices:
                 slots += len(indices) * -(-max(lengths[i] for i in indices) // multiple) * multiple
     return slots
-
-
-def collate(
-    input_ids: list[list[int]],
-    pad_id: int,
-    padding_side: str,
-    labels: list | None = None,
-    pad_to_multiple_of: int = 1,
-    token_type_ids: list[list[int]] | None = None,
-    target_mask: list[list[int]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Pad to the longest sequence of this batch (rounded up to a multiple, e.g. 8 for tensor cores). Labels are
-    class ids, or floats (regression targets, kept in fp32); token type ids (BERT pairs) and target masks (which
-    tokens are trained, task=sft) are padded with 0."""
-    longest = max(len(ids) for ids in input_ids)
-    longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    ids = torch.full((len(input_ids), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(input_ids), longest), dtype=torch.long)
-    for row, seq in enumerate(input_ids):
-        span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
-        ids[row, span] = torch.tensor(seq, dtype=torch.long)
-        mask[row, span] = 1
-    batch = {"input_ids": ids, "attention_mask": mask}
-    for name, rows in (("token_type_ids", token_type_ids), ("target_mask", target_mask)):
-        if rows is not None:
-            padded = torch.zeros_like(ids)
-            for row, seq in enumerate(rows):
-                span = slice(0, len(seq)) if padding_side == "right" else slice(longest - len(seq), longest)
-                padded[row, span] = torch.tensor(seq, dtype=torch.long)
-            batch[name] = padded
-    if labels is not None:
-        regression = any(isinstance(label, float) for label in labels)
-        batch["labels"] = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
-    return batch
-
-
-def device_batch(
-    indices: list[int],
-    ids: list,
-    labels: list | None,
-    tokenizer,
-    pad_multiple: int,
-    device: torch.device,
-    token_types: list | None = None,
-    target_masks: list | None = None,
-) -> dict[str, torch.Tensor]:
-    """Rows `indices` of `ids` (and `labels`, `token_types`, `target_masks`) padded into tensors on `device`: a
-    training slice or a dev chunk."""
-    batch = collate(
-        [ids[i] for i in indices],
-        tokenizer.pad_token_id,
-        tokenizer.padding_side,
-        [labels[i] for i in indices] if labels is not None else None,
-        pad_to_multiple_of=pad_multiple,
-        token_type_ids=[token_types[i] for i in indices] if token_types is not None else None,
-        target_mask=[target_masks[i] for i in indices] if target_masks is not None else None,
-    )
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

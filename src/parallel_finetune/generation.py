@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import datasets
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .batch import TokenizedSplit, padded_batch
 from .chat import stop_ids
-from .data import column, device_batch
 from .errors import UserError
 from .interfaces import Runner
 
@@ -37,21 +36,21 @@ NO_PROMPTS = (  # the run's error, and --check's (preflight) for plain-text vali
 )
 
 
-def held_out_prompts(split: datasets.Dataset, count: int) -> list[Prompt]:
+def held_out_prompts(split: TokenizedSplit, count: int) -> list[Prompt]:
     """The prompts of the first `count` validation rows that have one (`prompt_length` > 0), in the split's
     order; a one-line error where none has (plain-text rows, or prompts cut by max_length)."""
-    if "prompt_length" not in split.column_names:
+    lengths = split.prompt_lengths
+    if lengths is None:
         raise UserError("generate_every answers conversations' prompts; the validation split has none (task=sft only)")
-    lengths = column(split, "prompt_length")
     rows = [row for row, length in enumerate(lengths) if length > 0][:count]
     if not rows:
         raise UserError(NO_PROMPTS)
-    ids = column(split.select(rows), "input_ids")
-    return [Prompt(row, tuple(row_ids[: lengths[row]])) for row, row_ids in zip(rows, ids)]
+    return [Prompt(row, tuple(split.ids[row][: lengths[row]])) for row in rows]
 
 
 class Generator:
-    """Greedy answers to fixed prompts through a runner, the same on every rank."""
+    """Greedy answers to fixed prompts through a runner, the same on every rank: `due(step)` every `every` steps
+    (and once at the end, `due_at_end`)."""
 
     def __init__(
         self,
@@ -63,13 +62,23 @@ class Generator:
         max_new_tokens: int,
         max_length: int,
         layout,
+        every: int,
     ):
         self.runner, self.model, self.tokenizer, self.prompts = runner, model, tokenizer, prompts
         self.max_new_tokens, self.max_length, self.layout = max_new_tokens, max_length, layout
         self.stops = stop_ids(tokenizer)
+        self.every = every  # generate_every
+        self.generated_at: int | None = None  # the step of the last answers
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return step % self.every == 0 and step < total_steps
+
+    def due_at_end(self, step: int) -> bool:
+        """The end of training answers too, unless the last step just did."""
+        return self.generated_at != step
 
     @torch.no_grad()
-    def answers(self) -> list[dict]:
+    def answers(self, step: int) -> list[dict]:
         """{prompt, answer} per prompt (text; the answer without its end-of-turn token); the model in eval mode
         meanwhile. Every rank calls it and gets the same answers."""
         training = self.model.training
@@ -79,6 +88,7 @@ class Generator:
             for prompt in self.prompts:
                 new = self.greedy(list(prompt.ids))
                 results.append({"prompt": self.text(prompt.ids), "answer": self.text(new, skip_special_tokens=True)})
+            self.generated_at = step
             return results
         finally:
             self.model.train(training)
@@ -102,11 +112,17 @@ class Generator:
 
     def next_token(self, ids: list[int]) -> int:
         layout = self.layout
-        batch = device_batch([0], [ids], None, self.tokenizer, self.runner.pad_multiple, layout.device)
+        tokenizer = self.tokenizer
+        batch = padded_batch(
+            [ids],
+            pad_id=tokenizer.pad_token_id,
+            padding_side=tokenizer.padding_side,
+            pad_multiple=self.runner.pad_multiple,
+        ).to(layout.device)
         logits = self.runner.forward(batch)
         chosen = torch.zeros((), dtype=torch.long, device=layout.device)
         if logits is not None:  # every rank but a pipeline's earlier stages
-            last = int(batch["attention_mask"][0].nonzero()[-1])  # the last real token, either padding side
+            last = int(batch.attention_mask[0].nonzero()[-1])  # the last real token, either padding side
             chosen = logits[0, last].float().argmax()
         if layout.pp > 1:
             dist.broadcast(chosen, group=layout.pp_group, group_src=layout.pp - 1)

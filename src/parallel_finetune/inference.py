@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .data import collate, joined_pair
+from .batch import padded_batch
+from .data import joined_pair
 from .errors import UserError, one_line
 from .run_files import CONFIG_FILE
 from .tasks.columns import PAIR_OF, TEXT_COLUMNS
@@ -467,13 +468,16 @@ def classify(
     tokenizer = classifier.tokenizer
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        batch = collate(
+        batch = padded_batch(
             [ids[i] for i in chunk],
-            tokenizer.pad_token_id,
-            tokenizer.padding_side,
-            token_type_ids=[types[i] for i in chunk] if types is not None else None,
-        )
-        logits = classifier.model(**{k: v.to(classifier.device) for k, v in batch.items()}).logits.float().cpu()
+            pad_id=tokenizer.pad_token_id,
+            padding_side=tokenizer.padding_side,
+            token_types=[types[i] for i in chunk] if types is not None else None,
+        ).to(classifier.device)
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if batch.token_type_ids is not None:
+            inputs["token_type_ids"] = batch.token_type_ids
+        logits = classifier.model(**inputs).logits.float().cpu()
         if classifier.regression:
             values = [("", value) for value in logits[:, 0].tolist()]
         else:

@@ -35,13 +35,13 @@ class StepOutcome:
 class Runner(Protocol):
     pad_multiple: int  # sequence lengths are padded to a multiple of it
 
-    def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
-        """This rank's share of the loss (summed over the batch / the global `count`); gradients accumulate in
-        .grad. `last`: the step's last slice on this rank."""
+    def train(self, batch, count: int, last: bool) -> torch.Tensor:
+        """This rank's share of the loss of `batch` (a batch.Batch), summed over the batch / the global `count`;
+        gradients accumulate in .grad. `last`: the step's last slice on this rank."""
         ...
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Logits, or None on a pipeline stage that is not the last."""
+    def forward(self, batch) -> torch.Tensor | None:
+        """The head's outputs for `batch` (a batch.Batch), or None on a pipeline stage that is not the last."""
         ...
 
 

@@ -1,64 +1,44 @@
-"""The loss, in one place: what the logits are compared with (class ids, regression targets, next tokens),
-summed (not averaged) in fp32, and what a global
-batch's loss is divided by. Each micro-batch's sum is divided by the *global* count, so summing over micro-batches
-and data-parallel ranks gives exactly the single-process mean, whatever the layout. The head kind (the Task's
-`head`) chooses the targets and the count; the targets' form chooses the loss."""
+"""The loss, in one place: one small function per head, each summing (not averaging) in fp32 over the labels a
+Batch (batch.py) carries, and what a global batch's loss is divided by. Each micro-batch's sum is divided by the
+*global* count (TokenizedSplit.loss_count), so summing over micro-batches and data-parallel ranks gives exactly
+the single-process mean, whatever the layout.
+
+The labels are already aligned with the head's outputs and IGNORE (regression: NaN) where there is no loss, so
+a padded and a packed batch, a row's label and a position's, go through the same function: outputs and labels
+are flattened to one loss term per label."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .tasks.task import HeadKind
+from .batch import IGNORE
+from .tasks.task import HeadKind, Task
 
-IGNORE = -100  # target of a padded position: no loss
-
-
-def targets(batch: dict[str, torch.Tensor], head: HeadKind) -> torch.Tensor:
-    """Labels (a classification head: one per row, or per position in a packed batch), or each next token (a
-    language-model head), ignored where it is padding, where the split's `target_mask` says it is no target, and,
-    in a packed batch, where a row starts (its first token is not predicted from the previous row)."""
-    if HeadKind(head) is HeadKind.CLASSIFICATION:
-        return batch["labels"]
-    ignored = batch["attention_mask"][:, 1:] == 0
-    if "target_mask" in batch:
-        ignored = ignored | (batch["target_mask"][:, 1:] == 0)
-    if "position_ids" in batch:
-        ignored = ignored | (batch["position_ids"][:, 1:] == 0)
-    return batch["input_ids"][:, 1:].masked_fill(ignored, IGNORE)
+SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (head outputs, labels) -> summed fp32 loss
 
 
-def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The loss summed over the micro-batch, in fp32; `target` from `targets`: class ids (cross-entropy), float
-    targets (regression: squared error of the one output, transformers' MSELoss), or next tokens (2-D, one
-    shorter than the logits). 2-D targets as long as the logits are a packed batch's classification targets, one
-    per position (IGNORE, or NaN for regression, where no row is pooled): no shift."""
-    if target.ndim == 2 and target.shape == logits.shape[:-1]:
-        if target.is_floating_point():
-            scored = ~target.isnan()
-            return F.mse_loss(logits.float().squeeze(-1)[scored], target[scored].float(), reduction="sum")
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
-    if target.ndim == 1 and target.is_floating_point():
-        return F.mse_loss(logits.float().squeeze(-1), target.float(), reduction="sum")
-    if target.ndim == 1:
-        return F.cross_entropy(logits.float(), target, reduction="sum")
-    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A language model's: cross-entropy of each position's next-token logits with its (shifted) label."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def loss_count(lengths: list[int], head: HeadKind, targets: list[int] | None = None) -> int:
-    """What the loss of a global batch (rows of these lengths) is averaged over: samples, or predicted tokens
-    (each row's `targets` where the rows say how many they have, task=sft)."""
-    if HeadKind(head) is HeadKind.CLASSIFICATION:
-        return len(lengths)
-    if targets is not None:
-        return sum(targets)
-    return sum(length - 1 for length in lengths)
+def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A classification head's: cross-entropy of class logits with class ids (a packed batch: per position)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def scored_count(batch: dict[str, torch.Tensor], head: HeadKind) -> int:
-    """The same count for one collated batch (evaluation)."""
-    if HeadKind(head) is HeadKind.CLASSIFICATION:
-        return len(batch["labels"])
-    if "target_mask" in batch:
-        return int((batch["target_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum())
-    return int(batch["attention_mask"][:, 1:].sum())
+def regression_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A regression head's: squared error of its one output (transformers' MSELoss), where a label is a number."""
+    predicted, labels = outputs.float().flatten(), labels.float().flatten()
+    scored = ~labels.isnan()
+    return F.mse_loss(predicted[scored], labels[scored], reduction="sum")
+
+
+def summed_loss_for(task: Task) -> SummedLoss:
+    """The loss of a task's head."""
+    if task.head is HeadKind.CAUSAL_LM:
+        return token_loss
+    return regression_loss if task.regression else class_loss

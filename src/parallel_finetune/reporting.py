@@ -57,6 +57,7 @@ class Reporter:
         self.progress = ProgressLogger(total_steps, log_every, resumed_at, enabled, format_step)
         self.loggers: list[MetricLogger] = [self.progress]
         self.closed = False
+        self.started = True  # False: SIGTERM arrived while rank 0 started the trackers (the run stops)
         if enabled:
             self.loggers.append(JsonlLogger(output_dir, resumed_at))
 

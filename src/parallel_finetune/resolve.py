@@ -1,17 +1,18 @@
 """What a recipe means for this run, decided once: the pretrained model's name, the precision and its dtypes, the
 parallel degrees and the pipeline's micro-batches. The trainer resolves a Config once, after the process group
 exists, and hands these values to the components; `--check` resolves the same way for the layout it would start.
-Only the number of steps waits for the data (RunBuilder._prepare_data, builder.py, computes it once).
+The number of steps, the warm-up and compile wait for the data: `resolve_schedule`, the second stage.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import COMPILE_WITH_TP, Config, check_keys, parse_config
+from .config import COMPILE_AUTO_MIN_STEPS, COMPILE_WITH_TP, Config, check_keys, parse_config, refuse_compile_with_tp
 from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
@@ -72,6 +73,43 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
         dims=dims,
         microbatches=pipeline_microbatches(config.microbatches, dims.pp),
     )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The second stage, once the data is known: how long the run trains, its warm-up, whether it compiles."""
+
+    total_steps: int  # max_steps, or epochs x the global batches of an epoch
+    warmup_steps: int  # warmup_steps, or warmup_ratio x total_steps
+    compile: bool
+    compile_why: str  # what compile=auto decided, and why (logged)
+
+
+def resolve_schedule(config: Config, batches_per_epoch: int, device_type: str, tensor_parallel: int) -> Schedule:
+    total = config.max_steps or max(1, math.ceil(config.epochs * batches_per_epoch))
+    compiled, why = compile_decision(config, total, device_type, tensor_parallel)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
+    return Schedule(total, warmup, compiled, why)
+
+
+def compile_decision(config: Config, total_steps: int, device_type: str, tensor_parallel: int) -> tuple[bool, str]:
+    """Whether to compile the blocks, and why (logged): `compile: auto` compiles engine=torch runs of at least
+    COMPILE_AUTO_MIN_STEPS steps on GPUs, without tensor parallelism (COMPILE_WITH_TP; compile=true with it is an
+    error). Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x slower than eager (median over
+    200 identical steps; with lengths padded to a multiple of 8 and static shapes, 1.17x), so no run length earns
+    the compile time back (docs/speed.md)."""
+    refuse_compile_with_tp(config.compile, tensor_parallel)
+    if config.compile != "auto":
+        return bool(config.compile), f"compile={str(config.compile).lower()}"
+    if tensor_parallel > 1:
+        return False, f"compile=auto: off (tensor_parallel_degree={tensor_parallel}: torch.compile {COMPILE_WITH_TP})"
+    if config.engine != "torch":
+        return False, "compile=auto: off (engine=deepspeed)"
+    if device_type == "cpu":
+        return False, "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)"
+    on = total_steps >= COMPILE_AUTO_MIN_STEPS
+    relation = ">=" if on else "<"
+    return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"
 
 
 def _resolve_auto_family(config: Config, where: str) -> None:

@@ -11,27 +11,24 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from .batch import Batch
 from .families.base import Family
-from .loss import summed_loss, targets
+from .loss import SummedLoss
 from .parallel.memory import offload_context
 from .tasks.task import HeadKind
 
 
-def model_inputs(batch: dict[str, torch.Tensor], family: Family | None = None, model: nn.Module | None = None):
-    """Positions count real tokens only, so a left-padded row sees the positions of its unpadded self
-    (transformers would number the padding too); with right padding this equals 0, 1, 2, ... A packed batch
-    (packing.py) brings its own positions, restarting at every row, and takes the 4-D mask `family` builds from
-    them for `model`'s attention implementation (none under flash attention: the positions say where rows start),
-    so that no token attends to another row."""
-    mask = batch["attention_mask"]
-    if "position_ids" in batch:
-        positions = batch["position_ids"]
-        mask = family.packed_mask(model.config, positions, next(model.parameters()).dtype)
-    else:
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": positions, "use_cache": False}
-    if "token_type_ids" in batch:  # sentence pairs of a family with token types (BERT)
-        inputs["token_type_ids"] = batch["token_type_ids"]
+def model_inputs(batch: Batch, family: Family | None = None, model: nn.Module | None = None) -> dict:
+    """What the model's forward takes for `batch`: its positions (a left-padded row sees the positions of its
+    unpadded self; transformers would number the padding too), and a packed batch takes the 4-D mask `family`
+    builds from them for `model`'s attention implementation (none under flash attention: the positions say where
+    rows start), so that no token attends to another row."""
+    mask = batch.attention_mask
+    if batch.packed:
+        mask = family.packed_mask(model.config, batch.positions, next(model.parameters()).dtype)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.positions, "use_cache": False}
+    if batch.token_type_ids is not None:  # sentence pairs of a family with token types (BERT)
+        inputs["token_type_ids"] = batch.token_type_ids
     return inputs
 
 
@@ -41,7 +38,8 @@ class WholeModel:
     def __init__(
         self,
         model: nn.Module,
-        task: HeadKind,  # the head (resolve.Resolved.head): what the logits are compared with
+        head: HeadKind,  # the head (resolve.Resolved.head): a packed classifier reads every position's logits
+        loss: SummedLoss,  # the head's loss (loss.summed_loss_for)
         autocast: Callable,
         backward: Callable[[torch.Tensor, bool], None],
         offload_activations: bool,
@@ -49,26 +47,26 @@ class WholeModel:
         packing: Family | None = None,
     ):
         """`packing`: the family, when training batches are packed (its masks and per-position logits)."""
-        self.model, self.task, self.autocast, self.backward = model, task, autocast, backward
+        self.model, self.head, self.loss, self.autocast, self.backward = model, head, loss, autocast, backward
         self.offload_activations, self.device, self.family = offload_activations, device, packing
         if packing is not None:
             packing.prepare_packing(model)
 
-    def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
+    def train(self, batch: Batch, count: int, last: bool) -> torch.Tensor:
         if isinstance(self.model, FSDPModule):  # FSDP reduce-scatters in every backward unless told not to
             self.model.set_requires_gradient_sync(last)
         with offload_context(self.offload_activations, self.device):
-            loss = summed_loss(self.forward(batch), targets(batch, self.task)) / count
+            loss = self.loss(self.forward(batch), batch.labels) / count
         self.backward(loss, last)
         return loss.detach()
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "position_ids" in batch and HeadKind(self.task) is HeadKind.CLASSIFICATION:
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if batch.packed and self.head is HeadKind.CLASSIFICATION:
             return self.position_logits(batch)
         with self.autocast():
             return self.model(**model_inputs(batch, self.family, self.model)).logits
 
-    def position_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def position_logits(self, batch: Batch) -> torch.Tensor:
         """A packed batch's classifier logits at every position (rows, length, labels), taken inside the model's
         own forward (its pooled logits, one per packed sequence, mean nothing)."""
         logits: list[torch.Tensor] = []

@@ -21,8 +21,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .launch import torchrun_command
+
+if TYPE_CHECKING:
+    from .config import Config
 
 TOLERANCE = 1e-5  # fp32: measured differences are ~1e-7 (summation order); a real bug moves losses by far more
 FP16_TOLERANCE = 5e-3  # fp16 rounds each matmul to 11 significant bits: another reduction order differs more
@@ -143,20 +147,21 @@ def launch(check: Check, work: Path, model: Path | None) -> tuple[Path, str]:
     return run_folder(check, work), proc.stdout + proc.stderr
 
 
-def export_as_loaded(trainer) -> None:
-    """Into the run folder's `loaded/`, the weights as loaded into every rank's shards: called after the first
-    step's backward, before any update (the selftest and tests/test_full_size.py compare it with the file)."""
+def export_as_loaded(built, config: Config) -> None:
+    """Into the run folder's `loaded/`, the weights as loaded into every rank's shards (`built`: builder.BuiltRun):
+    called after the first step's backward, before any update (the selftest and tests/test_full_size.py compare
+    it with the file)."""
     from .export import ExportPlace, export_model
 
-    config = trainer.config
+    trainer = built.trainer
     export_model(
         trainer.updates,
-        trainer.data.tokenizer,
+        built.data.tokenizer,
         trainer.layout,
-        ExportPlace(trainer.output_dir, trainer.output_dir / "loaded"),
+        ExportPlace(built.output_dir, built.output_dir / "loaded"),
         model=config.model,
         peft=config.peft,
-        resolved=trainer.resolved,
+        resolved=built.resolved,
     )
 
 
@@ -164,17 +169,20 @@ def worker(spec: dict) -> int:
     """One torchrun rank: a normal run, with the selftest's hooks."""
     from .parallel.gradients import local
     from .resolve import load_config
-    from .trainer import run
+    from .run import run
 
-    def after_backward(trainer, step: int) -> None:
+    config = load_config(None, spec["overrides"])
+
+    def after_backward(built, step: int) -> None:
+        trainer = built.trainer
         if spec["export_loaded"] and step == 1:  # every rank still holds the pretrained values
-            export_as_loaded(trainer)
+            export_as_loaded(built, config)
         if spec["fp16_overflow"] and step == INJECT_STEP and trainer.layout.rank == trainer.layout.world_size - 1:
             # the last rank (last pipeline stage): an inf in a replicated weight's gradient, that no collective
             # of the model would carry to the other ranks; only the agreed skip decision can
             local(trainer.model.transformer.ln_f.weight.grad)[0] = float("inf")
 
-    run(load_config(None, spec["overrides"]), after_backward=after_backward)
+    run(config, after_backward=after_backward)
     return 0
 
 

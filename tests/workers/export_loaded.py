@@ -7,17 +7,18 @@ import json
 import sys
 
 from parallel_finetune.resolve import load_config
+from parallel_finetune.run import run
 from parallel_finetune.selftest import export_as_loaded
-from parallel_finetune.trainer import run
 
 
-def export_loaded(trainer, step: int) -> None:
+def export_loaded(built, step: int) -> None:
     if step == 1:
-        ready, rank = trainer.ready, trainer.layout.rank
+        ready, rank = built.ready, built.trainer.layout.rank
         memory = {"before_mib": ready.memory_before_load_mib, "peak_mib": ready.load_peak_mib}
-        (trainer.output_dir / f"load-memory-rank{rank}.json").write_text(json.dumps(memory))
-        export_as_loaded(trainer)
+        (built.output_dir / f"load-memory-rank{rank}.json").write_text(json.dumps(memory))
+        export_as_loaded(built, CONFIG)
 
 
 if __name__ == "__main__":
-    run(load_config(sys.argv[1], sys.argv[2:]), after_backward=export_loaded)
+    CONFIG = load_config(sys.argv[1], sys.argv[2:])
+    run(CONFIG, after_backward=export_loaded)

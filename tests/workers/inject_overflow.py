@@ -42,12 +42,13 @@ def plant_inf_in_backward(trainer: Trainer) -> None:
 
 def main() -> None:
     config = load_config(sys.argv[1], sys.argv[2:])
-    trainer = Trainer(RunBuilder(config).build(), after_backward=None if DURING_BACKWARD else plant_inf)
+    trainer = RunBuilder(config).build().trainer
+    trainer.after_backward = None if DURING_BACKWARD else plant_inf
     if DURING_BACKWARD:
         plant_inf_in_backward(trainer)
     before = None
     history = []
-    for global_batch in trainer.batches.epoch(0)[: trainer.total_steps]:
+    for global_batch in trainer.sampler.epoch(0)[: trainer.steps.total]:
         if trainer.step + 1 == INJECT_STEP:
             before = {n: local(p.detach()).clone() for n, p in trainer.model.named_parameters()}
         record = trainer.train_step(global_batch)

@@ -8,20 +8,21 @@ from pathlib import Path
 
 import torch
 
-from parallel_finetune import data
-from parallel_finetune import trainer as trainer_module
+from parallel_finetune import run as run_module
+from parallel_finetune.batch import padded_batch
 from parallel_finetune.quantize import NF4Linear, local_nf4
 from parallel_finetune.resolve import load_config
 
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
 RUN = {}
-export_model = trainer_module.export_model
+export_model = run_module.export_model
 
 
-def write_shards(trainer, step: int) -> None:
+def write_shards(built, step: int) -> None:
     if RUN:
         return
-    RUN["trainer"] = trainer
+    RUN["built"] = built
+    trainer = built.trainer
     layout = trainer.layout
     shards = {
         f"{path}.weight": {key: getattr(local_nf4(module.weight), key).cpu() for key in INNER}
@@ -31,23 +32,25 @@ def write_shards(trainer, step: int) -> None:
     # which part of each stored matrix this rank holds: its tensor-parallel rank, or under FSDP its data-parallel one
     part = layout.dp_rank if layout.dims.fsdp else layout.tp_rank
     where = {"part": part, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "pp_rank": layout.pp_rank}
-    torch.save({"where": where, "shards": shards}, trainer.output_dir / f"nf4-rank{layout.rank}.pt")
+    torch.save({"where": where, "shards": shards}, built.output_dir / f"nf4-rank{layout.rank}.pt")
 
 
 def export_then_save_logits(*args, **kwargs):
     out = export_model(*args, **kwargs)
-    trainer = RUN["trainer"]
-    layout, tokenizer = trainer.layout, trainer.data.tokenizer
-    ids = data.column(trainer.data.splits["validation"], "input_ids")[:16]
-    batch = data.collate(ids, tokenizer.pad_token_id, tokenizer.padding_side)
+    built = RUN["built"]
+    trainer = built.trainer
+    layout, tokenizer = trainer.layout, built.data.tokenizer
+    ids = built.data.splits["validation"]["input_ids"][:16]
+    batch = padded_batch(ids, pad_id=tokenizer.pad_token_id, padding_side=tokenizer.padding_side)
     trainer.model.eval()
     with torch.no_grad():
-        logits = trainer.runner.forward({k: v.to(layout.device) for k, v in batch.items()})
+        logits = trainer.runner.forward(batch.to(layout.device))
     if logits is not None and layout.dp_rank == 0 and layout.tp_rank == 0:  # a pipeline's last stage
-        torch.save({"batch": batch, "logits": logits}, Path(trainer.output_dir) / "trained_logits.pt")
+        saved = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        torch.save({"batch": saved, "logits": logits}, Path(built.output_dir) / "trained_logits.pt")
     return out
 
 
 if __name__ == "__main__":
-    trainer_module.export_model = export_then_save_logits
-    trainer_module.run(load_config(sys.argv[1], sys.argv[2:]), after_backward=write_shards)
+    run_module.export_model = export_then_save_logits
+    run_module.run(load_config(sys.argv[1], sys.argv[2:]), after_backward=write_shards)

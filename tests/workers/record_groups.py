@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from parallel_finetune.errors import UserError
 from parallel_finetune.resolve import load_config
+from parallel_finetune.run import run
 from parallel_finetune.train import report
-from parallel_finetune.trainer import run
 
 
-def record(trainer, step: int) -> None:
+def record(built, step: int) -> None:
     if step == 1:
-        layout = trainer.layout
+        layout = built.trainer.layout
         groups = {
             "node": int(os.environ["GROUP_RANK"]),
             "tp": dist.get_process_group_ranks(layout.tp_mesh.get_group()),

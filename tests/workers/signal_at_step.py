@@ -12,15 +12,15 @@ import time
 from parallel_finetune import train
 from parallel_finetune.errors import UserError
 from parallel_finetune.resolve import load_config
-from parallel_finetune.trainer import run
+from parallel_finetune.run import run
 
 SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])
 RANK, STEP = int(os.environ["SIGNAL_RANK"]), int(os.environ["SIGNAL_STEP"])
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def send(trainer, step: int) -> None:
-    if step == STEP and trainer.layout.rank == RANK and (SIGNAL != signal.SIGKILL or FIRST_ATTEMPT):
+def send(built, step: int) -> None:
+    if step == STEP and built.trainer.layout.rank == RANK and (SIGNAL != signal.SIGKILL or FIRST_ATTEMPT):
         os.kill(os.getpid(), SIGNAL)
 
 

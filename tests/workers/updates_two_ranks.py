@@ -14,9 +14,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_units import STEPS, batches, config, reference_training, tiny_classifier, torch_updates  # noqa: E402
 
+from parallel_finetune.batch import Batch  # noqa: E402
 from parallel_finetune.layout import init_distributed  # noqa: E402
+from parallel_finetune.loss import class_loss  # noqa: E402
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss  # noqa: E402
 from parallel_finetune.runner import WholeModel  # noqa: E402
+from parallel_finetune.tasks.task import HeadKind  # noqa: E402
 
 
 def main() -> None:
@@ -24,11 +27,15 @@ def main() -> None:
     rank = layout.rank
     model = tiny_classifier()
     updates = torch_updates(model, layout, config())
-    runner = WholeModel(model, "classification", contextlib.nullcontext, updates.backward, False, layout.device)
+    runner = WholeModel(
+        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, layout.device
+    )
     losses = []
     for batch in batches():
-        half = {key: value.chunk(2)[rank] for key, value in batch.items()}
-        local = runner.train(half, count=len(batch["labels"]), last=True)
+        half = Batch(
+            *(getattr(batch, name).chunk(2)[rank] for name in ("input_ids", "attention_mask", "positions", "labels"))
+        )
+        local = runner.train(half, count=len(batch.labels), last=True)
         losses.append(updates.step(local, False, lambda *_: False).loss)
 
     # A piece every rank holds (2 copies) counts once; a piece only this rank holds counts fully.

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..batch import Batch
 from ..errors import UserError
 from ..families.base import Family, has_module
-from ..loss import summed_loss, targets
+from ..loss import SummedLoss
 from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,8 @@ class PipelineSettings:
 
     schedule: str
     microbatches: int
-    task: HeadKind  # the head (resolve.Resolved.head)
+    head: HeadKind  # the head (resolve.Resolved.head)
+    loss: SummedLoss  # the head's loss (loss.summed_loss_for)
     token_types: bool = False
     packing: bool = False
 
@@ -215,11 +217,11 @@ class Pipeline:
     ):
         self.layout, self.schedule_name, self.microbatches = layout, settings.schedule, settings.microbatches
         self.autocast = autocast  # () -> the precision's autocast context
-        self.task, self.loss_scale = settings.task, loss_scale  # loss_scale: () -> the fp16 scale of this step
+        self.summed_loss, self.loss_scale = settings.loss, loss_scale  # loss_scale: () -> the fp16 scale of this step
         self.token_types = settings.token_types  # the first stage also takes token type ids (sentence pairs, BERT)
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
-        classifier = HeadKind(settings.task) is HeadKind.CLASSIFICATION
+        classifier = settings.head is HeadKind.CLASSIFICATION
         self.modules = [StageForward(model, family, stage, classifier) for stage in self.mine]
         if settings.packing:
             family.prepare_packing(model)
@@ -229,7 +231,7 @@ class Pipeline:
         self._schedules: dict[tuple, object] = {}
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return summed_loss(logits, target) * self.loss_factor
+        return self.summed_loss(logits, target) * self.loss_factor
 
     def _schedule(self, rows: int, length: int, training: bool, packed: bool = False):
         for module in self.modules:
@@ -291,23 +293,20 @@ class Pipeline:
             outputs = (hidden.clone().requires_grad_(training), mask, positions)
         return inputs, outputs
 
-    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple:
-        """What the first stage takes; the other stages pass zero-size placeholders (they receive theirs). A packed
-        batch brings its own positions, restarting at every row."""
-        mask = batch["attention_mask"]
-        positions = batch["position_ids"] if "position_ids" in batch else (mask.cumsum(-1) - 1).clamp(min=0)
-        inputs = batch["input_ids"], mask, positions
-        return (*inputs, batch["token_type_ids"]) if self.token_types else inputs
+    def inputs(self, batch: Batch) -> tuple:
+        """What the first stage takes; the other stages receive theirs. A packed batch's positions restart at
+        every row."""
+        inputs = batch.input_ids, batch.attention_mask, batch.positions
+        return (*inputs, batch.token_type_ids) if self.token_types else inputs
 
-    def train(self, batch: dict[str, torch.Tensor], count: int, last: bool) -> torch.Tensor:
+    def train(self, batch: Batch, count: int, last: bool) -> torch.Tensor:
         """Forward and backward of one batch over all stages; returns this rank's share of the loss (summed over
         the batch, divided by the global `count`), nonzero on the last stage only. Gradients accumulate in the
         parameters' .grad (every micro-batch of the pipeline; `last` changes nothing here)."""
-        rows, length = batch["input_ids"].shape
-        schedule = self._schedule(rows, length, training=True, packed="position_ids" in batch)
+        schedule = self._schedule(batch.rows, batch.length, training=True, packed=batch.packed)
         scale = self.loss_scale()
         self.loss_factor = scale / count
-        target = targets(batch, self.task)
+        target = batch.labels
         losses: list[torch.Tensor] = []
         with self.autocast():
             if self.is_first:
@@ -320,10 +319,9 @@ class Pipeline:
         return torch.tensor(total / scale, device=self.layout.device)
 
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def forward(self, batch: Batch) -> torch.Tensor | None:
         """Logits on the last stage (None elsewhere)."""
-        rows, length = batch["input_ids"].shape
-        schedule = self._schedule(rows, length, training=False, packed="position_ids" in batch)
+        schedule = self._schedule(batch.rows, batch.length, training=False, packed=batch.packed)
         with self.autocast():
             out = schedule.step(*self.inputs(batch)) if self.is_first else schedule.step()
         return out if self.is_last else None
