@@ -68,6 +68,7 @@ def hf_run(config, prepared, output_dir: Path, pad_to_128=False, grouped=False, 
     model_path = download_model(config.model.model, config.revision) if config.size == "full" else None
     hf_config = family.config_for(
         model=config.model,
+        head=prepared.task.head,
         max_length=config.max_length,
         tokenizer_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,

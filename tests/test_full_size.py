@@ -371,7 +371,7 @@ def test_a_checkpoint_missing_a_weight_is_refused(checkpoint, small_sst2, cache_
         config = load_config(recipe("llama"), args)
         family = get_family("llama")
         hf_config = family.config_for(
-            model=config.model, max_length=config.max_length, tokenizer_size=0, pad_token_id=0
+            model=config.model, head=task, max_length=config.max_length, tokenizer_size=0, pad_token_id=0
         )
         with pytest.raises(UserError) as exc:
             load_model(family, task, hf_config, str(folder), seed=42)

@@ -265,6 +265,7 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
         "classification",
         fam.config_for(
             model=config.model,
+            head="classification",
             max_length=config.max_length,
             tokenizer_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,

@@ -311,7 +311,9 @@ def test_mixture_of_experts_checkpoint_loads_its_experts(model_type, small_data,
     config = load_config(recipe("llama"), [*overrides, f"data_dir={small_data}", f"cache_dir={cache_dir}"])
     assert config.family == model_type
     family = get_family(config.family)
-    hf_config = family.config_for(model=config.model, max_length=config.max_length, tokenizer_size=0, pad_token_id=0)
+    hf_config = family.config_for(
+        model=config.model, head="causal_lm", max_length=config.max_length, tokenizer_size=0, pad_token_id=0
+    )
     loaded = load_model(family, config.task, hf_config, config.model.model, seed=config.seed).model.state_dict()
     expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert set(loaded) == set(expected)

@@ -616,7 +616,7 @@ def gpt2_config(config, tokenizer_size: int):
     from parallel_finetune.families import get_family
 
     return get_family("gpt2").config_for(
-        model=config.model, max_length=config.max_length, tokenizer_size=tokenizer_size
+        model=config.model, head="classification", max_length=config.max_length, tokenizer_size=tokenizer_size
     )
 
 

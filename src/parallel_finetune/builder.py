@@ -41,7 +41,7 @@ from .parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from .precision import autocast
 from .preflight import check_heads, check_model_config
 from .reporting import PhaseTimer, Reporter
-from .resolve import Resolved, pretrained_name, resolve, resolve_schedule
+from .resolve import Resolved, choose_model, resolve, resolve_schedule
 from .runfolder import RunLock, claim_run_folders, open_run_folder
 from .runner import WholeModel
 from .throughput import Peak, device_peak
@@ -82,7 +82,7 @@ def prepare_data(config: Config, model_path: str | None = None, resolved: Resolv
         data=config.data,
         model=config.model,
         family=resolved.family if resolved else get_family(config.family),
-        model_name=model_path or (resolved.model_name if resolved else pretrained_name(config)),
+        model_name=model_path or (resolved or choose_model(config)).model_name,
         seed=config.training.seed,
         predict=config.output.predict,
     )
@@ -387,6 +387,7 @@ class RunBuilder:
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(
             model=config.model,
+            head=resolved.head,
             max_length=config.max_length,
             tokenizer_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
@@ -410,14 +411,19 @@ class RunBuilder:
             deepspeed_config=self.deepspeed_config,
         )
         ready = load_model(
-            family, resolved.head, hf_config, self.model_path, seed=config.seed, peft=config.peft, placement=placement
+            family,
+            resolved.head,
+            hf_config,
+            self.model_path,
+            seed=config.seed,
+            adapters=resolved.lora,
+            placement=placement,
         )
         log_loaded(
             ready,
             family,
             placement,
-            peft=config.peft,
-            task=resolved.head,
+            adapters=resolved.lora,
             model_name=resolved.model_name,
             seed=config.seed,
         )

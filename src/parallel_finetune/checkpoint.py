@@ -466,11 +466,13 @@ def replace_folder(new: Path, final: Path) -> None:
     os.replace(new, final)
 
 
-def check_same_model(folder: Path, state: dict, family: str, task: str, shapes: dict[str, list[int]]) -> None:
-    if (state.get("family"), state.get("task")) != (family, task):
+def check_same_model(folder: Path, state: dict, family: str, task_key: str, shapes: dict[str, list[int]]) -> None:
+    """The checkpoint's family and recipe `task:` key (trainer_state.json's "task") and parameter shapes are this
+    run's."""
+    if (state.get("family"), state.get("task")) != (family, task_key):
         raise UserError(
             f"checkpoint {folder} is a {state.get('family')} {state.get('task')} model, this run a "
-            f"{family} {task} one; resume=none starts fresh"
+            f"{family} {task_key} one; resume=none starts fresh"
         )
     theirs = state.get("parameter_shapes", {})
     differences = sorted(set(theirs) ^ set(shapes)) or [n for n in shapes if theirs[n] != shapes[n]]

@@ -320,7 +320,7 @@ def prepare(
 ) -> PreparedData:
     """Load (or build and cache) the tokenized splits of the run's data (`data` and the task keys of `model`:
     tasks.load_task reads them; `seed` draws a held-out validation split, `predict` needs a test split).
-    `model_name`: where the pretrained tokenizer is (resolve.pretrained_name or its local folder; None at
+    `model_name`: where the pretrained tokenizer is (resolve.choose_model's name or its local folder; None at
     size=tiny); `family`: the tokenizer a tiny model learns, and whether pairs get the tokenizer's template and
     token type ids (BERT). Safe to call on one rank while others wait."""
     token_types = family.pair_token_types

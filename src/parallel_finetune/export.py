@@ -23,18 +23,16 @@ from .chat import stop_ids
 from .checkpoint import read_tensors, resolve_resume
 from .config import Config, ModelSection, PeftSection
 from .errors import UserError
-from .families import get_family
 from .hub import download_model
 from .interfaces import Updates
 from .layout import rank0_decides
 from .model import load_model
 from .precision import DTYPES, EXPORT_DTYPES
 from .pretrained import load_hf_tokenizer, save_model
-from .resolve import Resolved, pretrained_name
+from .resolve import Resolved, choose_model
 from .run_files import CONFIG_FILE, LOCK, RECORD
 from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
 from .tasks import LABEL_FILE, read_label_file
-from .tasks.task import head_of
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +104,7 @@ def export_lora(
     out, inside, run_folder = place.out, place.inside, place.run_folder
     family, tiny = resolved.family, model.size == "tiny"
     dtype, module = resolved.export_dtype, updates.module
-    settings = lora.lora_settings(peft=peft, family=family, head=resolved.head)
+    settings = resolved.lora
     whole = peft.lora_export_merged or tiny
     # every rank takes part in the gather; what to gather is the same on all of them
     trainable = {name for name, param in module.named_parameters() if param.requires_grad}
@@ -233,11 +231,12 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
     config = Config.from_flat(yaml.safe_load((folder / CONFIG_FILE).read_text()))
-    family = get_family(config.family)
+    chosen = choose_model(config)  # as the run resolved it
+    family = chosen.family
     tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None
     if config.size == "full":  # its config.json gives the architecture
-        model_path = download_model(pretrained_name(config), config.revision, local_only=True)
+        model_path = download_model(chosen.model_name, config.revision, local_only=True)
     labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
     hf_config = family.config_for(
         model=config.model,
@@ -246,11 +245,12 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
         pad_token_id=tokenizer.pad_token_id,
         model_path=model_path,
         labels=labels,
+        head=chosen.head,
     )
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(
-        family, head_of(config.task), hf_config, model_path, seed=config.seed, peft=config.peft, from_checkpoint=True
+        family, chosen.head, hf_config, model_path, seed=config.seed, adapters=chosen.lora, from_checkpoint=True
     )
     state = {**ready.model.state_dict(), **dict(quantize.dequantized_weights(ready.model))}  # QLoRA: NF4 base
     trainable = ready.parallel.trainable
@@ -260,9 +260,8 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     except integrity.Refused as exc:
         raise UserError(f"checkpoint {folder}: {exc}") from None
     state.update(held)
-    settings = lora.lora_settings(peft=config.peft, family=family, head=head_of(config.task))
-    if settings is not None:
-        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, settings.scaling)
+    if chosen.lora is not None:
+        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, chosen.lora.scaling)
     state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
     save_hf(ready.model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
     return out

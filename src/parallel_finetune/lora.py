@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .config import PeftSection
 from .errors import UserError
 from .quantize import NF4Settings, block_linears, check_quantizable, check_shards
 from .tasks.task import HeadKind
@@ -57,26 +56,6 @@ class LoraSettings:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
-
-
-def lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | None:
-    """peft=lora's adapters for a model of `family` with a `head` (a HeadKind, or the recipe's `task:` naming one):
-    the default targets are the family's, the modules trained in full its classification head (none for a causal
-    LM); None when peft=none."""
-    if peft.peft != "lora":
-        return None
-    targets = peft.lora_target_modules
-    if targets == "default":
-        targets = family.lora_targets
-    elif targets != ALL_LINEAR:
-        targets = tuple(targets)
-    save = peft.lora_modules_to_save
-    if save is None:
-        save = family.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
-    quantization = None
-    if peft.lora_base_quantization == "nf4":
-        quantization = NF4Settings(peft.nf4_block_size, peft.nf4_scaler_block_size)
-    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save), quantization)
 
 
 def _matches(relative: str, target: str) -> bool:
@@ -183,7 +162,7 @@ def preflight(
     settings: LoraSettings | None,
     *,
     family,
-    task: str,
+    head: HeadKind,
     hf_config,
     pretrained_folder: str | None,
     tp: int = 1,
@@ -194,7 +173,7 @@ def preflight(
     `pretrained_folder`) a new weight left frozen."""
     if settings is None:
         return
-    model = family.build(task, hf_config)
+    model = family.build(head, hf_config)
     check_targets(model, family, settings)
     if settings.quantization is not None:
         check_shards(model, family, settings.quantization, tp=tp, fsdp=fsdp)
@@ -202,7 +181,7 @@ def preflight(
         return  # trained from scratch, or a Hub name: the run checks the same once it has the files
     from .weights import plan_whole
 
-    weights, _, _, plan = plan_whole(family, task, hf_config, pretrained_folder)
+    weights, _, _, plan = plan_whole(family, head, hf_config, pretrained_folder)
     try:
         check_new_trained(list(plan.new), settings, weights.description)
     finally:
@@ -350,7 +329,7 @@ def peft_tensors(
 
 
 def export_adapter(
-    state: dict[str, torch.Tensor], family, hf_config, settings: LoraSettings, task: str, base: str, out: Path
+    state: dict[str, torch.Tensor], family, hf_config, settings: LoraSettings, head: HeadKind, base: str, out: Path
 ) -> None:
     """Write `out` as a peft adapter folder: adapter_config.json + adapter_model.safetensors."""
     from peft import LoraConfig
@@ -375,7 +354,7 @@ def export_adapter(
         },
         modules_to_save=list(settings.modules_to_save) or None,
         fan_in_fan_out=family.hf_conv1d,
-        task_type="SEQ_CLS" if HeadKind(task) is HeadKind.CLASSIFICATION else "CAUSAL_LM",
+        task_type="SEQ_CLS" if HeadKind(head) is HeadKind.CLASSIFICATION else "CAUSAL_LM",
         base_model_name_or_path=base,
     )
     out.mkdir(parents=True, exist_ok=True)

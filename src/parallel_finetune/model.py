@@ -10,13 +10,13 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import lora, quantize
-from .config import PeftSection
 from .families.base import Family
 from .hardware import peak_memory_mib
 from .layout import Engine
@@ -36,6 +36,9 @@ from .weights import (
     plan_whole,
     shard_box,
 )
+
+if TYPE_CHECKING:
+    from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +81,12 @@ class Loaded:
 
 def load_model(
     family: Family,
-    task: str,
+    head: HeadKind,
     hf_config,
     pretrained: str | None,
     *,
     seed: int,
-    peft: PeftSection | None = None,
+    adapters: lora.LoraSettings | None = None,
     placement: Placement | None = None,
     from_checkpoint: bool = False,
 ) -> ReadyModel:
@@ -94,20 +97,20 @@ def load_model(
 
     `pretrained`: a Hugging Face model folder, or None: a tiny model, whose "checkpoint" is the unmodified
     transformers model initialised in memory from `seed`. `placement`: a run's (what `parallelize` reads); None: a
-    world of one, whole, on the CPU, not parallelized (export, tests, benchmarks). `peft` says peft=lora (adapters
-    planned, initialised from the seed; None: no adapters). `from_checkpoint`: a run's
+    world of one, whole, on the CPU, not parallelized (export, tests, benchmarks). `adapters`: peft=lora's
+    (resolve.Resolved.lora: planned, initialised from the seed; None: no adapters). `from_checkpoint`: a run's
     checkpoint supplies the values, read on top by checkpoint.py (as resume does, with everything else it holds):
     the base is read here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated
     only. Quiet but for a run's tiny model's size: a run logs what was loaded with `log_loaded`."""
     seed_everything(seed)  # identical initialisation on every rank and in every layout
     device = placement.layout.device if placement is not None else torch.device("cpu")
     started, before = time.perf_counter(), peak_memory_mib(device)
-    settings = lora.lora_settings(peft=peft, family=family, head=task) if peft is not None else None
+    settings = adapters
     weights = None
     if from_checkpoint and settings is None:
-        model, aliases, whole_plan = family.build(task, hf_config), {}, LoadPlan()
+        model, aliases, whole_plan = family.build(head, hf_config), {}, LoadPlan()
     else:
-        weights, model, aliases, whole_plan = plan_whole(family, task, hf_config, pretrained)
+        weights, model, aliases, whole_plan = plan_whole(family, head, hf_config, pretrained)
     new = NewWeights(model, list(whole_plan.new), seed)
     total = sum(p.numel() for p in model.parameters())
     if placement is not None and pretrained is None:  # here, before parallelize says how it split the model
@@ -121,10 +124,10 @@ def load_model(
     box_of, write = shard_box, None
     deepspeed_config = placement.deepspeed_config if placement is not None else None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
-        model, box_of, write = _zero3_model(family, task, hf_config, deepspeed_config, device)
+        model, box_of, write = _zero3_model(family, head, hf_config, deepspeed_config, device)
     adamw = None
     if placement is not None:
-        parallel = parallelize(model, family, placement, task=task, adapters=settings)
+        parallel = parallelize(model, family, placement, head=head, adapters=settings)
         if (
             Engine(placement.parallel.engine) is Engine.TORCH and placement.layout.dims.zero1
         ):  # the model's only allocation
@@ -157,12 +160,12 @@ def _plan_adapters(
     return adapters
 
 
-def _zero3_model(family: Family, task: str, hf_config, deepspeed_config: dict, device: torch.device):
+def _zero3_model(family: Family, head: HeadKind, hf_config, deepspeed_config: dict, device: torch.device):
     """DeepSpeed ZeRO-3's model, built again, partitioned as it is built (the meta model gave the names, shapes and
     new weights), with its loader's box and write."""
     from .parallel.deepspeed_engine import zero3_box, zero3_init, zero3_write
 
-    return family.build(task, hf_config, zero3_init(deepspeed_config, device.type)), zero3_box, zero3_write
+    return family.build(head, hf_config, zero3_init(deepspeed_config, device.type)), zero3_box, zero3_write
 
 
 def _log_quantized(model: nn.Module, quantization: quantize.NF4Settings) -> None:
@@ -196,8 +199,7 @@ def log_loaded(
     family: Family,
     placement: Placement,
     *,
-    peft: PeftSection,
-    task: str,
+    adapters: lora.LoraSettings | None,
     model_name: str | None,
     seed: int,
 ) -> None:
@@ -210,7 +212,7 @@ def log_loaded(
             "offload_activations=true has no effect on a CPU run: activations already live in CPU "
             "memory (the offload still runs, so the code path is the one GPUs use)"
         )
-    settings = lora.lora_settings(peft=peft, family=family, head=task)
+    settings = adapters
     if settings is not None:
         trained = lora.trainable_count(shapes, settings)
         log.info(

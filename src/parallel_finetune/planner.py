@@ -142,12 +142,12 @@ def model_config(model: str) -> tuple[Family, PretrainedConfig]:
     )
 
 
-def model_shape(model: str, task: str = "classification") -> ModelShape:
+def model_shape(model: str, head: HeadKind = HeadKind.CLASSIFICATION) -> ModelShape:
     family, hf_config = model_config(model)
-    if task not in family.tasks:
-        raise UserError(f"task={task!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}")
-    family.set_task(hf_config, task, pad_token_id=0)
-    built = family.build(task, hf_config)  # on the meta device: shapes only
+    if head not in family.tasks:
+        raise UserError(f"task={head!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}")
+    family.set_task(hf_config, head, pad_token_id=0)
+    built = family.build(head, hf_config)  # on the meta device: shapes only
     plan = family.tp_plan(built)
     prefix = family.block_path + "."
     blocks = [[0, 0] for _ in family.blocks(built)]
@@ -200,7 +200,7 @@ def model_shape(model: str, task: str = "classification") -> ModelShape:
         model,
         family,
         hf_config,
-        task,
+        head,
         [tuple(b) for b in blocks],
         tuple(embedding),
         tuple(head),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from . import lora
 from .chat import tokenize_sft
@@ -15,7 +18,7 @@ from .generation import NO_PROMPTS
 from .hub import check_model_source, resolve_model_path
 from .layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .pretrained import refuse_custom_code
-from .resolve import pretrained_name
+from .resolve import choose_model, resolve
 from .runfolder import (
     check_free,
     check_run_folders,
@@ -26,7 +29,10 @@ from .runfolder import (
     run_folders,
 )
 from .tasks import HeadKind, check_hub_data
-from .tasks.task import SFT, head_of
+from .tasks.task import SFT
+
+if TYPE_CHECKING:
+    from .tasks.task import Task
 
 
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
@@ -50,7 +56,7 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
 
         virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
         check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
-        family.check_pipeline(hf_config, head_of(config.task))  # as every rank does before cutting (a shrunk copy)
+        family.check_pipeline(hf_config, choose_model(config).head)  # as every rank does before cutting (a shrunk copy)
         microbatches = pipeline_microbatches(config.microbatches, dims.pp)
         check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
         pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
@@ -75,11 +81,13 @@ def check_model_config(config: Config, model_path: str | None = None):
     """`model_config` values of the types the transformers config holds, giving sizes a model can have; returns
     the resulting transformers config (tiny: with the vocabulary a learned tokenizer of tokenizer_vocab_size
     gets; full: read from `model_path`, else `config.model`)."""
-    family = get_family(config.family)
+    chosen = choose_model(config)
+    family, head = chosen.family, chosen.head
 
     def build(overrides: dict):
         return family.config_for(
             model=config.replace(model_config=overrides).model,
+            head=head,
             max_length=config.max_length,
             tokenizer_size=config.tokenizer_vocab_size,
             model_path=model_path,
@@ -133,21 +141,20 @@ def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     after the launch; a Hub name's files are checked by the run, once downloaded."""
     if config.size != "full" and not config.tokenizer:
         return  # a tokenizer learned from the training rows has them all
-    where = config.tokenizer or pretrained_name(config)
+    chosen = choose_model(config)
+    where = config.tokenizer or chosen.model_name
     if not Path(resolve_model_path(where)).is_dir():
         return
     tokenizer = load_tokenizer(
-        where, "full", pretrained_name(config), TinyTokenizer(family.tiny_tokenizer, 0), [], None, Path()
+        where, "full", chosen.model_name, TinyTokenizer(family.tiny_tokenizer, 0), [], None, Path()
     )
-    check_inserted_tokens(
-        tokenizer, where, head_of(config.task) is HeadKind.CAUSAL_LM, pairs and not family.pair_token_types
-    )
+    check_inserted_tokens(tokenizer, where, chosen.head is HeadKind.CAUSAL_LM, pairs and not family.pair_token_types)
 
 
 CHECKED_ROWS = 256  # of each split --check renders, as the run will: enough to meet a bad row of a small file
 
 
-def check_chat_rows(config: Config, family, raw, task, source) -> None:
+def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
     """task=sft: what the run's data stage refuses, before the launch. The run's tokenizer (learned for a tiny
     model; a local one at full size: a Hub name's is checked by the run, once downloaded) with its chat template
     set and checked, and the first CHECKED_ROWS rows of each split rendered and masked; generate_every needs
@@ -157,10 +164,10 @@ def check_chat_rows(config: Config, family, raw, task, source) -> None:
     if config.generate_every and "messages" not in raw["validation"].column_names:
         raise UserError(NO_PROMPTS)
     local = config.size == "tiny" and not config.tokenizer
-    where = config.tokenizer or (pretrained_name(config) if config.size == "full" else None)
+    model_name = choose_model(config).model_name  # None at size=tiny
+    where = config.tokenizer or model_name
     if not local and not (where and Path(resolve_model_path(where)).is_dir()):
         return
-    model_name = pretrained_name(config) if config.size == "full" else None
     tokenizer = run_tokenizer(
         data=config.data, model=config.model, family=family, model_name=model_name, raw=raw, task=task, source=source
     )
@@ -171,23 +178,19 @@ def check_chat_rows(config: Config, family, raw, task, source) -> None:
             )
 
 
-def describe_sharding(config: Config, dims) -> str:
+def describe_sharding(config: Config, dims, precision: str) -> str:
     """The sharding part of --check's line; engine=deepspeed's config is generated (and its problems, fp16 on a
     CPU, MiCS, a JSON contradicting the recipe, said in one line) here."""
     sharding = f" | sharding {dims.sharding}" if dims.sharded else ""
     if Engine(config.engine) is Engine.DEEPSPEED:
-        import torch
-
         from .parallel import deepspeed_engine
-        from .precision import resolve_precision
 
-        device = torch.device(resolve_device(config.device))
         generated = deepspeed_engine.preflight(
             training=config.training,
             parallel=config.parallel,
             dp=dims.dp,
-            device_type=device.type,
-            precision=resolve_precision(config.precision, device, config.engine),
+            device_type=resolve_device(config.device),
+            precision=precision,
         )
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
     if dims.hybrid:
@@ -240,31 +243,33 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         data=config.data,
         seed=config.training.seed,
     )
+    chosen = choose_model(config)
     if config.size == "full":
-        check_model_source(pretrained_name(config))
+        check_model_source(chosen.model_name)
     if config.tokenizer:
         refuse_custom_code(resolve_model_path(config.tokenizer))
     check_pretrained_tokenizer(config, family, pairs=task.pair if task else False)
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
+    resolved = resolve(config, torch.device(resolve_device(config.device)), dims)  # as the ranks will resolve it
     check_heads(hf_config)
     if config.packing:  # as the run checks once it has the model's config
         family.check_packing(hf_config, config.max_length)
-    pretrained = resolve_model_path(pretrained_name(config)) if config.size == "full" else None
+    pretrained = resolve_model_path(resolved.model_name) if config.size == "full" else None
     lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
-        lora.lora_settings(peft=config.peft, family=family, head=head_of(config.task)),
+        resolved.lora,
         family=family,
-        task=head_of(config.task),
+        head=resolved.head,
         hf_config=hf_config,
         pretrained_folder=pretrained,
         tp=dims.tp,
         fsdp=dims.dp_shard if dims.fsdp else 1,
     )
-    if config.size == "full" and Path(folder := resolve_model_path(pretrained_name(config))).is_dir():
+    if config.size == "full" and Path(folder := resolve_model_path(resolved.model_name)).is_dir():
         from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
-        check_fit(family, head_of(config.task), hf_config, folder)
-    sharding = describe_sharding(config, dims)
+        check_fit(family, resolved.head, hf_config, folder)
+    sharding = describe_sharding(config, dims, resolved.precision)
     nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "

@@ -12,33 +12,75 @@ from pathlib import Path
 
 import torch
 
-from .config import COMPILE_AUTO_MIN_STEPS, COMPILE_WITH_TP, Config, check_keys, parse_config, refuse_compile_with_tp
+from .config import (
+    COMPILE_AUTO_MIN_STEPS,
+    COMPILE_WITH_TP,
+    Config,
+    PeftSection,
+    check_keys,
+    parse_config,
+    refuse_compile_with_tp,
+)
 from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
 from .hub import resolve_model_path
 from .layout import Engine, ParallelDims, Sharding, pipeline_microbatches
 from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
+from .lora import ALL_LINEAR, LoraSettings
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .precision import DTYPES, resolve_precision
 from .pretrained import load_hf_config
+from .quantize import NF4Settings
 from .tasks.task import HeadKind, head_of
 
 
-def pretrained_name(config: Config) -> str | None:
-    """The Hub name or folder a full-size run loads (`model`, else the family's default); None at size=tiny, which
-    builds its model from config."""
-    if config.size == "tiny":
+@dataclass(frozen=True)
+class ModelChoice:
+    """The first stage, which needs no device or processes: which model a recipe trains, its head and adapters
+    (--check, a SageMaker job's staging, an export and the run all read it from here)."""
+
+    family: Family
+    model_name: str | None  # the Hub name or folder a full-size run loads (`model`, else the family's default);
+    # None at size=tiny, which builds its model from config
+    head: HeadKind  # the model's last layer, from the recipe's `task:` (sft trains the causal LM)
+    lora: LoraSettings | None  # peft=lora's adapters; None: no adapters
+
+
+def choose_model(config: Config) -> ModelChoice:
+    family = get_family(config.family)
+    head = head_of(config.task)
+    name = None if config.size == "tiny" else config.model.model or family.default_model
+    return ModelChoice(family, name, head, _lora_settings(peft=config.peft, family=family, head=head))
+
+
+def _lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | None:
+    """peft=lora's adapters for a model of `family` with a `head` (a HeadKind, or the recipe's `task:` naming one):
+    the default targets are the family's, the modules trained in full its classification head (none for a causal
+    LM); None when peft=none."""
+    if peft.peft != "lora":
         return None
-    return config.model.model or get_family(config.family).default_model
+    targets = peft.lora_target_modules
+    if targets == "default":
+        targets = family.lora_targets
+    elif targets != ALL_LINEAR:
+        targets = tuple(targets)
+    save = peft.lora_modules_to_save
+    if save is None:
+        save = family.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
+    quantization = None
+    if peft.lora_base_quantization == "nf4":
+        quantization = NF4Settings(peft.nf4_block_size, peft.nf4_scaler_block_size)
+    return LoraSettings(peft.lora_rank, float(peft.lora_alpha), peft.lora_dropout, targets, tuple(save), quantization)
 
 
 @dataclass(frozen=True)
 class Resolved:
     family: Family
-    model_name: str | None  # pretrained_name
+    model_name: str | None  # ModelChoice's
     engine: Engine  # the config's `engine`, as a type
     head: HeadKind  # the model's last layer, from the recipe's `task:` (sft trains the causal LM)
+    lora: LoraSettings | None  # peft=lora's adapters
     precision: str  # fp16 | bf16 | fp32: `auto` decided for the device and engine
     compute_dtype: torch.dtype  # what matmuls run in (float32 for fp32)
     autocast_dtype: torch.dtype | None  # None in fp32: no autocast, no 16-bit copies of frozen weights
@@ -61,11 +103,13 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
     """The run's decided values; a one-line UserError where `auto` has no answer (fp16 under DeepSpeed on a CPU)."""
     engine = Engine(config.engine)
     precision = resolve_precision(config.precision, device, engine)
+    chosen = choose_model(config)
     return Resolved(
-        family=get_family(config.family),
-        model_name=pretrained_name(config),
+        family=chosen.family,
+        model_name=chosen.model_name,
         engine=engine,
-        head=head_of(config.task),
+        head=chosen.head,
+        lora=chosen.lora,
         precision=precision,
         compute_dtype=DTYPES[precision],
         autocast_dtype=None if precision == "fp32" else DTYPES[precision],

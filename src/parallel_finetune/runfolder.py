@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -47,6 +48,9 @@ from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
 from .run_files import EXPORT_STAGING as STAGING
 from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
 from .tasks import LABEL_FILE, write_label_file
+
+if TYPE_CHECKING:
+    from .tasks.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +403,7 @@ def claim_run_folders(
 
 
 def open_run_folder(
-    output_dir: Path, root: Path, *, settings: dict, overwrite: bool, deepspeed_config: dict | None, task
+    output_dir: Path, root: Path, *, settings: dict, overwrite: bool, deepspeed_config: dict | None, task: Task
 ) -> None:
     """Rank 0, once every input is accepted (a failed start leaves nothing): overwrite=true's replacement of the
     previous run, then config.yaml (`settings`: the run's keys, flat, as Config.to_dict gives them), labels.json

@@ -37,7 +37,7 @@ from .builder import prepare_data
 from .config import parse_override
 from .errors import UserError
 from .hardware import INSTANCES
-from .resolve import load_config, pretrained_name
+from .resolve import choose_model, load_config
 
 log = logging.getLogger(__name__)
 
@@ -457,14 +457,15 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     """The recipe's layout on the job's GPUs (degrees dividing heads, blocks and batch), checked here: a bad one
     would otherwise surface minutes into a paid job. The model's config comes from `config_for`, as in the job:
     a published checkpoint's sizes from its family (offline), else the S3 model's own config.json or the Hub's."""
-    from .families import get_family
     from .preflight import check_layout
 
-    family = get_family(config.family)
-    name = str(model_folder) if model_folder else pretrained_name(config)
+    chosen = choose_model(config)
+    family = chosen.family
+    name = str(model_folder) if model_folder else chosen.model_name
     try:
         hf_config = family.config_for(
             model=config.model,
+            head=chosen.head,
             max_length=config.max_length,
             tokenizer_size=config.tokenizer_vocab_size,
             model_path=name,

@@ -44,7 +44,7 @@ import zlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -53,6 +53,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .errors import UserError
 from .families.base import Family, HFSource
+
+if TYPE_CHECKING:
+    from .tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 
@@ -618,13 +621,13 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     }
 
 
-def weights_source(family: Family, task: str, hf_config, model_path: str | None) -> Checkpoint:
+def weights_source(family: Family, head: HeadKind, hf_config, model_path: str | None) -> Checkpoint:
     """The pretrained files of `model_path`, or (None: a tiny model) the unmodified transformers model initialised
     in memory from the current RNG state, read the same way."""
-    prefix = family.model_classes[task].base_model_prefix
+    prefix = family.model_classes[head].base_model_prefix
     if model_path is not None:
         return open_checkpoint(model_path, prefix)
-    initial = family.hf_model(task, hf_config).state_dict()
+    initial = family.hf_model(head, hf_config).state_dict()
     return Checkpoint({key: StateDictSource(initial) for key in initial}, prefix, "initialised from the seed")
 
 
@@ -638,37 +641,37 @@ class Planned(NamedTuple):
     plan: LoadPlan
 
 
-def plan_whole(family: Family, task: str, hf_config, model_path: str | None) -> Planned:
+def plan_whole(family: Family, head: HeadKind, hf_config, model_path: str | None) -> Planned:
     """The first half of every load, on `meta`: the weights (`weights_source`, through transformers' conversion for
     the model when they are files), the model its config builds, and the unsplit model's plan (each tensor's shape
     checked: `check_shape`; a pretrained model's parameters all found: `refuse_missing`). The weights are closed if
     the plan fails; otherwise the caller closes them."""
-    weights = weights_source(family, task, hf_config, model_path)
+    weights = weights_source(family, head, hf_config, model_path)
     try:
-        model = family.build(task, hf_config)
+        model = family.build(head, hf_config)
         if model_path is not None:  # the in-memory model of a tiny run has the model's own names already
             weights.convert(model)
         aliases = tied_aliases(model)
         plan = plan_load(model, family, weights, aliases)
         if model_path is not None:
-            refuse_missing(family, task, list(plan.new), weights.description)
+            refuse_missing(family, head, list(plan.new), weights.description)
         return Planned(weights, model, aliases, plan)
     except BaseException:
         weights.close()
         raise
 
 
-def refuse_missing(family: Family, task: str, new: list[str], description: str) -> None:
+def refuse_missing(family: Family, head: HeadKind, new: list[str], description: str) -> None:
     """A pretrained model takes every parameter from its checkpoint, except the head its task adds
     (`Family.new_modules`: a classification head on a causal LM or a bare encoder), which starts from the seed.
     Anything else missing would train from random values while looking pretrained: a checkpoint of another
     architecture, an edited or truncated one, or a layout transformers' conversion does not cover."""
-    heads = tuple(f"{module}." for module in family.new_modules(task))
+    heads = tuple(f"{module}." for module in family.new_modules(head))
     missing = [name for name in new if not name.startswith(heads)]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         head = (
-            f" (only the new {task} head, {', '.join(family.new_modules(task))}, starts from the seed)" if heads else ""
+            f" (only the new {head} head, {', '.join(family.new_modules(head))}, starts from the seed)" if heads else ""
         )
         raise UserError(
             f"{description}: {len(missing)} of the model's parameters are not in the checkpoint: "
@@ -678,7 +681,7 @@ def refuse_missing(family: Family, task: str, new: list[str], description: str) 
         )
 
 
-def check_fit(family: Family, task: str, hf_config, model_path: str) -> None:
+def check_fit(family: Family, head: HeadKind, hf_config, model_path: str) -> None:
     """What `--check` asks of a pretrained folder: its tensors (headers only, no weight is read), after transformers'
     conversion, are every parameter of the model its config builds on `meta` (but a new head), in its shapes."""
-    plan_whole(family, task, hf_config, model_path).weights.close()
+    plan_whole(family, head, hf_config, model_path).weights.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from ..config import ModelSection
 from ..errors import UserError
 from ..hub import resolve_model_path
 from ..pretrained import load_hf_config
+
+if TYPE_CHECKING:
+    from ..tasks.task import HeadKind
 
 
 class Family:
@@ -77,13 +81,13 @@ class Family:
     lora_targets: tuple[str, ...] = ()
     lora_head: tuple[str, ...] = ("score",)
 
-    def new_modules(self, task: str) -> tuple[str, ...]:
-        """Modules the task adds to a pretrained checkpoint, initialised from the seed: the classification head
+    def new_modules(self, head: HeadKind) -> tuple[str, ...]:
+        """Modules the head adds to a pretrained checkpoint, initialised from the seed: the classification head
         (a causal LM's or a bare encoder's checkpoint has none). Any other parameter a checkpoint lacks is an
         error (weights.refuse_missing)."""
         from ..tasks import HeadKind
 
-        return self.lora_head if HeadKind(task) is HeadKind.CLASSIFICATION else ()
+        return self.lora_head if HeadKind(head) is HeadKind.CLASSIFICATION else ()
 
     def localize_attention(self, model: nn.Module, tp: int) -> None:
         """After sharding, attention modules must reshape with the per-rank head count."""
@@ -149,7 +153,7 @@ class Family:
     def pipeline_block(self, block: nn.Module, hidden: torch.Tensor, mask, position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def check_pipeline(self, hf_config: PretrainedConfig, task: str) -> None:
+    def check_pipeline(self, hf_config: PretrainedConfig, head: HeadKind) -> None:
         """A one-line error when the pipeline pieces cannot reproduce this model's forward. Hand-written families
         are held to it by the tests; a family made from plans checks at run time (plans.py)."""
 
@@ -302,20 +306,21 @@ class Family:
         sizes = self.tp_dimensions(hf_config).values()
         return [d for d in range(1, min(sizes) + 1) if all(s % d == 0 for s in sizes)]
 
-    def set_task(self, hf_config: PretrainedConfig, task: str, pad_token_id: int | None, labels=None) -> None:
-        """What the task and tokenizer add to a config: the padding id and, to classify, the head's width, its
+    def set_task(self, hf_config: PretrainedConfig, head: HeadKind, pad_token_id: int | None, labels=None) -> None:
+        """What the head and tokenizer add to a config: the padding id and, to classify, the head's width, its
         problem type and label names (`labels`: the data's tasks.Task; None: SST-2's two labels, for estimates
         made without data). The names travel into the exported config.json, so transformers' pipeline prints them."""
         from ..tasks.task import HeadKind, configure_head, estimate_task
 
         hf_config.pad_token_id = pad_token_id
-        if HeadKind(task) is HeadKind.CLASSIFICATION:
+        if HeadKind(head) is HeadKind.CLASSIFICATION:
             configure_head(hf_config, labels or estimate_task())
 
     def config_for(
         self,
         *,
         model: ModelSection,
+        head: HeadKind,
         max_length: int,
         tokenizer_size: int,
         pad_token_id: int | None = None,
@@ -327,7 +332,8 @@ class Family:
         size (its positions: `max_length`, the data's, at least 128; its vocabulary: `tokenizer_size` rounded up),
         or the pretrained one's (from `model_path`, a local folder, else `model.model`), plus the recipe's
         `model_config` overrides. `published`: a published checkpoint's sizes come from `published`, without
-        reading its config.json; `labels`: the data's tasks.Task (the head's width and label names)."""
+        reading its config.json; `labels`: the data's tasks.Task (the head's width and label names); `head`:
+        the model's last layer (resolve.choose_model's)."""
         hf_config = self.hf_config(
             model_path or model.model,
             model.size,
@@ -336,12 +342,10 @@ class Family:
             model.model_config,
             published,
         )
-        from ..tasks.task import head_of
-
-        self.set_task(hf_config, head_of(model.task), pad_token_id, labels)
+        self.set_task(hf_config, head, pad_token_id, labels)
         return hf_config
 
-    def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:
+    def build(self, head: HeadKind, hf_config: PretrainedConfig, context=None) -> nn.Module:
         """The model's structure, with the family's surgery, without allocating any weight: parameters live on the
         `meta` device (values come later, shard by shard, see weights.py); buffers (rotary tables, position ids)
         are computed as usual, they are small. `context`: another way to create the parameters (DeepSpeed's
@@ -353,15 +357,15 @@ class Family:
         # here are fp32 whatever the files hold (the precision decides what is computed in 16-bit).
         hf_config.dtype = torch.float32
         with context if context is not None else init_empty_weights(include_buffers=False):
-            model = self.model_classes[task](hf_config)
+            model = self.model_classes[head](hf_config)
             self.surgery(model)
         model.tie_weights()  # each parameter was replaced by a `meta` one: ties (GPT-2, GPT-Neo) are made again
         return model
 
-    def hf_model(self, task: str, hf_config: PretrainedConfig) -> nn.Module:
+    def hf_model(self, head: HeadKind, hf_config: PretrainedConfig) -> nn.Module:
         """The unmodified transformers model, initialised in CPU memory from the current RNG state: what a tiny
         run starts from (and, through `hf_source`, loads into any layout as if it were a checkpoint)."""
-        return self.model_classes[task](hf_config)
+        return self.model_classes[head](hf_config)
 
     def to_hf_state_dict(self, state: dict[str, torch.Tensor], hf_config: PretrainedConfig) -> dict[str, torch.Tensor]:
         """Whole tensors by the built model's names -> by the unmodified class's names (undoes the surgery)."""

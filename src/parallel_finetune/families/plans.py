@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -38,6 +39,9 @@ from transformers.models.auto import modeling_auto
 from ..errors import UserError
 from .base import Family, has_module, last_token_logits
 from .styles import ReplicatedWithGradAllReduce
+
+if TYPE_CHECKING:
+    from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +233,8 @@ class PlanFamily(Family):
         holding heads/tp of q and k/v heads/tp of k and v computes its heads, keeping heads per k/v group."""
 
     # --- pipelines ---
-    def build(self, task: str, hf_config: PretrainedConfig, context=None) -> nn.Module:
-        model = super().build(task, hf_config, context)
+    def build(self, head: HeadKind, hf_config: PretrainedConfig, context=None) -> nn.Module:
+        model = super().build(head, hf_config, context)
         for number, block in enumerate(self.blocks(model)):
             block.attention_kind = mask_kind(hf_config, number)  # what mask the block takes, whatever stage holds it
         return model
@@ -293,7 +297,7 @@ class PlanFamily(Family):
         cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and 3's causal LMs
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def check_pipeline(self, hf_config: PretrainedConfig, task: str) -> None:
+    def check_pipeline(self, hf_config: PretrainedConfig, head: HeadKind) -> None:
         """Refuse, in one line, an architecture whose forward the pipeline pieces do not reproduce: both run on a
         shrunk copy of `hf_config` (same architecture flags, width 64, 2 to 4 layers) in fp32, on padded rows."""
         from ..tasks.task import HeadKind
@@ -303,13 +307,13 @@ class PlanFamily(Family):
                 f"family={self.name}: transformers' {self.config_class.__name__} declares no base_model_pp_plan, "
                 f"so pipelines are refused for it; use pipeline_parallel_degree=1"
             )
-        key = (task, hf_config.to_json_string(use_diff=False))
+        key = (head, hf_config.to_json_string(use_diff=False))
         if key in self._pipeline_checked:
             return
         small = shrunk(hf_config)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = self.model_classes[task](small).eval()
+            model = self.model_classes[head](small).eval()
             # logits of tens, not of randomly initialised hundredths: a soft cap or a scale the pieces missed shows
             head = getattr(model, "lm_head", None) or model.score
             head.weight.data.mul_(LOGIT_BOOST)
@@ -327,7 +331,7 @@ class PlanFamily(Family):
             for block in self.blocks(model):
                 hidden = self.pipeline_block(block, hidden, inputs, position_ids)
             got = self.pipeline_head(model, hidden, attention_mask)
-        if HeadKind(task) is HeadKind.CAUSAL_LM:
+        if HeadKind(head) is HeadKind.CAUSAL_LM:
             expected, got = expected[attention_mask.bool()], got[attention_mask.bool()]
         difference = (expected - got).abs().max().item() if expected.shape == got.shape else float("inf")
         if not difference <= CHECK_TOLERANCE * max(1.0, expected.abs().max().item()):

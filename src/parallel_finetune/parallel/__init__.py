@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from .fsdp import apply_fsdp
 from .memory import apply_activation_checkpointing
 from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_parameters
 from .tensor import apply_tp
+
+if TYPE_CHECKING:
+    from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +57,16 @@ class Placement:
 
 
 def parallelize(
-    model: nn.Module, family: Family, placement: Placement, *, task: str, adapters: lora.LoraSettings | None
+    model: nn.Module, family: Family, placement: Placement, *, head: HeadKind, adapters: lora.LoraSettings | None
 ) -> Parallelized:
     """Pipeline cut -> TP -> LoRA's `adapters` -> activation checkpointing -> compile -> FSDP, in place, as
-    `placement` says; parameter names stay those of the unsplit model. `task`: the recipe's (a pipeline's last
+    `placement` says; parameter names stay those of the unsplit model. `head`: the model's last layer (a pipeline's last
     stage holds its head)."""
     layout, parallel = placement.layout, placement.parallel
     result = Parallelized()
     n_blocks = len(family.blocks(model))
     if layout.pp > 1:
-        family.check_pipeline(model.config, task)
+        family.check_pipeline(model.config, head)
         virtual = parallel.virtual_stages if parallel.pipeline_schedule == "interleaved" else 1
         result.stages = plan_stages(model, family, layout.pp, virtual, parallel.partition)
         result.tied = tied_parameters(model)

@@ -51,40 +51,40 @@ def _fingerprint(paths: list[Path], extra: str = "") -> str:
     return digest.hexdigest()[:16]
 
 
-def glue_folder_files(task: GlueTask, folder: Path) -> dict[str, Path]:
+def glue_folder_files(glue: GlueTask, folder: Path) -> dict[str, Path]:
     """The task's files present in a GLUE folder (train and the first dev file are required)."""
     present = {}
-    for split, name in task.split_files().items():
+    for split, name in glue.split_files().items():
         if (folder / name).is_file() or split in ("train", "validation"):
             present[split] = folder / name
     return present
 
 
-def read_glue_folder(task: GlueTask, folder: Path) -> dict[str, Table]:
+def read_glue_folder(glue: GlueTask, folder: Path) -> dict[str, Table]:
     if not folder.is_dir():
         raise UserError(
-            f"data_dir={str(folder)!r}: no such folder (expected GLUE {task.name} files: "
-            f"{', '.join(task.split_files().values())})"
+            f"data_dir={str(folder)!r}: no such folder (expected GLUE {glue.name} files: "
+            f"{', '.join(glue.split_files().values())})"
         )
     tables = {}
-    for split, path in glue_folder_files(task, folder).items():
+    for split, path in glue_folder_files(glue, folder).items():
         test = split.startswith("test")
-        headerless = task.headerless if not test else ()
-        extra = ("after" if test else "before_last") if task.score_last else "refuse"
+        headerless = glue.headerless if not test else ()
+        extra = ("after" if test else "before_last") if glue.score_last else "refuse"
         try:
             table = read_delimited(path, "\t", quoting=False, names=headerless, extra_fields=extra)
         except UserError as exc:
             if not headerless or "fields, the header has" not in str(exc):
                 raise
             # a file with a header line read by a headerless task's names: another task's folder
-            raise UserError(f"{exc}; is data_dir the {task.name} folder?") from None
-        needed = [task.text] + ([task.text_pair] if task.text_pair else [])
-        needed += [task.label] if not split.startswith("test") else []
+            raise UserError(f"{exc}; is data_dir the {glue.name} folder?") from None
+        needed = [glue.text] + ([glue.text_pair] if glue.text_pair else [])
+        needed += [glue.label] if not split.startswith("test") else []
         missing = [name for name in needed if name not in table.columns]
         if missing:
             raise UserError(
-                f"{path}: lacks column(s) {', '.join(missing)} of GLUE {task.name} (found: "
-                f"{', '.join(table.columns) or 'nothing'}); is data_dir the {task.name} folder?"
+                f"{path}: lacks column(s) {', '.join(missing)} of GLUE {glue.name} (found: "
+                f"{', '.join(table.columns) or 'nothing'}); is data_dir the {glue.name} folder?"
             )
         tables[split] = table
     return tables
@@ -172,9 +172,9 @@ def _hub_dataset(name: str, config_name: str | None):
     return None, problem
 
 
-def _glue_hub_tables(task: GlueTask, hub) -> dict[str, Table]:
+def _glue_hub_tables(glue: GlueTask, hub) -> dict[str, Table]:
     """The Hub's GLUE splits as tables with the files' column names and label values."""
-    rename = {task.hub_text: task.text, **({task.hub_text_pair: task.text_pair} if task.text_pair else {})}
+    rename = {glue.hub_text: glue.text, **({glue.hub_text_pair: glue.text_pair} if glue.text_pair else {})}
     tables = {}
     for split in hub:
         data = hub[split].to_dict()
@@ -183,11 +183,11 @@ def _glue_hub_tables(task: GlueTask, hub) -> dict[str, Table]:
             labels = columns.pop("label")
             if split.startswith("test"):  # the Hub's test labels are all -1
                 labels = None
-            elif task.regression:
-                columns[task.label] = [str(v) for v in labels]
+            elif glue.regression:
+                columns[glue.label] = [str(v) for v in labels]
             else:
-                columns[task.label] = [task.values[v] for v in labels]
-        where = f"{HUB_GLUE}/{task.name} [{split}]"
+                columns[glue.label] = [glue.values[v] for v in labels]
+        where = f"{HUB_GLUE}/{glue.name} [{split}]"
         tables[split] = Table(where, columns, [f"{where} row {i + 1}" for i in range(len(hub[split]))])
     return tables
 
@@ -208,10 +208,10 @@ def _refuse_training_on_validation(*, data: DataSection) -> None:
         )
 
 
-def _glue_unreachable(task: GlueTask, problem: str) -> UserError:
+def _glue_unreachable(glue: GlueTask, problem: str) -> UserError:
     return UserError(
-        f"glue_task={task.name}: the Hugging Face Hub is unreachable ({problem}); give data_dir=PATH (a folder "
-        f"with GLUE's {', '.join(task.split_files().values())})"
+        f"glue_task={glue.name}: the Hugging Face Hub is unreachable ({problem}); give data_dir=PATH (a folder "
+        f"with GLUE's {', '.join(glue.split_files().values())})"
     )
 
 

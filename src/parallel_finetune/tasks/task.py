@@ -35,9 +35,9 @@ class HeadKind(str, Enum):
         return self.value
 
 
-def head_of(task: str) -> HeadKind:
+def head_of(task_key: str) -> HeadKind:
     """The head a recipe's `task:` value (classification | causal_lm | sft) trains: sft is the causal LM's."""
-    return HeadKind.CAUSAL_LM if task == SFT else HeadKind(task)
+    return HeadKind.CAUSAL_LM if task_key == SFT else HeadKind(task_key)
 
 
 @dataclass(frozen=True)
