@@ -188,7 +188,7 @@ def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_pat
         assert torch.allclose(merged_weights[f"{module}.weight"], expected, atol=1e-6), module
         assert b.abs().sum() > 0  # the adapter trained (B starts at zero)
     # export_hf.py from the LoRA checkpoint (adapters + head only): the base from its source, merged
-    from parallel_finetune.export import export_checkpoint
+    from parallel_finetune.convert import export_checkpoint
 
     export_checkpoint(tmp_path / "checkpoints" / "step-00000003", tmp_path / "from-checkpoint")
     again = load_file(tmp_path / "from-checkpoint" / "model.safetensors")

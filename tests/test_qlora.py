@@ -156,7 +156,7 @@ def test_qlora_export_adapter_loads_with_peft_and_merged_with_transformers(refer
     assert not torch.equal(merged_q, q_proj)  # B·A merged in
     # export_hf.py from the QLoRA checkpoint (adapters + head only): the base read and quantized again in one
     # process (the same bits), dequantized, B·A merged in: the run's merged export
-    from parallel_finetune.export import export_checkpoint
+    from parallel_finetune.convert import export_checkpoint
 
     export_checkpoint(out / "checkpoints" / "step-00000006", tmp_path / "from-checkpoint")
     again = load_file(tmp_path / "from-checkpoint" / "model.safetensors")

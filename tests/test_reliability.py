@@ -466,7 +466,7 @@ def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp
 
 
 def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
-    from parallel_finetune.export import export_checkpoint
+    from parallel_finetune.convert import export_checkpoint
     from parallel_finetune.runfolder import RECORD, check_run_folders, write_folder
 
     refusal = (

@@ -6,33 +6,24 @@ one rename)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import yaml
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from . import integrity, lora, quantize
+from . import integrity, lora
 from .chat import stop_ids
-from .checkpoint import read_tensors, resolve_resume
-from .config import Config, ModelSection, PeftSection
+from .config import ModelSection, PeftSection
 from .errors import UserError
-from .hub import download_model
 from .interfaces import Updates
 from .layout import rank0_decides
-from .model import load_model
-from .precision import DTYPES, EXPORT_DTYPES
-from .pretrained import load_hf_tokenizer, save_model
-from .resolve import Resolved, choose_model
-from .run_files import CONFIG_FILE, LOCK, RECORD
-from .runfolder import check_export_target, record_written, sagemaker_folder, write_folder
-from .tasks import LABEL_FILE, read_label_file
+from .pretrained import save_model
+from .resolve import Resolved
+from .runfolder import record_written, sagemaker_folder, write_folder
+from .tasks import LABEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -147,35 +138,6 @@ def _record_exports(run_folder: Path, *folders: Path) -> None:
         record_written(run_folder, *ours)
 
 
-def gather_full_state_dict(
-    model: nn.Module, dtype: torch.dtype, layout, names: set[str] | None = None
-) -> dict[str, torch.Tensor]:
-    """The whole model's weights (or those in `names`) on rank 0 (an empty dict elsewhere), by the unsplit
-    model's names, in `dtype`.
-    A collective: every rank gathers its stage's shards (one tensor at a time, to bound memory); with pipeline
-    stages, each stage's first rank then hands its part to rank 0."""
-    keep = layout.dp_rank == 0 and layout.tp_rank == 0  # one rank per pipeline stage keeps its stage's tensors
-    state: dict[str, torch.Tensor] = {}
-    # QLoRA's NF4 weights (buffers outside the state dict) dequantized, their shards gathered, after the rest
-    for name, tensor in itertools.chain(model.state_dict().items(), _dequantized(model, names)):
-        if (names is not None and name not in names) or quantize.local_nf4(tensor) is not None:
-            continue  # FSDP holds NF4 weights as parameters: they come dequantized from _dequantized
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if keep:
-            full = full.detach().to("cpu")
-            state[name] = full.to(dtype) if full.is_floating_point() else full
-    if layout.pp == 1:
-        return state if layout.is_main else {}
-    parts: list | None = [None] * layout.pp if layout.pp_rank == 0 else None
-    dist.gather_object(state if keep else {}, parts, group=layout.pp_group, group_dst=0)
-    return {name: tensor for part in parts or [] for name, tensor in part.items()} if layout.is_main else {}
-
-
-def _dequantized(model: nn.Module, names: set[str] | None):
-    """QLoRA's base weights, whole and dequantized, unless only `names` (the trained ones) are gathered."""
-    return quantize.dequantized_weights(model) if names is None else iter(())
-
-
 def save_hf(model: nn.Module, state: dict[str, torch.Tensor], tokenizer, out: Path) -> None:
     """Write a folder that `from_pretrained` loads, built from a fresh, unsharded copy of the model. Weights
     holding NaN/inf are refused; a failed write (a full disk) leaves `out` as it was."""
@@ -204,64 +166,3 @@ def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:
     model.generation_config.eos_token_id = ordered if len(ordered) > 1 else ordered[0]
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def check_new_export_folder(out: Path) -> None:
-    """OUT of export_hf.py: a new or empty folder outside any checkpoint, never a run's folder or a file."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file, not a folder; choose a new or empty folder for the export")
-    check_export_target(out)
-    if not out.is_dir():
-        return
-    run_files = [name for name in (RECORD, LOCK, "metrics.jsonl") if (out / name).exists()]
-    if run_files:
-        raise UserError(
-            f"{out} is a run folder (it holds {', '.join(run_files)}); export into a new or empty folder, "
-            f"e.g. {out / 'exported'}"
-        )
-    if any(out.iterdir()):
-        raise UserError(f"{out} already holds files; choose an empty or new folder")
-
-
-def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
-    """A Hugging Face model folder from any layout's checkpoint (a step-… folder, or a folder of them: its newest
-    that verifies), in one process (no process group)."""
-    check_new_export_folder(out)  # a file, a run folder, a folder inside a checkpoint: refused before any reading
-    folder = resolve_resume(str(folder), Path(folder), label="checkpoint")  # verified: sizes, hashes, metadata
-    if dtype not in EXPORT_DTYPES:
-        raise UserError(f"dtype={dtype!r} is not valid; expected one of {'|'.join(EXPORT_DTYPES)}")
-    config = Config.from_flat(yaml.safe_load((folder / CONFIG_FILE).read_text()))
-    chosen = choose_model(config)  # as the run resolved it
-    family = chosen.family
-    tokenizer = load_hf_tokenizer(folder / "tokenizer")
-    model_path = None
-    if config.size == "full":  # its config.json gives the architecture
-        model_path = download_model(chosen.model_name, config.revision, local_only=True)
-    labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
-    hf_config = family.config_for(
-        model=config.model,
-        max_length=config.max_length,
-        tokenizer_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        model_path=model_path,
-        labels=labels,
-        head=chosen.head,
-    )
-    # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
-    # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
-    ready = load_model(
-        family, chosen.head, hf_config, model_path, seed=config.seed, adapters=chosen.lora, from_checkpoint=True
-    )
-    state = {**ready.model.state_dict(), **dict(quantize.dequantized_weights(ready.model))}  # QLoRA: NF4 base
-    trainable = ready.parallel.trainable
-    held = state if trainable is None else {name: tensor for name, tensor in state.items() if name in trainable}
-    try:
-        read_tensors({"model": held}, folder)
-    except integrity.Refused as exc:
-        raise UserError(f"checkpoint {folder}: {exc}") from None
-    state.update(held)
-    if chosen.lora is not None:
-        state = lora.merged_state({name: tensor.detach() for name, tensor in state.items()}, chosen.lora.scaling)
-    state = {name: tensor.to(DTYPES[dtype]) if tensor.is_floating_point() else tensor for name, tensor in state.items()}
-    save_hf(ready.model, family.to_hf_state_dict(state, hf_config), tokenizer, out)
-    return out

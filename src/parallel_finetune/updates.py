@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from .config import ParallelSection, TrainingSection
-from .export import gather_full_state_dict
 from .interfaces import SkipRule, StepOutcome
 from .layout import Layout
 from .parallel import Parallelized
 from .parallel.adamw import AdamWSettings, DataParallelAdamW, held_names
+from .parallel.gather import gather_full_state_dict
 from .parallel.gradients import reduce_norm_and_loss
 from .parallel.memory import measure_state_bytes
 from .parallel.pipeline import sync_tied_gradients
