@@ -41,8 +41,8 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
     import torch
     import torch.distributed as dist
 
-    from parallel_finetune.builder import RunBuilder
-    from parallel_finetune.hardware import peak_memory_mib
+    from parallel_finetune.loop.builder import RunBuilder
+    from parallel_finetune.parallel.hardware import peak_memory_mib
     from parallel_finetune.resolve import load_config
 
     config = load_config(
@@ -68,7 +68,7 @@ def worker(mode: str, family_name: str, folder: str, out: str, overrides: list[s
         from transformers import AutoModelForSequenceClassification
 
         from parallel_finetune.families import get_family
-        from parallel_finetune.layout import init_distributed
+        from parallel_finetune.parallel.layout import init_distributed
         from parallel_finetune.parallel.pipeline import cut_model, plan_stages
         from parallel_finetune.parallel.tensor import apply_tp
 
@@ -117,9 +117,9 @@ def main() -> int:
     args = parser.parse_args()
     shape = SHAPES.get(args.family, DEFAULT_SHAPE)
     hidden, layers, heads = (given or default for given, default in zip((args.hidden, args.layers, args.heads), shape))
-    from parallel_finetune.data import column, read_glue_dir
-    from parallel_finetune.planner import model_shape
-    from parallel_finetune.synthetic import write_checkpoint
+    from parallel_finetune.data.prepare import column, read_glue_dir
+    from parallel_finetune.model.synthetic import write_checkpoint
+    from parallel_finetune.tools.planner import model_shape
 
     folder = args.work / f"{args.family}-h{hidden}-l{layers}-a{heads}-float16"
     if not (folder / "config.json").is_file():

@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from parallel_finetune.launch import torchrun_command  # noqa: E402
-from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape  # noqa: E402
+from parallel_finetune.tools.planner import Candidate, memory_per_gpu, model_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # (name, processes, overrides, planner candidate)

@@ -17,8 +17,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+from parallel_finetune.loop.run import run  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
-from parallel_finetune.run import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

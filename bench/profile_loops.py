@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_vs_hf  # noqa: E402
 import transformers  # noqa: E402
 
-from parallel_finetune.builder import RunBuilder  # noqa: E402
+from parallel_finetune.loop.builder import RunBuilder  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

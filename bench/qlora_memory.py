@@ -92,10 +92,11 @@ class LoadWindow:
 
 
 def worker(out: str, overrides: list[str]) -> None:
-    from parallel_finetune import model, summary
-    from parallel_finetune.hardware import peak_memory_mib
+    from parallel_finetune.loop.run import run
+    from parallel_finetune.model.load import load as model
+    from parallel_finetune.outputs import summary
+    from parallel_finetune.parallel.hardware import peak_memory_mib
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.run import run
 
     sampler = PeakSampler()  # torch and the package imported, nothing loaded: the baseline
     rank = os.environ["RANK"]
@@ -153,7 +154,7 @@ def measure(folder: Path, work: Path, mode: str, layout: str) -> dict:
 
 
 def estimate(folder: Path, mode: str, layout: str) -> dict:
-    from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
+    from parallel_finetune.tools.planner import Candidate, memory_per_gpu, model_shape
 
     shape = model_shape(str(folder))
     if mode != "full":
@@ -173,7 +174,7 @@ def longest_row(folder: Path) -> int:
     MAX_LENGTH, and batches are padded to their longest row only)."""
     from transformers import AutoTokenizer
 
-    from parallel_finetune.data import column, read_glue_dir
+    from parallel_finetune.data.prepare import column, read_glue_dir
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = column(read_glue_dir(REPO / "src" / "parallel_finetune" / "sample_data")["train"], "text")
@@ -181,8 +182,8 @@ def longest_row(folder: Path) -> int:
 
 
 def write_model(work: Path) -> Path:
-    from parallel_finetune.data import column, read_glue_dir
-    from parallel_finetune.synthetic import write_checkpoint
+    from parallel_finetune.data.prepare import column, read_glue_dir
+    from parallel_finetune.model.synthetic import write_checkpoint
 
     folder = work / f"llama-h{HIDDEN}-l{LAYERS}-a{HEADS}-kv{KV_HEADS}-float16"
     if not (folder / "config.json").is_file():
@@ -224,7 +225,7 @@ def main() -> int:
             planned = estimate(folder, result["mode"], result["layout"])
             print(row(result["mode"], result["layout"], result["measured"], planned))
         return 0
-    from parallel_finetune.planner import model_shape
+    from parallel_finetune.tools.planner import model_shape
 
     print(
         f"llama {model_shape(str(folder)).total / 1e9:.3f}B parameters, fp16 files, batch {BATCH} x {MAX_LENGTH} "

@@ -126,10 +126,10 @@ def write_start(args) -> dict:
     token ids, the batches of every step) for the TRL worker, which does not import this package."""
     import torch
 
-    from parallel_finetune.builder import prepare_data
-    from parallel_finetune.data import GlobalBatches
+    from parallel_finetune.data.sampling import GlobalBatches
     from parallel_finetune.families import get_family
     from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.loop.builder import prepare_data
     from parallel_finetune.resolve import load_config
 
     init = OUT / "init"
@@ -201,8 +201,8 @@ def heldout_loss(model_dir: str, validation_ids: list[list[int]], batch_size: in
 
 # ----------------------------------------------------------------------------------- workers (one per process)
 def ours_chat_worker(name: str, args) -> dict:
+    from parallel_finetune.loop.run import run
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.run import run
 
     spec = json.loads((OUT / "spec.json").read_text())
     config = load_config(
@@ -319,8 +319,8 @@ def attends_across_rows(model, spec: dict, batch: list[int]) -> float:
 
 
 def minilm_worker(name: str, args) -> dict:
+    from parallel_finetune.loop.run import run
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.run import run
 
     config = load_config(
         REPO / "recipes" / "bert" / "minilm.yaml",

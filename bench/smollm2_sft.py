@@ -63,8 +63,8 @@ def convert(gguf: Path, folder: Path) -> Path:
 
 
 def train(model: Path, out: Path, steps: int, lr: float, overrides: list[str]) -> dict:
+    from parallel_finetune.loop.run import run
     from parallel_finetune.resolve import load_config
-    from parallel_finetune.run import run
 
     settings = [
         "size=full",

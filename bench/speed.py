@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from steps import REPO, measure  # noqa: E402
 
-from parallel_finetune.reporting import percent  # noqa: E402
+from parallel_finetune.outputs.reporting import percent  # noqa: E402
 
 BATCH, LENGTH = 16, 64
 

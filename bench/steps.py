@@ -28,8 +28,8 @@ def worker(argv: list[str]) -> None:
 
     import torch
 
-    from parallel_finetune.batch import padded_batch
-    from parallel_finetune.builder import RunBuilder
+    from parallel_finetune.data.batch import padded_batch
+    from parallel_finetune.loop.builder import RunBuilder
     from parallel_finetune.resolve import load_config
 
     warmup, steps, length = (int(os.environ[k]) for k in ("BENCH_WARMUP", "BENCH_STEPS", "BENCH_LENGTH"))

@@ -34,12 +34,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
-from parallel_finetune.builder import RunBuilder, prepare_data  # noqa: E402
 from parallel_finetune.families import get_family  # noqa: E402
-from parallel_finetune.hub import download_model  # noqa: E402
-from parallel_finetune.model import load_model, seed_everything  # noqa: E402
+from parallel_finetune.loop.builder import RunBuilder, prepare_data  # noqa: E402
+from parallel_finetune.model.hub import download_model  # noqa: E402
+from parallel_finetune.model.load import load_model, seed_everything  # noqa: E402
+from parallel_finetune.outputs.summary import padding_fraction  # noqa: E402
 from parallel_finetune.resolve import load_config  # noqa: E402
-from parallel_finetune.summary import padding_fraction  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,7 +172,7 @@ def worker(name: str, args, out: Path) -> dict:
         ],
     )
     if config.precision == "auto":
-        from parallel_finetune.precision import resolve_precision
+        from parallel_finetune.model.precision import resolve_precision
 
         config.precision = resolve_precision("auto", torch.device("cpu"), "torch")
     if name.startswith("ours"):

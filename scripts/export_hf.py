@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from parallel_finetune.convert import export_checkpoint
 from parallel_finetune.errors import UserError
+from parallel_finetune.outputs.convert import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

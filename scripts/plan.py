@@ -11,8 +11,8 @@ import sys
 
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import published_models
-from parallel_finetune.hardware import GPUS, INSTANCES
-from parallel_finetune.planner import Workload, plan
+from parallel_finetune.parallel.hardware import GPUS, INSTANCES
+from parallel_finetune.tools.planner import Workload, plan
 
 
 class OneLineErrors(argparse.ArgumentParser):

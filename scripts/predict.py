@@ -8,7 +8,7 @@ Prints index<TAB>label<TAB>score per row (regression: index<TAB>value); see docs
 
 import sys
 
-from parallel_finetune.inference import main
+from parallel_finetune.tools.inference import main
 
 if __name__ == "__main__":
     sys.exit(main())

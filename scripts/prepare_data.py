@@ -8,8 +8,8 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
-from parallel_finetune.builder import prepare_data
 from parallel_finetune.errors import UserError
+from parallel_finetune.loop.builder import prepare_data
 from parallel_finetune.resolve import load_config
 
 

@@ -15,6 +15,7 @@ import random
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from parallel_finetune.families import family_names, get_family  # noqa: E402
 from parallel_finetune.launch import torchrun_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# The tests mirror the package's folders (tests/data/, tests/loop/, ...); some share helpers across folders (an sft
+# run's reference, a unit test's tiny model), imported by module name from whichever folder holds them.
+sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.glob("*/")) if any(folder.glob("test_*.py"))]
 atexit.register(shutil.rmtree, HUB_CACHE, ignore_errors=True)
 RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 # Every registered family (the registry's: built-in ones, plus those of PARALLEL_FINETUNE_FAMILIES files).
@@ -311,7 +315,7 @@ def load_task_of(config):
 
 def prepare_data(config):
     """data.prepare on a loaded Config's sections, as the trainer calls it."""
-    from parallel_finetune.builder import prepare_data as prepare_for_run
+    from parallel_finetune.loop.builder import prepare_data as prepare_for_run
 
     return prepare_for_run(config)
 
@@ -409,7 +413,7 @@ class Payload:
 def plant_payload(checkpoint: Path, marker: Path) -> None:
     """Rewrite a DCP .metadata so that unpickling it runs `touch marker` and still returns the real metadata, and
     rewrite the manifest to match, as an attacker who can write the folder would: only the unpickler is left."""
-    from parallel_finetune import integrity
+    from parallel_finetune.outputs import integrity
 
     with open(checkpoint / ".metadata", "rb") as handle:
         metadata = pickle.load(handle)  # our own file, written by the test

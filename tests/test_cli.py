@@ -20,7 +20,7 @@ from conftest import (
     tmpfs,
 )
 
-from parallel_finetune.precision import cpu_has_bf16
+from parallel_finetune.model.precision import cpu_has_bf16
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, message: str) -> None:

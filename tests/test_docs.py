@@ -159,9 +159,9 @@ def test_a_family_registered_from_one_file_is_planned_checked_and_written_as_a_c
     OPT checkpoint is written and loads bit for bit."""
     from safetensors.torch import load_file
 
-    from parallel_finetune import synthetic
-    from parallel_finetune.data import column, read_glue_dir
-    from parallel_finetune.model import load_model
+    from parallel_finetune.data.prepare import column, read_glue_dir
+    from parallel_finetune.model import synthetic
+    from parallel_finetune.model.load import load_model
 
     assert "opt" in families.family_names() and "opt" not in families.LISTING_ORDER
     planned = python("scripts/plan.py", "facebook/opt-1.3b", "--gpus", "8", "--gpu-mem-gb", "40", env=registered)

@@ -16,14 +16,14 @@ import torch
 from conftest import HUB_CACHE, REPO, check, fake_tp_mesh, launch, recipe, sst2_head
 from safetensors.torch import load_file, save_file
 
-from parallel_finetune import synthetic
-from parallel_finetune.data import column, read_glue_dir
+from parallel_finetune.data.prepare import column, read_glue_dir
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
-from parallel_finetune.model import load_model
-from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
+from parallel_finetune.model import synthetic
+from parallel_finetune.model.load import load_model
+from parallel_finetune.model.weights import Checkpoint, NewWeights, load_weights, plan_load
 from parallel_finetune.resolve import load_config
-from parallel_finetune.weights import Checkpoint, NewWeights, load_weights, plan_load
+from parallel_finetune.tools.planner import Candidate, memory_per_gpu, model_shape
 
 WORKER = str(REPO / "tests" / "workers" / "export_loaded.py")
 TASK = {

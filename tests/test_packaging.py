@@ -37,7 +37,7 @@ def test_pip_wheel_builds_with_the_package_data(tmp_path):
     assert {
         "parallel_finetune/train.py",
         "parallel_finetune/sagemaker_job.py",
-        "parallel_finetune/notebook.py",
+        "parallel_finetune/tools/notebook.py",
         "parallel_finetune/families/gptj.py",
         "parallel_finetune/metrics/accuracy.py",
     } <= names

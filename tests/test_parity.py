@@ -10,7 +10,7 @@ import pytest
 from conftest import FAMILIES, assert_trains_like, launch, recipe, tiny_overrides
 
 from parallel_finetune.families import get_family
-from parallel_finetune.planner import Candidate, memory_per_gpu, model_shape
+from parallel_finetune.tools.planner import Candidate, memory_per_gpu, model_shape
 
 TOLERANCE = 1e-5
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, assert_trains_like, launch, recipe, tiny_overrides
 
-from parallel_finetune import synthetic
-from parallel_finetune.data import column, read_glue_dir
+from parallel_finetune.data.prepare import column, read_glue_dir
+from parallel_finetune.model import synthetic
 
 TOLERANCE = 1e-5
 PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2"]

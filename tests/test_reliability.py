@@ -33,12 +33,12 @@ from test_units import training_state
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from parallel_finetune import checkpoint as checkpointing
-from parallel_finetune import integrity
-from parallel_finetune.divergence import NonFiniteGuard
 from parallel_finetune.errors import UserError
+from parallel_finetune.loop.divergence import NonFiniteGuard
+from parallel_finetune.outputs import checkpoint as checkpointing
+from parallel_finetune.outputs import integrity
+from parallel_finetune.outputs.runfolder import LOCK, RECORD, RUN_OUTPUTS, RunLock
 from parallel_finetune.resolve import load_config
-from parallel_finetune.runfolder import LOCK, RECORD, RUN_OUTPUTS, RunLock
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_hashing_is_shared_between_ranks(checkpoint):
 def test_a_checkpoint_of_the_same_step_is_replaced_not_refused(tmp_path):
     """Resuming from an older checkpoint of the same folder writes its later steps again: the rename used to fail
     with "Directory not empty" and leave the old trajectory's checkpoint in place."""
-    from parallel_finetune.checkpoint import replace_folder
+    from parallel_finetune.outputs.checkpoint import replace_folder
 
     old, new = tmp_path / "step-00000010", tmp_path / ".tmp-step-00000010"
     for folder, text in ((old, "old"), (new, "new")):
@@ -126,7 +126,7 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from "
-            "parallel_finetune.runfolder import RunLock; lock = RunLock([Path(sys.argv[1])]); "
+            "parallel_finetune.outputs.runfolder import RunLock; lock = RunLock([Path(sys.argv[1])]); "
             "lock.acquire(); print('held', flush=True); time.sleep(600)",
             str(tmp_path / "run"),
         ],
@@ -280,7 +280,7 @@ def test_check_refuses_process_counts_below_one(flags, message, tmp_path, capsys
 def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path):
     import resource
 
-    from parallel_finetune.data import read_glue_dir
+    from parallel_finetune.data.prepare import read_glue_dir
 
     (tmp_path / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
     big = tmp_path / "train.tsv"
@@ -300,7 +300,7 @@ def test_a_data_file_too_large_for_memory_is_refused_before_it_is_read(tmp_path)
 def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
     """A tiny model learns its tokenizer from the rows: bounded; a pretrained tokenizer (full size) takes them."""
     from parallel_finetune.config import DataSection, ModelSection, TrainingSection
-    from parallel_finetune.data import MAX_ROW_CHARS, MAX_WORD_CHARS
+    from parallel_finetune.data.prepare import MAX_ROW_CHARS, MAX_WORD_CHARS
     from parallel_finetune.tasks import load_task
 
     def read_glue_dir(folder, size="tiny"):
@@ -326,14 +326,14 @@ def test_a_long_row_or_word_is_refused_before_tokenizer_training(tmp_path):
 
 
 def make_record(folder, *names):
-    from parallel_finetune.runfolder import record_written
+    from parallel_finetune.outputs.runfolder import record_written
 
     folder.mkdir(parents=True, exist_ok=True)
     record_written(folder, *names)
 
 
 def test_overwrite_deletes_only_what_runs_recorded(tmp_path):
-    from parallel_finetune.runfolder import RECORD, recorded, replace_previous_run
+    from parallel_finetune.outputs.runfolder import RECORD, recorded, replace_previous_run
 
     out, checkpoints, victim = tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "victim"
     victim.mkdir()
@@ -362,7 +362,7 @@ def test_overwrite_deletes_only_what_runs_recorded(tmp_path):
 
 
 def test_overwrite_refuses_outputs_no_run_recorded_and_deletes_nothing(tmp_path):
-    from parallel_finetune.runfolder import check_run_folders, replace_previous_run
+    from parallel_finetune.outputs.runfolder import check_run_folders, replace_previous_run
 
     mine, elsewhere = tmp_path / "mine", tmp_path / "other-project"
     (mine / "tensorboard").mkdir(parents=True)
@@ -412,7 +412,7 @@ def users_copy(run_folder: Path, folder: Path, *names: str) -> Path:
 def test_a_name_is_on_the_record_only_if_the_run_wrote_it(name, plain_run, tmp_path):
     """What a run did not write is not its to delete: a user's file under that name survives overwrite=true (the
     folder is refused, as one holding outputs no run recorded)."""
-    from parallel_finetune.runfolder import check_run_folders, recorded, replace_previous_run
+    from parallel_finetune.outputs.runfolder import check_run_folders, recorded, replace_previous_run
 
     written = (plain_run / name).exists()
     assert (name in recorded(plain_run)) == written, (name, written, recorded(plain_run))
@@ -444,8 +444,8 @@ def test_overwrite_spares_what_the_previous_run_did_not_write(plain_run, sst2, c
 def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp_path, monkeypatch):
     """A stray SM_MODEL_DIR / SM_OUTPUT_DATA_DIR in a shell redirects (and would empty) nothing; in a job, an
     output_dir the user gave wins, and a LoRA adapter goes inside the model folder, which the job uploads."""
-    from parallel_finetune.export import export_target
-    from parallel_finetune.runfolder import choose_output_dir
+    from parallel_finetune.outputs.export import export_target
+    from parallel_finetune.outputs.runfolder import choose_output_dir
 
     monkeypatch.delenv("SM_TRAINING_ENV", raising=False)
     monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
@@ -466,8 +466,8 @@ def test_sagemaker_folders_count_only_inside_a_job_and_never_over_output_dir(tmp
 
 
 def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
-    from parallel_finetune.convert import export_checkpoint
-    from parallel_finetune.runfolder import RECORD, check_run_folders, write_folder
+    from parallel_finetune.outputs.convert import export_checkpoint
+    from parallel_finetune.outputs.runfolder import RECORD, check_run_folders, write_folder
 
     refusal = (
         f"not exporting to {checkpoint / 'hf'}: it lies inside the checkpoint {checkpoint}; choose a folder outside it"
@@ -504,9 +504,9 @@ def test_no_export_or_run_folder_inside_a_checkpoint(checkpoint, tmp_path):
 
 
 def test_export_staging_goes_on_interrupt_and_a_killed_exports_goes_next_time(tmp_path):
-    from parallel_finetune.run_files import EXPORT_STAGING as STAGING
-    from parallel_finetune.run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
-    from parallel_finetune.runfolder import write_folder
+    from parallel_finetune.outputs.run_files import EXPORT_STAGING as STAGING
+    from parallel_finetune.outputs.run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
+    from parallel_finetune.outputs.runfolder import write_folder
 
     out = tmp_path / "hf"
 
@@ -540,8 +540,8 @@ def _plan_script():
 @pytest.fixture(scope="module")
 def small_gpt2(sst2, tmp_path_factory):
     """A small pretrained GPT-2 folder (random weights, a tokenizer learned from SST-2), as save_pretrained writes."""
-    from parallel_finetune import synthetic
-    from parallel_finetune.data import column, read_glue_dir
+    from parallel_finetune.data.prepare import column, read_glue_dir
+    from parallel_finetune.model import synthetic
 
     sentences = column(read_glue_dir(sst2)["train"], "text")[:300]
     folder = tmp_path_factory.mktemp("pretrained") / "gpt2"
@@ -562,7 +562,7 @@ def test_a_model_folder_asking_for_custom_code_is_refused_everywhere(
 ):
     """The run's tokenizer and config, --check and plan.py refuse in one line naming the file and key; the
     payload never runs and nothing is asked on stdin (a "y" would run it)."""
-    from parallel_finetune.data import TinyTokenizer, load_tokenizer
+    from parallel_finetune.data.prepare import TinyTokenizer, load_tokenizer
     from parallel_finetune.train import main
 
     folder = shutil.copytree(small_gpt2, tmp_path / "model")
@@ -594,7 +594,7 @@ def edited_gpt2(small_gpt2, tmp_path):
 
 def test_weights_of_other_shapes_are_refused_by_the_load_and_by_check(edited_gpt2, sst2, tmp_path, capsys):
     from parallel_finetune.families import get_family
-    from parallel_finetune.model import load_model
+    from parallel_finetune.model.load import load_model
     from parallel_finetune.train import main
 
     family = get_family("gpt2")
@@ -668,7 +668,7 @@ GOOD = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     ids=["huge-length", "list", "negative", "dtype", "missing-key", "size", "past-end"],
 )
 def test_malformed_safetensors_headers_are_one_line(content, problem, tmp_path):
-    from parallel_finetune.weights import SafetensorsFile
+    from parallel_finetune.model.weights import SafetensorsFile
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(content)
@@ -685,7 +685,7 @@ def test_malformed_safetensors_headers_are_one_line(content, problem, tmp_path):
     ],
 )
 def test_a_weight_index_pointing_elsewhere_is_one_line(entry, problem, tmp_path):
-    from parallel_finetune.weights import open_checkpoint
+    from parallel_finetune.model.weights import open_checkpoint
 
     folder = tmp_path / "model"
     folder.mkdir()

@@ -34,7 +34,7 @@ import traceback
 # imports it, and must not run beside what its import sets up.
 PRELOAD = (
     "parallel_finetune.train",
-    "parallel_finetune.trainer",
+    "parallel_finetune.loop.trainer",
     "parallel_finetune.parallel.deepspeed_engine",
     "torch.utils.tensorboard",
     "transformers.optimization",

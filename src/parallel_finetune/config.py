@@ -836,7 +836,7 @@ def _check_peft(config: Config, bad: BadKey) -> None:
 def _check_qlora(config: Config, bad: BadKey) -> None:
     if config.peft.peft != "lora":
         raise bad("lora_base_quantization", "quantizes the frozen base of peft=lora (QLoRA); set peft=lora")
-    from .layout import Sharding  # here: only quantized runs pay for its torch import
+    from .parallel.layout import Sharding  # here: only quantized runs pay for its torch import
 
     if Sharding(config.sharding).hybrid:
         raise bad(

@@ -18,6 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+# (a head's outputs, a Batch's labels) -> the loss summed over them, in fp32 (loop/loss.py: one per head)
+SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
 SkipRule = Callable[[float, float, "float | None"], bool]
 

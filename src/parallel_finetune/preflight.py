@@ -7,19 +7,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import lora
-from .chat import tokenize_sft
-from .checkpoint import check_resume
 from .config import Config, refuse_compile_with_tp
-from .data import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
+from .data.chat import tokenize_sft
+from .data.prepare import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
 from .errors import UserError
 from .families import get_family
-from .generation import NO_PROMPTS
-from .hub import check_model_source, resolve_model_path
-from .layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
-from .pretrained import refuse_custom_code
-from .resolve import choose_model, resolve
-from .runfolder import (
+from .loop.generation import NO_PROMPTS
+from .model import lora
+from .model.hub import check_model_source, resolve_model_path
+from .model.pretrained import refuse_custom_code
+from .outputs.checkpoint import check_resume
+from .outputs.runfolder import (
     check_free,
     check_run_folders,
     check_writable,
@@ -28,6 +26,8 @@ from .runfolder import (
     continuing_run,
     run_folders,
 )
+from .parallel.layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
+from .resolve import choose_model, resolve
 from .tasks import HeadKind, check_hub_data
 from .tasks.task import SFT
 
@@ -266,7 +266,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         fsdp=dims.dp_shard if dims.fsdp else 1,
     )
     if config.size == "full" and Path(folder := resolve_model_path(resolved.model_name)).is_dir():
-        from .weights import check_fit  # a Hub name's files are checked by the run, once downloaded
+        from .model.weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
         check_fit(family, resolved.head, hf_config, folder)
     sharding = describe_sharding(config, dims, resolved.precision)

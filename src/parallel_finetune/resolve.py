@@ -24,14 +24,14 @@ from .config import (
 from .errors import UserError
 from .families import AUTO, family_for_model_type, get_family
 from .families.base import Family
-from .hub import resolve_model_path
-from .layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
-from .lora import ALL_LINEAR, LoraSettings
+from .model.hub import resolve_model_path
+from .model.lora import ALL_LINEAR, LoraSettings
+from .model.precision import DTYPES, resolve_precision
+from .model.pretrained import load_hf_config
+from .model.quantize import NF4Settings
+from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
-from .precision import DTYPES, resolve_precision
-from .pretrained import load_hf_config
-from .quantize import NF4Settings
+from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
 from .tasks.task import HeadKind, head_of
 
 

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .builder import prepare_data
 from .config import parse_override
 from .errors import UserError
-from .hardware import INSTANCES
+from .loop.builder import prepare_data
+from .parallel.hardware import INSTANCES
 from .resolve import choose_model, load_config
 
 log = logging.getLogger(__name__)
@@ -384,7 +384,7 @@ def load_config_like(config, **changes):
 
 def fetch_tokenizer_files(boto_session, model_uri: str, folder: Path) -> Path:
     """Everything in an S3 model folder except the weights: enough to tokenize the data here."""
-    from .weights import WEIGHT_FILES
+    from .model.weights import WEIGHT_FILES
 
     # what a tokenizer needs none of: the loader's weight files, and other frameworks' (raw torch, TF, Flax, GGUF)
     other_frameworks = (".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")

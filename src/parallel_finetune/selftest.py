@@ -151,7 +151,7 @@ def export_as_loaded(built, config: Config) -> None:
     """Into the run folder's `loaded/`, the weights as loaded into every rank's shards (`built`: builder.BuiltRun):
     called after the first step's backward, before any update (the selftest and tests/test_full_size.py compare
     it with the file)."""
-    from .export import ExportPlace, export_model
+    from .outputs.export import ExportPlace, export_model
 
     trainer = built.trainer
     export_model(
@@ -167,9 +167,9 @@ def export_as_loaded(built, config: Config) -> None:
 
 def worker(spec: dict) -> int:
     """One torchrun rank: a normal run, with the selftest's hooks."""
+    from .loop.run import run
     from .parallel.gradients import local
     from .resolve import load_config
-    from .run import run
 
     config = load_config(None, spec["overrides"])
 
@@ -242,8 +242,8 @@ def weights_equal_file(exported: Path, model: Path) -> tuple[int, int]:
 
 
 def write_model(work: Path) -> Path:
-    from .data import column, read_glue_dir
-    from .synthetic import write_checkpoint
+    from .data.prepare import column, read_glue_dir
+    from .model.synthetic import write_checkpoint
 
     sentences = column(read_glue_dir(sample_data())["train"], "text")
     return write_checkpoint(work / "pretrained-gptj", "gptj", sentences, hidden=128, layers=4, heads=4, vocab_size=512)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(preflight(config, args.nproc, args.nnodes))
             return 0
-        from .run import run
+        from .loop.run import run
 
         # The imports' ~1M objects live as long as the process: frozen, no collection rescans them (a full one
         # cost ~0.3 s per process here, and one that lands mid-step on one rank stalls every rank's collectives).

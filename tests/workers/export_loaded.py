@@ -6,8 +6,8 @@ folder with the checkpoint file, the losses with one process and the load's memo
 import json
 import sys
 
+from parallel_finetune.loop.run import run
 from parallel_finetune.resolve import load_config
-from parallel_finetune.run import run
 from parallel_finetune.selftest import export_as_loaded
 
 

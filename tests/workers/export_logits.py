@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from parallel_finetune.batch import padded_batch
-from parallel_finetune.builder import RunBuilder
-from parallel_finetune.export import ExportPlace, export_model
+from parallel_finetune.data.batch import padded_batch
+from parallel_finetune.loop.builder import RunBuilder
+from parallel_finetune.outputs.export import ExportPlace, export_model
 from parallel_finetune.resolve import load_config
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from parallel_finetune.builder import RunBuilder
+from parallel_finetune.loop.builder import RunBuilder
+from parallel_finetune.loop.trainer import Trainer
 from parallel_finetune.parallel.gradients import local
 from parallel_finetune.resolve import load_config
-from parallel_finetune.trainer import Trainer
 
 INJECT_RANK = int(os.environ["INJECT_RANK"])
 INJECT_STEP = int(os.environ["INJECT_STEP"])

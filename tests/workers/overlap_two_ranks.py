@@ -1,7 +1,7 @@
 """Two data-parallel ranks: a stack of linear layers whose gradients `OverlappedGradientSum` sums in small buckets
 while the backward runs, under torch.profiler. Rank 0 prints how many all-reduces were launched, and how many
 transfers had started, before the backward ended (profiler events and perf_counter), and whether the sums equal
-a plain all-reduce after the backward bit for bit. Run by tests/test_units.py; `OVERLAP_TRACE=path` also writes
+a plain all-reduce after the backward bit for bit. Run by tests/loop/test_units.py; `OVERLAP_TRACE=path` also writes
 the Chrome trace."""
 
 from __future__ import annotations

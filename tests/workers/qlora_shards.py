@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from parallel_finetune import run as run_module
-from parallel_finetune.batch import padded_batch
-from parallel_finetune.quantize import NF4Linear, local_nf4
+from parallel_finetune.data.batch import padded_batch
+from parallel_finetune.loop import run as run_module
+from parallel_finetune.model.quantize import NF4Linear, local_nf4
 from parallel_finetune.resolve import load_config
 
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel_finetune.errors import UserError
+from parallel_finetune.loop.run import run
 from parallel_finetune.resolve import load_config
-from parallel_finetune.run import run
 from parallel_finetune.train import report
 
 

@@ -11,8 +11,8 @@ import time
 
 from parallel_finetune import train
 from parallel_finetune.errors import UserError
+from parallel_finetune.loop.run import run
 from parallel_finetune.resolve import load_config
-from parallel_finetune.run import run
 
 SIGNAL = getattr(signal, os.environ["SIGNAL_NAME"])
 RANK, STEP = int(os.environ["SIGNAL_RANK"]), int(os.environ["SIGNAL_STEP"])

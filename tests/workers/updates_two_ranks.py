@@ -1,6 +1,6 @@
 """Two data-parallel ranks, each with half of every batch, run `WholeModel` + `TorchUpdates` for three steps; rank 0
 also trains the same model on whole batches with plain torch (mean loss, clip_grad_norm_, AdamW) and prints how
-far apart the two are. Also checks `reduce_norm_and_loss`'s replica counting. Run by tests/test_units.py."""
+far apart the two are. Also checks `reduce_norm_and_loss`'s replica counting. Run by tests/loop/test_units.py."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "loop")]
 from test_units import STEPS, batches, config, reference_training, tiny_classifier, torch_updates  # noqa: E402
 
-from parallel_finetune.batch import Batch  # noqa: E402
-from parallel_finetune.layout import init_distributed  # noqa: E402
-from parallel_finetune.loss import class_loss  # noqa: E402
+from parallel_finetune.data.batch import Batch  # noqa: E402
+from parallel_finetune.loop.loss import class_loss  # noqa: E402
+from parallel_finetune.loop.runner import WholeModel  # noqa: E402
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss  # noqa: E402
-from parallel_finetune.runner import WholeModel  # noqa: E402
+from parallel_finetune.parallel.layout import init_distributed  # noqa: E402
 from parallel_finetune.tasks.task import HeadKind  # noqa: E402
 
 

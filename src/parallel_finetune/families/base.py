@@ -21,8 +21,8 @@ from transformers.masking_utils import (
 
 from ..config import ModelSection
 from ..errors import UserError
-from ..hub import resolve_model_path
-from ..pretrained import load_hf_config
+from ..model.hub import resolve_model_path
+from ..model.pretrained import load_hf_config
 
 if TYPE_CHECKING:
     from ..tasks.task import HeadKind

@@ -315,8 +315,8 @@ class PlanFamily(Family):
             torch.manual_seed(0)
             model = self.model_classes[head](small).eval()
             # logits of tens, not of randomly initialised hundredths: a soft cap or a scale the pieces missed shows
-            head = getattr(model, "lm_head", None) or model.score
-            head.weight.data.mul_(LOGIT_BOOST)
+            last = getattr(model, "lm_head", None) or model.score
+            last.weight.data.mul_(LOGIT_BOOST)
             for number, block in enumerate(self.blocks(model)):
                 block.attention_kind = mask_kind(small, number)
             input_ids = torch.randint(1, small.vocab_size, (2, 12))

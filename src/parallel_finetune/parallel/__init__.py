@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import lora, quantize
 from ..config import MemorySection, ParallelSection, TrainingSection
 from ..families.base import Family
-from ..layout import Layout
+from ..model import lora, quantize
 from .fsdp import apply_fsdp
+from .layout import Layout
 from .memory import apply_activation_checkpointing
 from .pipeline import Stage, cut_model, describe_stages, plan_stages, tied_parameters
 from .tensor import apply_tp

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainingSection
-from ..layout import Layout
 from .gradients import GradPiece, all_reduce_flat, local, replicas, scale_gradients, sparse_embedding_gradients
+from .layout import Layout
 from .overlap import OverlappedGradientSum
 
 

@@ -33,8 +33,8 @@ from torch import nn
 from ..config import ParallelSection, TrainingSection
 from ..errors import UserError
 from ..interfaces import SkipRule, StepOutcome
-from ..layout import Engine, Sharding
-from ..precision import FP16_ON_CPU
+from ..model.precision import FP16_ON_CPU
+from .layout import Engine, Sharding
 
 log = logging.getLogger(__name__)
 
@@ -341,13 +341,13 @@ class DeepSpeedUpdates:
     def __init__(
         self, model: nn.Module, layout, *, training: TrainingSection, parallel: ParallelSection, precision: str
     ):
-        self.config = preflight(
+        self.deepspeed_config = preflight(
             training=training, parallel=parallel, dp=layout.dp, device_type=layout.device.type, precision=precision
         )
         self.layout = layout
         self.dp = layout.dp
         self.precision = precision
-        self.zero_stage = self.config["zero_optimization"]["stage"]
+        self.zero_stage = self.deepspeed_config["zero_optimization"]["stage"]
         deepspeed = import_deepspeed(layout.device.type)
         from deepspeed.runtime.config import DeepSpeedConfigError
         from pydantic import ValidationError
@@ -356,7 +356,9 @@ class DeepSpeedUpdates:
 
         try:
             self.engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=optimizer_groups(model, training.weight_decay), config=self.config
+                model=model,
+                model_parameters=optimizer_groups(model, training.weight_decay),
+                config=self.deepspeed_config,
             )
         except (DeepSpeedConfigError, ValidationError) as exc:
             raise UserError(f"engine=deepspeed: DeepSpeed rejected the config: {_one_line(exc)}") from None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..layout import Layout
+from .layout import Layout
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, layout: Layout, compute_dtype: torch.dtype | None) -> None:

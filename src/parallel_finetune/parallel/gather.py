@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .. import quantize
+from ..model import quantize
 
 
 def gather_full_state_dict(

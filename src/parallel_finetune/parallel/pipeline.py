@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..batch import Batch
+from ..data.batch import Batch
 from ..errors import UserError
 from ..families.base import Family, has_module
-from ..loss import SummedLoss
+from ..interfaces import SummedLoss
 from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainingSection
-from ..layout import Layout
 from .adamw import (
     MOMENTS,
     AdamWSettings,
@@ -23,6 +22,7 @@ from .adamw import (
     step_tensor,
 )
 from .gradients import GradPiece, local
+from .layout import Layout
 
 
 def zero_adamw(

@@ -1,0 +1,262 @@
+"""The data contract between the data stage and the loop, written down: a tokenized split (`TokenizedSplit`, the
+columns a cached split holds, read once) and the `Batch` a batcher makes of some of its rows.
+
+    TokenizedSplit   ids, lengths[, labels][, token types][, target masks][, prompt lengths][, index], and each
+                     row's count of loss terms (`targets`): 1 per labelled row of a classification split, its
+                     trained tokens for a language model's
+    Batch            input ids, the attention (a padding mask, and positions that restart at every row of a packed
+                     batch: its rows' boundaries), labels already aligned with the head's output (shifted for a
+                     language model) and IGNORE (regression: NaN) where there is no loss, token type ids for a
+                     family with them, and its kind: PADDED or PACKED, a field, not a key's presence
+    PaddedBatcher    rows padded to the longest of the batch (data.collate's rule, either padding side)
+    PackedBatcher    rows laid end to end in sequences of max_length (packing.py's bins)
+
+A batcher owns the training columns: the builder makes one, the Trainer asks it for an accumulation slice's Batch
+and for the token slots a global batch occupies. Evaluation and generation make padded batches the same way.
+A preference pair (the next task) is two rows with one `pair_index`; the loss can be handed the final hidden
+states instead of logits, since a language model's labels are already where its head's outputs are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from enum import Enum
+
+import datasets
+import torch
+
+from ..tasks.task import HeadKind, Task
+from .packing import PackedShape, first_fit_decreasing, packed_token_slots
+from .sampling import token_slots
+
+IGNORE = -100  # the label of a position (or row) with no loss
+
+
+class BatchKind(str, Enum):
+    PADDED = "padded"  # rows padded to the batch's longest; attention_mask says which tokens are real
+    PACKED = "packed"  # rows end to end; positions restart at every row; attention and targets never cross rows
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (rows, length)
+    attention_mask: torch.Tensor  # (rows, length), 1 = a real token
+    positions: torch.Tensor  # (rows, length): each token's position in its own row (its padding not counted)
+    labels: torch.Tensor | None  # aligned with the head's outputs: (rows,) per row, or (rows, length) per position
+    kind: BatchKind = BatchKind.PADDED
+    token_type_ids: torch.Tensor | None = None  # sentence pairs of a family with token types (BERT)
+    pair_index: torch.Tensor | None = None  # (rows,): the preference pair a row belongs to (chosen and rejected)
+
+    @property
+    def packed(self) -> bool:
+        return self.kind is BatchKind.PACKED
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def row_starts(self) -> torch.Tensor:
+        """Where each packed row (and the padding tail) begins: the boundaries its attention must not cross."""
+        return self.positions == 0
+
+    def scored(self) -> int:
+        """How many labels carry a loss term (evaluation's count; training counts whole global batches)."""
+        if self.labels.is_floating_point():
+            return int((~self.labels.isnan()).sum())
+        return int((self.labels != IGNORE).sum())
+
+    def to(self, device: torch.device) -> Batch:
+        moved = {
+            f.name: value.to(device, non_blocking=True)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+
+def next_token_labels(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor | None = None,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A language model's labels, aligned with its outputs: position t is labelled with token t + 1, IGNORE where
+    that token is padding, not trained (`target_mask` 0: a prompt token under train_on=answers) or the first of a
+    packed row (it is not predicted from the previous row); the last position predicts nothing."""
+    labels = torch.full_like(input_ids, IGNORE)
+    ignored = attention_mask[:, 1:] == 0
+    if target_mask is not None:
+        ignored |= target_mask[:, 1:] == 0
+    if row_starts is not None:
+        ignored |= row_starts[:, 1:]
+    labels[:, :-1] = input_ids[:, 1:].masked_fill(ignored, IGNORE)
+    return labels
+
+
+@dataclass
+class TokenizedSplit:
+    """A cached split's columns as lists (a `datasets` column costs ~10 us a row, a list ~50 ns)."""
+
+    head: HeadKind
+    ids: list[list[int]]
+    lengths: list[int]
+    targets: list[int]  # each row's loss terms: 1 (a labelled classification row) or its trained tokens
+    labels: list | None = None  # class ids or regression values (classification rows with labels)
+    regression: bool = False
+    token_types: list | None = None
+    target_masks: list | None = None  # which tokens are trained (task=sft)
+    prompt_lengths: list[int] | None = None  # the tokens before a conversation's first trained answer (task=sft)
+    index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
+
+    @classmethod
+    def of(cls, split: datasets.Dataset, task: Task) -> TokenizedSplit:
+        """The columns data.prepare wrote for `task` (optional ones are None when the split has none)."""
+
+        def optional(name: str) -> list | None:
+            return split[name][:] if name in split.column_names else None
+
+        lengths = split["length"][:]
+        labels = optional("label") if task.head is HeadKind.CLASSIFICATION else None
+        counts = optional("targets")  # sft: trained tokens per row
+        if task.head is HeadKind.CLASSIFICATION:
+            targets = [1] * len(lengths)
+        else:
+            targets = counts if counts is not None else [length - 1 for length in lengths]
+        return cls(
+            task.head,
+            split["input_ids"][:],
+            lengths,
+            targets,
+            labels,
+            task.regression,
+            optional("token_type_ids"),
+            optional("target_mask"),
+            optional("prompt_length"),
+            optional("index"),
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def loss_count(self, indices: list[int]) -> int:
+        """What the loss of these rows is averaged over: samples, or predicted tokens."""
+        return sum(self.targets[i] for i in indices)
+
+    def label_tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32 if self.regression else torch.long)
+
+
+def padded_batch(
+    rows: list[list[int]],
+    *,
+    pad_id: int,
+    padding_side: str = "right",
+    pad_multiple: int = 1,
+    token_types: list[list[int]] | None = None,
+) -> Batch:
+    """`rows` padded to the longest (rounded up to `pad_multiple`) on `padding_side`, without labels. Positions
+    count real tokens only, so a left-padded row sees the positions of its unpadded self."""
+    longest = -(-max(len(row) for row in rows) // pad_multiple) * pad_multiple
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    types = torch.zeros_like(ids) if token_types is not None else None
+    for number, row in enumerate(rows):
+        span = slice(0, len(row)) if padding_side == "right" else slice(longest - len(row), longest)
+        ids[number, span] = torch.tensor(row, dtype=torch.long)
+        mask[number, span] = 1
+        if types is not None:
+            types[number, span] = torch.tensor(token_types[number], dtype=torch.long)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch(ids, mask, positions, None, BatchKind.PADDED, types)
+
+
+class PaddedBatcher:
+    """Batches of a split's rows padded to their longest: a training slice, an evaluation chunk."""
+
+    packed = False
+
+    def __init__(self, split: TokenizedSplit, *, pad_id: int, padding_side: str, pad_multiple: int, device):
+        self.split, self.pad_id, self.padding_side = split, pad_id, padding_side
+        self.pad_multiple, self.device = pad_multiple, device
+
+    def batch(self, indices: list[int], labelled: bool = True) -> Batch:
+        """Rows `indices` on the device; `labelled`: with their labels (a test split's rows have none)."""
+        split = self.split
+        batch = padded_batch(
+            [split.ids[i] for i in indices],
+            pad_id=self.pad_id,
+            padding_side=self.padding_side,
+            pad_multiple=self.pad_multiple,
+            token_types=[split.token_types[i] for i in indices] if split.token_types is not None else None,
+        )
+        if split.head is HeadKind.CAUSAL_LM:
+            target_mask = None
+            if split.target_masks is not None:
+                target_mask = padded_batch(
+                    [split.target_masks[i] for i in indices],
+                    pad_id=0,
+                    padding_side=self.padding_side,
+                    pad_multiple=self.pad_multiple,
+                ).input_ids
+            batch.labels = next_token_labels(batch.input_ids, batch.attention_mask, target_mask)
+        elif labelled and split.labels is not None:
+            batch.labels = split.label_tensor([split.labels[i] for i in indices])
+        return batch.to(self.device)
+
+    def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
+        """Token positions a global batch occupies once each replica's slices are padded to their longest row."""
+        return token_slots(global_batch, self.split.lengths, dp, accumulation, self.pad_multiple)
+
+
+class PackedBatcher:
+    """Batches of a split's rows packed end to end (`packing: true`) in sequences shaped as `shape` says."""
+
+    packed = True
+
+    def __init__(self, split: TokenizedSplit, *, pad_id: int, shape: PackedShape, device):
+        self.split, self.pad_id, self.shape, self.device = split, pad_id, shape, device
+
+    def batch(self, indices: list[int], labelled: bool = True) -> Batch:
+        """Rows `indices` packed: positions restart at 0 for every row and for the padding tail (a segment of its
+        own, so no query row is fully masked); a classification row's label sits at its pooled position only."""
+        split, shape = self.split, self.shape
+        lengths = [split.lengths[i] for i in indices]
+        bins = [[indices[p] for p in group] for group in first_fit_decreasing(lengths, shape.capacity)]
+        length = shape.length(max(sum(split.lengths[i] for i in group) for group in bins))
+        rows = shape.rows(len(bins))
+        input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, length), dtype=torch.long)
+        positions = torch.arange(length, dtype=torch.long).repeat(rows, 1)  # all-padding sequences: one segment
+        classified = split.head is HeadKind.CLASSIFICATION and labelled and split.labels is not None
+        labels = None
+        if classified:
+            labels = split.label_tensor([]).new_full((rows, length), math.nan if split.regression else IGNORE)
+        types = torch.zeros_like(input_ids) if split.token_types is not None else None
+        trained = torch.zeros_like(input_ids) if split.target_masks is not None else None
+        for row, group in enumerate(bins):
+            start = 0
+            for index in group:
+                size = split.lengths[index]
+                span = slice(start, start + size)
+                input_ids[row, span] = torch.tensor(split.ids[index], dtype=torch.long)
+                mask[row, span] = 1
+                positions[row, span] = torch.arange(size)
+                if labels is not None:
+                    labels[row, start if shape.pooled == "first" else start + size - 1] = split.labels[index]
+                if types is not None:
+                    types[row, span] = torch.tensor(split.token_types[index], dtype=torch.long)
+                if trained is not None:
+                    trained[row, span] = torch.tensor(split.target_masks[index], dtype=torch.long)
+                start += size
+            positions[row, start:] = torch.arange(length - start)  # the padding tail: a segment of its own
+        if split.head is HeadKind.CAUSAL_LM:
+            labels = next_token_labels(input_ids, mask, trained, positions == 0)
+        return Batch(input_ids, mask, positions, labels, BatchKind.PACKED, types).to(self.device)
+
+    def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
+        return packed_token_slots(global_batch, self.split.lengths, dp, accumulation, self.shape)

@@ -1,0 +1,429 @@
+"""A run's assembly, before any training: the layout, the settings resolved and checked, the run folders claimed,
+the data prepared, the model built and loaded, its updates, runner and lr schedule, a checkpoint resumed, the
+loop's components made. All of them, or one line on a bad input before any work; the Trainer (trainer.py)
+receives the components and only trains.
+
+    RunBuilder(config).build():  layout -> checks -> run folders (+ the model fetched) -> data (+ the schedule
+                                 resolved) -> model, updates, runner, lr schedule -> resume -> the run folder
+                                 written -> batcher, evaluator, generator, reporter (trackers started) -> Trainer
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import transformers
+from torch import nn
+
+from ..config import Config
+from ..data.batch import PackedBatcher, PaddedBatcher, TokenizedSplit
+from ..data.packing import PackedShape
+from ..data.prepare import PreparedData, load_prepared, prepare, tokenizer_identity
+from ..data.sampling import GlobalBatches
+from ..errors import UserError
+from ..families import get_family
+from ..families.base import Family
+from ..interfaces import Runner, Updates
+from ..model.hub import fetch_model
+from ..model.load import ReadyModel, load_model, log_loaded
+from ..model.precision import autocast
+from ..model.throughput import Peak, device_peak
+from ..outputs.checkpoint import TrainingState
+from ..outputs.loggers import destinations
+from ..outputs.reporting import PhaseTimer, Reporter
+from ..outputs.runfolder import RunLock, claim_run_folders, open_run_folder
+from ..parallel import Placement
+from ..parallel.layout import Engine, Layout, check_batch_split, init_distributed, rank0_decides
+from ..parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
+from ..preflight import check_heads, check_model_config
+from ..resolve import Resolved, choose_model, resolve, resolve_schedule
+from .checkpointer import CheckpointManager
+from .divergence import NonFiniteGuard
+from .evaluation import Evaluator
+from .generation import Generator, held_out_prompts
+from .loss import summed_loss_for
+from .runner import WholeModel
+from .trainer import Steps, StopRequest, Trainer
+from .updates import TorchUpdates
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltRun:
+    """What the entry point (train.run) drives: the Trainer, and what the run's end reads."""
+
+    trainer: Trainer
+    resolved: Resolved
+    family: Family
+    ready: ReadyModel  # the model as loaded (its load figures, its parallel placement)
+    data: PreparedData
+    output_dir: Path
+    resumed_from: Path | None
+
+
+@dataclass
+class _Model:
+    """The model built and what drives it."""
+
+    ready: ReadyModel
+    model: nn.Module  # ready.model, or DeepSpeed's engine (forwards go through it: ZeRO-3 gathers there)
+    updates: Updates
+    runner: Runner
+    scheduler: object  # the lr schedule
+
+
+def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
+    """data.prepare on a recipe's sections, as a run calls it (scripts/prepare_data.py, the notebooks, a SageMaker
+    job's staging, a run's rank 0); `model_path`: the pretrained model's local folder when it was fetched."""
+    return prepare(
+        data=config.data,
+        model=config.model,
+        family=resolved.family if resolved else get_family(config.family),
+        model_name=model_path or (resolved or choose_model(config)).model_name,
+        seed=config.training.seed,
+        predict=config.output.predict,
+    )
+
+
+class RunBuilder:
+    """Assembles a run (`build`); holds rank 0's lock on the run folders from claiming them until `release`."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.family = get_family(config.family)
+        self.timer = PhaseTimer()
+        self.run_lock: RunLock | None = None  # rank 0's hold on the run folders
+        self.model_path: str | None = None  # a full-size model's local folder (tiny: built from its config)
+        self.deepspeed_config: dict | None = None  # engine=deepspeed: the config made for it
+        self.resumed_step = 0  # the step a resumed checkpoint had reached (errors name it)
+
+    def release(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def build(self, stop: StopRequest | None = None) -> BuiltRun:
+        """Every part of the run, or an error before any work; the run folder is written last (rank 0), then the
+        trackers start. `stop`: the SIGTERM handler the Trainer obeys."""
+        config = self.config
+        with self.timer("setup"):
+            layout = init_distributed(
+                config.device,
+                config.tensor_parallel_degree,
+                config.sharding,
+                config.shard_group_size,
+                config.pipeline_parallel_degree,
+                config.collective_timeout_s,
+            )
+            logging.basicConfig(
+                level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True
+            )
+            transformers.logging.set_verbosity_error()
+            resolved, peak = self._check_settings(layout)
+            output_dir, checkpoint_root, self.run_lock = claim_run_folders(
+                layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
+            )
+            if config.size == "full":
+                self.model_path = fetch_model(resolved.model_name, config.revision, layout, config.collective_timeout_s)
+        with self.timer("data"):
+            prepared = self._prepare_data(layout, resolved)
+            train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
+            sampler = GlobalBatches(train.lengths, config.batch_size, config.seed, config.group_by_length)
+            schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
+        with self.timer("model"):
+            built = self._build(layout, resolved, prepared, train, schedule)
+        checkpoints = CheckpointManager(
+            checkpoint_root,
+            checkpoint=config.checkpoint,
+            enabled=built.updates.checkpointable,
+            timer=self.timer,
+            state=self._state_of(layout, resolved, prepared, built),
+        )
+        step = self.resumed_step = checkpoints.resume(output=config.output)
+        if layout.is_main:  # only now, with every input accepted, is the run folder written
+            self._open_run_folder(output_dir, checkpoint_root, built.updates, prepared)
+        log.info("run folder %s | %s", output_dir, layout.describe())
+        trainer = Trainer(
+            steps=Steps(schedule.total_steps, len(sampler), config.gradient_accumulation_steps),
+            sampler=sampler,
+            batcher=self._batcher(train, prepared, layout, resolved, built.runner),
+            runner=built.runner,
+            updates=built.updates,
+            scheduler=built.scheduler,
+            model=built.model,
+            evaluator=Evaluator(
+                model=built.model,
+                runner=built.runner,
+                data=prepared,
+                batch_size=config.eval_batch_size,
+                layout=layout,
+                every=config.eval_every,
+            ),
+            generator=self._generator(prepared, layout, built) if config.generate_every else None,
+            checkpoints=checkpoints,
+            reporter=self._reporter(output_dir, layout, resolved, schedule.total_steps, step),
+            guard=NonFiniteGuard(config.max_nonfinite_steps, config.lr),
+            layout=layout,
+            timer=self.timer,
+            flops=built.ready.flops,
+            peak=peak,
+            step=step,
+            stop=stop or StopRequest(),
+        )
+        accumulation = config.gradient_accumulation_steps
+        log.info(
+            "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
+            *(schedule.total_steps, len(sampler), config.batch_size, layout.dp, accumulation),
+            *(config.batch_size // (layout.dp * accumulation), resolved.precision),
+        )
+        return BuiltRun(trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from)
+
+    def _check_settings(self, layout: Layout) -> tuple[Resolved, Peak]:
+        """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
+        line on a bad input, before any work."""
+        config = self.config
+        resolved = resolve(config, layout.device, layout.dims)  # decided once; components receive these
+        if config.lr_note:
+            log.info("%s", config.lr_note)
+        peak = device_peak(layout.device, resolved.compute_dtype, config.peak_tflops)
+        log.info("%s", peak.describe())
+        check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
+        if config.size == "tiny":  # (full size: once the model is fetched, in _build)
+            check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
+        if layout.pp > 1:
+            check_microbatches(
+                config.batch_size // (layout.dp * config.gradient_accumulation_steps), resolved.microbatches
+            )
+        if resolved.engine is Engine.DEEPSPEED:  # one line (fp16 on a CPU, a conflicting JSON) before any work
+            from ..parallel import deepspeed_engine
+
+            self.deepspeed_config = deepspeed_engine.preflight(
+                training=config.training,
+                parallel=config.parallel,
+                dp=layout.dp,
+                device_type=layout.device.type,
+                precision=resolved.precision,
+            )
+        return resolved, peak
+
+    def _open_run_folder(self, output_dir: Path, checkpoint_root: Path, updates: Updates, prepared) -> None:
+        """Rank 0: config.yaml, labels.json (and DeepSpeed's config) into the run folder, claimed before."""
+        config = self.config
+        open_run_folder(
+            output_dir,
+            checkpoint_root,
+            settings=config.to_dict(),
+            overwrite=config.output.overwrite,
+            deepspeed_config=updates.deepspeed_config if self.deepspeed_config is not None else None,
+            task=prepared.task,
+        )
+
+    def _state_of(self, layout: Layout, resolved: Resolved, prepared, built: _Model):
+        """step -> what a checkpoint of that step holds (checkpoint.TrainingState)."""
+        config, ready = self.config, built.ready
+        if config.size == "tiny":
+            base = f"tiny {self.family.name} from config, initialised from seed {config.seed}"
+        else:
+            base = f"{resolved.model_name}@{config.revision}" if config.revision else resolved.model_name
+        return functools.partial(
+            TrainingState,
+            model=built.model,
+            updates=built.updates,
+            scheduler=built.scheduler,
+            settings=config.to_dict(),
+            tokenizer=prepared.tokenizer,
+            layout=layout,
+            family=self.family.name,
+            parameter_shapes=ready.parameter_shapes,
+            trainable=ready.parallel.trainable,
+            base=base,
+            data=prepared.source.fingerprint,
+            task=prepared.task,
+            tokens=tokenizer_identity(prepared.tokenizer),
+        )
+
+    def _batcher(self, train: TokenizedSplit, prepared, layout: Layout, resolved: Resolved, runner: Runner):
+        """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
+        pipeline's are of static shapes)."""
+        config, tokenizer = self.config, prepared.tokenizer
+        if not config.packing:
+            return PaddedBatcher(
+                train,
+                pad_id=tokenizer.pad_token_id,
+                padding_side=tokenizer.padding_side,
+                pad_multiple=runner.pad_multiple,
+                device=layout.device,
+            )
+        pipeline = layout.pp > 1
+        shape = PackedShape(
+            capacity=config.max_length,
+            pad_multiple=runner.pad_multiple,
+            fixed_length=pipeline,
+            rows_multiple=resolved.microbatches if pipeline else 1,
+            pooled=self.family.pooled_token,
+        )
+        return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
+
+    def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
+        """generate_every's decoder over the run's runner, with the held-out prompts it answers."""
+        config = self.config
+        validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
+        return Generator(
+            runner=built.runner,
+            model=built.model,
+            tokenizer=prepared.tokenizer,
+            prompts=held_out_prompts(validation, config.generate_prompts),
+            max_new_tokens=config.generate_max_new_tokens,
+            max_length=config.max_length,
+            layout=layout,
+            every=config.generate_every,
+        )
+
+    def _reporter(self, output_dir: Path, layout: Layout, resolved: Resolved, total_steps: int, step: int):
+        """The progress bar, metrics files and the trackers `report_to` names, started by rank 0 (a failure is
+        every rank's one line)."""
+        config = self.config
+        reporter = Reporter(output_dir, total_steps, config.log_every, layout.is_main, resumed_at=step)
+        trackers = destinations(config.report_to)
+        params = config.to_dict() | resolved.as_params()  # as written, and what `auto` became
+        reporter.started = rank0_decides(
+            layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
+        )
+        return reporter
+
+    def _prepare_data(self, layout: Layout, resolved: Resolved) -> PreparedData:
+        config = self.config
+        mine: list[PreparedData] = []
+
+        def prepare_on_rank0():
+            mine.append(prepare_data(config, self.model_path, resolved))
+            return str(mine[0].cache_path), mine[0].source
+
+        # Rank 0 builds the cache (and may fall back to the sample, loudly, once); the others then read it.
+        cache_path, source = rank0_decides(layout, prepare_on_rank0)
+        prepared = mine[0] if mine else load_prepared(Path(cache_path), source)
+        log.info(
+            "data: %s | %s",
+            prepared.source.description,
+            ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()),
+        )
+        return prepared
+
+    def _build(
+        self, layout: Layout, resolved: Resolved, prepared: PreparedData, train: TokenizedSplit, schedule
+    ) -> _Model:
+        """The model (each rank its own shards; the module forwards go through), the updates, the runner, the lr
+        schedule."""
+        config, family = self.config, self.family
+        ready = self._load_model(layout, resolved, prepared, schedule)
+        model, precision = ready.model, resolved.precision
+        if resolved.engine is Engine.DEEPSPEED:
+            from ..parallel.deepspeed_engine import DeepSpeedUpdates
+
+            updates = DeepSpeedUpdates(
+                ready.model, layout, training=config.training, parallel=config.parallel, precision=precision
+            )
+            model = updates.engine  # forwards go through DeepSpeed (ZeRO-3 gathers parameters there)
+        else:
+            updates = TorchUpdates(
+                ready.model,
+                layout,
+                ready.parallel,
+                training=config.training,
+                parallel=config.parallel,
+                precision=precision,
+                adamw=ready.zero_adamw,
+            )
+        autocast_context = functools.partial(autocast, precision, layout.device)
+        loss = summed_loss_for(prepared.task)
+        if layout.pp > 1:
+            settings = PipelineSettings(
+                config.pipeline_schedule,
+                resolved.microbatches,
+                resolved.head,
+                loss,
+                token_types=train.token_types is not None,
+                packing=config.packing,
+            )
+            runner = Pipeline(
+                ready.model,
+                family,
+                ready.parallel.stages,
+                layout,
+                settings,
+                autocast_context,
+                lambda: updates.loss_scale,
+            )
+        else:
+            runner = WholeModel(
+                model,
+                resolved.head,
+                loss,
+                autocast_context,
+                updates.backward,
+                config.offload_activations,
+                layout.device,
+                packing=family if config.packing else None,
+            )
+        try:
+            scheduler = transformers.get_scheduler(
+                config.lr_scheduler,
+                updates.optimizer,
+                num_warmup_steps=schedule.warmup_steps,
+                num_training_steps=schedule.total_steps,
+            )
+        except ValueError as exc:
+            raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
+        return _Model(ready, model, updates, runner, scheduler)
+
+    def _load_model(self, layout: Layout, resolved: Resolved, prepared: PreparedData, schedule) -> ReadyModel:
+        """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""
+        config, family, tokenizer = self.config, self.family, prepared.tokenizer
+        if config.size == "full":
+            check_heads(check_model_config(config, self.model_path))
+        hf_config = family.config_for(
+            model=config.model,
+            head=resolved.head,
+            max_length=config.max_length,
+            tokenizer_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            model_path=self.model_path,
+            labels=prepared.task,
+        )
+        family.check_tp(hf_config, layout.tp)
+        if config.packing:
+            family.check_packing(hf_config, config.max_length)
+        if config.compile == "auto":
+            log.info("%s", schedule.compile_why)
+        placement = Placement(
+            layout=layout,
+            parallel=config.parallel,
+            memory=config.memory,
+            training=config.training,
+            precision=resolved.precision,
+            autocast_dtype=resolved.autocast_dtype,
+            microbatches=resolved.microbatches,
+            compile=schedule.compile,
+            deepspeed_config=self.deepspeed_config,
+        )
+        ready = load_model(
+            family,
+            resolved.head,
+            hf_config,
+            self.model_path,
+            seed=config.seed,
+            adapters=resolved.lora,
+            placement=placement,
+        )
+        log_loaded(
+            ready,
+            family,
+            placement,
+            adapters=resolved.lora,
+            model_name=resolved.model_name,
+            seed=config.seed,
+        )
+        return ready

@@ -1,0 +1,160 @@
+"""The distributed scorer: a split's metrics over all data-parallel ranks, each row scored exactly once.
+
+Rows are sorted by length and cut into chunks; data-parallel rank r scores chunks r, r + dp, ...; the loss sums
+and counts are all-reduced and the predictions gathered, and under pipeline parallelism the last stage, which
+scored everything, hands both to the other stages, so every rank returns the same metrics. A task's metrics go
+through metrics.compute_metrics (GLUE's official ones for a GLUE task); perplexity is exp of the mean token loss.
+`predict` gives the same per-row predictions without labels (a test split); the entry point writes them
+(`write_predictions`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..data.batch import PaddedBatcher, TokenizedSplit
+from ..data.prepare import PreparedData
+from ..errors import UserError
+from ..interfaces import Runner
+from ..metrics import compute_metrics
+from ..tasks.task import HeadKind, Task
+from .loss import summed_loss_for
+
+
+class Evaluator:
+    """The run's scorer over its runner: `due(step)` every `every` steps (and the end of training always
+    evaluates), `evaluate` a validation split, `evaluate_all` every one, `predict` a test split's rows. Every rank
+    calls them and gets the same result; `model` (what the runner drives) is in eval mode meanwhile."""
+
+    def __init__(self, *, model: nn.Module, runner: Runner, data: PreparedData, batch_size: int, layout, every=None):
+        self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
+        self.every = every  # eval_every: steps between evaluations (None: at the end only)
+        self.task = data.task
+        self.loss = summed_loss_for(data.task)
+        self._splits: dict[str, TokenizedSplit] = {}
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """An evaluation after this step (not after the last one: the run's end evaluates every split)."""
+        return bool(self.every) and step % self.every == 0 and step < total_steps
+
+    @torch.no_grad()
+    def evaluate(self, name: str = "validation") -> dict:
+        """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
+        split = self._split(name)
+        loss, predictions = self._scored(split, with_loss=True)
+        if self.task.head is HeadKind.CAUSAL_LM:
+            return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+        scores = compute_metrics(self.task.metric, predictions, split.labels, self.task.num_labels)
+        return {"eval_loss": loss, **scores}
+
+    def evaluate_all(self) -> dict:
+        """The metrics of every validation split: the first's as they are, a second's (MNLI's mismatched dev set)
+        prefixed with its name ("mismatched_accuracy")."""
+        results = {}
+        for name in self.task.validation_splits:
+            prefix = "" if name == "validation" else name.removeprefix("validation_") + "_"
+            results.update({prefix + key: value for key, value in self.evaluate(name).items()})
+        return results
+
+    @torch.no_grad()
+    def predict(self, name: str) -> list:
+        """Each row's prediction (a class id, or a regression value), in the split's order."""
+        return self._scored(self._split(name), with_loss=False)[1]
+
+    def predict_tests(self) -> dict[str, list]:
+        """Every test split's predictions, by split name (predict=true)."""
+        if not self.task.test_splits:
+            raise UserError(
+                "predict=true: the data has no test split; give test_file=PATH (or a GLUE folder with test.tsv)"
+            )
+        return {name: self.predict(name) for name in self.task.test_splits}
+
+    def _split(self, name: str) -> TokenizedSplit:
+        if name not in self._splits:
+            self._splits[name] = TokenizedSplit.of(self.data.splits[name], self.task)
+        return self._splits[name]
+
+    def _scored(self, split: TokenizedSplit, with_loss: bool):
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self._score(split, with_loss)
+        finally:
+            self.model.train(training)
+
+    def _score(self, split: TokenizedSplit, with_loss: bool):
+        layout, runner = self.layout, self.runner
+        tokenizer = self.data.tokenizer
+        batcher = PaddedBatcher(
+            split,
+            pad_id=tokenizer.pad_token_id,
+            padding_side=tokenizer.padding_side,
+            pad_multiple=runner.pad_multiple,
+            device=layout.device,
+        )
+        classifies = self.task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss
+        order = sorted(range(len(split)), key=lambda i: split.lengths[i])
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        predictions: list[tuple[int, float | int]] = []
+        totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
+        mine = chunks[layout.dp_rank :: layout.dp]
+        # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
+        # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
+        rounds = -(-len(chunks) // layout.dp)
+        for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
+            batch = batcher.batch(chunk, labelled=with_loss)
+            logits = runner.forward(batch)
+            if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
+                continue
+            if with_loss:
+                totals[0] += self.loss(logits, batch.labels).double()
+                totals[1] += batch.scored()
+            if classifies:
+                predictions.extend(zip(chunk, self.task.predicted(logits).tolist()))
+        if with_loss and layout.dp > 1:
+            dist.all_reduce(totals, group=layout.dp_group)
+        return self._gathered(split, totals, predictions, with_loss)
+
+    def _gathered(self, split: TokenizedSplit, totals: torch.Tensor, predictions: list, with_loss: bool):
+        """Every rank's sums and predictions, on every rank."""
+        layout = self.layout
+        classifies = self.task.head is HeadKind.CLASSIFICATION
+        gathered: list = [None] * layout.dp
+        if classifies and layout.dp > 1:
+            dist.all_gather_object(gathered, predictions, group=layout.dp_group)
+        else:
+            gathered = [predictions]
+        if layout.pp > 1:  # the last stage scored everything: hand its sums and predictions to the other stages
+            box = [(totals.tolist(), gathered)]
+            dist.broadcast_object_list(box, group=layout.pp_group, group_src=layout.pp - 1)
+            totals, gathered = torch.tensor(box[0][0], dtype=torch.float64), box[0][1]
+        mean_loss = (totals[0] / totals[1]).item() if with_loss else float("nan")
+        if not classifies:
+            return mean_loss, []
+        by_row = dict(pair for part in gathered for pair in part)
+        assert len(by_row) == len(split), "every row is predicted exactly once"
+        return mean_loss, [by_row[i] for i in range(len(split))]
+
+
+def write_predictions(path: Path, index: list[int], predicted: list, task: Task) -> Path:
+    """GLUE's submission format: a header `index<TAB>prediction`, then one row per test row, the prediction as
+    the data writes its labels (GLUE's 0/1 or entailment names; a user's label names) or, for regression, the
+    value with three decimals."""
+    lines = ["index\tprediction"]
+    for row, value in zip(index, predicted):
+        lines.append(f"{row}\t{task.prediction_text(value)}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def prediction_files(task: Task) -> dict[str, str]:
+    """The file each test split's predictions go to: predictions.tsv (and predictions_mismatched.tsv, MNLI)."""
+    return {
+        split: "predictions.tsv" if split == "test" else f"predictions_{split.removeprefix('test_')}.tsv"
+        for split in task.test_splits
+    }

@@ -1,0 +1,79 @@
+"""WholeModel: the `interfaces.Runner` (forward and backward of an accumulation slice) for the model this rank holds,
+whole or tensor-parallel or FSDP-sharded. The other Runner is `parallel/pipeline.py`'s Pipeline: this rank's
+stages, run by a pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..data.batch import Batch
+from ..families.base import Family
+from ..interfaces import SummedLoss
+from ..parallel.memory import offload_context
+from ..tasks.task import HeadKind
+
+
+def model_inputs(batch: Batch, family: Family | None = None, model: nn.Module | None = None) -> dict:
+    """What the model's forward takes for `batch`: its positions (a left-padded row sees the positions of its
+    unpadded self; transformers would number the padding too), and a packed batch takes the 4-D mask `family`
+    builds from them for `model`'s attention implementation (none under flash attention: the positions say where
+    rows start), so that no token attends to another row."""
+    mask = batch.attention_mask
+    if batch.packed:
+        mask = family.packed_mask(model.config, batch.positions, next(model.parameters()).dtype)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.positions, "use_cache": False}
+    if batch.token_type_ids is not None:  # sentence pairs of a family with token types (BERT)
+        inputs["token_type_ids"] = batch.token_type_ids
+    return inputs
+
+
+class WholeModel:
+    pad_multiple = 1
+
+    def __init__(
+        self,
+        model: nn.Module,
+        head: HeadKind,  # the head (resolve.Resolved.head): a packed classifier reads every position's logits
+        loss: SummedLoss,  # the head's loss (loss.summed_loss_for)
+        autocast: Callable,
+        backward: Callable[[torch.Tensor, bool], None],
+        offload_activations: bool,
+        device: torch.device,
+        packing: Family | None = None,
+    ):
+        """`packing`: the family, when training batches are packed (its masks and per-position logits)."""
+        self.model, self.head, self.loss, self.autocast, self.backward = model, head, loss, autocast, backward
+        self.offload_activations, self.device, self.family = offload_activations, device, packing
+        if packing is not None:
+            packing.prepare_packing(model)
+
+    def train(self, batch: Batch, count: int, last: bool) -> torch.Tensor:
+        if isinstance(self.model, FSDPModule):  # FSDP reduce-scatters in every backward unless told not to
+            self.model.set_requires_gradient_sync(last)
+        with offload_context(self.offload_activations, self.device):
+            loss = self.loss(self.forward(batch), batch.labels) / count
+        self.backward(loss, last)
+        return loss.detach()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if batch.packed and self.head is HeadKind.CLASSIFICATION:
+            return self.position_logits(batch)
+        with self.autocast():
+            return self.model(**model_inputs(batch, self.family, self.model)).logits
+
+    def position_logits(self, batch: Batch) -> torch.Tensor:
+        """A packed batch's classifier logits at every position (rows, length, labels), taken inside the model's
+        own forward (its pooled logits, one per packed sequence, mean nothing)."""
+        logits: list[torch.Tensor] = []
+        handle = self.family.position_logits_hook(self.model, logits.append)
+        try:
+            with self.autocast():
+                self.model(**model_inputs(batch, self.family, self.model))
+        finally:
+            handle.remove()
+        return logits[-1]
