@@ -266,3 +266,16 @@ def test_the_folders_show_the_floors():
     for folder in ("data", "model", "parallel", "loop", "outputs", "tools"):
         assert list((tests / folder).glob("test_*.py")), f"tests/{folder}/ mirrors src/parallel_finetune/{folder}/"
     assert (tests / "test_parity.py").is_file()  # the front door stays where a reader looks first
+
+
+def test_the_recipe_keys_that_repeat_their_section_are_no_code_paths():
+    """`model.model` and `peft.peft` stay recipe keys; code reads `config.model.source` and `config.peft.method`."""
+    traps = [
+        f"{name}:{node.lineno} {ast.unparse(node)}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and (node.attr, node.value.attr) in (("model", "model"), ("peft", "peft"))
+    ]
+    assert not traps, traps

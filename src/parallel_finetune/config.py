@@ -56,6 +56,11 @@ class ModelSection:
     num_labels: int | None = None  # the head's width; None = the number of distinct training labels (1: regression)
     # transformers' name; auto = regression when the training labels are numbers with fractions, else classification
     problem_type: Literal["auto", "single_label_classification", "regression"] = "auto"
+
+    @property
+    def source(self) -> str | None:
+        """The `model:` key under a name that does not repeat its section's (code reads config.model.source)."""
+        return self.model
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
     tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
     tokenizer_vocab_size: int = 8192  # of the BPE trained for tiny models
@@ -203,6 +208,11 @@ class PeftSection:
     # lora = the pretrained weights frozen (held in the compute dtype when training in 16-bit), a rank-`lora_rank`
     # update B·A scaled by lora_alpha / lora_rank trained on `lora_target_modules`, plus `lora_modules_to_save`
     peft: Literal["none", "lora"] = "none"
+
+    @property
+    def method(self) -> str:
+        """The `peft:` key under a name that does not repeat its section's (code reads config.peft.method)."""
+        return self.peft
     lora_rank: int = 8  # r: the inner width of each adapter (A is r x in, B is out x r)
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapter's input (the base layer sees the undropped input)
@@ -284,7 +294,7 @@ class Config:
     its section's dataclass, as one typed value. Components receive the sections they use, never this; only the
     entry points, `resolve` and `preflight` read the whole of it. For them a key also reads (and the loader
     writes) flat, `config.lr` being `config.training.lr`, except where a key has its section's name: `model`
-    (`config.model.model`) and `peft` (`config.peft.peft`)."""
+    (`config.model.source`) and `peft` (`config.peft.method`)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -815,7 +825,7 @@ def _check_generation(config: Config, bad: BadKey) -> None:
 def _check_peft(config: Config, bad: BadKey) -> None:
     if config.lora_base_quantization == "nf4":
         _check_qlora(config, bad)
-    if config.peft.peft != "lora":
+    if config.peft.method != "lora":
         return
     if config.engine == "deepspeed":
         raise bad("peft", "is engine=torch's (tensor, pipeline and sharded data parallelism); use engine=torch")
@@ -834,7 +844,7 @@ def _check_peft(config: Config, bad: BadKey) -> None:
 
 
 def _check_qlora(config: Config, bad: BadKey) -> None:
-    if config.peft.peft != "lora":
+    if config.peft.method != "lora":
         raise bad("lora_base_quantization", "quantizes the frozen base of peft=lora (QLoRA); set peft=lora")
     from .parallel.layout import Sharding  # here: only quantized runs pay for its torch import
 

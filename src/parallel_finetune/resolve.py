@@ -50,7 +50,7 @@ class ModelChoice:
 def choose_model(config: Config) -> ModelChoice:
     family = get_family(config.family)
     head = head_of(config.task)
-    name = None if config.size == "tiny" else config.model.model or family.default_model
+    name = None if config.size == "tiny" else config.model.source or family.default_model
     return ModelChoice(family, name, head, _lora_settings(peft=config.peft, family=family, head=head))
 
 
@@ -58,7 +58,7 @@ def _lora_settings(*, peft: PeftSection, family, head: str) -> LoraSettings | No
     """peft=lora's adapters for a model of `family` with a `head` (a HeadKind, or the recipe's `task:` naming one):
     the default targets are the family's, the modules trained in full its classification head (none for a causal
     LM); None when peft=none."""
-    if peft.peft != "lora":
+    if peft.method != "lora":
         return None
     targets = peft.lora_target_modules
     if targets == "default":
@@ -161,21 +161,21 @@ def _resolve_auto_family(config: Config, where: str) -> None:
     the model type's parallel plans), decided once, here: config.yaml and every rank then name it."""
     if config.family != AUTO:
         return
-    if config.size == "tiny" or not config.model.model:
+    if config.size == "tiny" or not config.model.source:
         raise UserError(
             f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
             f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
         )
     try:
-        hf_config = load_hf_config(resolve_model_path(config.model.model))
+        hf_config = load_hf_config(resolve_model_path(config.model.source))
     except UserError:
         raise
     except Exception as exc:  # transformers and the Hub client raise many types; all mean "cannot read it"
         raise UserError(
-            f"{where}: family=auto cannot read the config.json of model={config.model.model!r} ({type(exc).__name__}: "
+            f"{where}: family=auto cannot read the config.json of model={config.model.source!r} ({type(exc).__name__}: "
             f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
         ) from None
-    config.family = family_for_model_type(hf_config.model_type, f"model={config.model.model!r} (config.json)")
+    config.family = family_for_model_type(hf_config.model_type, f"model={config.model.source!r} (config.json)")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -222,7 +222,7 @@ def validate(config: Config, where: str = "config") -> None:
     if head_of(config.task) not in family.tasks:
         valid = (*family.tasks, *(["sft"] if HeadKind.CAUSAL_LM in family.tasks else []))
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(valid)}")
-    if config.size == "full" and config.model.model is None and not family.default_model:
+    if config.size == "full" and config.model.source is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
     deepspeed_engine.validate(parallel=config.parallel, training=config.training, where=where)
 

@@ -323,7 +323,7 @@ def stage_code(recipe: Path, config, folder: Path) -> str:
         log.warning("not uploading from %s: %s; the job gets the rest of the folder", recipe.parent, ", ".join(skipped))
     shipped = sorted(str(p.relative_to(folder)) for p in (folder / "recipe").rglob("*") if p.is_file())
     log.info("code channel: the parallel_finetune package, requirements.txt, train.py, %s", ", ".join(shipped))
-    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model.model)) + "\n")
+    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model.source)) + "\n")
     (folder / "train.py").write_text(ENTRY_SCRIPT)
     return f"recipe/{recipe.name}"
 
@@ -547,7 +547,7 @@ def launch(
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
     config = load_config(recipe, overrides)  # bad keys or values end here, before any upload
-    model_is_s3 = _model_is_s3(config.model.model)
+    model_is_s3 = _model_is_s3(config.model.source)
     boto_session = _check_aws(settings)
 
     from sagemaker.core.helper.session_helper import Session
@@ -563,7 +563,7 @@ def launch(
         tmp = Path(tmp)
         prep_config, model_folder = config, None
         if model_is_s3:  # tokenize with the model's own tokenizer files, as the job will read them
-            model_folder = fetch_tokenizer_files(boto_session, config.model.model, tmp / "tokenizer")
+            model_folder = fetch_tokenizer_files(boto_session, config.model.source, tmp / "tokenizer")
             prep_config = load_config_like(config, model=str(model_folder))
         log.info("layout: %s", check_job_layout(config, settings, model_folder))
         recipe_in_code = stage_code(recipe, config, tmp / "code")
@@ -575,7 +575,7 @@ def launch(
         hyperparameters = job_hyperparameters(recipe_in_code, overrides, model_is_s3, data_keys)
         inputs = [InputData(channel_name=DATA_CHANNEL, data_source=data_uri)]
         if model_is_s3:
-            inputs.append(InputData(channel_name="model", data_source=config.model.model))
+            inputs.append(InputData(channel_name="model", data_source=config.model.source))
         environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
         if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
             environment.update(EFA_ENVIRONMENT)

@@ -330,12 +330,12 @@ class Family:
     ) -> PretrainedConfig:
         """The one rule that turns a run's `model:` section into the model's transformers config: a tiny model's
         size (its positions: `max_length`, the data's, at least 128; its vocabulary: `tokenizer_size` rounded up),
-        or the pretrained one's (from `model_path`, a local folder, else `model.model`), plus the recipe's
+        or the pretrained one's (from `model_path`, a local folder, else `model.source`), plus the recipe's
         `model_config` overrides. `published`: a published checkpoint's sizes come from `published`, without
         reading its config.json; `labels`: the data's tasks.Task (the head's width and label names); `head`:
         the model's last layer (resolve.choose_model's)."""
         hf_config = self.hf_config(
-            model_path or model.model,
+            model_path or model.source,
             model.size,
             tiny_vocab_size(tokenizer_size),
             max(max_length, 128),

@@ -65,7 +65,7 @@ def export_model(
     """The trained model as a Hugging Face folder at `place`, in the resolved export dtype; with peft=lora the
     adapter instead (`export_lora`). Every rank calls it (the gather is a collective); rank 0 writes, and a
     failure there (NaN weights, a full disk) is every rank's one-line error."""
-    if peft.peft == "lora":
+    if peft.method == "lora":
         return export_lora(updates, tokenizer, layout, place, model=model, peft=peft, resolved=resolved)
     family, out = resolved.family, place.out
     state, module = updates.full_state_dict(resolved.export_dtype), updates.module
