@@ -61,6 +61,7 @@ class ModelSection:
     def source(self) -> str | None:
         """The `model:` key under a name that does not repeat its section's (code reads config.model.source)."""
         return self.model
+
     model_config: dict = field(default_factory=dict)  # overrides of the transformers config (e.g. n_layer)
     tokenizer: str | None = None  # None = the model's own (full) or a BPE trained on the train split (tiny)
     tokenizer_vocab_size: int = 8192  # of the BPE trained for tiny models
@@ -213,6 +214,7 @@ class PeftSection:
     def method(self) -> str:
         """The `peft:` key under a name that does not repeat its section's (code reads config.peft.method)."""
         return self.peft
+
     lora_rank: int = 8  # r: the inner width of each adapter (A is r x in, B is out x r)
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapter's input (the base layer sees the undropped input)
