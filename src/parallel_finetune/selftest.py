@@ -12,6 +12,7 @@ status 0 only if everything agrees.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -182,7 +183,11 @@ def worker(spec: dict) -> int:
             # of the model would carry to the other ranks; only the agreed skip decision can
             local(trainer.model.transformer.ln_f.weight.grad)[0] = float("inf")
 
+    # As train.main: the imports' objects frozen, so the exit does not collect them (a rank once aborted there,
+    # "terminate called without an active exception", after its run had finished and written everything)
+    gc.freeze()
     run(config, after_backward=after_backward)
+    gc.freeze()
     return 0
 
 
