@@ -12,7 +12,7 @@ import sys
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import published_models
 from parallel_finetune.parallel.hardware import GPUS, INSTANCES
-from parallel_finetune.tools.planner import Workload, plan
+from parallel_finetune.tools.planner import SFT_TOKENS_PER_ROW, Workload, plan
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", help=f"SageMaker instance: {', '.join(INSTANCES)}")
     parser.add_argument("--gpu", help=f"GPU type, for its speed: {', '.join(GPUS)}")
     parser.add_argument("--nodes", default="1", help="nodes (default 1)")
-    parser.add_argument("--task", default="classification", choices=["classification", "causal_lm"])
+    parser.add_argument("--task", default="classification", choices=["classification", "causal_lm", "sft"])
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence for memory (default 128)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch (default 32, the recipes')")
     parser.add_argument(
@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens per SST-2 sentence after dynamic padding, for time (default 13.4)",
     )
     parser.add_argument("--padded", action="store_true", help="time with every sentence padded to --max-length")
+    parser.add_argument("--packing", action="store_true", help="sft: rows packed into --max-length sequences")
+    parser.add_argument(
+        "--tokens-per-row", type=float, default=None, help="with --packing: the rows' mean tokens (default 512)"
+    )
+    parser.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=1024,
+        help="a language model's head and loss this many tokens at a time (the run's default 1024; 0: whole logits)",
+    )
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation (default 0.35)")
     parser.add_argument(
         "--runs-today",
@@ -82,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.mfu,
                 args.lora or args.qlora,
                 "nf4" if args.qlora else "none",
+                packing=args.packing,
+                tokens_per_row=args.tokens_per_row or (SFT_TOKENS_PER_ROW if args.packing else None),
+                loss_chunk_tokens=args.loss_chunk_tokens,
             ),
             runs_today=args.runs_today,
         )

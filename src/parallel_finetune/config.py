@@ -200,6 +200,10 @@ class MemorySection:
 
     activation_checkpointing: Continues[bool | int] = False  # true = every block; N = every N-th block
     offload_activations: Continues[bool] = False  # keep saved activations in CPU memory until the backward needs them
+    # a language model's head and loss are computed together, this many target tokens at a time, never holding every
+    # token's logits over the whole vocabulary (under tensor parallelism each rank only its vocabulary shard's);
+    # 0 = the whole logits at once (every position over the whole vocabulary, as transformers computes them)
+    loss_chunk_tokens: Continues[int] = 1024
 
 
 @dataclass
@@ -785,6 +789,8 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("warmup_ratio", "must be in [0, 1)")
     if config.warmup_steps < 0:
         raise bad("warmup_steps", "must be >= 0")
+    if config.loss_chunk_tokens < 0:
+        raise bad("loss_chunk_tokens", "must be >= 0 (0: the whole logits at once)")
     if config.initial_loss_scale <= 0:
         raise bad("initial_loss_scale", "must be positive")
     if config.max_grad_norm is not None and config.max_grad_norm < 0:

@@ -43,7 +43,16 @@ class Runner(Protocol):
         ...
 
     def forward(self, batch) -> torch.Tensor | None:
-        """The head's outputs for `batch` (a batch.Batch), or None on a pipeline stage that is not the last."""
+        """A classifier's logits for `batch` (a batch.Batch), or None on a pipeline stage that is not the last."""
+        ...
+
+    def loss(self, batch) -> torch.Tensor | None:
+        """The batch's summed loss without gradients (evaluation), or None on a pipeline stage that is not the last."""
+        ...
+
+    def last_logits(self, batch) -> torch.Tensor | None:
+        """A language model's logits at each row's last position (generation), or None on a pipeline stage that
+        is not the last."""
         ...
 
 

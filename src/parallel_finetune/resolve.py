@@ -87,6 +87,9 @@ class Resolved:
     export_dtype: torch.dtype
     dims: ParallelDims
     microbatches: int  # a pipeline's, per accumulation slice (unused without one)
+    # a language model's head and loss, this many target tokens at a time (loss_chunk_tokens); 0: whole logits, as
+    # engine=deepspeed computes them (its ZeRO-3 gathers the head's weights in the head's own forward only)
+    loss_chunk_tokens: int = 0
 
     def as_params(self) -> dict:
         """The decided values, for trackers beside the config as written (`auto` there, the degree here)."""
@@ -116,6 +119,7 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
         export_dtype=DTYPES[config.export_dtype],
         dims=dims,
         microbatches=pipeline_microbatches(config.microbatches, dims.pp),
+        loss_chunk_tokens=config.loss_chunk_tokens if engine is Engine.TORCH else 0,
     )
 
 

@@ -3,7 +3,10 @@ models allocate (one process, and TP=2 DTensor shards on a fake process group), 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +109,7 @@ def test_memory_and_time_arithmetic_by_hand():
         "grads": 4 * per_rank,
         "optimizer": 8 * per_rank / 2,
         "activations": 2 * layer,
+        "logits": 0,  # a classifier: no language-model head on the last stage
     }
     total = 1.1 * sum(expected.values()) + 1.5 * GB
     # Loading: the rank's fp32 shards plus the largest block, its half of the 8192x128 embedding.
@@ -333,3 +337,54 @@ def test_qlora_plans_refuse_what_the_trainer_refuses(capsys):
     assert (code, out, err) == (2, "", "error: argument --qlora: not allowed with argument --lora\n")
     code, out, err = run_cli(capsys, "meta-llama/Llama-3.1-8B", "--instance", "ml.g5.2xlarge", "--qlora", "16")
     assert code == 0 and "QLoRA rank 16" in out and "recommended: tp=1 pp=1 dp=1 sharding=none ac=on" in out
+
+
+# ---------------------------------------------------------------- every recipe fits the instance its header names
+INSTANCE_NAMED = re.compile(r"\bml\.[a-z0-9]+\.[0-9]*xlarge\b")
+
+
+def recipe_memory(path: Path) -> tuple[str, dict, str]:
+    """The planner's bytes per GPU for a recipe at full size on the first instance its header names, in the
+    layout the run would start there (tensor_parallel_degree auto: the node's GPUs), and that layout."""
+    from parallel_finetune.parallel.hardware import hardware_for
+    from parallel_finetune.parallel.layout import pipeline_microbatches, resolve_dims
+    from parallel_finetune.resolve import choose_model, load_config
+
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    instance = INSTANCE_NAMED.search(header).group(0)
+    config = load_config(path)
+    hardware = hardware_for(None, None, instance, None, 1)
+    dims = resolve_dims(
+        hardware.world,
+        hardware.gpus_per_node,
+        config.tensor_parallel_degree,
+        config.sharding,
+        config.shard_group_size,
+        config.pipeline_parallel_degree,
+    )
+    microbatches = pipeline_microbatches(config.microbatches, dims.pp) if dims.pp_enabled else 1
+    every_block = config.activation_checkpointing in (True, 1)  # every N-th block: planned as none
+    layout = Candidate(dims.tp, dims.pp, dims.dp, dims.sharding, every_block, microbatches, dims.optimizer_shards)
+    workload = Workload.of_recipe(
+        model=config.model, data=config.data, training=config.training, peft=config.peft, memory=config.memory
+    )
+    chosen = choose_model(config)
+    shape = model_shape(chosen.model_name, chosen.head)
+    if workload.lora_rank:
+        shape = dataclasses.replace(shape, lora_rank=workload.lora_rank, nf4=workload.base_quantization == "nf4")
+    memory = memory_per_gpu(shape, layout, workload.seq_len, workload.batch_size, workload=workload)
+    return instance, memory, f"{layout.describe(workload.batch_size)} on {instance} ({hardware.memory_gb:g} GB)"
+
+
+NAMED = sorted(path for path in (REPO / "recipes").glob("*/*.yaml") if INSTANCE_NAMED.search(path.read_text()))
+
+
+@pytest.mark.parametrize("path", NAMED, ids=[f"{p.parent.name}/{p.stem}" for p in NAMED])
+def test_every_recipe_fits_the_instance_its_header_names(path):
+    """What a recipe's header (and the README's table) promises is what the planner says fits: its full-size
+    default, in the layout a run starts on that instance, within the GPU's memory (training and loading)."""
+    from parallel_finetune.parallel.hardware import hardware_for
+
+    instance, memory, layout = recipe_memory(path)
+    capacity = hardware_for(None, None, instance, None, 1).memory_gb * 1e9
+    assert memory["peak"] <= capacity, f"{path.name}: {memory['peak'] / 1e9:.1f} GB per GPU with {layout}"

@@ -64,6 +64,11 @@ class Batch:
         """Where each packed row (and the padding tail) begins: the boundaries its attention must not cross."""
         return self.positions == 0
 
+    def last_positions(self) -> torch.Tensor:
+        """Each row's last real token's position (rows,), whichever side it was padded on."""
+        columns = torch.arange(self.length, device=self.attention_mask.device)
+        return (self.attention_mask * columns).argmax(-1)
+
     def scored(self) -> int:
         """How many labels carry a loss term (evaluation's count; training counts whole global batches)."""
         if self.labels.is_floating_point():

@@ -160,6 +160,11 @@ class Family:
     def pipeline_head(self, model: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def pipeline_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A language model's final hidden states (the last block's, through the final norm): what its head takes,
+        on a pipeline's last stage (the loss computes the head with them: loop/loss.py's HiddenTokenLoss)."""
+        raise NotImplementedError
+
     def pipeline_position_head(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The classifier's logits at every position (rows, length, labels): a packed batch's last stage."""
         raise NotImplementedError
@@ -409,8 +414,8 @@ def packed_attention_mask(hf_config: PretrainedConfig, position_ids: torch.Tenso
     starting wherever `position_ids` is 0 (each row, and the padding tail). None under flash attention, which
     finds the rows from the restarting positions itself (transformers' varlen path)."""
     implementation = hf_config._attn_implementation or "sdpa"
-    if implementation.startswith("flash_attention"):
-        return None
+    if implementation.startswith("flash_attention") or implementation == "packed_varlen":
+        return None  # model/attention.py's varlen finds the rows from the restarting positions
     segments = (position_ids == 0).cumsum(-1)
     within = and_masks(
         causal_mask_function if causal else bidirectional_mask_function, packed_sequence_mask_function(segments)
@@ -464,10 +469,13 @@ class DecoderFamily(Family):
         return transformer.drop(hidden)
 
     def pipeline_head(self, model, hidden, attention_mask):
-        hidden = model.transformer.ln_f(hidden)
+        hidden = self.pipeline_hidden(model, hidden)
         if getattr(model, "lm_head", None) is not None:
             return model.lm_head(hidden)
         return last_token_logits(model.score(hidden), attention_mask)
+
+    def pipeline_hidden(self, model, hidden):
+        return model.transformer.ln_f(hidden)
 
     def pipeline_position_head(self, model, hidden):
         return model.score(model.transformer.ln_f(hidden))

@@ -282,15 +282,16 @@ class PlanFamily(Family):
         return out[0] if isinstance(out, tuple) else out
 
     def pipeline_position_head(self, model, hidden):
+        return model.score(self.pipeline_hidden(model, hidden))
+
+    def pipeline_hidden(self, model, hidden):
         for path in self.last_stage_modules:
             if path.startswith(f"{self.prefix}."):
                 hidden = model.get_submodule(path)(hidden)
-        return model.score(hidden)
+        return hidden
 
     def pipeline_head(self, model, hidden, attention_mask):
-        for path in self.last_stage_modules:
-            if path.startswith(f"{self.prefix}."):
-                hidden = model.get_submodule(path)(hidden)
+        hidden = self.pipeline_hidden(model, hidden)
         if getattr(model, "lm_head", None) is None:
             return last_token_logits(model.score(hidden), attention_mask)
         logits = model.lm_head(hidden)

@@ -27,6 +27,7 @@ from ..errors import UserError
 from ..families import get_family
 from ..families.base import Family
 from ..interfaces import Runner, Updates
+from ..model import attention
 from ..model.hub import fetch_model
 from ..model.load import ReadyModel, load_model, log_loaded
 from ..model.precision import autocast
@@ -40,11 +41,12 @@ from ..parallel.layout import Engine, Layout, check_batch_split, init_distribute
 from ..parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from ..preflight import check_heads, check_model_config
 from ..resolve import Resolved, choose_model, resolve, resolve_schedule
+from ..tasks.task import HeadKind
 from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator, held_out_prompts
-from .loss import summed_loss_for
+from .loss import HiddenTokenLoss, summed_loss_for
 from .runner import WholeModel
 from .trainer import Steps, StopRequest, Trainer
 from .updates import TorchUpdates
@@ -338,7 +340,7 @@ class RunBuilder:
                 adamw=ready.zero_adamw,
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
-        loss = summed_loss_for(prepared.task)
+        loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
         if layout.pp > 1:
             settings = PipelineSettings(
                 config.pipeline_schedule,
@@ -379,6 +381,33 @@ class RunBuilder:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
         return _Model(ready, model, updates, runner, scheduler)
 
+    def _packed_attention(self, hf_config, layout: Layout) -> None:
+        """Packed batches' attention: varlen flash attention on CUDA (model/attention.py), else the dense 4-D mask;
+        said once."""
+        why = attention.varlen_unavailable(hf_config, layout.device, pipeline=layout.pp > 1)
+        if why is None:
+            attention.register()
+            hf_config._attn_implementation = attention.NAME
+            log.info("packing: varlen attention over each packed row (no dense mask)")
+        else:
+            log.info("packing: a dense 4-D attention mask per packed sequence (%s)", why)
+
+    def _hidden_loss(self, ready: ReadyModel, resolved: Resolved, layout: Layout) -> HiddenTokenLoss | None:
+        """A language model's loss from its final hidden states and head: chunked (loss_chunk_tokens), or whole
+        logits of the labelled positions; None: from the logits the model's forward makes (engine=deepspeed, or
+        loss_chunk_tokens=0 without a pipeline, whose last stage always hands over hidden states)."""
+        if resolved.head is not HeadKind.CAUSAL_LM:
+            return None
+        if resolved.engine is Engine.DEEPSPEED:
+            log.info("engine=deepspeed: the language model's loss from its whole logits (loss_chunk_tokens: torch)")
+            return None
+        if not resolved.loss_chunk_tokens and layout.pp == 1:
+            return None
+        model = ready.model
+        head = model.get_output_embeddings() if getattr(model, "lm_head", None) is not None else None
+        softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and 3
+        return HiddenTokenLoss(head, resolved.loss_chunk_tokens, softcap)
+
     def _load_model(self, layout: Layout, resolved: Resolved, prepared: PreparedData, schedule) -> ReadyModel:
         """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""
         config, family, tokenizer = self.config, self.family, prepared.tokenizer
@@ -396,6 +425,7 @@ class RunBuilder:
         family.check_tp(hf_config, layout.tp)
         if config.packing:
             family.check_packing(hf_config, config.max_length)
+            self._packed_attention(hf_config, layout)
         if config.compile == "auto":
             log.info("%s", schedule.compile_why)
         placement = Placement(

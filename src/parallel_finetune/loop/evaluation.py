@@ -35,7 +35,7 @@ class Evaluator:
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
-        self.loss = summed_loss_for(data.task)
+        self.loss = summed_loss_for(data.task)  # a classifier's, from its logits
         self._splits: dict[str, TokenizedSplit] = {}
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -108,14 +108,19 @@ class Evaluator:
         rounds = -(-len(chunks) // layout.dp)
         for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
             batch = batcher.batch(chunk, labelled=with_loss)
+            if not classifies:  # a language model: its loss only, from hidden states (no logits held)
+                loss = runner.loss(batch)
+                if number < len(mine) and loss is not None:  # not a repeat, not a pipeline's earlier stage
+                    totals[0] += loss.double()
+                    totals[1] += batch.scored()
+                continue
             logits = runner.forward(batch)
             if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
                 continue
             if with_loss:
                 totals[0] += self.loss(logits, batch.labels).double()
                 totals[1] += batch.scored()
-            if classifies:
-                predictions.extend(zip(chunk, self.task.predicted(logits).tolist()))
+            predictions.extend(zip(chunk, self.task.predicted(logits).tolist()))
         if with_loss and layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
         return self._gathered(split, totals, predictions, with_loss)

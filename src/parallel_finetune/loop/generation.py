@@ -119,11 +119,10 @@ class Generator:
             padding_side=tokenizer.padding_side,
             pad_multiple=self.runner.pad_multiple,
         ).to(layout.device)
-        logits = self.runner.forward(batch)
+        logits = self.runner.last_logits(batch)
         chosen = torch.zeros((), dtype=torch.long, device=layout.device)
         if logits is not None:  # every rank but a pipeline's earlier stages
-            last = int(batch.attention_mask[0].nonzero()[-1])  # the last real token, either padding side
-            chosen = logits[0, last].float().argmax()
+            chosen = logits[0].float().argmax()
         if layout.pp > 1:
             dist.broadcast(chosen, group=layout.pp_group, group_src=layout.pp - 1)
         return int(chosen)

@@ -5,6 +5,7 @@ stages, run by a pipeline schedule.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -14,8 +15,10 @@ from torch.distributed.fsdp import FSDPModule
 from ..data.batch import Batch
 from ..families.base import Family
 from ..interfaces import SummedLoss
+from ..model import attention
 from ..parallel.memory import offload_context
 from ..tasks.task import HeadKind
+from .loss import hidden_loss_forward
 
 
 def model_inputs(batch: Batch, family: Family | None = None, model: nn.Module | None = None) -> dict:
@@ -47,7 +50,7 @@ class WholeModel:
         packing: Family | None = None,
     ):
         """`packing`: the family, when training batches are packed (its masks and per-position logits)."""
-        self.model, self.head, self.loss, self.autocast, self.backward = model, head, loss, autocast, backward
+        self.model, self.head, self.head_loss, self.autocast, self.backward = model, head, loss, autocast, backward
         self.offload_activations, self.device, self.family = offload_activations, device, packing
         if packing is not None:
             packing.prepare_packing(model)
@@ -56,14 +59,43 @@ class WholeModel:
         if isinstance(self.model, FSDPModule):  # FSDP reduce-scatters in every backward unless told not to
             self.model.set_requires_gradient_sync(last)
         with offload_context(self.offload_activations, self.device):
-            loss = self.loss(self.forward(batch), batch.labels) / count
+            loss = self.summed_loss(batch) / count
         self.backward(loss, last)
         return loss.detach()
+
+    def attention(self, batch: Batch):
+        """A packed batch's rows for varlen attention (model/attention.py), when the model runs it."""
+        if batch.packed and self.model.config._attn_implementation == attention.NAME:
+            return attention.packed_rows(attention.PackedRows.of_positions(batch.positions))
+        return contextlib.nullcontext()
+
+    def summed_loss(self, batch: Batch) -> torch.Tensor:
+        """The batch's loss, summed: a language model's from its hidden states and head (no logits; see
+        loss.hidden_loss_forward), any other from its logits."""
+        if getattr(self.head_loss, "takes_hidden", False):
+            with self.autocast(), self.attention(batch):
+                return hidden_loss_forward(
+                    self.model, model_inputs(batch, self.family, self.model), batch.labels, self.head_loss
+                )
+        return self.head_loss(self.forward(batch), batch.labels)
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss without gradients (evaluation)."""
+        return self.summed_loss(batch)
+
+    @torch.no_grad()
+    def last_logits(self, batch: Batch) -> torch.Tensor:
+        """Each row's logits at its last real token (rows, vocabulary): a language model's next token, the head
+        applied to that position only (generation)."""
+        last = batch.last_positions()[:, None]
+        with self.autocast():
+            return self.model(**model_inputs(batch, self.family, self.model), logits_to_keep=last).logits[:, -1]
 
     def forward(self, batch: Batch) -> torch.Tensor:
         if batch.packed and self.head is HeadKind.CLASSIFICATION:
             return self.position_logits(batch)
-        with self.autocast():
+        with self.autocast(), self.attention(batch):
             return self.model(**model_inputs(batch, self.family, self.model)).logits
 
     def position_logits(self, batch: Batch) -> torch.Tensor:
@@ -72,7 +104,7 @@ class WholeModel:
         logits: list[torch.Tensor] = []
         handle = self.family.position_logits_hook(self.model, logits.append)
         try:
-            with self.autocast():
+            with self.autocast(), self.attention(batch):
                 self.model(**model_inputs(batch, self.family, self.model))
         finally:
             handle.remove()

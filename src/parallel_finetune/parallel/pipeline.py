@@ -156,7 +156,9 @@ def cut_model(model: nn.Module, family: Family, mine: list[Stage]) -> None:
 
 class StageForward(nn.Module):
     """What one stage computes. First stage in: (input_ids, attention_mask, position_ids[, token_type_ids]); every
-    stage out: (hidden, attention_mask, position_ids), the last one logits. Token type ids (BERT's sentence pairs)
+    stage out: (hidden, attention_mask, position_ids), the last one a classifier's logits or a language model's
+    final hidden states (its head runs with the loss: loop/loss.py's HiddenTokenLoss). Token type ids (BERT's
+    sentence pairs)
     are needed by the embeddings only, so only the first stage takes them. `packed` (set by the Pipeline for each
     batch): the positions restart at every row of a packed batch, which the attention mask follows, and a
     classifier's logits are those of every position."""
@@ -178,7 +180,9 @@ class StageForward(nn.Module):
         mask = family.pipeline_mask(model, hidden, attention_mask, position_ids, packed=self.packed)
         for block in self.blocks:
             hidden = family.pipeline_block(block, hidden, mask, position_ids)
-        if self.stage.last and self.packed and self.classifier:
+        if self.stage.last and not self.classifier:
+            return family.pipeline_hidden(model, hidden)
+        if self.stage.last and self.packed:
             return family.pipeline_position_head(model, hidden)
         if self.stage.last:
             return family.pipeline_head(model, hidden, attention_mask)
@@ -194,7 +198,7 @@ class PipelineSettings:
     schedule: str
     microbatches: int
     head: HeadKind  # the head (resolve.Resolved.head)
-    loss: SummedLoss  # the head's loss (loss.summed_loss_for)
+    loss: SummedLoss  # the head's loss (loss.summed_loss_for): a language model's takes the final hidden states
     token_types: bool = False
     packing: bool = False
 
@@ -320,11 +324,32 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> torch.Tensor | None:
-        """Logits on the last stage (None elsewhere)."""
+        """The last stage's output (None elsewhere): a classifier's logits, a language model's final hidden
+        states."""
         schedule = self._schedule(batch.rows, batch.length, training=False, packed=batch.packed)
         with self.autocast():
             out = schedule.step(*self.inputs(batch)) if self.is_first else schedule.step()
         return out if self.is_last else None
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> torch.Tensor | None:
+        """The summed loss on the last stage (None elsewhere), without gradients (evaluation)."""
+        out = self.forward(batch)
+        if out is None:
+            return None
+        with self.autocast():
+            return self.summed_loss(out, batch.labels)
+
+    @torch.no_grad()
+    def last_logits(self, batch: Batch) -> torch.Tensor | None:
+        """A language model's logits at each row's last position, on the last stage (None elsewhere): its head
+        applied to that position only (generation)."""
+        hidden = self.forward(batch)
+        if hidden is None:
+            return None
+        last = batch.last_positions()
+        with self.autocast():
+            return self.summed_loss.logits(hidden[torch.arange(batch.rows, device=hidden.device), last])
 
 
 def sync_tied_gradients(model: nn.Module, tied: list[tuple[str, ...]], shapes: dict[str, torch.Size], layout) -> None:

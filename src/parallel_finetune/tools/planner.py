@@ -23,7 +23,12 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   attention as wide as the block and a 4h GeLU MLP; in general 4*q/h + 4*kv/h (q, k, v and the attention output
   kept, q = heads x head dimension, kv the key/value width: grouped-query attention) + 4*m/h, m the width of what
   the MLP's input layers write (inner, or twice it for a gated MLP: Llama's gate and up), so 33 for Llama 3.1 8B.
-  causal_lm adds 10*s*b*vocab for the logits (16-bit, the fp32 copy and the fp32 log-softmax the loss keeps).
+  A language model's last stage adds its logits: with loss_chunk_tokens (the run's default) one chunk's, 10 bytes
+  (16-bit matmul output, fp32 logits, fp32 exponentials) x chunk x vocabulary/t, and the head's fp32 gradient
+  while it is made (4 B x head parameters/t, when the head trains); with loss_chunk_tokens=0 every position's,
+  10*s*b*vocab. Instruction tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid
+  end to end in sequences of s (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the
+  activations are those of ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
 - Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
   grouped-query attention and gated MLPs), plus attention 12*L*s*d (+4*L*s*d), d = heads x head dimension
   (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
@@ -59,7 +64,7 @@ from ..model.pretrained import load_hf_config
 from ..model.throughput import attention_width
 from ..parallel.hardware import Hardware, hardware_for, positive_int, positive_number
 from ..parallel.layout import ParallelDims, Sharding
-from ..tasks.task import HeadKind
+from ..tasks.task import HeadKind, head_of
 
 GB = 1e9
 SST2_TRAIN_SENTENCES = 67_349
@@ -74,6 +79,10 @@ NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 # their absolute values (`(value - nf4).abs()`: two such tensors at once), the nearest's fp32 value and int64 index
 NF4_QUANTIZE_BYTES, NF4_SEARCH_BYTES = 9, 2**20 * (2 * 16 * 4 + 4 + 8)
 LINK_EFFICIENCY = 0.7
+# a chat row's mean tokens, as planned for an sft recipe: conversations of 1-3 turns measured 466 on average (p90 901)
+SFT_TOKENS_PER_ROW = 512
+PACKING_EFFICIENCY = 0.9  # real tokens per packed token slot: first-fit decreasing on chat rows (the sample: 0.91)
+LOGIT_BYTES = 10  # per logit: the 16-bit matmul output, its fp32 copy, and the fp32 exponentials (or log-softmax)
 
 
 @dataclass
@@ -103,8 +112,10 @@ class ModelShape:
 
     @property
     def lora_elements(self) -> int:
-        """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus the head."""
-        return self.lora_rank * self.block_linear_in_out + self.head_total
+        """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus a classification
+        head (trained in full: modules_to_save); a language model's head stays frozen."""
+        trained_head = self.head_total if head_of(self.task) is HeadKind.CLASSIFICATION else 0
+        return self.lora_rank * self.block_linear_in_out + trained_head
 
     def lora_elements_per_rank(self, tp: int) -> float:
         """`lora_elements` on one of `tp` tensor-parallel ranks: an adapter's factor on the split dimension is
@@ -145,7 +156,9 @@ def model_config(model: str) -> tuple[Family, PretrainedConfig]:
 def model_shape(model: str, head: HeadKind = HeadKind.CLASSIFICATION) -> ModelShape:
     family, hf_config = model_config(model)
     if head not in family.tasks:
-        raise UserError(f"task={head!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}")
+        raise UserError(
+            f"task={str(head)!r} is not supported by family {family.name}; valid: {', '.join(family.tasks)}"
+        )
     family.set_task(hf_config, head, pad_token_id=0)
     built = family.build(head, hf_config)  # on the meta device: shapes only
     plan = family.tp_plan(built)
@@ -289,14 +302,23 @@ def rank_elements(parts: list[tuple[int, int]], tp: int) -> list[float]:
 
 
 def memory_per_gpu(
-    shape: ModelShape, layout: Candidate, seq_len: int, batch_size: int, *, compute_bytes: int = 2
+    shape: ModelShape,
+    layout: Candidate,
+    seq_len: int,
+    batch_size: int,
+    *,
+    compute_bytes: int = 2,
+    workload: Workload | None = None,
 ) -> dict[str, float]:
     """Bytes on the fullest GPU (the worst pipeline stage): params, gathered, dequantized, grads, optimizer,
-    activations, total (training); load (this rank's shards + the largest block being read, before the first step),
-    load_total, and peak. `compute_bytes`: the compute dtype's bytes (2: 16-bit autocast, as on GPUs; 4: fp32),
-    which frozen LoRA weights, dequantized NF4 weights and activations take."""
-    s, h, a, t = seq_len, shape.hidden, shape.heads, layout.tp
-    b = batch_size // (layout.dp * layout.microbatches)
+    activations, logits, total (training); load (this rank's shards + the largest block being read, before the
+    first step), load_total, and peak. `compute_bytes`: the compute dtype's bytes (2: 16-bit autocast, as on GPUs;
+    4: fp32), which frozen LoRA weights, dequantized NF4 weights and activations take. `workload`: packing and the
+    language model's loss (None: rows padded to `seq_len`, whole logits)."""
+    workload = workload or Workload(task=shape.task, seq_len=seq_len, batch_size=batch_size, loss_chunk_tokens=0)
+    h, a, t = shape.hidden, shape.heads, layout.tp
+    micro = dataclasses.replace(workload, seq_len=seq_len).micro_batch(batch_size // (layout.dp * layout.microbatches))
+    s, b = micro.length, micro.rows
     layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t)) * compute_bytes / 2
     fsdp = layout.dims.fsdp
     state_divisor = layout.shard_degree if fsdp else 1
@@ -315,8 +337,7 @@ def memory_per_gpu(
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h * compute_bytes / 2 if layout.ac else layer)
         kept += layer if layout.ac else 0
-        if i == layout.pp - 1 and HeadKind(shape.task) is HeadKind.CAUSAL_LM:
-            kept += 10 * s * b * shape.hf_config.vocab_size * compute_bytes / 2
+        logits = logit_bytes(shape, workload, s * b, t, compute_bytes) if i == layout.pp - 1 else 0
         frozen = NF4_BYTES * sum(nf4) + compute_bytes * (elements - sum(nf4))
         memory = {
             "params": (frozen + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,
@@ -325,6 +346,7 @@ def memory_per_gpu(
             "grads": 4 * trainable / state_divisor,
             "optimizer": 8 * trainable / optimizer_divisor,
             "activations": kept,
+            "logits": logits,
         }
         memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
@@ -338,6 +360,18 @@ def memory_per_gpu(
         if memory["peak"] > worst.get("peak", -1):
             worst = memory
     return worst
+
+
+def logit_bytes(shape: ModelShape, workload: Workload, tokens: float, tp: int, compute_bytes: int) -> float:
+    """A language model's loss on the last stage: one chunk's logits of this rank's vocabulary shard (and the
+    head's fp32 gradient while the backward makes it), or, with loss_chunk_tokens=0, every token's whole logits."""
+    if head_of(shape.task) is not HeadKind.CAUSAL_LM:
+        return 0
+    vocab = shape.hf_config.vocab_size
+    if not workload.loss_chunk_tokens:
+        return LOGIT_BYTES * tokens * vocab * compute_bytes / 2
+    head_gradient = 0 if shape.lora_rank else 4 * vocab * shape.hidden / tp
+    return LOGIT_BYTES * min(workload.loss_chunk_tokens, tokens) * vocab / tp + head_gradient
 
 
 def gathered_block(per_part: list[float], nf4: list[float], compute_bytes: int) -> float:
@@ -474,7 +508,8 @@ class Plan:
         lay, mem = row.layout, row.memory
         micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
         sizes = [f"{(mem['params'] + mem['gathered'] + mem['dequantized']) / GB:.2f}"]
-        sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer", "activations")]
+        sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer")]
+        sizes.append(f"{(mem['activations'] + mem['logits']) / GB:.2f}")  # a language model's logits with them
         return (
             str(lay.tp),
             str(lay.pp),
@@ -562,7 +597,10 @@ class Plan:
             "- Activations: Korthikanti et al. 2022, s*b*h*(10 + S/t + 5*a*s/(h*t)) bytes per layer at",
             f"  s = max_length, S = {self.shape.split_activations:.4g} (24 for a 4h GeLU MLP; grouped-query attention",
             "  and gated MLPs change it); ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i",
-            "  micro-batches; micro = count x size.",
+            "  micro-batches; micro = count x size. activ includes a language model's logits on the last stage:",
+            "  one chunk's of this rank's vocabulary shard (loss_chunk_tokens, 10 B each) + the head's fp32",
+            "  gradient, or with --loss-chunk-tokens 0 every token's; sft with --packing: rows of",
+            f"  --tokens-per-row packed into max_length sequences at {PACKING_EFFICIENCY:.0%} of their slots.",
             "- Time: (6N + 12*L*s*d) FLOPs per token (+ 2N + 4*L*s*d with ac), d = heads x head dimension, at the",
             "  MFU of peak, / pipeline efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link",
             "  rate, not overlapped.",
@@ -576,7 +614,7 @@ class Workload:
     sample for time (SST-2's mean after dynamic padding; `padded`: every row padded to `seq_len`), the model FLOPs
     utilisation assumed, LoRA's rank (0: full fine-tuning) and the frozen base's quantization (nf4: QLoRA)."""
 
-    task: str = "classification"
+    task: str = "classification"  # classification | causal_lm | sft
     seq_len: int = 128
     batch_size: int = 32
     tokens_per_sample: float = 13.4
@@ -584,6 +622,40 @@ class Workload:
     mfu: float = 0.35
     lora_rank: int = 0
     base_quantization: str = "none"
+    packing: bool = False  # sft: rows laid end to end in sequences of seq_len (data.packing)
+    tokens_per_row: float | None = None  # packing: the rows' mean length (None: tokens_per_sample)
+    loss_chunk_tokens: int = 1024  # a language model's head and loss this many tokens at a time; 0: whole logits
+
+    @classmethod
+    def of_recipe(cls, *, model, data, training, peft, memory) -> Workload:
+        """What a recipe's sections train (`model`, `data`, ... : its ModelSection, DataSection, TrainingSection,
+        PeftSection, MemorySection): its task, max_length, rows per accumulation slice, packing, LoRA and the
+        loss's chunk. An instruction-tuning recipe's rows are planned at SFT_TOKENS_PER_ROW tokens each."""
+        return cls(
+            task=model.task,
+            seq_len=data.max_length,
+            batch_size=training.batch_size // training.gradient_accumulation_steps,
+            lora_rank=peft.lora_rank if peft.method == "lora" else 0,
+            base_quantization=peft.lora_base_quantization if peft.method == "lora" else "none",
+            packing=data.packing,
+            tokens_per_row=SFT_TOKENS_PER_ROW if model.task == "sft" else None,
+            loss_chunk_tokens=memory.loss_chunk_tokens,
+        )
+
+    def micro_batch(self, rows: float) -> MicroBatch:
+        """What `rows` training rows of one micro-batch become: packed sequences, or rows padded to seq_len."""
+        if not self.packing:
+            return MicroBatch(rows, self.seq_len)
+        per_row = min(self.tokens_per_row or self.tokens_per_sample, self.seq_len)
+        return MicroBatch(max(1, math.ceil(rows * per_row / (PACKING_EFFICIENCY * self.seq_len))), self.seq_len)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The sequences one micro-batch holds on a rank: `rows` of `length` tokens."""
+
+    rows: float
+    length: int
 
 
 def plan(
@@ -605,7 +677,9 @@ def plan(
     mfu, lora_rank = workload.mfu, workload.lora_rank
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
-    shape = model_shape(model, workload.task)
+    if workload.task not in ("classification", "causal_lm", "sft"):
+        raise UserError(f"task={workload.task!r} is not valid; valid: classification, causal_lm, sft")
+    shape = model_shape(model, head_of(workload.task))
     if workload.base_quantization not in ("none", "nf4"):
         raise UserError(f"base_quantization={workload.base_quantization!r} is not valid; valid: none, nf4")
     nf4 = workload.base_quantization == "nf4"
@@ -619,7 +693,7 @@ def plan(
     for layout in candidate_layouts(shape, hardware, batch_size):
         if (runs_today and not layout.runs_today) or nf4_refusal(shape, layout):
             continue
-        memory = memory_per_gpu(shape, layout, seq_len, batch_size)
+        memory = memory_per_gpu(shape, layout, seq_len, batch_size, workload=workload)
         step = step_seconds(shape, hardware, layout, batch_size, tokens, mfu)
         rows.append(Row(layout, memory, step, steps * step / 60, memory["peak"] <= hardware.memory_gb * GB))
     if not rows:
