@@ -48,7 +48,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft \
-	bench-memory bench-load bench-qlora-memory plan notebooks lint docs clean-runs help
+	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "               your data: DATA=my.csv (.tsv .jsonl .parquet; columns text, label; others: ARGS=\"label_column=y\")"
@@ -84,6 +84,8 @@ help:
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
+	@echo "make bench-gpu     one CUDA GPU: ours packed/padded vs TRL at Llama 3.2 1B's shape, QLoRA ours vs peft+bnb at 8B's"
+	@echo "make bench-lm-memory  a Llama with a 128k vocabulary on chat rows: peak memory and step time, whole logits vs chunked loss"
 	@echo "make bench-qlora-memory   QLoRA vs LoRA vs full fine-tuning of a ~1B Llama at TP=2 and FSDP DP=2:"
 	@echo "               per-rank state, load and training peaks against the planner's estimate"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
@@ -233,6 +235,12 @@ bench-load: setup
 
 bench-qlora-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/qlora_memory.py $(ARGS)
+
+bench-lm-memory: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/lm_memory.py $(ARGS)
+
+bench-gpu: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/gpu.py $(ARGS)
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"

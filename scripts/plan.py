@@ -12,6 +12,7 @@ import sys
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import published_models
 from parallel_finetune.parallel.hardware import GPUS, INSTANCES
+from parallel_finetune.tasks.task import head_of
 from parallel_finetune.tools.planner import SFT_TOKENS_PER_ROW, Workload, plan
 
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             nodes=args.nodes,
             gpu=args.gpu,
             workload=Workload(
-                args.task,
+                head_of(args.task),
                 args.max_length,
                 args.batch_size,
                 args.tokens_per_sample,

@@ -32,7 +32,7 @@ from .model.quantize import NF4Settings
 from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .tasks.task import HeadKind, head_of
+from .tasks.task import SFT, HeadKind, head_of
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,25 @@ def compile_decision(config: Config, total_steps: int, device_type: str, tensor_
     on = total_steps >= COMPILE_AUTO_MIN_STEPS
     relation = ">=" if on else "<"
     return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"
+
+
+def planner_workload(config: Config):
+    """What a recipe trains, as the planner plans it (tools/planner.py's Workload): its head, max_length, rows per
+    accumulation slice, packing, LoRA and the loss's chunk; an instruction-tuning recipe's rows are planned at
+    SFT_TOKENS_PER_ROW tokens each."""
+    from .tools.planner import SFT_TOKENS_PER_ROW, Workload
+
+    chosen, peft = choose_model(config), config.peft
+    return Workload(
+        head=chosen.head,
+        seq_len=config.max_length,
+        batch_size=config.batch_size // config.gradient_accumulation_steps,
+        lora_rank=peft.lora_rank if chosen.lora else 0,
+        base_quantization=peft.lora_base_quantization if chosen.lora else "none",
+        packing=config.packing,
+        tokens_per_row=SFT_TOKENS_PER_ROW if config.task == SFT else None,
+        loss_chunk_tokens=config.loss_chunk_tokens,
+    )
 
 
 def _resolve_auto_family(config: Config, where: str) -> None:

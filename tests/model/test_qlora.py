@@ -374,3 +374,15 @@ def test_qlora_without_torchao_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", None)
     with pytest.raises(UserError, match=r"lora_base_quantization=nf4 needs torchao .*pip install torchao==0.18.0"):
         torchao_nf4()
+
+
+def test_the_functional_dequantization_is_torchaos_bit_for_bit():
+    """quantize.dequantize_nf4 (compiled on CUDA, for speed) gives NF4Tensor.get_original_weight's values exactly,
+    for block and scaler-block sizes the recipes use, in fp32 and bf16."""
+    from parallel_finetune.model.quantize import original_weight
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for block, scaler_block in ((64, 256), (32, 8)):
+            nf4 = torchao_nf4().to_nf4(torch.randn(128, 256, dtype=dtype), block, scaler_block)
+            assert torch.equal(original_weight(nf4), nf4.get_original_weight())

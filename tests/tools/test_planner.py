@@ -348,7 +348,7 @@ def recipe_memory(path: Path) -> tuple[str, dict, str]:
     layout the run would start there (tensor_parallel_degree auto: the node's GPUs), and that layout."""
     from parallel_finetune.parallel.hardware import hardware_for
     from parallel_finetune.parallel.layout import pipeline_microbatches, resolve_dims
-    from parallel_finetune.resolve import choose_model, load_config
+    from parallel_finetune.resolve import choose_model, load_config, planner_workload
 
     header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
     instance = INSTANCE_NAMED.search(header).group(0)
@@ -365,9 +365,7 @@ def recipe_memory(path: Path) -> tuple[str, dict, str]:
     microbatches = pipeline_microbatches(config.microbatches, dims.pp) if dims.pp_enabled else 1
     every_block = config.activation_checkpointing in (True, 1)  # every N-th block: planned as none
     layout = Candidate(dims.tp, dims.pp, dims.dp, dims.sharding, every_block, microbatches, dims.optimizer_shards)
-    workload = Workload.of_recipe(
-        model=config.model, data=config.data, training=config.training, peft=config.peft, memory=config.memory
-    )
+    workload = planner_workload(config)
     chosen = choose_model(config)
     shape = model_shape(chosen.model_name, chosen.head)
     if workload.lora_rank:

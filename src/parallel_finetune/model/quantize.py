@@ -142,14 +142,57 @@ class _DequantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        weight = ctx.nf4.get_original_weight().to(grad.dtype)
+        weight = original_weight(ctx.nf4).to(grad.dtype)
         return (grad @ weight.t() if ctx.transposed else grad @ weight), None, None
 
 
 def _dequantized(nf4: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    weight = nf4.get_original_weight()
+    weight = original_weight(nf4)
     # under autocast the matmul casts; without it the weight is dequantized to the input's dtype
     return weight if torch.is_autocast_enabled(x.device.type) else weight.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NF4Layout:
+    """An NF4 weight's block sizes, shape and dtype (what dequantize_nf4 needs besides its tensors)."""
+
+    block_size: int
+    scaler_block_size: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def dequantize_nf4(codes, scalers, factors, scaler_mean, table, layout: NF4Layout):
+    """torchao's NF4Tensor.get_original_weight as one function of its inner tensors, the same values bit for bit:
+    two 4-bit codes per byte looked up in the NF4 table, times their block's scaler (the int8 scalers over their
+    group's factor, plus the mean). Eager on a CPU; on CUDA compiled into one kernel, where the eager version's
+    int64 code indices and fp32 intermediates (tens of launches and bytes per weight) made QLoRA's step slow."""
+    first, second = table[(codes >> 4).to(torch.long)], table[(codes & 0b1111).to(torch.long)]
+    block_scalers = scalers.view(-1, layout.scaler_block_size) / factors.unsqueeze(-1)
+    block_scalers = block_scalers.flatten().to(layout.dtype) + scaler_mean
+    repeated = block_scalers.unsqueeze(-1).expand(block_scalers.size(0), layout.block_size // 2).flatten()
+    return torch.stack([first * repeated, second * repeated], dim=-1).reshape(layout.shape)
+
+
+_COMPILED_DEQUANTIZE = None
+
+
+def original_weight(nf4) -> torch.Tensor:
+    """An NF4 weight dequantized (dequantize_nf4; compiled on CUDA)."""
+    global _COMPILED_DEQUANTIZE
+    function = dequantize_nf4
+    if nf4.device.type == "cuda":
+        if _COMPILED_DEQUANTIZE is None:
+            _COMPILED_DEQUANTIZE = torch.compile(dequantize_nf4, dynamic=False)
+        function = _COMPILED_DEQUANTIZE
+    return function(
+        nf4.quantized_data,
+        nf4.quantized_scalers,
+        nf4.quantization_factor,
+        nf4.scaler_mean,
+        nf4.nf4,
+        NF4Layout(nf4.block_size, nf4.scaler_block_size, tuple(nf4.shape), nf4.dtype),
+    )
 
 
 class NF4Linear(nn.Linear):

@@ -323,7 +323,7 @@ class Pipeline:
         return torch.tensor(total / scale, device=self.layout.device)
 
     @torch.no_grad()
-    def forward(self, batch: Batch) -> torch.Tensor | None:
+    def output(self, batch: Batch) -> torch.Tensor | None:
         """The last stage's output (None elsewhere): a classifier's logits, a language model's final hidden
         states."""
         schedule = self._schedule(batch.rows, batch.length, training=False, packed=batch.packed)
@@ -332,9 +332,19 @@ class Pipeline:
         return out if self.is_last else None
 
     @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        """Logits on the last stage (None elsewhere): a language model's at every position (its head applied to
+        the final hidden states: what an export is compared with, not what training or evaluation need)."""
+        out = self.output(batch)
+        if out is None or not getattr(self.summed_loss, "takes_hidden", False):
+            return out
+        with self.autocast():
+            return self.summed_loss.logits(out)
+
+    @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor | None:
         """The summed loss on the last stage (None elsewhere), without gradients (evaluation)."""
-        out = self.forward(batch)
+        out = self.output(batch)
         if out is None:
             return None
         with self.autocast():
@@ -344,7 +354,7 @@ class Pipeline:
     def last_logits(self, batch: Batch) -> torch.Tensor | None:
         """A language model's logits at each row's last position, on the last stage (None elsewhere): its head
         applied to that position only (generation)."""
-        hidden = self.forward(batch)
+        hidden = self.output(batch)
         if hidden is None:
             return None
         last = batch.last_positions()

@@ -21,6 +21,7 @@ vocab-parallel cross-entropy reduces over the group the same way.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,28 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
+@dataclass(frozen=True)
+class _Shard:
+    """How token_nll runs over one rank's vocabulary shard: the shard's first id, the group holding the others
+    (None: this rank holds every row), the chunk, the compute dtype and the logit soft-capping."""
+
+    vocab_start: int
+    group: object
+    chunk_tokens: int
+    dtype: torch.dtype
+    softcap: float | None
+
+
 class _ChunkedVocabNLL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, vocab_start, group, chunk_tokens, dtype, softcap):
+    def forward(ctx, hidden, weight, bias, labels, shard: _Shard):
+        vocab_start, group, chunk_tokens, dtype, softcap = (
+            shard.vocab_start,
+            shard.group,
+            shard.chunk_tokens,
+            shard.dtype,
+            shard.softcap,
+        )
         rows, vocab = hidden.shape[0], weight.shape[0]
         lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         nll = torch.empty_like(lse)
@@ -57,7 +77,8 @@ class _ChunkedVocabNLL(torch.autograd.Function):
                 target = labels[part] - vocab_start
                 mine = (target >= 0) & (target < vocab)
                 picked = logits.gather(1, target.clamp(0, vocab - 1)[:, None]).squeeze(1) * mine
-                sums = torch.stack([(logits - peak[:, None]).exp().sum(-1), picked])
+                # one fp32 temporary beside the logits: the shifted values, exponentiated in place
+                sums = torch.stack([torch.sub(logits, peak[:, None]).exp_().sum(-1), picked])
                 del logits
                 if group is not None:
                     dist.all_reduce(sums, group=group)
@@ -83,7 +104,8 @@ class _ChunkedVocabNLL(torch.autograd.Function):
                 h = hidden[part].to(dtype)
                 # d nll / d logits = softmax - one-hot(label), for this shard's columns
                 raw = F.linear(h, w, b).float()
-                grad = (_capped(raw, ctx.softcap) - lse[part, None]).exp()
+                # the softmax made in place (in the raw logits themselves when nothing caps them)
+                grad = _capped(raw, ctx.softcap).sub_(lse[part, None]).exp_()
                 target = labels[part] - ctx.vocab_start
                 mine = (target >= 0) & (target < vocab)
                 rows = torch.nonzero(mine).squeeze(1)
@@ -105,10 +127,6 @@ class _ChunkedVocabNLL(torch.autograd.Function):
             grad_hidden.to(hidden.dtype) if want_hidden else None,
             grad_weight.to(weight.dtype) if want_weight else None,
             grad_bias.to(bias.dtype) if want_bias else None,
-            None,
-            None,
-            None,
-            None,
             None,
             None,
         )
@@ -140,8 +158,8 @@ def token_nll(
     weight, vocab_start, group = _local(head.weight)
     bias = _local(head.bias)[0] if head.bias is not None else None
     dtype = _compute_dtype(weight)
-    chunk = max(1, chunk_tokens)
-    return _ChunkedVocabNLL.apply(hidden, weight, bias, labels, vocab_start, group, chunk, dtype, softcap)
+    shard = _Shard(vocab_start, group, max(1, chunk_tokens), dtype, softcap)
+    return _ChunkedVocabNLL.apply(hidden, weight, bias, labels, shard)
 
 
 @contextlib.contextmanager

@@ -24,9 +24,9 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   kept, q = heads x head dimension, kv the key/value width: grouped-query attention) + 4*m/h, m the width of what
   the MLP's input layers write (inner, or twice it for a gated MLP: Llama's gate and up), so 33 for Llama 3.1 8B.
   A language model's last stage adds its logits: with loss_chunk_tokens (the run's default) one chunk's, 10 bytes
-  (16-bit matmul output, fp32 logits, fp32 exponentials) x chunk x vocabulary/t, and the head's fp32 gradient
-  while it is made (4 B x head parameters/t, when the head trains); with loss_chunk_tokens=0 every position's,
-  10*s*b*vocab. Instruction tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid
+  (16-bit matmul output, fp32 logits, fp32 exponentials; 8 in fp32) x chunk x vocabulary/t, and the head's fp32
+  gradient while it is made (4 B x head parameters/t, when the head trains); with loss_chunk_tokens=0 every
+  position's, 14*s*b*vocab (the fp32 log-softmax and its gradient beside the logits; 12 in fp32). Instruction tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid
   end to end in sequences of s (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the
   activations are those of ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
 - Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
@@ -64,7 +64,7 @@ from ..model.pretrained import load_hf_config
 from ..model.throughput import attention_width
 from ..parallel.hardware import Hardware, hardware_for, positive_int, positive_number
 from ..parallel.layout import ParallelDims, Sharding
-from ..tasks.task import HeadKind, head_of
+from ..tasks.task import HeadKind
 
 GB = 1e9
 SST2_TRAIN_SENTENCES = 67_349
@@ -82,7 +82,6 @@ LINK_EFFICIENCY = 0.7
 # a chat row's mean tokens, as planned for an sft recipe: conversations of 1-3 turns measured 466 on average (p90 901)
 SFT_TOKENS_PER_ROW = 512
 PACKING_EFFICIENCY = 0.9  # real tokens per packed token slot: first-fit decreasing on chat rows (the sample: 0.91)
-LOGIT_BYTES = 10  # per logit: the 16-bit matmul output, its fp32 copy, and the fp32 exponentials (or log-softmax)
 
 
 @dataclass
@@ -114,7 +113,7 @@ class ModelShape:
     def lora_elements(self) -> int:
         """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus a classification
         head (trained in full: modules_to_save); a language model's head stays frozen."""
-        trained_head = self.head_total if head_of(self.task) is HeadKind.CLASSIFICATION else 0
+        trained_head = self.head_total if HeadKind(self.task) is HeadKind.CLASSIFICATION else 0
         return self.lora_rank * self.block_linear_in_out + trained_head
 
     def lora_elements_per_rank(self, tp: int) -> float:
@@ -315,7 +314,9 @@ def memory_per_gpu(
     first step), load_total, and peak. `compute_bytes`: the compute dtype's bytes (2: 16-bit autocast, as on GPUs;
     4: fp32), which frozen LoRA weights, dequantized NF4 weights and activations take. `workload`: packing and the
     language model's loss (None: rows padded to `seq_len`, whole logits)."""
-    workload = workload or Workload(task=shape.task, seq_len=seq_len, batch_size=batch_size, loss_chunk_tokens=0)
+    workload = workload or Workload(
+        head=HeadKind(shape.task), seq_len=seq_len, batch_size=batch_size, loss_chunk_tokens=0
+    )
     h, a, t = shape.hidden, shape.heads, layout.tp
     micro = dataclasses.replace(workload, seq_len=seq_len).micro_batch(batch_size // (layout.dp * layout.microbatches))
     s, b = micro.length, micro.rows
@@ -365,13 +366,16 @@ def memory_per_gpu(
 def logit_bytes(shape: ModelShape, workload: Workload, tokens: float, tp: int, compute_bytes: int) -> float:
     """A language model's loss on the last stage: one chunk's logits of this rank's vocabulary shard (and the
     head's fp32 gradient while the backward makes it), or, with loss_chunk_tokens=0, every token's whole logits."""
-    if head_of(shape.task) is not HeadKind.CAUSAL_LM:
+    if HeadKind(shape.task) is not HeadKind.CAUSAL_LM:
         return 0
     vocab = shape.hf_config.vocab_size
+    # per logit: the matmul's output in the compute dtype, its fp32 copy (16-bit compute only), and one fp32
+    # temporary (the exponentials); whole logits keep the fp32 log-softmax and its gradient instead (two)
+    made = compute_bytes + (4 if compute_bytes < 4 else 0)
     if not workload.loss_chunk_tokens:
-        return LOGIT_BYTES * tokens * vocab * compute_bytes / 2
+        return (made + 8) * tokens * vocab
     head_gradient = 0 if shape.lora_rank else 4 * vocab * shape.hidden / tp
-    return LOGIT_BYTES * min(workload.loss_chunk_tokens, tokens) * vocab / tp + head_gradient
+    return (made + 4) * min(workload.loss_chunk_tokens, tokens) * vocab / tp + head_gradient
 
 
 def gathered_block(per_part: list[float], nf4: list[float], compute_bytes: int) -> float:
@@ -598,7 +602,7 @@ class Plan:
             f"  s = max_length, S = {self.shape.split_activations:.4g} (24 for a 4h GeLU MLP; grouped-query attention",
             "  and gated MLPs change it); ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i",
             "  micro-batches; micro = count x size. activ includes a language model's logits on the last stage:",
-            "  one chunk's of this rank's vocabulary shard (loss_chunk_tokens, 10 B each) + the head's fp32",
+            "  one chunk's of this rank's vocabulary shard (loss_chunk_tokens, 10 B per logit) + the head's fp32",
             "  gradient, or with --loss-chunk-tokens 0 every token's; sft with --packing: rows of",
             f"  --tokens-per-row packed into max_length sequences at {PACKING_EFFICIENCY:.0%} of their slots.",
             "- Time: (6N + 12*L*s*d) FLOPs per token (+ 2N + 4*L*s*d with ac), d = heads x head dimension, at the",
@@ -614,7 +618,7 @@ class Workload:
     sample for time (SST-2's mean after dynamic padding; `padded`: every row padded to `seq_len`), the model FLOPs
     utilisation assumed, LoRA's rank (0: full fine-tuning) and the frozen base's quantization (nf4: QLoRA)."""
 
-    task: str = "classification"  # classification | causal_lm | sft
+    head: HeadKind = HeadKind.CLASSIFICATION  # the model's last layer (instruction tuning trains the causal LM)
     seq_len: int = 128
     batch_size: int = 32
     tokens_per_sample: float = 13.4
@@ -625,22 +629,6 @@ class Workload:
     packing: bool = False  # sft: rows laid end to end in sequences of seq_len (data.packing)
     tokens_per_row: float | None = None  # packing: the rows' mean length (None: tokens_per_sample)
     loss_chunk_tokens: int = 1024  # a language model's head and loss this many tokens at a time; 0: whole logits
-
-    @classmethod
-    def of_recipe(cls, *, model, data, training, peft, memory) -> Workload:
-        """What a recipe's sections train (`model`, `data`, ... : its ModelSection, DataSection, TrainingSection,
-        PeftSection, MemorySection): its task, max_length, rows per accumulation slice, packing, LoRA and the
-        loss's chunk. An instruction-tuning recipe's rows are planned at SFT_TOKENS_PER_ROW tokens each."""
-        return cls(
-            task=model.task,
-            seq_len=data.max_length,
-            batch_size=training.batch_size // training.gradient_accumulation_steps,
-            lora_rank=peft.lora_rank if peft.method == "lora" else 0,
-            base_quantization=peft.lora_base_quantization if peft.method == "lora" else "none",
-            packing=data.packing,
-            tokens_per_row=SFT_TOKENS_PER_ROW if model.task == "sft" else None,
-            loss_chunk_tokens=memory.loss_chunk_tokens,
-        )
 
     def micro_batch(self, rows: float) -> MicroBatch:
         """What `rows` training rows of one micro-batch become: packed sequences, or rows padded to seq_len."""
@@ -677,9 +665,7 @@ def plan(
     mfu, lora_rank = workload.mfu, workload.lora_rank
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
-    if workload.task not in ("classification", "causal_lm", "sft"):
-        raise UserError(f"task={workload.task!r} is not valid; valid: classification, causal_lm, sft")
-    shape = model_shape(model, head_of(workload.task))
+    shape = model_shape(model, workload.head)
     if workload.base_quantization not in ("none", "nf4"):
         raise UserError(f"base_quantization={workload.base_quantization!r} is not valid; valid: none, nf4")
     nf4 = workload.base_quantization == "nf4"
