@@ -26,9 +26,10 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   A language model's last stage adds its logits: with loss_chunk_tokens (the run's default) one chunk's, 10 bytes
   (16-bit matmul output, fp32 logits, fp32 exponentials; 8 in fp32) x chunk x vocabulary/t, and the head's fp32
   gradient while it is made (4 B x head parameters/t, when the head trains); with loss_chunk_tokens=0 every
-  position's, 14*s*b*vocab (the fp32 log-softmax and its gradient beside the logits; 12 in fp32). Instruction tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid
-  end to end in sequences of s (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the
-  activations are those of ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
+  position's, 14*s*b*vocab (the fp32 log-softmax and its gradient beside the logits; 12 in fp32). Instruction
+  tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid end to end in sequences of s
+  (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the activations are those of
+  ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
 - Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
   grouped-query attention and gated MLPs), plus attention 12*L*s*d (+4*L*s*d), d = heads x head dimension
   (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
