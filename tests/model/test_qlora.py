@@ -386,3 +386,17 @@ def test_the_functional_dequantization_is_torchaos_bit_for_bit():
         for block, scaler_block in ((64, 256), (32, 8)):
             nf4 = torchao_nf4().to_nf4(torch.randn(128, 256, dtype=dtype), block, scaler_block)
             assert torch.equal(original_weight(nf4), nf4.get_original_weight())
+
+
+def test_qlora_instruction_tuning_tp2_matches_single_process(single_process_run, sst2, cache_dir, tmp_path):
+    """QLoRA with a language model's chunked, vocabulary-parallel loss: the chat sample's sft run of the tiny
+    Llama under TP=2 (NF4 base, the head a vocabulary shard per rank) against one process, every step's loss and
+    the eval loss within 1e-5."""
+    from test_chat import sft_run_overrides
+
+    overrides = sft_run_overrides(sst2, cache_dir, "llama") + LORA
+    reference = single_process_run(qlora_recipe("llama"), overrides)
+    run = launch(2, [*overrides, *TP2], tmp_path / "qlora-sft-tp2", recipe=qlora_recipe("llama"))
+    difference = assert_trains_like(run, reference, "sft", TOLERANCE)
+    print(f"llama tp2 sft QLoRA: largest loss difference {difference:.2e}")
+    assert "held in NF4" in run.output
