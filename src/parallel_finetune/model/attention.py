@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -54,10 +55,16 @@ def packed_rows(rows: PackedRows | None):
         _ROWS.reset(token)
 
 
+@functools.cache
+def _accepted(kernel) -> frozenset[str]:
+    """The keyword arguments this release's varlen_attn takes (asked once, not in every layer's call)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _varlen(query, key, value, rows: PackedRows, scale, causal: bool):
     from torch.nn.attention.varlen import varlen_attn
 
-    accepted = inspect.signature(varlen_attn).parameters
+    accepted = _accepted(varlen_attn)
     options = {"scale": scale}
     if "window_size" in accepted:
         options["window_size"] = (-1, 0) if causal else (-1, -1)

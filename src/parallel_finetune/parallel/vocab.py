@@ -56,13 +56,7 @@ class _Shard:
 class _ChunkedVocabNLL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, shard: _Shard):
-        vocab_start, group, chunk_tokens, dtype, softcap = (
-            shard.vocab_start,
-            shard.group,
-            shard.chunk_tokens,
-            shard.dtype,
-            shard.softcap,
-        )
+        vocab_start, group, chunk_tokens, dtype, softcap = vars(shard).values()  # (astuple would copy the group)
         rows, vocab = hidden.shape[0], weight.shape[0]
         lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         nll = torch.empty_like(lse)
