@@ -51,8 +51,9 @@ class ModelSection:
     # classification = a sequence-classification head (any number of classes, or one regression output), scored on
     # the labels; causal_lm = next-token prediction on the text column; sft = instruction tuning: conversations
     # (messages, prompt/completion, ShareGPT or plain text rows) rendered by a chat template, the language-model
-    # head trained on the answers' tokens (train_on)
-    task: Literal["classification", "causal_lm", "sft"] = "classification"
+    # head trained on the answers' tokens (train_on); dpo = preference tuning: pairs of a prompt, a chosen and a
+    # rejected answer, the language-model head trained to prefer the chosen one (the `preference:` section)
+    task: Literal["classification", "causal_lm", "sft", "dpo"] = "classification"
     num_labels: int | None = None  # the head's width; None = the number of distinct training labels (1: regression)
     # transformers' name; auto = regression when the training labels are numbers with fractions, else classification
     problem_type: Literal["auto", "single_label_classification", "regression"] = "auto"
@@ -87,10 +88,13 @@ class DataSection:
     # task=sft: the column of each row's conversation (a list of {role, content}); None = messages, or ShareGPT's
     # conversations ({from, value}), the first the data has
     messages_column: str | None = None
-    prompt_column: str | None = None  # task=sft: a prompt/completion row's prompt (text or messages); None = prompt
+    # task=sft: a prompt/completion row's prompt; task=dpo: a pair's prompt (text or messages); None = prompt
+    prompt_column: str | None = None
     completion_column: str | None = None  # task=sft: its completion (text or messages); None = completion
-    # task=sft: the chat template rendering conversations: a built-in name (chatml) or a Jinja file; None = the
-    # tokenizer's own (a tiny model's: chatml)
+    chosen_column: str | None = None  # task=dpo: the preferred answer (text or messages); None = chosen
+    rejected_column: str | None = None  # task=dpo: the other answer (text or messages); None = rejected
+    # task=sft and dpo: the chat template rendering conversations: a built-in name (chatml) or a Jinja file; None =
+    # the tokenizer's own (a tiny model's: chatml)
     chat_template: str | None = None
     train_on: Literal["answers", "all"] = "answers"  # task=sft: the loss on the assistant turns only, or every token
     validation_split_percentage: float = 10.0  # with no validation split: this share of train held out (seeded by seed)
@@ -237,6 +241,24 @@ class PeftSection:
 
 
 @dataclass
+class PreferenceSection:
+    """`preference:` task=dpo's loss: how the policy's preference for the chosen answer over the rejected one,
+    measured against the reference model (the model before training; with LoRA the same model with its adapters
+    disabled), is turned into a loss (docs/preference.md)."""
+
+    # sigmoid = DPO (Rafailov et al.); ipo = IPO's squared loss on length-normalised log-probabilities (Azar et
+    # al.); hinge = SLiC's; robust = robust DPO (Chowdhury et al.), unbiased under dpo_label_smoothing's label noise
+    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    dpo_beta: float = 0.1  # the reference's pull: rewards are beta x (policy - reference) log-probabilities
+    # the share of pairs assumed to be labelled the wrong way round (cDPO with sigmoid, robust DPO); 0 = none
+    dpo_label_smoothing: float = 0.0
+    # RPO: + rpo_alpha x the chosen answer's negative log-likelihood per token, for each pair; 0 = off
+    rpo_alpha: float = 0.0
+    # log-probabilities averaged over each answer's tokens instead of summed (ipo always averages)
+    dpo_length_normalized: bool = False
+
+
+@dataclass
 class CheckpointSection:
     """`checkpoint:` Sharded checkpoints: cadence, rotation, resume."""
 
@@ -284,6 +306,7 @@ SECTION_CLASSES: dict[str, type] = {
     "parallel": ParallelSection,
     "memory": MemorySection,
     "peft": PeftSection,
+    "preference": PreferenceSection,
     "checkpoint": CheckpointSection,
     "output": OutputSection,
     "logging": LoggingSection,
@@ -308,6 +331,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     peft: PeftSection = field(default_factory=PeftSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     output: OutputSection = field(default_factory=OutputSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -723,6 +747,7 @@ def check_keys(config: Config, where: str = "config") -> None:
     _check_training(config, bad)
     _check_generation(config, bad)
     _check_sft_keys(config, bad)
+    _check_preference(config, bad)
     _check_peft(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
@@ -799,21 +824,40 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
-# keys that only instruction tuning reads: set with another task they would change nothing, so they are refused
+# keys that only instruction tuning (and preference tuning, which renders conversations too) reads: set with
+# another task they would change nothing, so they are refused
 SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column")
+DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_column")
 
 
 def _check_sft_keys(config: Config, bad: BadKey) -> None:
-    if config.task == "sft":
-        return
     defaults = DataSection()
-    for key in SFT_KEYS:
-        if getattr(config.data, key) != getattr(defaults, key):
-            raise bad(
-                key,
-                f"is task=sft's (conversations rendered by a chat template), and task={config.task} reads none; "
-                f"drop it or set task=sft",
-            )
+    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS}.get(config.task, ())
+    for key in dict.fromkeys(SFT_KEYS + DPO_DATA_KEYS):
+        if key in keys or getattr(config.data, key) == getattr(defaults, key):
+            continue
+        if key in SFT_KEYS:
+            why = "is task=sft's (conversations rendered by a chat template)"
+            raise bad(key, f"{why}, and task={config.task} reads none; drop it or set task=sft")
+        raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it or set task=dpo")
+
+
+def _check_preference(config: Config, bad: BadKey) -> None:
+    """The preference section: read by task=dpo only; its values in range."""
+    defaults = PreferenceSection()
+    if config.task != "dpo":
+        for key in vars(defaults):
+            if getattr(config.preference, key) != getattr(defaults, key):
+                raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it")
+        return
+    if not config.dpo_beta > 0:
+        raise bad("dpo_beta", "must be > 0 (DPO's beta, e.g. 0.1)")
+    if not 0 <= config.dpo_label_smoothing < 0.5:
+        raise bad("dpo_label_smoothing", "must be in [0, 0.5) (the share of pairs assumed flipped)")
+    if config.dpo_label_smoothing and config.dpo_loss in ("ipo", "hinge"):
+        raise bad("dpo_label_smoothing", f"is read by dpo_loss=sigmoid (cDPO) and robust, not {config.dpo_loss}")
+    if config.rpo_alpha < 0:
+        raise bad("rpo_alpha", "must be >= 0 (0: no SFT term)")
 
 
 def _check_generation(config: Config, bad: BadKey) -> None:

@@ -13,8 +13,14 @@ columns a cached split holds, read once) and the `Batch` a batcher makes of some
 
 A batcher owns the training columns: the builder makes one, the Trainer asks it for an accumulation slice's Batch
 and for the token slots a global batch occupies. Evaluation and generation make padded batches the same way.
-A preference pair (the next task) is two rows with one `pair_index`; the loss can be handed the final hidden
-states instead of logits, since a language model's labels are already where its head's outputs are.
+    PreferenceBatcher
+                     task=dpo: each pair's two rows (chosen, rejected), padded, or packed with both rows of a pair
+                     in one sequence, so that a pair is never split across micro-batches or data-parallel ranks
+
+A preference batch also says, at each labelled position, which answer the label belongs to (`answers`: 2p for
+pair p's chosen answer, 2p + 1 for its rejected one) and that answer's reference log-probability (`reference`);
+the loss is handed the final hidden states instead of logits, since a language model's labels are already where
+its head's outputs are.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import datasets
 import torch
 
 from ..tasks.task import HeadKind, Task
-from .packing import PackedShape, first_fit_decreasing, packed_token_slots
-from .sampling import token_slots
+from .packing import PackedShape, first_fit_decreasing, packed_slots, packed_token_slots
+from .sampling import accumulation_slices, token_slots
 
 IGNORE = -100  # the label of a position (or row) with no loss
 
@@ -46,7 +52,10 @@ class Batch:
     labels: torch.Tensor | None  # aligned with the head's outputs: (rows,) per row, or (rows, length) per position
     kind: BatchKind = BatchKind.PADDED
     token_type_ids: torch.Tensor | None = None  # sentence pairs of a family with token types (BERT)
-    pair_index: torch.Tensor | None = None  # (rows,): the preference pair a row belongs to (chosen and rejected)
+    # task=dpo, at each labelled position: the answer the label belongs to (2p: pair p's chosen answer, 2p + 1:
+    # its rejected one; -1 elsewhere) and that answer's reference log-probability (0 while it is being measured)
+    answers: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -69,8 +78,19 @@ class Batch:
         columns = torch.arange(self.length, device=self.attention_mask.device)
         return (self.attention_mask * columns).argmax(-1)
 
+    def loss_target(self) -> torch.Tensor:
+        """What the loss is handed beside the model's outputs: the labels, or for preference pairs (labels,
+        answers, reference) stacked on a last axis, in float64 (token ids and answer numbers are exact there), so
+        that a pipeline splits them into micro-batches with the rows."""
+        if self.answers is None:
+            return self.labels
+        return torch.stack([self.labels.double(), self.answers.double(), self.reference], -1)
+
     def scored(self) -> int:
-        """How many labels carry a loss term (evaluation's count; training counts whole global batches)."""
+        """How many labels carry a loss term (evaluation's count; training counts whole global batches): a
+        preference batch's pairs."""
+        if self.answers is not None:
+            return int(self.answers.max()) // 2 + 1
         if self.labels.is_floating_point():
             return int((~self.labels.isnan()).sum())
         return int((self.labels != IGNORE).sum())
@@ -117,6 +137,10 @@ class TokenizedSplit:
     target_masks: list | None = None  # which tokens are trained (task=sft)
     prompt_lengths: list[int] | None = None  # the tokens before a conversation's first trained answer (task=sft)
     index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
+    rejected_ids: list[list[int]] | None = None  # task=dpo: a pair's second row (`ids` holds the chosen one)
+    # task=dpo: each pair's reference log-probabilities (chosen, rejected), summed over each answer's tokens; set
+    # by loop/reference.py before training
+    reference: list[tuple[float, float]] | None = None
 
     @classmethod
     def of(cls, split: datasets.Dataset, task: Task) -> TokenizedSplit:
@@ -128,7 +152,9 @@ class TokenizedSplit:
         lengths = split["length"][:]
         labels = optional("label") if task.head is HeadKind.CLASSIFICATION else None
         counts = optional("targets")  # sft: trained tokens per row
-        if task.head is HeadKind.CLASSIFICATION:
+        if task.preference_pairs:  # the loss is averaged over pairs
+            targets = [1] * len(lengths)
+        elif task.head is HeadKind.CLASSIFICATION:
             targets = [1] * len(lengths)
         else:
             targets = counts if counts is not None else [length - 1 for length in lengths]
@@ -143,6 +169,7 @@ class TokenizedSplit:
             optional("target_mask"),
             optional("prompt_length"),
             optional("index"),
+            optional("rejected_ids"),
         )
 
     def __len__(self) -> int:
@@ -265,3 +292,105 @@ class PackedBatcher:
 
     def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
         return packed_token_slots(global_batch, self.split.lengths, dp, accumulation, self.shape)
+
+
+class PreferenceBatcher:
+    """Batches of preference pairs (task=dpo): pair i of a batch's `indices` is two rows, its chosen answer (answer
+    2i) and its rejected one (2i + 1), each with the prompt, labelled on the answer's tokens only. Padded, the rows
+    come in pairs (chosen, rejected, chosen, ...), so any split of the rows into micro-batches of an even count
+    keeps pairs whole; packed (`shape`), both rows of a pair lie in one sequence (a sequence holds
+    `shape.capacity` tokens: twice max_length, so any pair fits), positions restarting at each row."""
+
+    def __init__(
+        self,
+        split: TokenizedSplit,
+        *,
+        pad_id: int,
+        padding_side: str,
+        pad_multiple: int,
+        device,
+        shape: PackedShape | None = None,
+    ):
+        self.split, self.pad_id, self.padding_side = split, pad_id, padding_side
+        self.pad_multiple, self.device, self.shape = pad_multiple, device, shape
+        self.packed = shape is not None
+
+    def _rows(self, indices: list[int]) -> list[tuple[list[int], int, int, float]]:
+        """(ids, prompt length, answer number, reference log-probability) of each row, pair by pair."""
+        split, rows = self.split, []
+        for number, index in enumerate(indices):
+            reference = split.reference[index] if split.reference is not None else (0.0, 0.0)
+            for side, ids in enumerate((split.ids[index], split.rejected_ids[index])):
+                rows.append((ids, split.prompt_lengths[index], 2 * number + side, reference[side]))
+        return rows
+
+    def batch(self, indices: list[int], labelled: bool = True) -> Batch:
+        rows = self._rows(indices)
+        if self.packed:
+            batch, answer, reference = self._packed(rows)
+            trained = (answer >= 0).long()
+            labels = next_token_labels(batch.input_ids, batch.attention_mask, trained, batch.positions == 0)
+        else:
+            batch = padded_batch(
+                [ids for ids, *_ in rows],
+                pad_id=self.pad_id,
+                padding_side=self.padding_side,
+                pad_multiple=self.pad_multiple,
+            )
+            trained = (batch.positions >= torch.tensor([prompt for _, prompt, *_ in rows])[:, None]) & (
+                batch.attention_mask == 1
+            )
+            answer = torch.where(trained, torch.tensor([number for *_, number, _ in rows])[:, None], -1)
+            reference = torch.tensor([value for *_, value in rows], dtype=torch.float64)[:, None].expand_as(answer)
+            labels = next_token_labels(batch.input_ids, batch.attention_mask, trained.long())
+        # the label at t is token t + 1's: so are its answer and reference
+        scored = labels != IGNORE
+        batch.labels = labels
+        batch.answers = torch.full_like(labels, -1)
+        batch.answers[:, :-1] = answer[:, 1:]
+        batch.answers[~scored] = -1
+        batch.reference = torch.zeros(labels.shape, dtype=torch.float64)
+        batch.reference[:, :-1] = reference[:, 1:]
+        batch.reference[~scored] = 0.0
+        return batch.to(self.device)
+
+    def _packed(self, rows) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+        """Pairs laid end to end, both rows of a pair in one sequence: the Batch (no labels yet), each token's
+        answer number (-1 for prompts and padding) and reference log-probability."""
+        shape = self.shape
+        pairs = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+        sizes = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs]
+        bins = first_fit_decreasing(sizes, shape.capacity)
+        length = shape.length(max(sum(sizes[p] for p in group) for group in bins))
+        count = shape.rows(len(bins))
+        input_ids = torch.full((count, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((count, length), dtype=torch.long)
+        positions = torch.arange(length, dtype=torch.long).repeat(count, 1)
+        answer = torch.full((count, length), -1, dtype=torch.long)
+        reference = torch.zeros((count, length), dtype=torch.float64)
+        for sequence, group in enumerate(bins):
+            start = 0
+            for ids, prompt, number, value in (row for p in group for row in pairs[p]):
+                span = slice(start, start + len(ids))
+                input_ids[sequence, span] = torch.tensor(ids, dtype=torch.long)
+                mask[sequence, span] = 1
+                positions[sequence, span] = torch.arange(len(ids))
+                answer[sequence, start + prompt : start + len(ids)] = number
+                reference[sequence, span] = value
+                start += len(ids)
+            positions[sequence, start:] = torch.arange(length - start)  # the padding tail: a segment of its own
+        return Batch(input_ids, mask, positions, None, BatchKind.PACKED), answer, reference
+
+    def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
+        """Token positions a global batch's rows occupy once padded (two rows a pair) or packed."""
+        split, slots = self.split, 0
+        for replica in range(dp):
+            for indices in accumulation_slices(global_batch, replica, dp, accumulation):
+                if not indices:
+                    continue
+                if self.packed:
+                    slots += packed_slots([split.lengths[i] for i in indices], self.shape)
+                    continue
+                longest = max(max(len(split.ids[i]), len(split.rejected_ids[i])) for i in indices)
+                slots += 2 * len(indices) * -(-longest // self.pad_multiple) * self.pad_multiple
+        return slots

@@ -25,10 +25,10 @@ from ..families.base import Family
 from ..model.hub import resolve_model_path
 from ..model.pretrained import load_hf_tokenizer
 from ..outputs.runfolder import check_writable
-from ..tasks import SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
+from ..tasks import DPO, SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
-from . import chat
+from . import chat, preference
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +327,7 @@ def prepare(
     check_writable(cache_dir, "cache_dir")
     raw, task, source = load_raw(data=data, model=model, seed=seed, predict=predict)
     instruction = task.problem_type == SFT
+    pairs = task.problem_type == DPO
     tokenizer = run_tokenizer(
         data=data, model=model, family=family, model_name=model_name, raw=raw, task=task, source=source
     )
@@ -338,13 +339,16 @@ def prepare(
     tokens = f"tok{tokenizer_identity(tokenizer)}-{model.task}-len{data.max_length}"
     # the template is in the tokenizer's identity; -p: rows carry prompt_length (generate_every's prompts)
     tokens += f"-{data.train_on}-p" if instruction else ""
+    tokens += "-pairs1" if pairs else ""  # the pairs' format version
     path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if instruction:
+        if pairs:
+            splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
+        elif instruction:
             splits[split] = chat.tokenize_sft(raw[split], tokenizer, data.max_length, data.train_on, split)
         elif task.head is HeadKind.CAUSAL_LM:
             splits[split] = tokenize_causal_lm(raw[split], tokenizer, data.max_length, split)
@@ -368,7 +372,7 @@ def run_tokenizer(
     task=sft's chat template set on it and checked (chat.apply_template), so the cached and exported tokenizer
     renders conversations as training did. --check makes the same to render a sample of the rows."""
     learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
-    instruction = task.problem_type == SFT
+    instruction = task.problem_type == SFT or (task.problem_type == DPO and conversational_pairs(raw["train"]))
     template = (
         chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
     )
@@ -387,14 +391,28 @@ def run_tokenizer(
     )
     if instruction:
         name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
-        log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
+        if task.problem_type == SFT:
+            log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
+        else:
+            log.info("task=dpo: chat template %s, the loss on the answers' log-probabilities", name)
     return tokenizer
+
+
+def conversational_pairs(train: datasets.Dataset) -> bool:
+    """Preference pairs of messages (rendered by a chat template), not of texts."""
+    return not isinstance(json.loads(train["chosen"][0]), str)
 
 
 def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:
     """What a tiny model's tokenizer learns from: the texts (and pairs), or every message of the conversations."""
     if "messages" in train.column_names:
         return [m["content"] for row in column(train, "messages") for m in json.loads(row)] + list(ROLES)
+    if "chosen" in train.column_names:  # preference pairs: every text, or every message's
+        texts = []
+        for name in ("prompt", "chosen", "rejected"):
+            for cell in map(json.loads, column(train, name)):
+                texts += [cell] if isinstance(cell, str) else [m["content"] for m in cell]
+        return texts + list(ROLES)
     return column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else [])
 
 

@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from ..config import Config
-from ..data.batch import PackedBatcher, PaddedBatcher, TokenizedSplit
+from ..data.batch import PackedBatcher, PaddedBatcher, PreferenceBatcher, TokenizedSplit
 from ..data.packing import PackedShape
 from ..data.prepare import PreparedData, load_prepared, prepare, tokenizer_identity
 from ..data.sampling import GlobalBatches
@@ -46,7 +46,8 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator, held_out_prompts
-from .loss import HiddenTokenLoss, summed_loss_for
+from .loss import HiddenTokenLoss, PreferenceLoss, summed_loss_for
+from .reference import measure_reference, trained_pairs
 from .runner import WholeModel
 from .trainer import Steps, StopRequest, Trainer
 from .updates import TorchUpdates
@@ -76,6 +77,7 @@ class _Model:
     updates: Updates
     runner: Runner
     scheduler: object  # the lr schedule
+    preference: PreferenceLoss | None  # task=dpo's loss (its per-pair figures are the metrics)
 
 
 def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
@@ -137,6 +139,10 @@ class RunBuilder:
             schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
         with self.timer("model"):
             built = self._build(layout, resolved, prepared, train, schedule)
+        splits = {}
+        if built.preference is not None:  # before a resumed checkpoint replaces the weights
+            with self.timer("reference"):
+                splits = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
         checkpoints = CheckpointManager(
             checkpoint_root,
             checkpoint=config.checkpoint,
@@ -163,6 +169,8 @@ class RunBuilder:
                 batch_size=config.eval_batch_size,
                 layout=layout,
                 every=config.eval_every,
+                preference=built.preference,
+                splits=splits,
             ),
             generator=self._generator(prepared, layout, built) if config.generate_every else None,
             checkpoints=checkpoints,
@@ -174,6 +182,7 @@ class RunBuilder:
             peak=peak,
             step=step,
             stop=stop or StopRequest(),
+            preference=built.preference,
         )
         accumulation = config.gradient_accumulation_steps
         log.info(
@@ -247,10 +256,49 @@ class RunBuilder:
             tokens=tokenizer_identity(prepared.tokenizer),
         )
 
+    def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> dict:
+        """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs
+        (loop/reference.py); returns the validation split that holds them, for the evaluator."""
+        config, tokenizer = self.config, prepared.tokenizer
+        validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
+        trained = trained_pairs(sampler, schedule.total_steps)
+        for split, pairs in ((train, trained), (validation, range(len(validation)))):
+            measure_reference(
+                split,
+                list(pairs),
+                runner=built.runner,
+                model=built.model,
+                loss=built.preference,
+                pad_id=tokenizer.pad_token_id,
+                padding_side=tokenizer.padding_side,
+                batch_size=config.eval_batch_size,
+                layout=layout,
+                lora=resolved.lora is not None,
+            )
+        return {"validation": validation}
+
     def _batcher(self, train: TokenizedSplit, prepared, layout: Layout, resolved: Resolved, runner: Runner):
         """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
-        pipeline's are of static shapes)."""
+        pipeline's are of static shapes); task=dpo's keeps each pair's two rows together."""
         config, tokenizer = self.config, prepared.tokenizer
+        if prepared.task.preference_pairs:
+            shape = None
+            if config.packing:  # a sequence holds twice max_length: any pair's two rows fit in one
+                pipeline = layout.pp > 1
+                shape = PackedShape(
+                    capacity=2 * config.max_length,
+                    pad_multiple=runner.pad_multiple,
+                    fixed_length=pipeline,
+                    rows_multiple=resolved.microbatches if pipeline else 1,
+                )
+            return PreferenceBatcher(
+                train,
+                pad_id=tokenizer.pad_token_id,
+                padding_side=tokenizer.padding_side,
+                pad_multiple=runner.pad_multiple,
+                device=layout.device,
+                shape=shape,
+            )
         if not config.packing:
             return PaddedBatcher(
                 train,
@@ -340,7 +388,11 @@ class RunBuilder:
                 adamw=ready.zero_adamw,
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
-        loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
+        preference = None
+        if prepared.task.preference_pairs:
+            loss = preference = self._preference_loss(ready, resolved)
+        else:
+            loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
         if layout.pp > 1:
             settings = PipelineSettings(
                 config.pipeline_schedule,
@@ -379,7 +431,7 @@ class RunBuilder:
             )
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
-        return _Model(ready, model, updates, runner, scheduler)
+        return _Model(ready, model, updates, runner, scheduler, preference)
 
     def _packed_attention(self, hf_config, layout: Layout) -> None:
         """Packed batches' attention: varlen flash attention on CUDA (model/attention.py), else the dense 4-D mask;
@@ -407,6 +459,14 @@ class RunBuilder:
         head = model.get_output_embeddings() if getattr(model, "lm_head", None) is not None else None
         softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and 3
         return HiddenTokenLoss(head, resolved.loss_chunk_tokens, softcap)
+
+    def _preference_loss(self, ready: ReadyModel, resolved: Resolved) -> PreferenceLoss:
+        """task=dpo's loss: from the final hidden states and the head (chunked, vocabulary-parallel), or under
+        engine=deepspeed from the whole logits (ZeRO-3 gathers the head in its own forward)."""
+        model = ready.model
+        head = None if resolved.engine is Engine.DEEPSPEED else model.get_output_embeddings()
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        return PreferenceLoss(head, resolved.loss_chunk_tokens, softcap, preference=self.config.preference)
 
     def _load_model(self, layout: Layout, resolved: Resolved, prepared: PreparedData, schedule) -> ReadyModel:
         """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""

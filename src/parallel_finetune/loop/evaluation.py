@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PaddedBatcher, TokenizedSplit
+from ..data.batch import PaddedBatcher, PreferenceBatcher, TokenizedSplit
 from ..data.prepare import PreparedData
 from ..errors import UserError
 from ..interfaces import Runner
 from ..metrics import compute_metrics
 from ..tasks.task import HeadKind, Task
-from .loss import summed_loss_for
+from .loss import PreferenceLoss, pair_metrics, summed_loss_for
 
 
 class Evaluator:
@@ -31,12 +31,26 @@ class Evaluator:
     evaluates), `evaluate` a validation split, `evaluate_all` every one, `predict` a test split's rows. Every rank
     calls them and gets the same result; `model` (what the runner drives) is in eval mode meanwhile."""
 
-    def __init__(self, *, model: nn.Module, runner: Runner, data: PreparedData, batch_size: int, layout, every=None):
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        runner: Runner,
+        data: PreparedData,
+        batch_size: int,
+        layout,
+        every=None,
+        preference: PreferenceLoss | None = None,
+        splits: dict[str, TokenizedSplit] | None = None,
+    ):
+        """`preference`: task=dpo's loss (held-out pairs are scored by its metrics); `splits`: splits already read
+        (task=dpo's validation split, with its reference log-probabilities)."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
         self.loss = summed_loss_for(data.task)  # a classifier's, from its logits
-        self._splits: dict[str, TokenizedSplit] = {}
+        self.preference = preference
+        self._splits: dict[str, TokenizedSplit] = dict(splits or {})
 
     def due(self, step: int, total_steps: int) -> bool:
         """An evaluation after this step (not after the last one: the run's end evaluates every split)."""
@@ -46,6 +60,8 @@ class Evaluator:
     def evaluate(self, name: str = "validation") -> dict:
         """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
         split = self._split(name)
+        if self.preference is not None:
+            return self._scored_pairs(split)
         loss, predictions = self._scored(split, with_loss=True)
         if self.task.head is HeadKind.CAUSAL_LM:
             return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
@@ -124,6 +140,39 @@ class Evaluator:
         if with_loss and layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
         return self._gathered(split, totals, predictions, with_loss)
+
+    def _scored_pairs(self, split: TokenizedSplit) -> dict:
+        """Held-out pairs: eval_loss (the mean pair loss) and TRL's rewards/* and logps/* means."""
+        layout, runner, preference, tokenizer = self.layout, self.runner, self.preference, self.data.tokenizer
+        batcher = PreferenceBatcher(
+            split,
+            pad_id=tokenizer.pad_token_id,
+            padding_side=tokenizer.padding_side,
+            pad_multiple=runner.pad_multiple,
+            device=layout.device,
+        )
+        order = sorted(range(len(split)), key=lambda i: split.lengths[i])
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        mine = chunks[layout.dp_rank :: layout.dp]
+        rounds = -(-len(chunks) // layout.dp)  # as in _score: every rank runs as many forwards
+        totals = preference.sums(None, layout.device)
+        training = self.model.training
+        self.model.eval()
+        preference.take()
+        try:
+            for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
+                runner.loss(batcher.batch(chunk))
+                record = preference.take()
+                if number < len(mine):
+                    totals += preference.sums(record, layout.device)
+        finally:
+            self.model.train(training)
+        if layout.dp > 1:
+            dist.all_reduce(totals, group=layout.dp_group)
+        if layout.pp > 1:  # the last stage scored every pair
+            dist.broadcast(totals, group=layout.pp_group, group_src=layout.pp - 1)
+        metrics = pair_metrics(totals)
+        return {"eval_loss": metrics.pop("loss"), **metrics}
 
     def _gathered(self, split: TokenizedSplit, totals: torch.Tensor, predictions: list, with_loss: bool):
         """Every rank's sums and predictions, on every rank."""

@@ -13,6 +13,8 @@ chunks (parallel/vocab.py), never holding every token's logits over the whole vo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,8 +55,12 @@ class HiddenTokenLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`hidden` (..., hidden size) and `labels` (...) aligned, IGNORE where no loss."""
-        scored = labels != IGNORE
+        scored = self.mask(labels)
         return self.scored(hidden[scored], labels[scored])
+
+    def mask(self, target: torch.Tensor) -> torch.Tensor:
+        """The positions of `target` (a Batch's loss_target) that have a loss term."""
+        return target != IGNORE
 
     def scored(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of rows that all have a label: `hidden` (rows, hidden size), `labels` (rows,)."""
@@ -82,14 +88,136 @@ class _ScoredHead(nn.Module):
         return self.result
 
 
-def hidden_loss_forward(model: nn.Module, inputs: dict, labels: torch.Tensor, loss: HiddenTokenLoss) -> torch.Tensor:
+def hidden_loss_forward(model: nn.Module, inputs: dict, target: torch.Tensor, loss: HiddenTokenLoss) -> torch.Tensor:
     """The model's own forward (so FSDP gathers and tensor-parallel layers work as always) with only the labelled
-    positions kept for the head, and the head replaced by `loss`: the summed loss, no logits."""
-    scored = labels != IGNORE
-    head = _ScoredHead(loss, labels[scored])
+    positions kept for the head, and the head replaced by `loss`: the summed loss, no logits. `target`: the
+    Batch's loss_target."""
+    scored = loss.mask(target)
+    head = _ScoredHead(loss, target[scored])
     with head_replaced(model, head):
         model(**inputs, logits_to_keep=scored)
     return head.result
+
+
+class PairRecord(NamedTuple):
+    """What one call of a PreferenceLoss measured, per pair (rows: pairs; columns: chosen, rejected), detached:
+    the policy's log-probabilities summed over each answer's tokens, those tokens' count, the reference's sums,
+    and each pair's loss."""
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+    reference: torch.Tensor
+    losses: torch.Tensor
+
+
+# What PreferenceLoss.sums adds up over pairs, in this order; the metrics are these sums over the pair count.
+PAIR_METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class PreferenceLoss(HiddenTokenLoss):
+    """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): each
+    answer's log-probability is the sum over its tokens of -token_nll (parallel/vocab.py: chunked,
+    vocabulary-parallel, never the whole logits), and each pair's loss compares the policy's preference for the
+    chosen answer with the reference's (TRL's DPOTrainer formulas):
+
+        d = (policy chosen - policy rejected) - (reference chosen - reference rejected)
+        sigmoid: -log sigmoid(beta d) (1 - s) - log sigmoid(-beta d) s      (s: dpo_label_smoothing, cDPO)
+        robust:  (-log sigmoid(beta d) (1 - s) + log sigmoid(-beta d) s) / (1 - 2 s)
+        ipo:     (d - 1 / (2 beta))^2, on log-probabilities averaged over each answer's tokens
+        hinge:   max(0, 1 - beta d)
+        + rpo_alpha x the chosen answer's negative log-likelihood per token (RPO)
+
+    Summed over pairs (the Trainer divides by the global pair count). `target` is a preference Batch's
+    loss_target: (label, answer, reference) at each position. Each call's per-pair figures are kept for the
+    metrics (`take`)."""
+
+    def __init__(self, head: nn.Module | None, chunk_tokens: int, softcap: float | None = None, *, preference):
+        super().__init__(head, chunk_tokens, softcap)
+        self.takes_hidden = head is not None  # else the model's whole logits (engine=deepspeed)
+        self.kind, self.beta = preference.dpo_loss, preference.dpo_beta
+        self.smoothing, self.rpo_alpha = preference.dpo_label_smoothing, preference.rpo_alpha
+        self.normalized = preference.dpo_length_normalized or self.kind == "ipo"
+        self.records: list[PairRecord] = []
+
+    def mask(self, target: torch.Tensor) -> torch.Tensor:
+        return target[..., 0] != IGNORE
+
+    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        scored = self.mask(target)
+        if self.takes_hidden:
+            return self.scored(outputs[scored], target[scored])
+        logits, target = outputs[scored], target[scored]
+        return self.pair_loss(F.cross_entropy(logits.float(), target[:, 0].long(), reduction="none"), target)
+
+    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        labels = target[:, 0].long()
+        if self.chunk_tokens:
+            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
+        else:
+            nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
+        return self.pair_loss(nll, target)
+
+    def pair_loss(self, nll: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The pairs' summed loss from each scored token's NLL and its (label, answer, reference)."""
+        numbers, slot = torch.unique(target[:, 1].long(), return_inverse=True)  # 2p, 2p + 1 for each pair p here
+        logps = torch.zeros(len(numbers), device=nll.device).index_add(0, slot, -nll).view(-1, 2)
+        tokens = torch.zeros(len(numbers), device=nll.device).index_add(0, slot, torch.ones_like(nll)).view(-1, 2)
+        reference = target.new_zeros(len(numbers)).scatter(0, slot, target[:, 2]).float().view(-1, 2)
+        policy, measured = self._scaled(logps, tokens), self._scaled(reference, tokens)
+        d = (policy[:, 0] - policy[:, 1]) - (measured[:, 0] - measured[:, 1])
+        beta, s = self.beta, self.smoothing
+        if self.kind == "sigmoid":
+            losses = -F.logsigmoid(beta * d) * (1 - s) - F.logsigmoid(-beta * d) * s
+        elif self.kind == "robust":
+            losses = (-F.logsigmoid(beta * d) * (1 - s) + F.logsigmoid(-beta * d) * s) / (1 - 2 * s)
+        elif self.kind == "ipo":
+            losses = (d - 1 / (2 * beta)) ** 2
+        else:  # hinge
+            losses = torch.relu(1 - beta * d)
+        if self.rpo_alpha:
+            losses = losses - self.rpo_alpha * logps[:, 0] / tokens[:, 0]
+        self.records.append(PairRecord(logps.detach(), tokens, reference, losses.detach()))
+        return losses.sum()
+
+    def _scaled(self, logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return logps / tokens if self.normalized else logps
+
+    def take(self) -> PairRecord | None:
+        """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
+        that is not the last)."""
+        records, self.records = self.records, []
+        if not records:
+            return None
+        return PairRecord(*(torch.cat(parts) for parts in zip(*records)))
+
+    def sums(self, record: PairRecord | None, device) -> torch.Tensor:
+        """PAIR_METRICS summed over the record's pairs, and the pair count last (float64; zeros for None). As TRL
+        logs them, rewards and logps are of the summed log-probabilities, whichever the loss compares."""
+        totals = torch.zeros(len(PAIR_METRICS) + 1, dtype=torch.float64, device=device)
+        if record is None:
+            return totals
+        policy = record.logps
+        rewards = self.beta * (policy - record.reference)
+        chosen, rejected = rewards[:, 0], rewards[:, 1]
+        parts = (record.losses, chosen, rejected, (chosen > rejected).float(), chosen - rejected)
+        parts += (policy[:, 0], policy[:, 1])
+        totals[: len(parts)] = torch.stack([part.double().sum() for part in parts])
+        totals[-1] = len(record.losses)
+        return totals
+
+
+def pair_metrics(totals: torch.Tensor) -> dict[str, float]:
+    """PreferenceLoss.sums (reduced over the ranks) as the metrics: each sum over the pair count."""
+    values = (totals[:-1] / totals[-1]).tolist()
+    return dict(zip(PAIR_METRICS, values))
 
 
 def summed_loss_for(task: Task, hidden: HiddenTokenLoss | None = None) -> SummedLoss:

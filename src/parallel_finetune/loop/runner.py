@@ -75,9 +75,9 @@ class WholeModel:
         if getattr(self.head_loss, "takes_hidden", False):
             with self.autocast(), self.attention(batch):
                 return hidden_loss_forward(
-                    self.model, model_inputs(batch, self.family, self.model), batch.labels, self.head_loss
+                    self.model, model_inputs(batch, self.family, self.model), batch.loss_target(), self.head_loss
                 )
-        return self.head_loss(self.forward(batch), batch.labels)
+        return self.head_loss(self.forward(batch), batch.loss_target())
 
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:

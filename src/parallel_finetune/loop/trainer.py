@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..data.sampling import GlobalBatches, accumulation_slices
@@ -38,6 +39,7 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator
+from .loss import PreferenceLoss, pair_metrics
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Trainer:
     step: int = 0  # the step reached (a resumed checkpoint's)
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM: finish the step, checkpoint, exit 0
     after_backward: Callable[[Trainer, int], None] | None = None  # test hook: after a step's backward
+    preference: PreferenceLoss | None = None  # task=dpo: the loss whose per-pair figures each step reports
     history: list[dict] = field(default_factory=list, init=False)
     stop_agreed: bool = field(default=False, init=False)  # some rank was asked to stop (the step's all-reduce)
     padding: dict[int, list[int]] = field(default_factory=dict, init=False)  # epoch -> [real tokens, token slots]
@@ -140,7 +143,20 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": mfu,
             "step_time_s": elapsed,
-        }
+        } | self._pair_metrics()
+
+    def _pair_metrics(self) -> dict:
+        """task=dpo: the step's rewards/* and logps/* (TRL's names), means over the global batch's pairs: every
+        rank's sums (a pipeline's last stage holds them; tensor-parallel ranks hold copies, counted in the pair
+        count alike) over the pairs they count."""
+        if self.preference is None:
+            return {}
+        totals = self.preference.sums(self.preference.take(), self.layout.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(totals)
+        metrics = pair_metrics(totals)
+        del metrics["loss"]  # the step's loss is `loss`
+        return metrics
 
     def _skip(self, loss: float, grad_norm: float, loss_scale: float | None) -> bool:
         return self.guard.skip(self.step + 1, loss, grad_norm, loss_scale)

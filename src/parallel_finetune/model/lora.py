@@ -22,6 +22,7 @@ weights are held in the compute dtype (bf16/fp16), not as fp32 master copies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -196,12 +197,29 @@ class LoraLinear(nn.Linear):
     lora_B: nn.Linear
     lora_dropout: nn.Module
     lora_scaling: float
+    lora_disabled = False  # adapters_disabled: the base layer alone (task=dpo's reference model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
+        if self.lora_disabled:
+            return out + self.bias if self.bias is not None else out
         update = self.lora_B(self.lora_A(self.lora_dropout(x)))
         out = out + update * self.lora_scaling
         return out + self.bias if self.bias is not None else out
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model without its LoRA updates while inside: the frozen base, which is task=dpo's reference model (no
+    second model held)."""
+    layers = [module for module in model.modules() if isinstance(module, LoraLinear)]
+    for layer in layers:
+        layer.lora_disabled = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_disabled = False
 
 
 def _meta_parameter(shape: tuple[int, int], mesh: DeviceMesh | None, placement) -> nn.Parameter:

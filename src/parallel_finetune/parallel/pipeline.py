@@ -310,7 +310,7 @@ class Pipeline:
         schedule = self._schedule(batch.rows, batch.length, training=True, packed=batch.packed)
         scale = self.loss_scale()
         self.loss_factor = scale / count
-        target = batch.labels
+        target = batch.loss_target()
         losses: list[torch.Tensor] = []
         with self.autocast():
             if self.is_first:
@@ -348,7 +348,7 @@ class Pipeline:
         if out is None:
             return None
         with self.autocast():
-            return self.summed_loss(out, batch.labels)
+            return self.summed_loss(out, batch.loss_target())
 
     @torch.no_grad()
     def last_logits(self, batch: Batch) -> torch.Tensor | None:

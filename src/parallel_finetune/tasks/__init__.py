@@ -12,16 +12,19 @@ import datasets
 from .columns import define_task, held_out_validation, model_rows
 from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
+from .preferences import define_preference_task, preference_rows
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
+    PREFERENCE_SAMPLE_DIR,
     SAMPLE_DIR,
     Source,
     check_hub_data,
     data_fingerprint,
     read_chat_sample,
+    read_preference_sample,
     read_sources,
 )
-from .task import LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
+from .task import DPO, LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
@@ -32,12 +35,15 @@ def load_task(
 ) -> tuple[datasets.DatasetDict, Task, Source]:
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
-    instruction = model.task == SFT
-    if instruction and not (data.train_file or data.dataset):
-        (tables, source), glue = read_chat_sample(data=data), None
+    instruction, preference = model.task == SFT, model.task == DPO
+    if (instruction or preference) and not (data.train_file or data.dataset):
+        sample = read_preference_sample if preference else read_chat_sample
+        (tables, source), glue = sample(data=data), None
     else:
         tables, source, glue = read_sources(data=data)
-    if instruction:
+    if preference:
+        task = define_preference_task(tables["train"], data=data)
+    elif instruction:
         task = define_instruction_task(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
@@ -51,7 +57,9 @@ def load_task(
         table.teaches_tokenizer = learned
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):
             continue  # nothing evaluates a language model on a test split
-        if instruction:
+        if preference:
+            splits[split] = datasets.Dataset.from_dict(preference_rows(table, split, task.name, task.columns))
+        elif instruction:
             splits[split] = datasets.Dataset.from_dict(conversation_rows(table, split, task.name, task.columns))
         else:
             splits[split] = datasets.Dataset.from_dict(model_rows(table, split, task, text, pair, label))

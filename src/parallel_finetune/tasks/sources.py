@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 HUB_GLUE = "nyu-mll/glue"
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "sample_data"
 CHAT_SAMPLE_DIR = SAMPLE_DIR / "chat"  # task=sft's small sample: instructions over SST-2 sentences
+PREFERENCE_SAMPLE_DIR = SAMPLE_DIR / "preference"  # task=dpo's: right and wrong answers about SST-2 sentences
 
 
 @dataclass(frozen=True)
@@ -344,3 +345,22 @@ def read_chat_sample(*, data: DataSection) -> tuple[dict[str, Table], Source]:
     )
     tables = {split: read_file(path, "the chat sample") for split, path in files.items()}
     return tables, Source("sample", str(CHAT_SAMPLE_DIR), "chat-sample-" + _fingerprint(list(files.values())))
+
+
+def read_preference_sample(*, data: DataSection) -> tuple[dict[str, Table], Source]:
+    """task=dpo without train_file or dataset: the small preference sample shipped in sample_data/preference (a
+    right and a wrong answer to instructions over SST-2 sentences, scripts/make_preference_sample.py), said in the
+    log."""
+    if data.data_dir:
+        raise UserError(
+            f"data_dir={data.data_dir!r} is a GLUE folder (glue_task); task=dpo reads preference pairs from "
+            "train_file=PATH (+ validation_file) or dataset=FOLDER"
+        )
+    files = {"train": PREFERENCE_SAMPLE_DIR / "train.jsonl", "validation": PREFERENCE_SAMPLE_DIR / "validation.jsonl"}
+    log.info(
+        "task=dpo with no train_file or dataset: training on the small preference sample shipped in %s (right and "
+        "wrong answers about SST-2 sentences); give train_file=PATH for your own pairs",
+        PREFERENCE_SAMPLE_DIR,
+    )
+    tables = {split: read_file(path, "the preference sample") for split, path in files.items()}
+    return tables, Source("sample", str(PREFERENCE_SAMPLE_DIR), "dpo-sample-" + _fingerprint(list(files.values())))

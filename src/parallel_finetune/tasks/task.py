@@ -22,6 +22,7 @@ REGRESSION = "regression"
 CLASSIFICATION = "single_label_classification"
 CAUSAL_LM = "causal_lm"
 SFT = "sft"  # instruction tuning: a causal LM trained on conversations, scored on the answers' tokens
+DPO = "dpo"  # preference tuning: a causal LM trained to prefer each pair's chosen answer to its rejected one
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
 
 
@@ -36,8 +37,9 @@ class HeadKind(str, Enum):
 
 
 def head_of(task_key: str) -> HeadKind:
-    """The head a recipe's `task:` value (classification | causal_lm | sft) trains: sft is the causal LM's."""
-    return HeadKind.CAUSAL_LM if task_key == SFT else HeadKind(task_key)
+    """The head a recipe's `task:` value (classification | causal_lm | sft | dpo) trains: sft and dpo train the
+    causal LM's."""
+    return HeadKind.CAUSAL_LM if task_key in (SFT, DPO) else HeadKind(task_key)
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,21 @@ class Task:
         (or every token), perplexity over those tokens as the score; no test split."""
         return cls(name, SFT, False, metric="perplexity", columns=columns, validation_splits=validation_splits)
 
+    @classmethod
+    def preference(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Preference tuning (dpo): pairs of a prompt, a chosen and a rejected answer (conversations rendered by a
+        chat template, or plain text), the loss on the answers' log-probabilities against the reference model's;
+        scored on held-out pairs by rewards/accuracies and margins; no test split. `name`: the rows' format."""
+        return cls(name, DPO, False, metric="preference", columns=columns, validation_splits=validation_splits)
+
     @property
     def head(self) -> HeadKind:
-        return HeadKind.CAUSAL_LM if self.problem_type in (CAUSAL_LM, SFT) else HeadKind.CLASSIFICATION
+        return HeadKind.CAUSAL_LM if self.problem_type in (CAUSAL_LM, SFT, DPO) else HeadKind.CLASSIFICATION
+
+    @property
+    def preference_pairs(self) -> bool:
+        """Rows are preference pairs (task=dpo): a chosen and a rejected answer to one prompt."""
+        return self.problem_type == DPO
 
     @property
     def regression(self) -> bool:

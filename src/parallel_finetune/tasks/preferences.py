@@ -1,0 +1,167 @@
+"""Preference rows (task=dpo) in TRL's formats, found from the columns:
+
+- explicit prompt: `prompt`, `chosen`, `rejected`; each a text, or a list of messages ({role, content}; the
+  prompt's turns, then each answer's assistant turn(s));
+- implicit prompt: `chosen` and `rejected` only, two conversations (or texts) that share their first turns (their
+  first characters): the shared part is the prompt, what follows it each answer (TRL's `extract_prompt`).
+
+Each row becomes a pair of JSON texts the data stage renders (data/preference.py): `prompt`, `chosen`,
+`rejected` (a text, or a list of messages), with `where` (file:line, for its errors) and `index`. A CSV or TSV
+cell holding a list is JSON text; in JSON Lines, Parquet and `datasets` a string is text, never parsed. A bad row
+is one line naming its place and what is valid: a missing or empty answer, two identical answers, implicit rows
+that share no prompt, rows that mix text and messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from .conversations import _holds_messages, _messages
+from .files import Table, check_text
+from .task import Task
+
+if TYPE_CHECKING:  # the section's type only: at run time tasks/ imports nothing of the package but errors.py
+    from ..config import DataSection
+
+log = logging.getLogger(__name__)
+
+FORMATS = {
+    "explicit": "prompt, chosen and rejected (explicit prompt)",
+    "implicit": "chosen and rejected sharing their prompt (implicit prompt)",
+}
+VALID = (
+    "columns chosen and rejected (texts or lists of messages) and, unless both hold the prompt too, prompt (or "
+    "name yours with prompt_column, chosen_column and rejected_column)"
+)
+
+
+def _column(table: Table, key: str, given: str | None, default: str) -> str | None:
+    name = given or default
+    if name not in table.columns:
+        if given is not None:
+            raise UserError(f"{key}={given!r}: {table.where} has no such column ({', '.join(table.columns)})")
+        return None
+    return name
+
+
+def detect_preference_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, ...]]:
+    """The pair format of `table` (a FORMATS key) and its columns: (prompt,) chosen, rejected."""
+    chosen = _column(table, "chosen_column", data.chosen_column, "chosen")
+    rejected = _column(table, "rejected_column", data.rejected_column, "rejected")
+    prompt = _column(table, "prompt_column", data.prompt_column, "prompt")
+    if chosen is None or rejected is None:
+        missing = [name for name, found in (("chosen", chosen), ("rejected", rejected)) if found is None]
+        raise UserError(
+            f"{table.where}: task=dpo needs {VALID}; no column {' or '.join(missing)} (found: "
+            f"{', '.join(table.columns) or 'no column'})"
+        )
+    if prompt is None:
+        return "implicit", (chosen, rejected)
+    return "explicit", (prompt, chosen, rejected)
+
+
+def _cell(table: Table, row: int, column: str, needs_answer: bool) -> str | list[dict]:
+    """A cell as a text or a list of messages (checked as task=sft checks them)."""
+    value = table.columns[column][row]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        what = "an answer" if needs_answer else "the prompt"
+        raise UserError(f"{table.at(row)}: column {column!r} is empty; it holds {what} (a text or a list of messages)")
+    if not _holds_messages(table, value):
+        if not isinstance(value, str):
+            raise UserError(f"{table.at(row)}: column {column!r} holds a {type(value).__name__}, not text or messages")
+        check_text(table, row, value)
+        return value
+    return _messages(table, row, column, value, needs_answer=False)[0]
+
+
+def _shared_prompt(chosen, rejected):
+    """TRL's extract_prompt: the longest shared beginning (whole messages, or characters, then back to before a
+    space) and what each answer adds."""
+    shared = 0
+    for shared in range(min(len(chosen), len(rejected)) + 1):
+        if shared == min(len(chosen), len(rejected)) or chosen[shared] != rejected[shared]:
+            break
+    if isinstance(chosen, str) and shared and chosen[shared - 1] == " ":
+        shared -= 1
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
+    """(prompt, chosen, rejected) of one row, each a text or a list of messages, checked."""
+    where = table.at(row)
+    if form == "explicit":
+        prompt, chosen, rejected = (_cell(table, row, c, needs_answer=i > 0) for i, c in enumerate(columns))
+    else:
+        whole_chosen, whole_rejected = (_cell(table, row, c, needs_answer=True) for c in columns)
+        if isinstance(whole_chosen, str) != isinstance(whole_rejected, str):
+            raise UserError(f"{where}: chosen and rejected mix a text and a list of messages; give both one kind")
+        prompt, chosen, rejected = _shared_prompt(whole_chosen, whole_rejected)
+        if not prompt:
+            raise UserError(
+                f"{where}: chosen and rejected share no first turn (no implicit prompt); give a prompt column, or "
+                "write the prompt's turns at the start of both"
+            )
+    kinds = {isinstance(part, str) for part in (chosen, rejected)}
+    if len(kinds) > 1:
+        raise UserError(f"{where}: chosen and rejected mix a text and a list of messages; give both one kind")
+    if chosen == rejected:
+        raise UserError(f"{where}: chosen and rejected are the same answer; a pair needs two different answers")
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(answer, str):
+            if not answer.strip():
+                raise UserError(f"{where}: the {name} answer is empty (after the prompt they share)")
+            continue
+        if not answer or answer[0]["role"] != "assistant":
+            first = answer[0]["role"] if answer else "nothing"
+            raise UserError(
+                f"{where}: the {name} answer begins with {first!r}, not an assistant turn; an answer is the assistant "
+                "turn(s) that follow the prompt"
+            )
+        if not any(m["content"].strip() or m.get("tool_calls") for m in answer if m["role"] == "assistant"):
+            raise UserError(f"{where}: the {name} answer is empty; an answer has text to learn")
+    if not isinstance(prompt, str) and prompt and prompt[-1]["role"] == "assistant":
+        raise UserError(
+            f"{where}: the prompt ends with an assistant turn; a pair's answers follow the turn they answer"
+        )
+    return prompt, chosen, rejected
+
+
+def preference_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
+    """`table`'s pairs as the columns data/preference.py reads: `prompt`, `chosen`, `rejected` (JSON texts),
+    `where` (the row's place, for errors found when it is rendered) and `index`."""
+    missing = [name for name in columns if name not in table.columns]
+    if missing:
+        raise UserError(
+            f"{table.where}: no column {', '.join(missing)} ({FORMATS[form]}, as in the train split; found: "
+            f"{', '.join(table.columns) or 'none'})"
+        )
+    rows: dict[str, list] = {"prompt": [], "chosen": [], "rejected": [], "where": [], "index": []}
+    conversational = None
+    for row in range(len(table)):
+        prompt, chosen, rejected = _pair(table, row, form, columns)
+        kind = not isinstance(chosen, str)
+        if conversational is not None and kind != conversational:
+            raise UserError(
+                f"{table.at(row)}: this pair is {'messages' if kind else 'text'}, earlier ones are "
+                f"{'messages' if conversational else 'text'}; a split's pairs are one kind"
+            )
+        if isinstance(prompt, str) == kind and prompt:
+            raise UserError(f"{table.at(row)}: the prompt and the answers mix a text and a list of messages")
+        conversational = kind
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            rows[name].append(json.dumps(value, ensure_ascii=False))
+        rows["where"].append(table.at(row))
+        rows["index"].append(row)
+    if not rows["index"]:
+        raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
+    return rows
+
+
+def define_preference_task(train: Table, *, data: DataSection) -> Task:
+    """The Task of preference rows: their format, found from the training table's columns and said in one line."""
+    form, columns = detect_preference_format(train, data=data)
+    log.info("task=dpo: %s pairs in the %s format", train.where, FORMATS[form])
+    return Task.preference(form, columns)
