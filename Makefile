@@ -47,7 +47,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft \
+	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -81,6 +81,7 @@ help:
 	@echo "make bench-dp  DP=2 weak scaling, gradients summed after vs during the backward"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
 	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
+	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -226,6 +227,10 @@ $(TRL_VENV)/.installed: $(VENV)/.installed
 # Idle machine only (the script measures other processes' CPU use and refuses a shared machine).
 bench-sft: setup $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) bench/sft_packing.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
+
+# task=dpo vs TRL's DPOTrainer (.venv-trl): step 1 on the same tiny Llama, pairs, beta and batch; a markdown table.
+bench-dpo-trl: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/dpo_vs_trl.py $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

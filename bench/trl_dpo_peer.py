@@ -2,8 +2,10 @@
 
 Our DPO loss must reproduce TRL's first-step numbers (loss, rewards/chosen, rewards/rejected within 1e-5 in fp32).
 This script runs exactly one optimizer step of trl.DPOTrainer (trl==1.16.0) on CPU in fp32 with the first N rows of a
-pairs file as the one batch, in file order, and writes what TRL logged for that step (computed before the update) plus
-the token ids TRL built for each row. Run it with the separate TRL venv (`make .venv-trl/.installed`):
+pairs file as the one batch, in file order, and writes what TRL logged for that step (computed before the update:
+loss, rewards/*, logps/*, and grad_norm, the global L2 norm of the gradients before clipping) plus the token ids TRL
+built for each row; bench/dpo_vs_trl.py compares them with ours. Run it with the separate TRL venv
+(`make .venv-trl/.installed`):
 
   .venv-trl/bin/python bench/trl_dpo_peer.py --model DIR --pairs FILE.jsonl --beta 0.1 --loss-type sigmoid \
       --batch-size 4 --max-length 128 --out runs/trl_dpo.json [--ref-model REF_DIR] [--check]
@@ -49,6 +51,7 @@ METRICS = [
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "grad_norm",  # the global L2 norm of the gradients before clipping (the Trainer's clip_grad_norm_)
 ]
 
 

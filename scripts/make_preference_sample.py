@@ -6,8 +6,9 @@ SST-2-style sample (sample_data/train.tsv and dev.tsv, written for this project:
 Real pairs, the chosen answer right and the rejected one wrong, for instructions whose answers follow from the
 sentence alone: the review's sentiment (SST-2's label; rejected: the other one), capital letters (rejected: the
 sentence unchanged, or only its first word in capitals), the words in reverse order (rejected: the original order),
-the first word (rejected: the last), how many words (rejected: a count off by one to three), and a one-word yes/no
-question about the sentiment. Kinds are dealt evenly (each run of six rows holds each kind once, in a shuffled
+the first word (rejected: the last), the last word (rejected: the first), and the sentence in quotation marks
+(rejected: without them). All but the sentiment can be learned from the text's form, so a tiny model trained for a
+minute prefers the right answer of most held-out pairs (tests/loop/test_preference.py). Kinds are dealt evenly (each run of six rows holds each kind once, in a shuffled
 order); a kind whose two answers would be equal for a sentence gives way to the sentiment. Sentences over
 MAX_WORDS words are skipped, so prompt and answer stay short for a tiny tokenizer.
 
@@ -30,7 +31,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "src" / "parallel_finetune" / "sa
 OUT = SAMPLE / "preference"
 TRAIN_ROWS, VALIDATION_ROWS, IMPLICIT_ROWS = 400, 64, 40
 MAX_WORDS = 25
-KINDS = ("sentiment", "upper", "reverse", "first", "count", "yes_no")
+KINDS = ("sentiment", "upper", "reverse", "first", "last", "quote")
 SYSTEMS = (
     "You are a helpful assistant. Answer briefly.",
     "You are a film critic's assistant: you read reviews carefully.",
@@ -68,15 +69,11 @@ def pair(sentence: str, label: str, kind: str, rng: random.Random, follow_up: bo
     if kind == "first":
         asked = "What is its first word?" if follow_up else f"What is the first word of this sentence? {sentence}"
         return asked, words[0], words[-1]
-    if kind == "count":
-        asked = "How many words does it have?" if follow_up else f"How many words are in this sentence? {sentence}"
-        wrong = len(words) + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if len(words) + d > 0])
-        return asked, f"{len(words)} words.", f"{wrong} words."
-    asks = rng.choice(("positive", "negative"))
-    asked = (
-        f"Answer in one word: is it {asks}?" if follow_up else f"Answer in one word: is this review {asks}? {sentence}"
-    )
-    return asked, *(("Yes.", "No.") if asks == label else ("No.", "Yes."))
+    if kind == "last":
+        asked = "What is its last word?" if follow_up else f"What is the last word of this sentence? {sentence}"
+        return asked, words[-1], words[0]
+    asked = "Put it in quotation marks." if follow_up else f"Put this sentence in quotation marks: {sentence}"
+    return asked, f'"{sentence}"', sentence
 
 
 def dealt(rng: random.Random, count: int) -> list[str]:
@@ -91,7 +88,7 @@ def dealt(rng: random.Random, count: int) -> list[str]:
 
 def checked(sentence: str, label: str, kind: str, rng: random.Random, follow_up: bool = False):
     asked, chosen, rejected = pair(sentence, label, kind, rng, follow_up)
-    if chosen == rejected:  # e.g. a one-word sentence: its reverse, first and last word are itself
+    if chosen == rejected:  # a one-word sentence: its reverse, first and last word are itself
         kind = "sentiment"
         asked, chosen, rejected = pair(sentence, label, kind, rng, follow_up)
     assert chosen != rejected, (sentence, kind)
