@@ -81,6 +81,11 @@ def apply_template(tokenizer, key: str | None, tiny: bool, where: str) -> str:
         raise UserError(f"chat_template {name}: does not render ({type(exc).__name__}: {exc})") from None
     if not rendered.strip():
         raise UserError(f"chat_template {name}: renders nothing for a conversation, so there is nothing to train on")
+    if PROBE[-1]["content"] not in rendered:
+        raise UserError(
+            f"chat_template {name}: renders no assistant turn (an answer {PROBE[-1]['content']!r} is not in its "
+            "rendering), so no answer could be trained; use a template that renders every role (e.g. chatml)"
+        )
     marker = check_end_of_turn(tokenizer, name, tiny)
     check_turn_markers(name, *(text.replace(marker, "") if marker else text for text in (rendered, asked, told)))
     return name

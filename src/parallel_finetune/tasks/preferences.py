@@ -66,7 +66,11 @@ def detect_preference_format(table: Table, *, data: DataSection) -> tuple[str, t
 def _cell(table: Table, row: int, column: str, needs_answer: bool) -> str | list[dict]:
     """A cell as a text or a list of messages (checked as task=sft checks them)."""
     value = table.columns[column][row]
-    if value is None or (isinstance(value, str) and not value.strip()):
+    if (
+        value is None
+        or (isinstance(value, str) and not value.strip())
+        or (isinstance(value, (list, tuple)) and not value)
+    ):
         what = "an answer" if needs_answer else "the prompt"
         raise UserError(f"{table.at(row)}: column {column!r} is empty; it holds {what} (a text or a list of messages)")
     if not _holds_messages(table, value):

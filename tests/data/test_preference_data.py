@@ -1,0 +1,161 @@
+"""task=dpo's rows: TRL's explicit and implicit prompt formats (text or messages, JSON Lines, CSV, Parquet), the
+pairs' tokens (the prompt's shared by both rows, only the answers scored), the batches (a pair's rows together,
+padded or packed), and every bad row refused in one line naming file:line."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import load_task_of, prepare_data, recipe
+
+from parallel_finetune.data.batch import IGNORE, PreferenceBatcher, TokenizedSplit
+from parallel_finetune.data.packing import PackedShape
+from parallel_finetune.errors import UserError
+from parallel_finetune.resolve import load_config
+from parallel_finetune.tasks import PREFERENCE_SAMPLE_DIR
+
+USER = {"role": "user", "content": "Is this review positive or negative? a charming film"}
+RIGHT = {"role": "assistant", "content": "Positive."}
+WRONG = {"role": "assistant", "content": "Negative."}
+GOOD = {"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]}
+
+
+def dpo_config(*overrides: str, cache_dir: Path | None = None):
+    cache = [f"cache_dir={cache_dir}"] if cache_dir else []
+    return load_config(recipe("llama"), ["size=tiny", "task=dpo", "max_length=128", *cache, *overrides])
+
+
+def pair_files(folder: Path, rows: list[dict]) -> list[str]:
+    """`rows` as train.jsonl (then the sample's validation pairs as dev.jsonl); the overrides naming them."""
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return [f"train_file={train}", f"validation_file={PREFERENCE_SAMPLE_DIR / 'validation.jsonl'}"]
+
+
+def refused(folder: Path, rows: list[dict], *overrides: str, cache_dir: Path | None = None) -> str:
+    config = dpo_config(*pair_files(folder, rows), *overrides, cache_dir=cache_dir)
+    with pytest.raises(UserError) as caught:
+        prepare_data(config) if cache_dir else load_task_of(config)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"prompt": [USER], "chosen": [RIGHT]}, "lacks key(s) rejected that the first row has"),
+        ({"prompt": [USER], "chosen": [], "rejected": [WRONG]}, "column 'chosen' is empty"),
+        ({"prompt": [USER], "chosen": "", "rejected": [WRONG]}, "column 'chosen' is empty"),
+        ({"prompt": [USER], "chosen": [RIGHT], "rejected": [RIGHT]}, "chosen and rejected are the same answer"),
+        (
+            {"prompt": [USER], "chosen": [RIGHT], "rejected": [{"role": "assistant", "content": " "}]},
+            "an empty assistant answer",
+        ),
+        ({"prompt": [USER], "chosen": [USER, RIGHT], "rejected": [WRONG]}, "begins with 'user', not an assistant"),
+        ({"prompt": [USER, RIGHT], "chosen": [RIGHT], "rejected": [WRONG]}, "the prompt ends with an assistant turn"),
+        ({"prompt": "a text", "chosen": [RIGHT], "rejected": [WRONG]}, "mix a text and a list of messages"),
+        ({"chosen": [RIGHT], "rejected": [WRONG]}, "share no first turn (no implicit prompt)"),
+        ({"chosen": "Positive.", "rejected": "Negative."}, "share no first turn (no implicit prompt)"),
+        ({"chosen": "The film is good", "rejected": "The film is good."}, "the chosen answer is empty"),
+    ],
+)
+def test_a_bad_pair_is_one_line_naming_its_place(row, message, tmp_path):
+    first = GOOD if "prompt" in row else {"chosen": [USER, RIGHT], "rejected": [USER, WRONG]}  # the same format
+    text = refused(tmp_path, [first, row])
+    assert message in text and "\n" not in text
+    assert text.startswith(f"{tmp_path / 'train.jsonl'}:2: "), text
+
+
+def test_rows_without_a_rejected_column_are_refused_saying_the_formats(tmp_path):
+    text = refused(tmp_path, [{"prompt": [USER], "chosen": [RIGHT]}] * 2)
+    assert text == (
+        f"{tmp_path / 'train.jsonl'}: task=dpo needs columns chosen and rejected (texts or lists of messages) and, "
+        "unless both hold the prompt too, prompt (or name yours with prompt_column, chosen_column and "
+        "rejected_column); no column rejected (found: prompt, chosen)"
+    )
+
+
+def test_a_prompt_with_no_room_for_its_answer_is_refused_saying_the_truncation_policy(tmp_path, cache_dir):
+    long = {"prompt": [{"role": "user", "content": "a charming film " * 40}], "chosen": [RIGHT], "rejected": [WRONG]}
+    text = refused(tmp_path, [GOOD, long], "max_length=64", cache_dir=cache_dir)
+    assert text.startswith(f"{tmp_path / 'train.jsonl'}:2: the prompt is ") and "\n" not in text
+    assert "prompts are never cut; answers are cut at the end to fit" in text
+
+
+def test_a_template_that_renders_no_assistant_turn_is_refused(tmp_path, cache_dir):
+    template = tmp_path / "users_only.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    text = refused(tmp_path, [GOOD, GOOD], f"chat_template={template}", cache_dir=cache_dir)
+    assert text == (
+        f"chat_template {template}: renders no assistant turn (an answer 'hello' is not in its rendering), so no "
+        "answer could be trained; use a template that renders every role (e.g. chatml)"
+    )
+
+
+def test_the_implicit_format_takes_the_shared_turns_as_the_prompt(tmp_path):
+    raw, task, _ = load_task_of(dpo_config(f"train_file={PREFERENCE_SAMPLE_DIR / 'implicit.jsonl'}"))
+    assert task.problem_type == "dpo" and task.name == "implicit"
+    source = [json.loads(line) for line in (PREFERENCE_SAMPLE_DIR / "implicit.jsonl").read_text().splitlines()]
+    for split in raw.values():
+        for row in split.to_list():
+            index = int(row["where"].rsplit(":", 1)[1]) - 1  # file:line
+            prompt, chosen = json.loads(row["prompt"]), json.loads(row["chosen"])
+            assert prompt == source[index]["chosen"][:-1] and chosen == source[index]["chosen"][-1:]
+            assert json.loads(row["rejected"]) == source[index]["rejected"][-1:]
+
+
+def test_text_pairs_in_csv_and_parquet_read_alike(tmp_path):
+    rows = {"prompt": ["Review: a charming film\nSentiment:", "Review: a dull film\nSentiment:"]}
+    rows |= {"chosen": [" positive", " negative"], "rejected": [" negative", " positive"]}
+    pq.write_table(pa.table(rows), tmp_path / "train.parquet")
+    with open(tmp_path / "train.csv", "w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        writer.writerow(rows)
+        writer.writerows(zip(*rows.values()))
+    read = []
+    for name in ("train.parquet", "train.csv"):
+        raw, task, _ = load_task_of(dpo_config(f"train_file={tmp_path / name}", "validation_split_percentage=50"))
+        rows_read = raw["train"].to_list() + raw["validation"].to_list()
+        read.append(sorted((row["prompt"], row["chosen"], row["rejected"]) for row in rows_read))
+    assert read[0] == read[1] and task.name == "explicit"
+
+
+def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(cache_dir):
+    prepared = prepare_data(dpo_config(cache_dir=cache_dir))
+    split = TokenizedSplit.of(prepared.splits["train"], prepared.task)
+    assert split.targets == [1] * len(split)  # the loss is averaged over pairs
+    for i in range(len(split)):
+        prompt = split.prompt_lengths[i]
+        assert split.ids[i][:prompt] == split.rejected_ids[i][:prompt] and split.ids[i] != split.rejected_ids[i]
+        assert split.lengths[i] == len(split.ids[i]) + len(split.rejected_ids[i])
+    split.reference = [(-float(i), -float(i) - 0.5) for i in range(len(split))]
+    indices = [5, 17, 3, 40]
+    pad = prepared.tokenizer.pad_token_id
+    padded = PreferenceBatcher(split, pad_id=pad, padding_side="right", pad_multiple=1, device="cpu").batch(indices)
+    shape = PackedShape(capacity=256)
+    packed = PreferenceBatcher(
+        split, pad_id=pad, padding_side="right", pad_multiple=1, device="cpu", shape=shape
+    ).batch(indices)
+    for batch in (padded, packed):
+        assert batch.scored() == 4
+        target = batch.loss_target()
+        for answer in range(8):
+            pair, side = divmod(answer, 2)
+            index = indices[pair]
+            at = batch.answers == answer
+            row = (split.ids, split.rejected_ids)[side][index]
+            assert int(at.sum()) == len(row) - split.prompt_lengths[index]  # every answer token, nothing else
+            assert torch.equal(batch.labels[at], torch.tensor(row[split.prompt_lengths[index] :]))
+            assert set(target[..., 2][at].tolist()) == {split.reference[index][side]}
+            if batch.packed:  # both rows of a pair in one sequence
+                assert len(set(torch.nonzero(batch.answers // 2 == pair)[:, 0].tolist())) == 1
+        assert ((batch.labels != IGNORE) == (batch.answers >= 0)).all()
+    assert padded.rows == 8 and [int(padded.answers[r].max()) for r in range(8)] == list(range(8))
