@@ -42,11 +42,15 @@ QLORA_FAMILIES := $(patsubst recipes/%/qlora.yaml,%,$(wildcard recipes/*/qlora.y
 # Instruction tuning: recipes/<family>/sft.yaml for -sft, sft_lora.yaml for -sft-lora (chat data, docs/data.md).
 SFT_FAMILIES := $(patsubst recipes/%/sft.yaml,%,$(wildcard recipes/*/sft.yaml))
 SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/sft_lora.yaml))
+# Preference tuning: recipes/<family>/dpo.yaml for -dpo, dpo_lora.yaml for -dpo-lora (pairs, docs/preference.md).
+DPO_FAMILIES := $(patsubst recipes/%/dpo.yaml,%,$(wildcard recipes/*/dpo.yaml))
+DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/dpo_lora.yaml))
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
+	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu plan notebooks lint docs clean-runs help
 help:
@@ -64,6 +68,9 @@ help:
 	@echo "               $(addsuffix -sft,$(SFT_FAMILIES))"
 	@echo "               your conversations: DATA=chat.jsonl (messages, prompt/completion or ShareGPT rows; docs/data.md)"
 	@echo "make FAMILY-sft-lora   the same with LoRA adapters: $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES))"
+	@echo "make FAMILY-dpo   preference tuning (task=dpo): pairs of a chosen and a rejected answer, TRL's metrics:"
+	@echo "               $(addsuffix -dpo,$(DPO_FAMILIES))"
+	@echo "make FAMILY-dpo-lora   the same with LoRA adapters (the reference: adapters disabled): $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -143,6 +150,18 @@ $(1)-sft-lora: setup
 	$$(call run_recipe,recipes/$(1)/sft_lora.yaml)
 endef
 $(foreach family,$(SFT_LORA_FAMILIES),$(eval $(call sft_lora_targets,$(family))))
+
+# Preference tuning (recipes/<family>/dpo.yaml, dpo_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's rewards/*.
+define dpo_targets
+$(1)-dpo: setup
+	$$(call run_recipe,recipes/$(1)/dpo.yaml)
+endef
+$(foreach family,$(DPO_FAMILIES),$(eval $(call dpo_targets,$(family))))
+define dpo_lora_targets
+$(1)-dpo-lora: setup
+	$$(call run_recipe,recipes/$(1)/dpo_lora.yaml)
+endef
+$(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family))))
 
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in

@@ -2,11 +2,11 @@
 """Execute the walkthrough notebooks top to bottom with papermill (`make notebooks`).
 
 python scripts/run_notebooks.py [NAME ...] [-p KEY VALUE ...]
-  NAME      a walkthrough, notebooks/NAME.ipynb: a family's, or sft (default: all of them)
+  NAME      a walkthrough, notebooks/NAME.ipynb: a family's, sft or dpo (default: all of them)
   -p        a parameter for every notebook, e.g. -p MAX_STEPS 40 -p DATA ../shared/data/sst2 -p LAUNCH local
 
 Executed copies go to runs/notebooks/NAME.ipynb. Fails unless each notebook's plot cell drew a figure and its
-accuracy cell printed the dev accuracy (or perplexity); prints how long each notebook took.
+accuracy cell printed the dev accuracy (or perplexity, or rewards/accuracies); prints how long each notebook took.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from parallel_finetune.families import family_names
 
 REPO = Path(__file__).resolve().parents[1]
 # One walkthrough per family that has one, in the registry's order, then the topic walkthroughs (sft: instruction
-# tuning on the shipped chat sample; it reads DATA only when it holds conversations).
-TOPICS = ("sft",)
+# tuning on the shipped chat sample, dpo: preference tuning on the shipped preference sample; each reads DATA only
+# when it holds conversations, or pairs).
+TOPICS = ("sft", "dpo")
 NOTEBOOKS = tuple(name for name in (*family_names(), *TOPICS) if (REPO / "notebooks" / f"{name}.ipynb").is_file())
 
 

@@ -32,7 +32,7 @@ from .model.quantize import NF4Settings
 from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .tasks.task import SFT, HeadKind, head_of
+from .tasks.task import DPO, SFT, HeadKind, head_of
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,8 @@ def compile_decision(config: Config, total_steps: int, device_type: str, tensor_
 
 def planner_workload(config: Config):
     """What a recipe trains, as the planner plans it (tools/planner.py's Workload): its head, max_length, rows per
-    accumulation slice, packing, LoRA and the loss's chunk; an instruction-tuning recipe's rows are planned at
-    SFT_TOKENS_PER_ROW tokens each."""
+    accumulation slice, packing, LoRA and the loss's chunk; an instruction-tuning recipe's rows (and a preference
+    recipe's, two a pair) are planned at SFT_TOKENS_PER_ROW tokens each."""
     from .tools.planner import SFT_TOKENS_PER_ROW, Workload
 
     chosen, peft = choose_model(config), config.peft
@@ -174,8 +174,9 @@ def planner_workload(config: Config):
         lora_rank=peft.lora_rank if chosen.lora else 0,
         base_quantization=peft.lora_base_quantization if chosen.lora else "none",
         packing=config.packing,
-        tokens_per_row=SFT_TOKENS_PER_ROW if config.task == SFT else None,
+        tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO) else None,
         loss_chunk_tokens=config.loss_chunk_tokens,
+        pairs=config.task == DPO,
     )
 
 
@@ -243,7 +244,7 @@ def validate(config: Config, where: str = "config") -> None:
             f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
         )
     if head_of(config.task) not in family.tasks:
-        valid = (*family.tasks, *(["sft"] if HeadKind.CAUSAL_LM in family.tasks else []))
+        valid = (*family.tasks, *(["sft", "dpo"] if HeadKind.CAUSAL_LM in family.tasks else []))
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(valid)}")
     if config.size == "full" and config.model.source is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")

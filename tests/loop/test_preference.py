@@ -111,6 +111,17 @@ def test_dpo_matches_single_process(family, name, nproc, overrides, kind, refere
 
 
 FOUR_BLOCKS = ("model_config.num_hidden_layers=4",)
+
+
+def test_dpo_under_deepspeed_matches_single_process(references, sst2, cache_dir, tmp_path):
+    """engine=deepspeed (ZeRO-2, DP=2): the pairs' log-probabilities from the model's own whole logits."""
+    reference = references("llama", "full")
+    overrides = ["engine=deepspeed", "tensor_parallel_degree=auto", "zero_stage=2"]
+    run = launch(2, dpo_overrides(sst2, cache_dir, "llama", *overrides), tmp_path / "ds", recipe=recipe("llama"))
+    difference = assert_prefers_like(run, reference)
+    print(f"llama deepspeed_dp2 dpo: largest difference {difference:.2e}")
+
+
 PIPELINE_ROWS = [
     ("pp2_interleaved", 2, ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "pipeline_schedule=interleaved"]),
     ("packed_pp2", 2, [*PP2, "packing=true"]),

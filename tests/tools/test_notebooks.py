@@ -14,8 +14,9 @@ from conftest import FAMILIES, REPO
 REQUIRED = {"LAUNCH", "SIZE", "DATA", "MAX_STEPS", "NPROC", "RECIPE", "ARGS", "INSTANCE_TYPE", "INSTANCE_COUNT"}
 
 
-# Every family's walkthrough (a notebook is optional for a family registered from a file), and instruction tuning's.
-NOTEBOOKS = [name for name in (*FAMILIES, "sft") if (REPO / "notebooks" / f"{name}.ipynb").is_file()]
+# Every family's walkthrough (a notebook is optional for a family registered from a file), instruction tuning's and
+# preference tuning's.
+NOTEBOOKS = [name for name in (*FAMILIES, "sft", "dpo") if (REPO / "notebooks" / f"{name}.ipynb").is_file()]
 
 
 @pytest.mark.parametrize("family", NOTEBOOKS)

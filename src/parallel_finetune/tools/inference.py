@@ -28,7 +28,7 @@ from ..errors import UserError, one_line
 from ..outputs.run_files import CONFIG_FILE
 from ..tasks.columns import PAIR_OF, TEXT_COLUMNS
 from ..tasks.files import Table, check_text, read_file
-from ..tasks.task import CAUSAL_LM, CLASSIFICATION, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
+from ..tasks.task import CAUSAL_LM, CLASSIFICATION, DPO, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -94,10 +94,10 @@ def _read_labels(path: Path) -> Task:
     def strings(value) -> bool:
         return isinstance(value, list) and all(isinstance(item, str) and item for item in value)
 
-    if problem == SFT:
+    if problem in (SFT, DPO):
         raise UserError(
-            f"{path}: the model beside it is a chat model (task=sft), and predict.py classifies texts; chat with it "
-            "through transformers (pipeline('text-generation') given messages; docs/running.md)"
+            f"{path}: the model beside it is a chat model (task={problem}), and predict.py classifies texts; chat with "
+            "it through transformers (pipeline('text-generation') given messages; docs/running.md)"
         )
     if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
         wrong = f"problem_type {problem!r}"

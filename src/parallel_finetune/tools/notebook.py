@@ -2,7 +2,8 @@
 
 A notebook stays prose plus a few calls, so the walkthroughs cannot drift apart in how they launch or plot. The
 instruction-tuning one (notebooks/sft.ipynb) also shows which tokens train, what packing saves, the answers
-generate_every wrote, and a chat with the exported model.
+generate_every wrote, and a chat with the exported model; the preference-tuning one (notebooks/dpo.ipynb) plots
+TRL's rewards/* per step beside the loss.
 """
 
 from __future__ import annotations
@@ -211,13 +212,29 @@ def read_metrics(folder: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# A task's own per-step metrics, drawn in a second row where metrics.jsonl holds them: (title, keys) per panel.
+TASK_PANELS = (
+    ("rewards/chosen (blue), rewards/rejected (orange)", ("rewards/chosen", "rewards/rejected")),  # task=dpo
+    ("rewards/margins", ("rewards/margins",)),
+    ("rewards/accuracies", ("rewards/accuracies",)),
+)
+
+
 def plot_training(folder: str | Path):
-    """Loss, learning rate and throughput per step from metrics.jsonl; returns the matplotlib figure."""
+    """Loss, learning rate and throughput per step from metrics.jsonl, and below them the task's own per-step
+    metrics where it logs some (TASK_PANELS: task=dpo's rewards); returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     records = read_metrics(folder)
     steps = [r["step"] for r in records]
-    figure, axes = plt.subplots(1, 3, figsize=(15, 3.5))
+    panels = [(title, keys) for title, keys in TASK_PANELS if all(key in records[0] for key in keys)]
+    figure, grid = plt.subplots(2 if panels else 1, 3, figsize=(15, 7 if panels else 3.5), squeeze=False)
+    axes = grid[0]
+    for ax, (title, keys) in zip(grid[1] if panels else (), panels):
+        for key in keys:
+            ax.plot(steps, [r[key] for r in records], label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
     axes[0].plot(steps, [r["loss"] for r in records])
     axes[0].set_title("training loss")
     axes[1].plot(steps, [r["lr"] for r in records])
@@ -242,6 +259,8 @@ DEV_METRICS = (
     "mse",
     "mismatched_accuracy",
     "perplexity",
+    "rewards/accuracies",  # task=dpo: the held-out pairs whose chosen answer's reward beats the rejected one's
+    "rewards/margins",
 )
 
 
@@ -292,12 +311,12 @@ def classify(model_folder: str | Path, sentences: list[str]) -> list[tuple[str, 
 ANSWER_MARKS = ("\u27e6", "\u27e7")  # ⟦ ⟧ around the trained tokens of a rendered row
 
 
-def instruction_data(data: str | Path) -> str | Path:
-    """DATA for the instruction-tuning walkthrough: a file of conversations or a save_to_disk folder as given; a
-    GLUE folder (what `make notebooks DATA=` hands every walkthrough) holds no conversations, so the shipped chat
-    sample is used instead, and said."""
+def instruction_data(data: str | Path, kind: str = "instruction data", sample: str = "chat sample") -> str | Path:
+    """DATA for the instruction- (and preference-) tuning walkthroughs: a file of conversations (pairs) or a
+    save_to_disk folder as given; a GLUE folder (what `make notebooks DATA=` hands every walkthrough) holds none,
+    so the shipped sample is used instead, and said."""
     if data and Path(data).expanduser().is_dir() and not data_overrides(data)[0].startswith("dataset="):
-        print(f"DATA={data}: a GLUE folder is no instruction data; this walkthrough trains on the shipped chat sample")
+        print(f"DATA={data}: a GLUE folder is no {kind}; this walkthrough trains on the shipped {sample}")
         return ""
     return data
 

@@ -630,13 +630,19 @@ class Workload:
     packing: bool = False  # sft: rows laid end to end in sequences of seq_len (data.packing)
     tokens_per_row: float | None = None  # packing: the rows' mean length (None: tokens_per_sample)
     loss_chunk_tokens: int = 1024  # a language model's head and loss this many tokens at a time; 0: whole logits
+    # task=dpo: each sample is a preference pair, two rows (chosen, rejected) of seq_len at most, packed together in
+    # sequences of twice seq_len; the reference model costs no memory (its log-probabilities are measured before
+    # training: one forward of each trained pair, about a third of a step's compute, once)
+    pairs: bool = False
 
     def micro_batch(self, rows: float) -> MicroBatch:
-        """What `rows` training rows of one micro-batch become: packed sequences, or rows padded to seq_len."""
+        """What `rows` training rows (samples: pairs for dpo, two rows each) of one micro-batch become: packed
+        sequences, or rows padded to seq_len."""
+        rows, length = (2 * rows, 2 * self.seq_len) if self.pairs else (rows, self.seq_len)
         if not self.packing:
             return MicroBatch(rows, self.seq_len)
         per_row = min(self.tokens_per_row or self.tokens_per_sample, self.seq_len)
-        return MicroBatch(max(1, math.ceil(rows * per_row / (PACKING_EFFICIENCY * self.seq_len))), self.seq_len)
+        return MicroBatch(max(1, math.ceil(rows * per_row / (PACKING_EFFICIENCY * length))), length)
 
 
 @dataclass(frozen=True)
