@@ -240,6 +240,10 @@ class PaddedBatcher:
             batch.labels = split.label_tensor([split.labels[i] for i in indices])
         return batch.to(self.device)
 
+    def sequence_lengths(self, indices: list[int]) -> list[int]:
+        """The lengths of the sequences these rows are (what FLOPs are counted over)."""
+        return [self.split.lengths[i] for i in indices]
+
     def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
         """Token positions a global batch occupies once each replica's slices are padded to their longest row."""
         return token_slots(global_batch, self.split.lengths, dp, accumulation, self.pad_multiple)
@@ -289,6 +293,10 @@ class PackedBatcher:
         if split.head is HeadKind.CAUSAL_LM:
             labels = next_token_labels(input_ids, mask, trained, positions == 0)
         return Batch(input_ids, mask, positions, labels, BatchKind.PACKED, types).to(self.device)
+
+    def sequence_lengths(self, indices: list[int]) -> list[int]:
+        """The rows' own lengths: attention never crosses rows, so a packed row costs what it costs alone."""
+        return [self.split.lengths[i] for i in indices]
 
     def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
         return packed_token_slots(global_batch, self.split.lengths, dp, accumulation, self.shape)
@@ -380,6 +388,10 @@ class PreferenceBatcher:
                 start += len(ids)
             positions[sequence, start:] = torch.arange(length - start)  # the padding tail: a segment of its own
         return Batch(input_ids, mask, positions, None, BatchKind.PACKED), answer, reference
+
+    def sequence_lengths(self, indices: list[int]) -> list[int]:
+        """Both rows of each pair: a pair's length is theirs together, but each row attends within itself."""
+        return [len(ids[i]) for i in indices for ids in (self.split.ids, self.split.rejected_ids)]
 
     def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
         """Token positions a global batch's rows occupy once padded (two rows a pair) or packed."""

@@ -128,7 +128,8 @@ class Trainer:
         epoch_padding = self.padding.setdefault(int((self.step - 1) // self.steps.per_epoch), [0, 0])
         epoch_padding[0] += tokens
         epoch_padding[1] += self.batcher.token_slots(global_batch, layout.dp, self.steps.accumulation)
-        tflops, mfu = achieved(self.flops.batch(lengths), elapsed, layout.world_size, self.peak)
+        flops = self.flops.batch(self.batcher.sequence_lengths(global_batch))
+        tflops, mfu = achieved(flops, elapsed, layout.world_size, self.peak)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
         return {
             "step": self.step,
