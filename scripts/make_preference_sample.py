@@ -8,9 +8,10 @@ sentence alone: the review's sentiment (SST-2's label; rejected: the other one),
 sentence unchanged, or only its first word in capitals), the words in reverse order (rejected: the original order),
 the first word (rejected: the last), the last word (rejected: the first), and the sentence in quotation marks
 (rejected: without them). All but the sentiment can be learned from the text's form, so a tiny model trained for a
-minute prefers the right answer of most held-out pairs (tests/loop/test_preference.py). Kinds are dealt evenly (each run of six rows holds each kind once, in a shuffled
-order); a kind whose two answers would be equal for a sentence gives way to the sentiment. Sentences over
-MAX_WORDS words are skipped, so prompt and answer stay short for a tiny tokenizer.
+minute prefers the right answer of most held-out pairs (tests/loop/test_preference.py). Kinds are dealt evenly
+(each run of six rows holds each kind once, in a shuffled order); a kind whose two answers would be equal for a
+sentence gives way to the sentiment. Sentences over MAX_WORDS words are skipped, so prompt and answer stay short
+for a tiny tokenizer.
 
 train.jsonl and validation.jsonl (disjoint sentences: train.tsv, dev.tsv) hold TRL's explicit-prompt
 conversational rows, {"prompt": [system?, user], "chosen": [assistant], "rejected": [assistant]}, a quarter of
