@@ -104,10 +104,10 @@ def own_preference(model_dir: Path, pairs: Path) -> dict:
     }
 
 
-def train(
+def command(
     model_dir: Path, out: Path, steps: int, lr: float, beta: float, eval_every: int | None, overrides: list[str]
-) -> tuple[list[str], float]:
-    command = [
+) -> list[str]:
+    return [
         sys.executable,
         "scripts/train.py",
         "recipes/llama/tp.yaml",
@@ -132,10 +132,13 @@ def train(
         "resume=none",
         *overrides,
     ]
-    print("$", shlex.join(command), flush=True)
+
+
+def train(argv: list[str]) -> float:
+    print("$", shlex.join(argv), flush=True)
     start = time.monotonic()
-    subprocess.run(command, cwd=REPO, check=True)
-    return command, time.monotonic() - start
+    subprocess.run(argv, cwd=REPO, check=True)  # a run stopped by SIGTERM checkpoints and exits 0
+    return round(time.monotonic() - start, 1)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -149,6 +152,9 @@ def main() -> int:
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--work", type=Path, default=REPO / ".cache" / "smollm2")
+    parser.add_argument(
+        "--report-only", action="store_true", help="train nothing: summarize the runs already in runs/bench/smollm2-dpo"
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. dpo_loss=ipo")
     args = parser.parse_args()
     sft = _sft_bench()
@@ -156,22 +162,28 @@ def main() -> int:
     runs = REPO / "runs" / "bench" / "smollm2-dpo"
     runs.mkdir(parents=True, exist_ok=True)
 
-    start = time.monotonic()
-    before = own_preference(model_dir, VALIDATION)
-    before["seconds"] = round(time.monotonic() - start, 1)
+    one_cmd = command(model_dir, runs / "step1", 1, args.lr, args.beta, None, args.overrides)
+    long_cmd = command(model_dir, runs / "long", args.steps, args.lr, args.beta, args.eval_every, args.overrides)
+    if args.report_only:
+        before = json.loads((runs / "own_preference.json").read_text())
+        one_s = long_s = None
+    else:
+        start = time.monotonic()
+        before = own_preference(model_dir, VALIDATION)
+        before["seconds"] = round(time.monotonic() - start, 1)
+        (runs / "own_preference.json").write_text(json.dumps(before, indent=2))
+        one_s, long_s = train(one_cmd), train(long_cmd)
     print(
         f"the model's own preference before training: chosen answer more likely in {before['accuracy']:.1%} of "
         f"{before['pairs']} held-out pairs",
         flush=True,
     )
-    (runs / "own_preference.json").write_text(json.dumps(before, indent=2))
-
-    one_cmd, one_s = train(model_dir, runs / "step1", 1, args.lr, args.beta, None, args.overrides)
-    long_cmd, long_s = train(model_dir, runs / "long", args.steps, args.lr, args.beta, args.eval_every, args.overrides)
 
     one_eval, one_train = _jsonl(runs / "step1" / "eval.jsonl"), _jsonl(runs / "step1" / "metrics.jsonl")
     evals, metrics = _jsonl(runs / "long" / "eval.jsonl"), _jsonl(runs / "long" / "metrics.jsonl")
-    summary = json.loads((runs / "long" / "summary.json").read_text())
+    # no summary.json where the run was stopped (SIGTERM) before max_steps
+    done = runs / "long" / "summary.json"
+    summary = json.loads(done.read_text()) if done.is_file() else {}
     same_first_step = all(
         abs(one_train[0][k] - metrics[0][k]) <= 1e-4 * max(1.0, abs(metrics[0][k])) for k in ("loss", "grad_norm", "lr")
     )
@@ -206,11 +218,13 @@ def main() -> int:
         "first_step_matches": same_first_step,
         "step1_run": {"loss": one_train[0]["loss"], "grad_norm": one_train[0]["grad_norm"]},
         "long_run_step1": {"loss": metrics[0]["loss"], "grad_norm": metrics[0]["grad_norm"]},
-        "final_train_loss": summary["final_loss"],
+        "steps_done": metrics[-1]["step"],
+        "final_train_loss": metrics[-1]["loss"],
+        "step_times_s": [round(m["step_time_s"], 1) for m in metrics],
         "seconds_per_step_median": statistics.median(step_times),
         "seconds_first_step": metrics[0]["step_time_s"],
-        "seconds": summary["seconds"],
-        "wall_seconds": {"step1_run": round(one_s, 1), "long_run": round(long_s, 1)},
+        "seconds": summary.get("seconds"),
+        "wall_seconds": {"step1_run": one_s, "long_run": long_s},
         "commands": {"step1": shlex.join(one_cmd), "long": shlex.join(long_cmd)},
     }
     (runs / "results.json").write_text(json.dumps(results, indent=2))

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+import tempfile
 from copy import deepcopy
 from pathlib import Path
 
@@ -489,7 +490,8 @@ def _parquet(folder: Path, columns: dict[str, list]) -> list[str]:
 
 
 def _template_file(text: str, tokenizer) -> str:
-    path = Path(tokenizer.name_or_path) / f"template-{abs(hash(text))}.jinja"
+    # a learned tokenizer made in memory has no folder (name_or_path ""): the system's temporary one, never the cwd
+    path = Path(tokenizer.name_or_path or tempfile.gettempdir()) / f"template-{abs(hash(text))}.jinja"
     path.write_text(text, encoding="utf-8")
     return str(path)
 

@@ -195,6 +195,12 @@ def target_mask(tokenizer, full: str, offsets: list[tuple[int, int]], spans: lis
     return mask
 
 
+def render_failure(where: str, what: str, exc: Exception) -> UserError:
+    """A template's failure on one row (jinja2's render errors, its own raise_exception) as one line naming it."""
+    said = str(exc).splitlines()[0][:200] if str(exc) else "no message"
+    return UserError(f"{where}: the chat template does not render this {what} ({type(exc).__name__}: {said})")
+
+
 def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: str, desc: str) -> datasets.Dataset:
     """Each row's tokens (`input_ids`, `length`), which are targets (`target_mask`, position 0 never) and how many
     (`targets`), cut to `max_length`; rows left with no target are dropped, counted in one log line.
@@ -214,10 +220,7 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
         except UserError:
             raise
         except Exception as exc:  # jinja2's render errors, a template's raise_exception on this conversation
-            raise UserError(
-                f"{where}: the chat template does not render this conversation ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'})"
-            ) from None
+            raise render_failure(where, "conversation", exc) from None
         whole = mask
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):

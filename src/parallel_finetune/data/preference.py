@@ -20,6 +20,7 @@ import logging
 import datasets
 
 from ..errors import UserError
+from .chat import render_failure
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, desc: st
         except UserError:
             raise
         except Exception as exc:  # jinja2's render errors, a template's raise_exception on this conversation
-            raise UserError(
-                f"{where}: the chat template does not render this pair ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else 'no message'})"
-            ) from None
+            raise render_failure(where, "pair", exc) from None
         specials = isinstance(chosen, str)  # a rendered conversation holds the template's own special tokens
         asked = tokenizer(texts[0], add_special_tokens=specials)["input_ids"]
         rows = [tokenizer(texts[0] + answer, add_special_tokens=specials)["input_ids"] for answer in texts[1:]]

@@ -139,10 +139,8 @@ class RunBuilder:
             schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
         with self.timer("model"):
             built = self._build(layout, resolved, prepared, train, schedule)
-        splits = {}
-        if built.preference is not None:  # before a resumed checkpoint replaces the weights
-            with self.timer("reference"):
-                splits = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
+        # before a resumed checkpoint replaces the weights
+        splits = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
         checkpoints = CheckpointManager(
             checkpoint_root,
             checkpoint=config.checkpoint,
@@ -258,64 +256,52 @@ class RunBuilder:
 
     def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> dict:
         """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs
-        (loop/reference.py); returns the validation split that holds them, for the evaluator."""
+        (loop/reference.py); returns the validation split that holds them, for the evaluator ({}: another task)."""
+        if built.preference is None:
+            return {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
         trained = trained_pairs(sampler, schedule.total_steps)
-        for split, pairs in ((train, trained), (validation, range(len(validation)))):
-            measure_reference(
-                split,
-                list(pairs),
-                runner=built.runner,
-                model=built.model,
-                loss=built.preference,
-                pad_id=tokenizer.pad_token_id,
-                padding_side=tokenizer.padding_side,
-                batch_size=config.eval_batch_size,
-                layout=layout,
-                lora=resolved.lora is not None,
-            )
+        with self.timer("reference"):
+            for split, pairs in ((train, trained), (validation, range(len(validation)))):
+                batcher = PreferenceBatcher(
+                    split,
+                    pad_id=tokenizer.pad_token_id,
+                    padding_side=tokenizer.padding_side,
+                    pad_multiple=built.runner.pad_multiple,
+                    device=layout.device,
+                )
+                measure_reference(
+                    batcher,
+                    list(pairs),
+                    runner=built.runner,
+                    model=built.model,
+                    loss=built.preference,
+                    batch_size=config.eval_batch_size,
+                    layout=layout,
+                    lora=resolved.lora is not None,
+                )
         return {"validation": validation}
 
     def _batcher(self, train: TokenizedSplit, prepared, layout: Layout, resolved: Resolved, runner: Runner):
         """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
         pipeline's are of static shapes); task=dpo's keeps each pair's two rows together."""
         config, tokenizer = self.config, prepared.tokenizer
-        if prepared.task.preference_pairs:
-            shape = None
-            if config.packing:  # a sequence holds twice max_length: any pair's two rows fit in one
-                pipeline = layout.pp > 1
-                shape = PackedShape(
-                    capacity=2 * config.max_length,
-                    pad_multiple=runner.pad_multiple,
-                    fixed_length=pipeline,
-                    rows_multiple=resolved.microbatches if pipeline else 1,
-                )
-            return PreferenceBatcher(
-                train,
-                pad_id=tokenizer.pad_token_id,
-                padding_side=tokenizer.padding_side,
+        pairs, pipeline = prepared.task.preference_pairs, layout.pp > 1
+        shape = None
+        if config.packing:  # task=dpo: a sequence holds twice max_length, so any pair's two rows fit in one
+            shape = PackedShape(
+                capacity=(2 if pairs else 1) * config.max_length,
                 pad_multiple=runner.pad_multiple,
-                device=layout.device,
-                shape=shape,
+                fixed_length=pipeline,
+                rows_multiple=resolved.microbatches if pipeline else 1,
+                pooled=self.family.pooled_token,
             )
-        if not config.packing:
-            return PaddedBatcher(
-                train,
-                pad_id=tokenizer.pad_token_id,
-                padding_side=tokenizer.padding_side,
-                pad_multiple=runner.pad_multiple,
-                device=layout.device,
-            )
-        pipeline = layout.pp > 1
-        shape = PackedShape(
-            capacity=config.max_length,
-            pad_multiple=runner.pad_multiple,
-            fixed_length=pipeline,
-            rows_multiple=resolved.microbatches if pipeline else 1,
-            pooled=self.family.pooled_token,
-        )
-        return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
+        if shape is not None and not pairs:
+            return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
+        padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
+        padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
+        return PreferenceBatcher(train, **padding, shape=shape) if pairs else PaddedBatcher(train, **padding)
 
     def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
         """generate_every's decoder over the run's runner, with the held-out prompts it answers."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PreferenceBatcher, TokenizedSplit
+from ..data.batch import PreferenceBatcher
 from ..interfaces import Runner
 from ..model.lora import adapters_disabled
 from .loss import PreferenceLoss
@@ -40,23 +40,20 @@ def trained_pairs(sampler, total_steps: int) -> list[int]:
 
 @torch.no_grad()
 def measure_reference(
-    split: TokenizedSplit,
+    batcher: PreferenceBatcher,
     pairs: list[int],
     *,
     runner: Runner,
     model: nn.Module,
     loss: PreferenceLoss,
-    pad_id: int,
-    padding_side: str,
     batch_size: int,
     layout,
     lora: bool,
 ) -> None:
-    """Set `split.reference` for `pairs` (the others stay 0: no step reads them)."""
+    """Set the reference log-probabilities of the batcher's split for `pairs` (the others stay 0: no step reads
+    them); `batcher` pads the pairs as the runner wants them."""
     started = time.perf_counter()
-    batcher = PreferenceBatcher(
-        split, pad_id=pad_id, padding_side=padding_side, pad_multiple=runner.pad_multiple, device=layout.device
-    )
+    split = batcher.split
     order = sorted(pairs, key=lambda i: split.lengths[i])
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     mine = chunks[layout.dp_rank :: layout.dp]

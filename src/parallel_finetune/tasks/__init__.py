@@ -1,6 +1,7 @@
 """What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
-sft: `messages`, `answers_from`, `index`), a Task (task.py) and a Source. sources.py reads rows (files.py, glue.py),
-columns.py defines the Task, labels.py reads labels, conversations.py instruction rows; errors name file and row.
+sft: `messages`, `answers_from`, `index`; dpo: `prompt`, `chosen`, `rejected`, `where`, `index`), a Task (task.py)
+and a Source. sources.py reads rows (files.py, glue.py), columns.py defines the Task, labels.py reads labels,
+conversations.py instruction rows, preferences.py preference pairs; errors name file and row.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from .sources import (  # noqa: F401
     Source,
     check_hub_data,
     data_fingerprint,
-    read_chat_sample,
-    read_preference_sample,
     read_sources,
 )
 from .task import DPO, LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
@@ -35,16 +34,11 @@ def load_task(
 ) -> tuple[datasets.DatasetDict, Task, Source]:
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
-    instruction, preference = model.task == SFT, model.task == DPO
-    if (instruction or preference) and not (data.train_file or data.dataset):
-        sample = read_preference_sample if preference else read_chat_sample
-        (tables, source), glue = sample(data=data), None
-    else:
-        tables, source, glue = read_sources(data=data)
-    if preference:
-        task = define_preference_task(tables["train"], data=data)
-    elif instruction:
-        task = define_instruction_task(tables["train"], data=data)
+    tables, source, glue = read_sources(data=data, task_key=model.task)
+    rows = {DPO: (define_preference_task, preference_rows), SFT: (define_instruction_task, conversation_rows)}
+    if model.task in rows:  # rows of their own format (task.name), read from its columns
+        define, read = rows[model.task]
+        task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
     if predict:
@@ -57,10 +51,8 @@ def load_task(
         table.teaches_tokenizer = learned
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):
             continue  # nothing evaluates a language model on a test split
-        if preference:
-            splits[split] = datasets.Dataset.from_dict(preference_rows(table, split, task.name, task.columns))
-        elif instruction:
-            splits[split] = datasets.Dataset.from_dict(conversation_rows(table, split, task.name, task.columns))
+        if model.task in rows:
+            splits[split] = datasets.Dataset.from_dict(read(table, split, task.name, task.columns))
         else:
             splits[split] = datasets.Dataset.from_dict(model_rows(table, split, task, text, pair, label))
     return datasets.DatasetDict(splits), task, source

@@ -138,7 +138,7 @@ def _message(table: Table, row: int, column: str, number: int, item) -> tuple[di
     return message, _weight(where, item, role)
 
 
-def _messages(table: Table, row: int, column: str, value, needs_answer: bool) -> tuple[list[dict], list[bool]]:
+def read_messages(table: Table, row: int, column: str, value, needs_answer: bool) -> tuple[list[dict], list[bool]]:
     """The messages of one cell and, per message, whether it trains (`weight`)."""
     read = [_message(table, row, column, n, item) for n, item in enumerate(_listed(table, row, column, value), 1)]
     messages, trained = [m for m, _ in read], [t for _, t in read]
@@ -150,7 +150,7 @@ def _messages(table: Table, row: int, column: str, value, needs_answer: bool) ->
     return messages, trained
 
 
-def _holds_messages(table: Table, value) -> bool:
+def holds_messages(table: Table, value) -> bool:
     """A prompt or completion cell holds messages: a list, or in a CSV/TSV cell JSON text of one. Elsewhere a
     string is the text itself, whatever it begins with."""
     return not isinstance(value, str) or (table.text_cells and value.lstrip().startswith("["))
@@ -159,18 +159,18 @@ def _holds_messages(table: Table, value) -> bool:
 def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tuple[list[dict], list[bool], int]:
     prompt_column, completion_column = columns
     prompt, completion = table.columns[prompt_column][row], table.columns[completion_column][row]
-    if not _holds_messages(table, completion):
+    if not holds_messages(table, completion):
         if not completion.strip():
             raise UserError(f"{table.at(row)}: column {completion_column!r} is empty; a completion is the answer")
         check_text(table, row, completion)
         answer, answer_trained = [{"role": "assistant", "content": completion}], [True]
     else:
-        answer, answer_trained = _messages(table, row, completion_column, completion, needs_answer=True)
-    if not _holds_messages(table, prompt):
+        answer, answer_trained = read_messages(table, row, completion_column, completion, needs_answer=True)
+    if not holds_messages(table, prompt):
         check_text(table, row, prompt)
         asked, asked_trained = [{"role": "user", "content": prompt}], [True]
     else:
-        asked, asked_trained = _messages(table, row, prompt_column, prompt, needs_answer=False)
+        asked, asked_trained = read_messages(table, row, prompt_column, prompt, needs_answer=False)
     return asked + answer, asked_trained + answer_trained, len(asked)
 
 
@@ -192,7 +192,7 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
             messages, trained, start = _prompt_completion(table, row, columns)
         else:
             value = table.columns[columns[0]][row]
-            (messages, trained), start = _messages(table, row, columns[0], value, needs_answer=True), 0
+            (messages, trained), start = read_messages(table, row, columns[0], value, needs_answer=True), 0
         first = next((m["role"] for m in messages if m["role"] != "system"), None)
         if first == "assistant":
             raise UserError(

@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
-from .conversations import _holds_messages, _messages
+from .conversations import holds_messages, read_messages
 from .files import Table, check_text
 from .task import Task
 
@@ -73,12 +73,12 @@ def _cell(table: Table, row: int, column: str, needs_answer: bool) -> str | list
     ):
         what = "an answer" if needs_answer else "the prompt"
         raise UserError(f"{table.at(row)}: column {column!r} is empty; it holds {what} (a text or a list of messages)")
-    if not _holds_messages(table, value):
+    if not holds_messages(table, value):
         if not isinstance(value, str):
             raise UserError(f"{table.at(row)}: column {column!r} holds a {type(value).__name__}, not text or messages")
         check_text(table, row, value)
         return value
-    return _messages(table, row, column, value, needs_answer=False)[0]
+    return read_messages(table, row, column, value, needs_answer=False)[0]
 
 
 def _shared_prompt(chosen, rejected):

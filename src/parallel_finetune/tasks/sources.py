@@ -242,9 +242,11 @@ def check_hub_data(*, data: DataSection) -> str:
     return f"the small shipped SST-2 sample {SAMPLE_DIR}, NOT SST-2 (the Hub is unreachable: {problem})"
 
 
-def read_sources(*, data: DataSection) -> tuple[dict[str, Table], Source, GlueTask | None]:
+def read_sources(*, data: DataSection, task_key: str) -> tuple[dict[str, Table], Source, GlueTask | None]:
     """The splits as tables (train, validation[_mismatched], test[_mismatched]), where they came from, and the GLUE
-    task they are (None: the user's own files or data set)."""
+    task they are (None: the user's own files or data set, or the shipped sample of task=sft or dpo)."""
+    if task_key in SHIPPED_SAMPLES and not (data.train_file or data.dataset):
+        return *read_shipped_sample(task_key, data=data), None
     if data.train_file:
         _refuse_training_on_validation(data=data)
         tables = {"train": read_file(data.train_file, "train_file")}
@@ -329,38 +331,34 @@ def _dataset_tables(name: str, config_name: str | None) -> tuple[dict[str, Table
     return tables, source
 
 
-def read_chat_sample(*, data: DataSection) -> tuple[dict[str, Table], Source]:
-    """task=sft without train_file or dataset: the small chat sample shipped in sample_data/chat (instructions
-    over SST-2 sentences, scripts/make_chat_sample.py), said in the log. A GLUE folder is no instruction data."""
-    if data.data_dir:
-        raise UserError(
-            f"data_dir={data.data_dir!r} is a GLUE folder (glue_task); task=sft reads conversations from "
-            "train_file=PATH (+ validation_file) or dataset=FOLDER"
-        )
-    files = {"train": CHAT_SAMPLE_DIR / "train.jsonl", "validation": CHAT_SAMPLE_DIR / "validation.jsonl"}
-    log.info(
-        "task=sft with no train_file or dataset: training on the small chat sample shipped in %s (instructions "
-        "over SST-2 sentences); give train_file=PATH for your own conversations",
-        CHAT_SAMPLE_DIR,
-    )
-    tables = {split: read_file(path, "the chat sample") for split, path in files.items()}
-    return tables, Source("sample", str(CHAT_SAMPLE_DIR), "chat-sample-" + _fingerprint(list(files.values())))
-
-
-def read_preference_sample(*, data: DataSection) -> tuple[dict[str, Table], Source]:
-    """task=dpo without train_file or dataset: the small preference sample shipped in sample_data/preference (a
-    right and a wrong answer to instructions over SST-2 sentences, scripts/make_preference_sample.py), said in the
-    log."""
-    if data.data_dir:
-        raise UserError(
-            f"data_dir={data.data_dir!r} is a GLUE folder (glue_task); task=dpo reads preference pairs from "
-            "train_file=PATH (+ validation_file) or dataset=FOLDER"
-        )
-    files = {"train": PREFERENCE_SAMPLE_DIR / "train.jsonl", "validation": PREFERENCE_SAMPLE_DIR / "validation.jsonl"}
-    log.info(
-        "task=dpo with no train_file or dataset: training on the small preference sample shipped in %s (right and "
-        "wrong answers about SST-2 sentences); give train_file=PATH for your own pairs",
+# task -> its shipped sample: folder, what the log calls it and its rows, what a run of it reads, fingerprint prefix
+SHIPPED_SAMPLES = {
+    "sft": (CHAT_SAMPLE_DIR, "chat sample", "instructions over SST-2 sentences", "conversations", "chat-sample-"),
+    "dpo": (
         PREFERENCE_SAMPLE_DIR,
+        "preference sample",
+        "right and wrong answers about SST-2 sentences",
+        "preference pairs",
+        "dpo-sample-",
+    ),
+}
+
+
+def read_shipped_sample(task_key: str, *, data: DataSection) -> tuple[dict[str, Table], Source]:
+    """task=sft or dpo without train_file or dataset: the small sample shipped in sample_data/chat (instructions
+    over SST-2 sentences, scripts/make_chat_sample.py) or sample_data/preference (a right and a wrong answer to
+    such instructions, scripts/make_preference_sample.py), said in the log. A GLUE folder is neither."""
+    folder, name, holds, reads, prefix = SHIPPED_SAMPLES[task_key]
+    if data.data_dir:
+        raise UserError(
+            f"data_dir={data.data_dir!r} is a GLUE folder (glue_task); task={task_key} reads {reads} from "
+            "train_file=PATH (+ validation_file) or dataset=FOLDER"
+        )
+    files = {"train": folder / "train.jsonl", "validation": folder / "validation.jsonl"}
+    log.info(
+        "task=%s with no train_file or dataset: training on the small %s shipped in %s (%s); give train_file=PATH "
+        "for your own %s",
+        *(task_key, name, folder, holds, reads),
     )
-    tables = {split: read_file(path, "the preference sample") for split, path in files.items()}
-    return tables, Source("sample", str(PREFERENCE_SAMPLE_DIR), "dpo-sample-" + _fingerprint(list(files.values())))
+    tables = {split: read_file(path, f"the {name}") for split, path in files.items()}
+    return tables, Source("sample", str(folder), prefix + _fingerprint(list(files.values())))
