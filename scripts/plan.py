@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", help=f"SageMaker instance: {', '.join(INSTANCES)}")
     parser.add_argument("--gpu", help=f"GPU type, for its speed: {', '.join(GPUS)}")
     parser.add_argument("--nodes", default="1", help="nodes (default 1)")
-    parser.add_argument("--task", default="classification", choices=["classification", "causal_lm", "sft"])
+    parser.add_argument("--task", default="classification", choices=["classification", "causal_lm", "sft", "dpo"])
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence for memory (default 128)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch (default 32, the recipes')")
     parser.add_argument(
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 packing=args.packing,
                 tokens_per_row=args.tokens_per_row or (SFT_TOKENS_PER_ROW if args.packing else None),
                 loss_chunk_tokens=args.loss_chunk_tokens,
+                pairs=args.task == "dpo",
             ),
             runs_today=args.runs_today,
         )

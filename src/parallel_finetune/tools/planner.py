@@ -492,6 +492,7 @@ class Plan:
     seq_len: int
     tokens_per_sample: float
     mfu: float
+    pairs: bool = False  # task=dpo: a sample is a preference pair
 
     def table(self, limit: int | None = 15) -> str:
         """The best `limit` rows (all with None), plus the recommended one if it is further down."""
@@ -557,6 +558,15 @@ class Plan:
                     "of the base in 16-bit; layouts the trainer refuses with NF4 (hybrid, FSDP with tp) left out"
                 ]
                 if shape.nf4
+                else []
+            ),
+            *(
+                [
+                    "dpo: each sample is a pair of rows (chosen, rejected), both in memory and time; the reference "
+                    "model costs no memory (its log-probabilities are measured once before training, in this "
+                    "layout: one forward per trained pair, about a third of a step's compute per pair)"
+                ]
+                if self.pairs
                 else []
             ),
             f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
@@ -681,6 +691,7 @@ def plan(
     if lora_rank:
         shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank), nf4=nf4)
     tokens = seq_len if workload.padded else min(tokens_per_sample, seq_len)
+    tokens *= 2 if workload.pairs else 1  # a preference pair is two rows: twice the compute of one
     steps = SST2_TRAIN_SENTENCES // batch_size
     rows = []
     for layout in candidate_layouts(shape, hardware, batch_size):
@@ -697,4 +708,4 @@ def plan(
         )
     rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["peak"]))
     roomy = [row for row in rows if row.memory["peak"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
-    return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu)
+    return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu, workload.pairs)
