@@ -113,6 +113,18 @@ def test_dpo_matches_single_process(family, name, nproc, overrides, kind, refere
 FOUR_BLOCKS = ("model_config.num_hidden_layers=4",)
 
 
+def test_lora_dpo_under_a_pipeline_matches_and_exports_its_adapter(references, sst2, cache_dir, tmp_path):
+    """LoRA under PP=2 1F1B (the reference: the stages' adapters disabled) against one process, and its adapter/
+    exported as for sft (peft's files)."""
+    reference = references("llama", "lora")
+    overrides = dpo_overrides(sst2, cache_dir, "llama", *LORA, *PP2, export="true")
+    run = launch(2, overrides, tmp_path / "lora-pp2", recipe=kind_recipe("llama", "lora"))
+    difference = assert_prefers_like(run, reference)
+    print(f"llama lora_pp2 dpo: largest difference {difference:.2e}")
+    adapter = run.output_dir / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+
+
 def test_dpo_under_deepspeed_matches_single_process(references, sst2, cache_dir, tmp_path):
     """engine=deepspeed (ZeRO-2, DP=2): the pairs' log-probabilities from the model's own whole logits."""
     reference = references("llama", "full")
