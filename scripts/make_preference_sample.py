@@ -28,27 +28,20 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import make_chat_sample as chat_sample  # its sentences and system messages (run as scripts/make_preference_sample.py)
+
 SAMPLE = Path(__file__).resolve().parents[1] / "src" / "parallel_finetune" / "sample_data"
 OUT = SAMPLE / "preference"
 TRAIN_ROWS, VALIDATION_ROWS, IMPLICIT_ROWS = 400, 64, 40
 MAX_WORDS = 25
 KINDS = ("sentiment", "upper", "reverse", "first", "last", "quote")
-SYSTEMS = (
-    "You are a helpful assistant. Answer briefly.",
-    "You are a film critic's assistant: you read reviews carefully.",
-    "Answer with as few words as possible.",
-)
 
 
 def read_sentences(path: Path) -> list[tuple[str, str]]:
-    lines = path.read_text(encoding="utf-8").splitlines()[1:]
-    rows = []
-    for line in lines:
-        sentence, label = line.rsplit("\t", 1)
-        sentence = sentence.strip()
-        if len(sentence.split()) <= MAX_WORDS:
-            rows.append((sentence, "positive" if label.strip() == "1" else "negative"))
-    return rows
+    """make_chat_sample's sentences and labels, less those over MAX_WORDS words."""
+    return [
+        (sentence, label) for sentence, label in chat_sample.read_sentences(path) if len(sentence.split()) <= MAX_WORDS
+    ]
 
 
 def pair(sentence: str, label: str, kind: str, rng: random.Random, follow_up: bool = False) -> tuple[str, str, str]:
@@ -103,7 +96,7 @@ def explicit(pool: list[tuple[str, str]], count: int, rng: random.Random) -> tup
         kind, asked, chosen, rejected = checked(sentence, label, kind, rng)
         prompt = [{"role": "user", "content": asked}]
         if rng.random() < 0.25:
-            prompt.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
+            prompt.insert(0, {"role": "system", "content": rng.choice(chat_sample.SYSTEMS)})
         rows.append(
             {
                 "prompt": prompt,
@@ -131,7 +124,7 @@ def implicit(pool: list[tuple[str, str]], count: int, rng: random.Random) -> tup
             kind, asked, chosen, rejected = checked(sentence, label, kind, rng)
             shared = [{"role": "user", "content": asked}]
         if rng.random() < 0.25:
-            shared.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
+            shared.insert(0, {"role": "system", "content": rng.choice(chat_sample.SYSTEMS)})
         rows.append(
             {
                 "chosen": [*shared, {"role": "assistant", "content": chosen}],

@@ -10,19 +10,14 @@ import json
 import pytest
 from conftest import REPO, launch, recipe, tiny_overrides
 
+from parallel_finetune.loop.loss import PAIR_METRICS
+
 TOLERANCE = 1e-5
 EVALS = "eval.jsonl"  # each evaluation of a run: its step and metrics
 TP2 = ["tensor_parallel_degree=2"]
 PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "pipeline_schedule=1f1b"]
 LORA = ["lora_dropout=0", "lora_rank=8", "lora_alpha=16", "lora_target_modules=all-linear"]
-PAIR_KEYS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+PAIR_KEYS = PAIR_METRICS[1:]  # TRL's names: rewards/chosen, ..., logps/rejected (every metric but the loss)
 # every step's, within TOLERANCE; rewards/accuracies, a count of strict wins, is not among them: while rewards are
 # near 0 (the first steps, whose warm-up lr is 0 or small), a tie in one process is a win under another layout
 STEP_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")

@@ -59,6 +59,19 @@ def accumulation_slices(global_batch: list[int], dp_rank: int, dp_size: int, acc
     ]
 
 
+def scoring_chunks(
+    rows, lengths: list[int], batch_size: int, dp_rank: int, dp: int
+) -> list[tuple[list[int], bool]]:
+    """This data-parallel rank's share of `rows` to score without gradients (evaluation, DPO's reference pass):
+    the rows sorted by length and cut into chunks of `batch_size`, rank r taking chunks r, r + dp, ...; each with
+    whether it counts. Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so
+    all of them run the same number: a rank short of a chunk runs the first one again and counts it nowhere."""
+    order = sorted(rows, key=lambda i: lengths[i])
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    mine = chunks[dp_rank::dp]
+    return [(chunk, True) for chunk in mine] + [(chunks[0], False)] * (-(-len(chunks) // dp) - len(mine))
+
+
 def token_slots(global_batch: list[int], lengths: list[int], dp: int, accumulation: int, multiple: int = 1) -> int:
     """Token positions a global batch occupies once each replica's accumulation slices are padded to their longest
     row (rounded up to `multiple`): real tokens / this = the useful share of the compute."""

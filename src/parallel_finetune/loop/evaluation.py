@@ -10,6 +10,7 @@ through metrics.compute_metrics (GLUE's official ones for a GLUE task); perplexi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..data.batch import PaddedBatcher, PreferenceBatcher, TokenizedSplit
 from ..data.prepare import PreparedData
+from ..data.sampling import scoring_chunks
 from ..errors import UserError
 from ..interfaces import Runner
 from ..metrics import compute_metrics
@@ -96,12 +98,23 @@ class Evaluator:
         return self._splits[name]
 
     def _scored(self, split: TokenizedSplit, with_loss: bool):
+        with self._eval_mode():
+            return self._score(split, with_loss)
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """The model in eval mode (no dropout) meanwhile, then as it was."""
         training = self.model.training
         self.model.eval()
         try:
-            return self._score(split, with_loss)
+            yield
         finally:
             self.model.train(training)
+
+    def _chunks(self, split: TokenizedSplit) -> list[tuple[list[int], bool]]:
+        """This rank's chunks of the split's rows, and whether each counts (data.scoring_chunks)."""
+        layout = self.layout
+        return scoring_chunks(range(len(split)), split.lengths, self.batch_size, layout.dp_rank, layout.dp)
 
     def _score(self, split: TokenizedSplit, with_loss: bool):
         layout, runner = self.layout, self.runner
@@ -114,24 +127,18 @@ class Evaluator:
             device=layout.device,
         )
         classifies = self.task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss
-        order = sorted(range(len(split)), key=lambda i: split.lengths[i])
-        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         predictions: list[tuple[int, float | int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
-        mine = chunks[layout.dp_rank :: layout.dp]
-        # Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so all of them
-        # run the same number: a rank short of a chunk runs the first one again and scores it nowhere.
-        rounds = -(-len(chunks) // layout.dp)
-        for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
+        for chunk, counts in self._chunks(split):
             batch = batcher.batch(chunk, labelled=with_loss)
             if not classifies:  # a language model: its loss only, from hidden states (no logits held)
                 loss = runner.loss(batch)
-                if number < len(mine) and loss is not None:  # not a repeat, not a pipeline's earlier stage
+                if counts and loss is not None:  # not a repeat, not a pipeline's earlier stage
                     totals[0] += loss.double()
                     totals[1] += batch.scored()
                 continue
             logits = runner.forward(batch)
-            if number >= len(mine) or logits is None:  # a repeat, or a pipeline stage that is not the last
+            if not counts or logits is None:  # a repeat, or a pipeline stage that is not the last
                 continue
             if with_loss:
                 totals[0] += self.loss(logits, batch.labels).double()
@@ -151,22 +158,14 @@ class Evaluator:
             pad_multiple=runner.pad_multiple,
             device=layout.device,
         )
-        order = sorted(range(len(split)), key=lambda i: split.lengths[i])
-        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        mine = chunks[layout.dp_rank :: layout.dp]
-        rounds = -(-len(chunks) // layout.dp)  # as in _score: every rank runs as many forwards
         totals = preference.sums(None, layout.device)
-        training = self.model.training
-        self.model.eval()
         preference.take()
-        try:
-            for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
+        with self._eval_mode():
+            for chunk, counts in self._chunks(split):
                 runner.loss(batcher.batch(chunk))
                 record = preference.take()
-                if number < len(mine):
+                if counts:
                     totals += preference.sums(record, layout.device)
-        finally:
-            self.model.train(training)
         if layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
         if layout.pp > 1:  # the last stage scored every pair

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data.batch import PreferenceBatcher
+from ..data.sampling import scoring_chunks
 from ..interfaces import Runner
 from ..model.lora import adapters_disabled
 from .loss import PreferenceLoss
@@ -54,21 +55,16 @@ def measure_reference(
     them); `batcher` pads the pairs as the runner wants them."""
     started = time.perf_counter()
     split = batcher.split
-    order = sorted(pairs, key=lambda i: split.lengths[i])
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    mine = chunks[layout.dp_rank :: layout.dp]
-    # FSDP gathers parameters in every forward over the data-parallel ranks: all run the same number of chunks
-    rounds = -(-len(chunks) // layout.dp)
     values = torch.zeros(len(split), 2, dtype=torch.float64, device=layout.device)
     training = model.training
     model.eval()
     loss.take()
     try:
         with adapters_disabled(model) if lora else contextlib.nullcontext():
-            for number, chunk in enumerate(mine + [chunks[0]] * (rounds - len(mine))):
+            for chunk, counts in scoring_chunks(pairs, split.lengths, batch_size, layout.dp_rank, layout.dp):
                 runner.loss(batcher.batch(chunk))
                 record = loss.take()  # None on a pipeline stage that is not the last
-                if number < len(mine) and record is not None and layout.tp_rank == 0:  # each pair counted once
+                if counts and record is not None and layout.tp_rank == 0:  # each pair counted once
                     values[torch.tensor(chunk, device=layout.device)] = record.logps.double()
     finally:
         model.train(training)
