@@ -59,9 +59,7 @@ def accumulation_slices(global_batch: list[int], dp_rank: int, dp_size: int, acc
     ]
 
 
-def scoring_chunks(
-    rows, lengths: list[int], batch_size: int, dp_rank: int, dp: int
-) -> list[tuple[list[int], bool]]:
+def scoring_chunks(rows, lengths: list[int], batch_size: int, dp_rank: int, dp: int) -> list[tuple[list[int], bool]]:
     """This data-parallel rank's share of `rows` to score without gradients (evaluation, DPO's reference pass):
     the rows sorted by length and cut into chunks of `batch_size`, rank r taking chunks r, r + dp, ...; each with
     whether it counts. Under FSDP and ZeRO-3 a forward all-gathers parameters over the data-parallel ranks, so
