@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         # The imports' ~1M objects live as long as the process: frozen, no collection rescans them (a full one
         # cost ~0.3 s per process here, and one that lands mid-step on one rank stalls every rank's collectives).
         gc.freeze()
-        run(config)
+        with kernel_standins(os.environ.get(STANDINS_VARIABLE, "")):
+            run(config)
         # Interpreter teardown would otherwise spend ~2 s garbage-collecting torch's and transformers' objects
         # (measured here, per process); frozen objects are skipped and the process exits at once.
         gc.freeze()
@@ -81,6 +82,28 @@ def main(argv: list[str] | None = None) -> int:
         return report(exc)
     except KeyboardInterrupt as exc:
         return interrupted(exc)
+
+
+# A dry run of the CUDA-only branches on a CPU (tests, `bench/gpu.py --dry-run`): the kernels replaced by their strict
+# stand-ins (model/standins.py), said once. Its value names the torch release whose signature the stand-ins take
+# ("1" or "installed": this torch's).
+STANDINS_VARIABLE = "PARALLEL_FINETUNE_KERNEL_STANDINS"
+
+
+def kernel_standins(value: str):
+    """The stand-ins installed for the run when `value` asks for them; nothing otherwise."""
+    import contextlib
+
+    if not value or value == "0":
+        return contextlib.nullcontext()
+    from .model import standins
+
+    release = None if value in ("1", "installed") else value
+    if release is not None and release not in standins.SIGNATURES:
+        raise UserError(f"{STANDINS_VARIABLE}={value}: one of 1, installed, {', '.join(standins.SIGNATURES)}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{STANDINS_VARIABLE}: CUDA-only kernels run as strict CPU stand-ins (a dry run, not a GPU run)")
+    return standins.install(release)
 
 
 def interrupted(exc: KeyboardInterrupt) -> int:

@@ -419,10 +419,13 @@ class RunBuilder:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
         return _Model(ready, model, updates, runner, scheduler, preference)
 
-    def _packed_attention(self, hf_config, layout: Layout) -> None:
-        """Packed batches' attention: varlen flash attention on CUDA (model/attention.py), else the dense 4-D mask;
-        said once."""
-        why = attention.varlen_unavailable(hf_config, layout.device, pipeline=layout.pp > 1)
+    def _packed_attention(self, hf_config, layout: Layout, resolved: Resolved) -> None:
+        """Packed batches' attention: varlen flash attention where its kernel's preconditions hold
+        (model/attention.py), else the dense 4-D mask; said once, with why."""
+        model_class = self.family.model_classes[resolved.head]
+        why = attention.varlen_unavailable(
+            hf_config, model_class, layout.device, pipeline=layout.pp > 1, compute_dtype=resolved.compute_dtype
+        )
         if why is None:
             attention.register()
             hf_config._attn_implementation = attention.NAME
@@ -471,7 +474,7 @@ class RunBuilder:
         family.check_tp(hf_config, layout.tp)
         if config.packing:
             family.check_packing(hf_config, config.max_length)
-            self._packed_attention(hf_config, layout)
+            self._packed_attention(hf_config, layout, resolved)
         if config.compile == "auto":
             log.info("%s", schedule.compile_why)
         placement = Placement(

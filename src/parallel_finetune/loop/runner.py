@@ -5,7 +5,6 @@ stages, run by a pipeline schedule.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -25,11 +24,16 @@ def model_inputs(batch: Batch, family: Family | None = None, model: nn.Module | 
     """What the model's forward takes for `batch`: its positions (a left-padded row sees the positions of its
     unpadded self; transformers would number the padding too), and a packed batch takes the 4-D mask `family`
     builds from them for `model`'s attention implementation (none under flash attention: the positions say where
-    rows start), so that no token attends to another row."""
-    mask = batch.attention_mask
-    if batch.packed:
+    rows start), so that no token attends to another row. Under varlen attention (model/attention.py) the rows'
+    boundaries travel as keyword arguments of the forward instead, with an all-ones mask (SDPA's mask function
+    makes none for it)."""
+    mask, rows = batch.attention_mask, {}
+    if batch.packed and model.config._attn_implementation == attention.NAME:
+        mask, rows = torch.ones_like(batch.attention_mask), attention.varlen_inputs(batch.positions)
+    elif batch.packed:
         mask = family.packed_mask(model.config, batch.positions, next(model.parameters()).dtype)
     inputs = {"input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.positions, "use_cache": False}
+    inputs.update(rows)
     if batch.token_type_ids is not None:  # sentence pairs of a family with token types (BERT)
         inputs["token_type_ids"] = batch.token_type_ids
     return inputs
@@ -63,17 +67,11 @@ class WholeModel:
         self.backward(loss, last)
         return loss.detach()
 
-    def attention(self, batch: Batch):
-        """A packed batch's rows for varlen attention (model/attention.py), when the model runs it."""
-        if batch.packed and self.model.config._attn_implementation == attention.NAME:
-            return attention.packed_rows(attention.PackedRows.of_positions(batch.positions))
-        return contextlib.nullcontext()
-
     def summed_loss(self, batch: Batch) -> torch.Tensor:
         """The batch's loss, summed: a language model's from its hidden states and head (no logits; see
         loss.hidden_loss_forward), any other from its logits."""
         if getattr(self.head_loss, "takes_hidden", False):
-            with self.autocast(), self.attention(batch):
+            with self.autocast():
                 return hidden_loss_forward(
                     self.model, model_inputs(batch, self.family, self.model), batch.loss_target(), self.head_loss
                 )
@@ -95,7 +93,7 @@ class WholeModel:
     def forward(self, batch: Batch) -> torch.Tensor:
         if batch.packed and self.head is HeadKind.CLASSIFICATION:
             return self.position_logits(batch)
-        with self.autocast(), self.attention(batch):
+        with self.autocast():
             return self.model(**model_inputs(batch, self.family, self.model)).logits
 
     def position_logits(self, batch: Batch) -> torch.Tensor:
@@ -104,7 +102,7 @@ class WholeModel:
         logits: list[torch.Tensor] = []
         handle = self.family.position_logits_hook(self.model, logits.append)
         try:
-            with self.autocast(), self.attention(batch):
+            with self.autocast():
                 self.model(**model_inputs(batch, self.family, self.model))
         finally:
             handle.remove()
