@@ -60,7 +60,8 @@ def check_varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enabl
     tensors = {"query": query, "key": key, "value": value}
     for name, tensor in tensors.items():
         if tensor.dim() != 3:
-            raise KernelContractError(f"varlen_attn: {name} must be (tokens, heads, head dim), got {tuple(tensor.shape)}")
+            shape = tuple(tensor.shape)
+            raise KernelContractError(f"varlen_attn: {name} must be (tokens, heads, head dim), got {shape}")
         if tensor.dtype not in FLASH_DTYPES:
             raise KernelContractError(f"FlashAttention only supports fp16 and bf16 data type, {name} is {tensor.dtype}")
         if tensor.stride(-1) != 1:
@@ -79,7 +80,8 @@ def check_varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enabl
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
         raise KernelContractError(f"varlen_attn: {heads} query heads and {kv_heads} key/value heads without enable_gqa")
-    for name, cu, tokens, longest in (("cu_seq_q", cu_seq_q, query.shape[0], max_q), ("cu_seq_k", cu_seq_k, key.shape[0], max_k)):
+    sides = (("cu_seq_q", cu_seq_q, query.shape[0], max_q), ("cu_seq_k", cu_seq_k, key.shape[0], max_k))
+    for name, cu, tokens, longest in sides:
         if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
             raise KernelContractError(f"{name} must be a contiguous 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
         if not isinstance(longest, int):
@@ -101,7 +103,8 @@ def _reference(query, key, value, cu_seq, scale, causal):
         q, k, v = (t[start:end].float().transpose(0, 1) for t in (query, key, value))
         if groups > 1:
             k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-        out.append(F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)[0].transpose(0, 1))
+        part = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal)
+        out.append(part[0].transpose(0, 1))
     return torch.cat(out) if out else query.float().new_zeros(query.shape)
 
 
@@ -191,7 +194,8 @@ def varlen_attn_for(release: str):
             options = {"is_causal": args[0], **options}
         unknown = set(options) - accepted
         if unknown:
-            raise TypeError(f"varlen_attn() got an unexpected keyword argument {sorted(unknown)[0]!r} (torch {release})")
+            name = sorted(unknown)[0]
+            raise TypeError(f"varlen_attn() got an unexpected keyword argument {name!r} (torch {release})")
         if options.get("return_aux") is not None:
             raise KernelContractError("the stand-in does not return auxiliary outputs; nothing of ours asks for them")
         window = tuple(options.get("window_size", (-1, -1)))
