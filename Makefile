@@ -51,7 +51,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 .PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
+	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -74,7 +74,8 @@ help:
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
-	@echo "make test      run the test suite (CPU, gloo)"
+	@echo "make test      run the test suite (CPU, gloo); first make test-data:"
+	@echo "make test-data GLUE SST-2 for the tests: SST2_DIR, else data/glue/sst2 (fetched once, 7 MB), else ../shared/data/sst2"
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
 	@echo "make lint      ruff: lint and format check (src, tests, bench, scripts)"
 	@echo "make selftest  every layout vs one process on this machine's GPUs (nccl) or CPU (gloo): table + verdict"
@@ -196,7 +197,12 @@ bert-minilm-glue: setup
 data: setup
 	$(PY) scripts/prepare_data.py recipes/gptj/tp.yaml size=$(SIZE) $(DATA_ARGS) $(ARGS)
 
-test: setup
+# GLUE SST-2 for the tests: SST2_DIR, else data/glue/sst2 (fetched there once, from GLUE's zip or the Hub, and
+# checked), else ../shared/data/sst2; offline with none of them, one line says how to provide it.
+test-data: setup
+	@$(PY) scripts/fetch_sst2.py
+
+test: test-data
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 docs: setup

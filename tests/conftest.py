@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import importlib.util
 import inspect
 import json
 import os
@@ -58,20 +59,33 @@ def no_dropout(family: str) -> list[str]:
     return [f"model_config.{key}=0" for key in model.dropout_keys if getattr(tiny, key)]
 
 
+def _load_fetch_sst2():
+    """scripts/fetch_sst2.py as a module: the one lookup of SST-2 (SST2_DIR, data/glue/sst2, ../shared/data/sst2)
+    that `make test-data` also runs, so the tests read the folder it found or fetched."""
+    spec = importlib.util.spec_from_file_location("fetch_sst2", REPO / "scripts" / "fetch_sst2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fetch_sst2 = _load_fetch_sst2()
+
+
 def find_sst2() -> Path | None:
-    candidates = [os.environ.get("SST2_DIR"), REPO.parent / "shared" / "data" / "sst2", "/work/shared/data/sst2"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "train.tsv").is_file():
-            return Path(candidate)
-    return None
+    """The SST-2 folder the lookup finds, checked, or None (bench/launch_cost.py's default too)."""
+    return fetch_sst2.locate()
 
 
 @pytest.fixture(scope="session")
 def sst2_full() -> Path:
-    """The real GLUE SST-2 folder, all 67,349 / 872 / 1,821 rows: for the tests about reading it whole."""
-    path = find_sst2()
+    """The real GLUE SST-2 folder, all 67,349 / 872 / 1,821 rows: for the tests about reading it whole. Found, never
+    downloaded, here (the suite runs offline, in parallel workers): `make test` fetches it first."""
+    try:
+        path = find_sst2()
+    except fetch_sst2.Sst2Error as exc:
+        pytest.fail(str(exc))
     if path is None:
-        pytest.fail("the GLUE SST-2 files are missing: set SST2_DIR or put them in ../shared/data/sst2")
+        pytest.fail(f"GLUE SST-2 not found: run `make test-data` to fetch it, or {fetch_sst2.how_to_provide()}")
     return path
 
 

@@ -47,6 +47,8 @@ def test_check_accepts_a_good_run(sst2):
         (["size=tiny", "model_config.n_head=6", "tensor_parallel_degree=4"], 4, "does not divide gptj n_head=6"),
         (["size=tiny", "tensor_parallel_degree=2"], 3, "tensor_parallel_degree=2 does not divide the 3 processes"),
         (["size=full", "model=./no/such/model"], 2, "model='./no/such/model': no such folder"),
+        # make on a CPU passes size=tiny before ARGS: the model named there is refused, not passed over
+        (["size=tiny", "model=./my-gptj"], 2, "model='./my-gptj' with size=tiny: a tiny model is built from the"),
         (["size=tiny", "data_dir=/no/such/dir"], 2, "data_dir='/no/such/dir': no such folder"),
         (["size=tiny", "max_stepz=3"], 2, "unknown key 'max_stepz'; did you mean 'max_steps'?"),
         (["size=tiny", "model_config.n_hed=4"], 2, "model_config.n_hed: GPTJConfig has no such attribute"),

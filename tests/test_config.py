@@ -19,6 +19,27 @@ def test_recipe_sections_and_tiny_overrides():
     assert load_config(RECIPE, ["size=tiny", "lr=2e-4"]).lr == 2e-4  # the command line wins
 
 
+def test_a_model_override_at_tiny_size_is_refused(tmp_path):
+    """size=tiny builds a model from config and reads no checkpoint, so a model= the user names with it was trained
+    as the recipe's tiny model in silence (issue 54): now one line naming both keys and what to pass instead."""
+    refusal = "model='./my-gptj' with size=tiny: a tiny model is built from the family's config and would not load"
+    for overrides in (["size=tiny", "model=./my-gptj"], ["model=./my-gptj", "size=tiny"], ["model.model=./my-gptj"]):
+        with pytest.raises(UserError) as error:
+            load_config(RECIPE, [*overrides, "size=tiny"])
+        message = str(error.value)
+        assert refusal in message and "pass size=full (make: SIZE=full" in message and "\n" not in message
+    tiny_recipe = tmp_path / "tiny.yaml"  # size=tiny from a recipe file, the model from the command line
+    tiny_recipe.write_text(f"extends: {RECIPE}\nmodel:\n  size: tiny\n")
+    with pytest.raises(UserError, match=f"recipe {tiny_recipe}: model='./my-gptj' with size=tiny"):
+        load_config(tiny_recipe, ["model=./my-gptj"])
+    # what stays valid: the recipe's own checkpoint at tiny size (its full-size default), an emptied model=, and
+    # the named model at full size
+    assert load_config(RECIPE, ["size=tiny"]).size == "tiny"
+    assert load_config(tiny_recipe, []).size == "tiny"
+    assert load_config(RECIPE, ["size=tiny", "model="]).model.source is None
+    assert load_config(RECIPE, ["size=full", "model=./my-gptj"]).model.source == "./my-gptj"
+
+
 @pytest.mark.parametrize(
     "override,key,value",
     [

@@ -62,7 +62,7 @@ ALL = [pytest.param(where, command, id=where) for page in PAGES for where, comma
 def known_key(key: str) -> bool:
     key = key.lstrip("-")
     head, _, rest = key.partition(".")
-    if head in SECTIONS:
+    if head in SECTIONS and rest:  # model.model=X; a bare model=X is the key of that name
         return rest in SECTIONS[head]
     return head in USER_KEYS and (not rest or head == "model_config")
 

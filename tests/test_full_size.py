@@ -143,7 +143,8 @@ def runs(checkpoint, small_sst2, cache_dir, tmp_path_factory):
         if key not in done:
             nproc, layout_overrides = LAYOUTS[layout]
             folder = checkpoint(family, dtype, small)
-            extra = {"size": "tiny", "model": None} if size == "tiny" else {}
+            # "model=" is null (the recipe's default, unread at tiny size); "model=None" would name a folder None
+            extra = {"size": "tiny", "model": ""} if size == "tiny" else {}
             if layout == "one" or (family, layout) in COMPARED_WITH_ONE_PROCESS:
                 extra["max_steps"] = 3  # losses compared step by step
             out = tmp_path_factory.mktemp(f"{family}-{layout}-{dtype}-{size}")

@@ -45,7 +45,7 @@ class ModelSection:
     """`model:` What is fine-tuned: the family, the checkpoint (or a tiny model built from config), the task."""
 
     family: str = ""  # gptj|gpt2|gptneo|bert|llama|qwen3|mistral, a model type with plans (olmo2), or auto
-    model: str | None = None  # Hub name or local folder; None = the family's full-size default
+    model: str | None = None  # Hub name or local folder (size=full only); None = the family's full-size default
     revision: str | None = None  # Hub branch, tag or commit of `model`, e.g. float16 (GPT-J's fp16 weights)
     size: Literal["full", "tiny"] = "full"  # tiny = a small model from config, for CPUs and tests
     # classification = a sequence-classification head (any number of classes, or one regression output), scored on
@@ -684,6 +684,20 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     return values, tiny
 
 
+def _refuse_model_at_tiny_size(values: dict, parsed: list[tuple[str, Any]], where: str) -> None:
+    """A `model=` override with size=tiny: a tiny model is built from the family's config and reads no checkpoint,
+    so the model the user named would be passed over in silence (make on a CPU passes size=tiny). A recipe's own
+    `model:` is its full-size checkpoint, which size=tiny replaces by design, so only the command line's counts."""
+    named = [value for key, value in parsed if key == "model"]
+    if values.get("size") != "tiny" or not named or named[-1] is None:
+        return
+    model = named[-1]
+    raise UserError(
+        f"{where}: model={model!r} with size=tiny: a tiny model is built from the family's config and would not load "
+        f"{model!r}; to fine-tune it pass size=full (make: SIZE=full, on a CPU too), or drop model= for the tiny model"
+    )
+
+
 def parse_config(recipe: str | Path | None, overrides: list[str] = ()) -> tuple[Config, str]:
     """Read a recipe (or none: defaults only) and apply overrides (types checked); returns the Config and the name
     errors give its source (`where`). resolve.load_config calls this, then check_keys and the checks that need a
@@ -705,6 +719,7 @@ def parse_config(recipe: str | Path | None, overrides: list[str] = ()) -> tuple[
     for key, value in parsed:
         _merge(values, key, value)
     where = f"recipe {recipe}" if recipe is not None else "config"
+    _refuse_model_at_tiny_size(values, parsed, where)
     typed = {key: _coerce(key, value, where) for key, value in values.items()}
     config = Config.from_flat(typed)
     config.recipe = name  # resolve.load_config prefixes the family, once family=auto is resolved
