@@ -163,6 +163,7 @@ def export_as_loaded(built, config: Config) -> None:
         model=config.model,
         peft=config.peft,
         resolved=built.resolved,
+        saved_initial=built.saved_initial,
     )
 
 

@@ -590,7 +590,8 @@ def test_check_renders_the_rows_and_the_template_as_the_run_does(tmp_path, cache
     }
     files = _jsonl(tmp_path, [good, good, reverse])
     said = checked(*files, f"chat_template={picky}")
-    assert said.startswith("train row 3: the chat template does not render this conversation (TemplateError: ")
+    place = files[0].removeprefix("train_file=")
+    assert said.startswith(f"{place}:3: the chat template does not render this conversation (TemplateError: ")
     assert "this template takes no reversals" in said
 
     first = _jsonl(tmp_path, [good, {"messages": [ANSWER, USER, ANSWER]}])
@@ -723,3 +724,73 @@ def test_the_real_templates_train_every_answer_as_the_conversation_renders_it(re
         trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
         answers = [m["content"].strip() for m in messages if m["role"] == "assistant"]
         assert all(answer in trained for answer in answers) and len(trained) < 2 * sum(map(len, answers)) + 80
+
+
+# Issue 54: an answer's tool calls or reasoning that the template does not write would train as an empty turn (or
+# a turn without them): refused naming the row; a template that writes them trains them.
+TOOL_ONLY = [TOOL_ROW[0], {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+REASONED = [TOOL_ROW[0], {"role": "assistant", "content": "Heat is rated 8.3.", "reasoning_content": "I know it."}]
+
+
+@pytest.mark.parametrize(
+    "name,row,dropped",
+    [
+        ("chatml", TOOL_ONLY, "tool_calls (so it would train as an empty turn)"),
+        ("smollm2-135m-instruct", TOOL_ONLY, "tool_calls (so it would train as an empty turn)"),
+        ("gemma-2-2b-it", TOOL_ONLY, "tool_calls (so it would train as an empty turn)"),
+        ("llama-3.3-70b-instruct", REASONED, "reasoning_content (so the turn would train without them)"),
+        ("smollm2-135m-instruct", TOOL_ROW, "tool_calls and reasoning_content (so it would train as an empty turn)"),
+    ],
+)
+@pytest.mark.parametrize("train_on", ["answers", "all"])
+def test_tool_calls_or_reasoning_the_template_drops_are_refused_naming_the_row(
+    real_tokenizer, name, row, dropped, train_on, tmp_path
+):
+    files = _jsonl(tmp_path, [{"messages": CONVERSATIONS[1]}, {"messages": row}])
+    split = load_task_of(sft_config(*files))[0]["train"]
+    tokenizer = deepcopy(real_tokenizer)
+    chat.apply_template(tokenizer, name if name == "chatml" else str(REAL_TEMPLATES / f"{name}.jinja"), True, "tiny")
+    with pytest.raises(UserError) as caught:
+        chat.tokenize_sft(split, tokenizer, 1024, train_on, "train")
+    assert str(caught.value) == (
+        f"{files[0].removeprefix('train_file=')}:2: the chat template does not render turn 2's {dropped}; use a "
+        "chat_template that renders them (the checkpoint's own, e.g. Qwen3's), or leave them out of the row"
+    )
+
+
+def test_a_template_that_renders_tool_calls_and_reasoning_trains_them(real_tokenizer, tmp_path):
+    """Qwen3's template writes an answer's tool calls and, in its last turn, its reasoning: the rows above train,
+    their tool call and reasoning among the trained tokens."""
+    files = _jsonl(tmp_path, [{"messages": TOOL_ONLY}, {"messages": REASONED}, {"messages": TOOL_ROW}])
+    split = load_task_of(sft_config(*files))[0]["train"]
+    tokenizer = deepcopy(real_tokenizer)
+    chat.apply_template(tokenizer, str(REAL_TEMPLATES / "qwen3-0.6b.jinja"), True, "tiny")
+    rows = chat.tokenize_sft(split, tokenizer, 1024, "answers", "train")
+    trained = [tokenizer.decode([t for t, m in zip(r["input_ids"], r["target_mask"]) if m]) for r in rows]
+    call = '<tool_call>\n{"name": "get_rating", "arguments": {"film": "Heat"}}\n</tool_call><|im_end|>\n'
+    assert trained[0] == "<think>\n\n</think>\n\n" + call
+    assert trained[1] == "<think>\nI know it.\n</think>\n\nHeat is rated 8.3.<|im_end|>\n"
+    answer = "<think>\n\n</think>\n\nHeat is rated 8.3.<|im_end|>\n"
+    assert trained[2] == "<think>\nI should look it up.\n</think>\n\n" + call + answer
+
+
+def test_openai_content_parts_are_read_as_their_text(tmp_path):
+    """Issue 54: OpenAI's content parts ([{"type": "text", "text": ...}]) read as their texts joined, as the
+    templates that take parts render them; a part that is not text (an image) is one line naming the row."""
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Reverse the words: "}, {"type": "text", "text": "a b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "b a"}]},
+    ]
+    split = load_task_of(sft_config(*_jsonl(tmp_path, [{"messages": parts}] * 2)))[0]["train"]
+    assert json.loads(split["messages"][0]) == [
+        {"role": "user", "content": "Reverse the words: a b"},
+        {"role": "assistant", "content": "b a"},
+    ]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    files = _jsonl(tmp_path, [{"messages": parts}, {"messages": [{**parts[0], "content": [image]}, parts[1]]}])
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(*files))
+    assert str(caught.value) == (
+        f"{files[0].removeprefix('train_file=')}:2: messages message 1: content part 1 is of type 'image_url'; a list "
+        'of parts holds text parts {"type": "text", "text": "..."} only (the model reads text)'
+    )

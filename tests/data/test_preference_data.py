@@ -24,6 +24,8 @@ USER = {"role": "user", "content": "Is this review positive or negative? a charm
 RIGHT = {"role": "assistant", "content": "Positive."}
 WRONG = {"role": "assistant", "content": "Negative."}
 GOOD = {"prompt": [USER], "chosen": [RIGHT], "rejected": [WRONG]}
+CALL = {"type": "function", "function": {"name": "get_rating", "arguments": '{"film": "Heat"}'}}
+TOOL = {"role": "tool", "name": "get_rating", "content": "8.3"}
 
 
 def dpo_config(*overrides: str, cache_dir: Path | None = None):
@@ -62,6 +64,24 @@ def refused(folder: Path, rows: list[dict], *overrides: str, cache_dir: Path | N
         ({"chosen": [RIGHT], "rejected": [WRONG]}, "share no first turn (no implicit prompt)"),
         ({"chosen": "Positive.", "rejected": "Negative."}, "share no first turn (no implicit prompt)"),
         ({"chosen": "The film is good", "rejected": "The film is good."}, "the chosen answer is empty"),
+        # issue 54: a user's or tool's turn at an answer's end would be scored as the model's
+        (
+            {"prompt": [USER], "chosen": [RIGHT, USER], "rejected": [WRONG]},
+            "the chosen answer ends with a 'user' turn, which would be scored as the model's; an answer ends with",
+        ),
+        (
+            {"prompt": [USER], "chosen": [RIGHT], "rejected": [{**WRONG, "tool_calls": [CALL]}, TOOL]},
+            "the rejected answer ends with a 'tool' turn, which would be scored as the model's",
+        ),
+        # issue 54: weight 0 (honoured by task=sft) is refused, not ignored; in an implicit prompt it changes nothing
+        (
+            {"prompt": [USER], "chosen": [RIGHT], "rejected": [{**WRONG, "weight": 0}]},
+            "the rejected answer's turn 1 has weight 0, and task=dpo scores an answer whole",
+        ),
+        (
+            {"chosen": [USER, {**RIGHT, "weight": 0}], "rejected": [USER, WRONG]},
+            "the chosen answer's turn 1 has weight 0, and task=dpo scores an answer whole",
+        ),
     ],
 )
 def test_a_bad_pair_is_one_line_naming_its_place(row, message, tmp_path):
@@ -98,6 +118,35 @@ def test_a_template_that_renders_no_assistant_turn_is_refused(tmp_path, cache_di
         f"chat_template {template}: renders no assistant turn (an answer 'hello' is not in its rendering), so no "
         "answer could be trained; use a template that renders every role (e.g. chatml)"
     )
+
+
+def test_a_tool_call_answer_the_template_does_not_render_is_refused_and_one_it_renders_trains(tmp_path, cache_dir):
+    """Issue 54: a chosen answer of only a tool call, through a template that does not write tool calls (a tiny
+    model's chatml), would be an empty turn preferred to the rejected one: --check and the run refuse it in one line
+    naming the row; through Qwen3's template, which writes them, the pair trains on the rendered call."""
+    from parallel_finetune.preflight import preflight
+
+    called = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    rows = [GOOD, {"prompt": [USER], "chosen": [called], "rejected": [WRONG]}]
+    config = dpo_config(*pair_files(tmp_path, rows), f"output_dir={tmp_path / 'run'}", cache_dir=cache_dir)
+    said = (
+        f"{tmp_path / 'train.jsonl'}:2: the chosen answer: the chat template does not render turn 2's tool_calls (so "
+        "it would train as an empty turn); use a chat_template that renders them (the checkpoint's own, e.g. "
+        "Qwen3's), or leave them out of the row"
+    )
+    for check in (lambda: preflight(config, 1), lambda: prepare_data(config)):
+        with pytest.raises(UserError) as caught:
+            check()
+        assert str(caught.value) == said
+
+    qwen3 = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen3-0.6b.jinja"
+    overrides = [f"chat_template={qwen3}", "max_length=512"]  # the sample's held-out pairs are longer in Qwen3's
+    prepared = prepare_data(dpo_config(*pair_files(tmp_path, rows), *overrides, cache_dir=cache_dir))
+    split, tokenizer = TokenizedSplit.of(prepared.splits["train"], prepared.task), prepared.tokenizer
+    answers = {tokenizer.decode(split.ids[i][split.prompt_lengths[i] :]) for i in range(len(split))}
+    assert '<tool_call>\n{"name": "get_rating", "arguments": {"film": "Heat"}}\n</tool_call><|im_end|>\n' in {
+        answer.removeprefix("<think>\n\n</think>\n\n") for answer in answers
+    }, answers
 
 
 def test_the_implicit_format_takes_the_shared_turns_as_the_prompt(tmp_path):

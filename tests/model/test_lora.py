@@ -144,7 +144,8 @@ def test_lora_resumes_exactly(references, sst2, cache_dir, tmp_path):
 @pytest.mark.parametrize("family", ["gptj", "gpt2"])
 def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_path):
     """adapter/ (peft format) onto base/ gives the trained TP=2 model's logits; hf/ (merged) too, and its weights
-    are base + alpha/r * B·A; the base's weights are bit-identical to the initial ones."""
+    are base + alpha/r * B·A; the base's weights, its trained score head included (issue 54), are bit-identical to
+    the initial ones."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
@@ -157,7 +158,7 @@ def test_lora_export_loads_with_peft_and_merges(family, sst2, cache_dir, tmp_pat
     )
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base")
-    _check_base_unchanged(family, tmp_path, base)
+    _check_base_unchanged(family, "classification", tmp_path, base)
     model = PeftModel.from_pretrained(base, tmp_path / "adapter")
     model.eval()
     with torch.no_grad():
@@ -218,14 +219,18 @@ def test_lora_sft_matches_single_process(family, single_process_run, sst2, cache
 
 
 def test_lora_sft_adapter_loads_with_peft_onto_its_base(sst2, cache_dir, tmp_path):
-    """A TP=2 sft LoRA run of the tiny Llama: adapter/ onto base/ with peft's own loader gives the trained model's
-    logits over every vocabulary entry at every position of chat rows; the merged hf/ too."""
+    """A TP=2 sft LoRA run of the tiny Llama, its lm_head trained in full (lora_modules_to_save): adapter/ onto base/
+    with peft's own loader gives the trained model's logits over every vocabulary entry at every position of chat
+    rows; the merged hf/ too; base/ is the frozen base, its lm_head the initial one, not the trained (issue 54)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    saved_head = ["lora_modules_to_save=[lm_head]"]
     launch(
         2,
-        lora_sft_overrides(sst2, cache_dir, "llama", max_steps=3, export="true") + TP2 + ["lora_export_merged=true"],
+        lora_sft_overrides(sst2, cache_dir, "llama", max_steps=3, export="true")
+        + TP2
+        + ["lora_export_merged=true", *saved_head],
         tmp_path,
         script=WORKER,
         recipe=lora_recipe("llama"),
@@ -233,6 +238,9 @@ def test_lora_sft_adapter_loads_with_peft_onto_its_base(sst2, cache_dir, tmp_pat
     saved = torch.load(tmp_path / "trained_logits.pt", weights_only=True)
     assert saved["logits"].shape[:2] == saved["batch"]["input_ids"].shape  # (rows, positions, vocabulary)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    _check_base_unchanged("llama", "causal_lm", tmp_path, base)
+    merged_head = load_file(tmp_path / "hf" / "model.safetensors")["lm_head.weight"]
+    assert not torch.equal(merged_head, base.lm_head.weight)  # the head trained: the adapter carries it
     scored = saved["batch"]["attention_mask"].bool()
     with torch.no_grad():
         untrained = base(**saved["batch"]).logits
@@ -247,9 +255,9 @@ def test_lora_sft_adapter_loads_with_peft_onto_its_base(sst2, cache_dir, tmp_pat
     assert config["task_type"] == "CAUSAL_LM", config["task_type"]
 
 
-def _check_base_unchanged(family: str, run_dir, base) -> None:
-    """The frozen weights after training equal the initial ones bit for bit (the tiny base is the transformers
-    model initialised from the seed, as the run's loader made it); only the head differs."""
+def _check_base_unchanged(family: str, head: str, run_dir, base) -> None:
+    """base/'s weights equal the initial ones bit for bit (the tiny base is the transformers model initialised from
+    the seed, as the run's loader made it): the frozen ones, and the modules to save as they were before training."""
     import yaml
     from transformers import AutoTokenizer
 
@@ -262,10 +270,10 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
     fam = get_family(family)
     seed_everything(config.seed)
     initial = fam.hf_model(
-        "classification",
+        head,
         fam.config_for(
             model=config.model,
-            head="classification",
+            head=head,
             max_length=config.max_length,
             tokenizer_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
@@ -273,7 +281,7 @@ def _check_base_unchanged(family: str, run_dir, base) -> None:
     ).state_dict()
     after = base.state_dict()
     changed = sorted(name for name in initial if not torch.equal(initial[name], after[name]))
-    assert changed == ["score.weight"], changed
+    assert changed == [], changed
 
 
 def test_planner_fits_gptj_6b_lora_on_one_a10g_and_one_a100():

@@ -25,6 +25,7 @@ def main() -> None:
         model=config.model,
         peft=config.peft,
         resolved=built.resolved,
+        saved_initial=built.saved_initial,
     )
     ids = built.data.splits["validation"]["input_ids"][:16]
     batch = padded_batch(ids, pad_id=tokenizer.pad_token_id, padding_side=tokenizer.padding_side)

@@ -7,6 +7,8 @@ the rendering itself: for every trained assistant turn i, the characters that me
 to messages[:i]'s with the generation prompt (the answer and the template's end-of-turn text) are the answer's,
 read where the whole rendering holds them (`answer_spans`: templates that move the system message or drop
 earlier think blocks included); a token holding any of them is a target. No token string is ever searched for.
+An answer's `tool_calls` or `reasoning_content` that the template does not write (`check_rendered_fields`) is
+refused naming the row: the turn would train without them, a tool-call-only answer as an empty turn.
 `train_on: all` trains every token; plain-text rows are every token plus EOS.
 """
 
@@ -115,6 +117,48 @@ def _render(tokenizer, messages: list[dict], generation: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
 
+# An assistant message's fields that are its answer as much as its text: a template that writes nothing for them
+# (chatml, SmolLM2's, Gemma 2's: tool_calls) would train the turn without them, a tool-call-only answer as an
+# empty turn.
+ANSWER_FIELDS = ("tool_calls", "reasoning_content")
+
+
+def dropped_fields(tokenizer, messages: list[dict], i: int) -> list[str]:
+    """The ANSWER_FIELDS assistant turn i holds that the chat template does not render: rendered as the last turn
+    (where a template writes an answer whole; Qwen3's drops only earlier answers' reasoning), the conversation
+    through it renders the same without them."""
+    message = messages[i]
+    held = [name for name in ANSWER_FIELDS if message.get(name)]
+    if not held:
+        return []
+    rendered = _render(tokenizer, messages[: i + 1], False)
+    dropped = []
+    for name in held:
+        without = {key: value for key, value in message.items() if key != name}
+        try:
+            same = _render(tokenizer, [*messages[:i], without], False) == rendered
+        except Exception:  # a template that needs the field (raise_exception) reads it
+            same = False
+        if same:
+            dropped.append(name)
+    return dropped
+
+
+def check_rendered_fields(tokenizer, messages: list[dict], turns: list[int], where: str) -> None:
+    """Every trained assistant turn's tool calls and reasoning are in the template's rendering; else one line
+    naming the turn and what the template dropped."""
+    for i in turns:
+        dropped = dropped_fields(tokenizer, messages, i)
+        if not dropped:
+            continue
+        empty = not messages[i]["content"].strip()
+        outcome = "so it would train as an empty turn" if empty else "so the turn would train without them"
+        raise UserError(
+            f"{where}: the chat template does not render turn {i + 1}'s {' and '.join(dropped)} ({outcome}); use "
+            "a chat_template that renders them (the checkpoint's own, e.g. Qwen3's), or leave them out of the row"
+        )
+
+
 def trained_turns(messages: list[dict], answers_from: int, untrained: list[int]) -> list[int]:
     """The indices of the assistant turns a row trains: from `answers_from` on, less those of weight 0."""
     return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= answers_from and i not in untrained]
@@ -212,9 +256,9 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
     untrained = split["untrained"][:] if conversational else [[]] * len(rows)
+    places = split["where"][:] if "where" in split.column_names else [f"{desc} row {n + 1}" for n in range(len(rows))]
     dropped = cut = ends_lost = 0
-    for number, (row, answers_from, skipped) in enumerate(zip(rows, starts, untrained)):
-        where = f"{desc} row {number + 1}"
+    for row, answers_from, skipped, where in zip(rows, starts, untrained, places):
         try:
             ids, mask, prompt = _tokenized_row(tokenizer, row, answers_from, skipped, train_on, where, conversational)
         except UserError:
@@ -268,6 +312,8 @@ def _tokenized_row(
         return ids, [0] + [1] * (len(ids) - 1), 0
     messages = json.loads(row)
     turns = trained_turns(messages, answers_from, untrained)
+    every = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if train_on == "all" else turns
+    check_rendered_fields(tokenizer, messages, every, where)
     full = _render(tokenizer, messages, False)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]

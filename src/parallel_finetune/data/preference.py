@@ -20,7 +20,7 @@ import logging
 import datasets
 
 from ..errors import UserError
-from .chat import render_failure
+from .chat import check_rendered_fields, render_failure
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ def pair_texts(tokenizer, prompt, chosen, rejected, where: str) -> tuple[str, st
                 "rendering of prompt and answer does not begin with the prompt's, with its generation prompt, and "
                 "then hold the answer); use another chat_template (e.g. chatml)"
             )
+        turns = [len(prompt) + j for j, m in enumerate(answer) if m["role"] == "assistant"]
+        check_rendered_fields(tokenizer, prompt + answer, turns, f"{where}: the {name} answer")
         answers.append(whole[len(asked) :])
     return asked, answers[0], answers[1]
 

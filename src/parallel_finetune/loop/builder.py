@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import transformers
@@ -66,6 +66,7 @@ class BuiltRun:
     data: PreparedData
     output_dir: Path
     resumed_from: Path | None
+    saved_initial: dict = field(default_factory=dict)  # export's `saved_initial` (_saved_initial)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class RunBuilder:
         with self.timer("model"):
             built = self._build(layout, resolved, prepared, train, schedule)
         # before a resumed checkpoint replaces the weights
+        saved_initial = self._saved_initial(resolved, built)
         splits = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
         checkpoints = CheckpointManager(
             checkpoint_root,
@@ -188,7 +190,9 @@ class RunBuilder:
             *(schedule.total_steps, len(sampler), config.batch_size, layout.dp, accumulation),
             *(config.batch_size // (layout.dp * accumulation), resolved.precision),
         )
-        return BuiltRun(trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from)
+        return BuiltRun(
+            trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from, saved_initial
+        )
 
     def _check_settings(self, layout: Layout) -> tuple[Resolved, Peak]:
         """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one
@@ -253,6 +257,18 @@ class RunBuilder:
             task=prepared.task,
             tokens=tokenizer_identity(prepared.tokenizer),
         )
+
+    def _saved_initial(self, resolved: Resolved, built: _Model) -> dict:
+        """A tiny LoRA run's lora_modules_to_save as loaded, gathered on rank 0 in the export dtype: its base/ is
+        the frozen base, so it holds these, not the trained ones (which the adapter carries); a tiny base exists
+        nowhere else to be read again. {}: not a tiny LoRA run with modules to save. A collective."""
+        settings = resolved.lora
+        if self.config.size != "tiny" or settings is None or not settings.modules_to_save:
+            return {}
+        heads = tuple(f"{m}." for m in settings.modules_to_save)
+        names = {n for n, p in built.updates.module.named_parameters() if p.requires_grad and n.startswith(heads)}
+        gathered = built.updates.full_state_dict(resolved.export_dtype, names)
+        return {name: tensor.clone() for name, tensor in gathered.items()}  # on a CPU: the live parameter itself
 
     def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> dict:
         """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs

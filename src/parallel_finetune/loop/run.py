@@ -88,6 +88,7 @@ def finish(config: Config, built: BuiltRun) -> dict:
                 model=config.model,
                 peft=config.peft,
                 resolved=built.resolved,
+                saved_initial=built.saved_initial,
             )
     summary = run_summary(summary_record(config, built, results), layout)
     trainer.reporter.close()

@@ -61,12 +61,16 @@ def export_model(
     model: ModelSection,
     peft: PeftSection,
     resolved: Resolved,
+    saved_initial: dict[str, torch.Tensor],
 ) -> Path:
     """The trained model as a Hugging Face folder at `place`, in the resolved export dtype; with peft=lora the
-    adapter instead (`export_lora`). Every rank calls it (the gather is a collective); rank 0 writes, and a
-    failure there (NaN weights, a full disk) is every rank's one-line error."""
+    adapter instead (`export_lora`; `saved_initial`: builder.BuiltRun's, what a tiny base/ holds of the modules
+    to save). Every rank calls it (the gather is a collective); rank 0 writes, and a failure there (NaN weights, a
+    full disk) is every rank's one-line error."""
     if peft.method == "lora":
-        return export_lora(updates, tokenizer, layout, place, model=model, peft=peft, resolved=resolved)
+        return export_lora(
+            updates, tokenizer, layout, place, model=model, peft=peft, resolved=resolved, saved_initial=saved_initial
+        )
     family, out = resolved.family, place.out
     state, module = updates.full_state_dict(resolved.export_dtype), updates.module
 
@@ -88,11 +92,14 @@ def export_lora(
     model: ModelSection,
     peft: PeftSection,
     resolved: Resolved,
+    saved_initial: dict[str, torch.Tensor],
 ) -> Path:
     """peft=lora: the adapter (and head) in peft's format in adapter/ beside `place.out` (`inside` it: SageMaker's
     model folder, so the job's model artifact holds it); with lora_export_merged also `place.out` (hf/): the base
     with the update merged in. A tiny base (size=tiny) exists nowhere else, so it is written too (base/), and the
-    adapter names it; a pretrained one is named by its resolved model name."""
+    adapter names it; a pretrained one is named by its resolved model name. base/ is the frozen base: its
+    lora_modules_to_save are their values as loaded (`saved_initial`, rank 0's), not the trained ones the adapter
+    carries, so that base/ is the model before training (a DPO reference, another adapter's base)."""
     out, inside, run_folder = place.out, place.inside, place.run_folder
     family, tiny = resolved.family, model.size == "tiny"
     dtype, module = resolved.export_dtype, updates.module
@@ -112,6 +119,11 @@ def export_lora(
             save_hf(module, family.to_hf_state_dict(merged, module.config), tokenizer, out)
         if tiny:
             frozen = {name: tensor for name, tensor in state.items() if ".lora_" not in name}
+            # a caller that did not gather them (builder._saved_initial) would write the trained ones
+            if bool(settings.modules_to_save) != bool(saved_initial) or not saved_initial.keys() <= frozen.keys():
+                wanted = settings.modules_to_save
+                raise ValueError(f"base/ needs {wanted}'s initial values; given {sorted(saved_initial)}")
+            frozen.update(saved_initial)
             save_hf(module, family.to_hf_state_dict(frozen, module.config), tokenizer, base_dir)
         labels = run_folder / LABEL_FILE  # the head's width and names travel with the adapter (scripts/predict.py)
         write_folder(

@@ -1,6 +1,7 @@
 """Instruction rows (task=sft) as conversations, in TRL's formats, found from the columns:
 
-- `messages`: a list of {role, content}, roles system | user | assistant | tool;
+- `messages`: a list of {role, content}, roles system | user | assistant | tool; a content may be OpenAI's list
+  of text parts ([{"type": "text", "text": ...}]), read as their texts joined;
 - ShareGPT `conversations`: a list of {from, value}, from system | human | gpt | tool;
 - `prompt` + `completion`: strings (a user turn and its answer), or lists of messages (a conversational prompt,
   few-shot assistant turns included, and the answer's turns);
@@ -109,6 +110,24 @@ def _weight(where: str, item: dict, role: str) -> bool:
     return weight == 1
 
 
+def _content_text(where: str, key: str, content):
+    """A message's content as text: OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined as the
+    templates that take parts render them (one after another, nothing between); other values as given."""
+    if not isinstance(content, (list, tuple)):
+        return content
+    texts = []
+    for number, part in enumerate(content, 1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"of type {kind!r}" if kind not in (None, "text") else "not a text part"
+            raise UserError(
+                f'{where}: {key} part {number} is {what}; a list of parts holds text parts {{"type": "text", '
+                '"text": "..."} only (the model reads text)'
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _message(table: Table, row: int, column: str, number: int, item) -> tuple[dict, bool]:
     """One message as the template receives it, and whether it trains: every field as given (tool_calls,
     reasoning_content, name, ...), ShareGPT's {from, value} as {role, content}; fields a table stores as None
@@ -123,7 +142,7 @@ def _message(table: Table, row: int, column: str, number: int, item) -> tuple[di
     role = (SHAREGPT_ROLES.get(given) if sharegpt else given) if isinstance(given, str) else None
     if role not in ROLES:
         raise UserError(f"{where}: {key} {given!r} is not one of {', '.join(valid)}")
-    content = item.get(text_key)
+    content = _content_text(where, text_key, item.get(text_key))
     calls = item.get("tool_calls")
     if not isinstance(content, str) and not (content is None and role == "assistant" and calls):
         what = "missing" if content is None else f"a {type(content).__name__}, not text"
@@ -176,8 +195,9 @@ def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tupl
 
 def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
     """`table`'s rows in format `form` as the columns the model side reads: `messages` (JSON text of the list of
-    messages), `answers_from`, `untrained` (the assistant turns a `weight` of 0 leaves untrained) and `index` for
-    conversations; `text` and `index` for plain text (an empty text is dropped and counted)."""
+    messages), `answers_from`, `untrained` (the assistant turns a `weight` of 0 leaves untrained), `where` (the
+    row's place) and `index` for conversations; `text` and `index` for plain text (an empty text is dropped and
+    counted)."""
     missing = [name for name in columns if name not in table.columns]
     if missing:
         raise UserError(
@@ -207,7 +227,14 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
         untrained.append(skipped)
     if not conversations:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
-    return {"messages": conversations, "answers_from": starts, "untrained": untrained, "index": list(range(len(table)))}
+    places = [table.at(row) for row in range(len(table))]  # file:line, for the errors found when it is rendered
+    return {
+        "messages": conversations,
+        "answers_from": starts,
+        "untrained": untrained,
+        "where": places,
+        "index": list(range(len(table))),
+    }
 
 
 def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:

@@ -8,8 +8,9 @@
 Each row becomes a pair of JSON texts the data stage renders (data/preference.py): `prompt`, `chosen`,
 `rejected` (a text, or a list of messages), with `where` (file:line, for its errors) and `index`. A CSV or TSV
 cell holding a list is JSON text; in JSON Lines, Parquet and `datasets` a string is text, never parsed. A bad row
-is one line naming its place and what is valid: a missing or empty answer, two identical answers, implicit rows
-that share no prompt, rows that mix text and messages.
+is one line naming its place and what is valid: a missing or empty answer, two identical answers, an answer that
+ends with a user's or tool's turn (it would be scored as the model's) or holds a turn of `weight` 0 (an answer is
+scored whole), implicit rows that share no prompt, rows that mix text and messages.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def detect_preference_format(table: Table, *, data: DataSection) -> tuple[str, t
     return "explicit", (prompt, chosen, rejected)
 
 
-def _cell(table: Table, row: int, column: str, needs_answer: bool) -> str | list[dict]:
-    """A cell as a text or a list of messages (checked as task=sft checks them)."""
+def _cell(table: Table, row: int, column: str, needs_answer: bool) -> tuple[str | list[dict], list[int]]:
+    """A cell as a text or a list of messages (checked as task=sft checks them), and the indices of its assistant
+    turns of `weight` 0 (which an answer may not hold: `_pair`)."""
     value = table.columns[column][row]
     if (
         value is None
@@ -77,8 +79,9 @@ def _cell(table: Table, row: int, column: str, needs_answer: bool) -> str | list
         if not isinstance(value, str):
             raise UserError(f"{table.at(row)}: column {column!r} holds a {type(value).__name__}, not text or messages")
         check_text(table, row, value)
-        return value
-    return read_messages(table, row, column, value, needs_answer=False)[0]
+        return value, []
+    messages, trained = read_messages(table, row, column, value, needs_answer=False)
+    return messages, [i for i, (m, t) in enumerate(zip(messages, trained)) if m["role"] == "assistant" and not t]
 
 
 def _shared_prompt(chosen, rejected):
@@ -97,12 +100,22 @@ def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
     """(prompt, chosen, rejected) of one row, each a text or a list of messages, checked."""
     where = table.at(row)
     if form == "explicit":
-        prompt, chosen, rejected = (_cell(table, row, c, needs_answer=i > 0) for i, c in enumerate(columns))
+        (prompt, _), (chosen, chosen_unweighted), (rejected, rejected_unweighted) = (
+            _cell(table, row, c, needs_answer=i > 0) for i, c in enumerate(columns)
+        )
+        untrained = {"chosen": chosen_unweighted, "rejected": rejected_unweighted}
     else:
-        whole_chosen, whole_rejected = (_cell(table, row, c, needs_answer=True) for c in columns)
+        (whole_chosen, chosen_unweighted), (whole_rejected, rejected_unweighted) = (
+            _cell(table, row, c, needs_answer=True) for c in columns
+        )
         if isinstance(whole_chosen, str) != isinstance(whole_rejected, str):
             raise UserError(f"{where}: chosen and rejected mix a text and a list of messages; give both one kind")
         prompt, chosen, rejected = _shared_prompt(whole_chosen, whole_rejected)
+        shared = len(prompt)  # the prompt's turns: a weight there changes nothing, as under task=sft
+        untrained = {
+            "chosen": [i - shared for i in chosen_unweighted if i >= shared],
+            "rejected": [i - shared for i in rejected_unweighted if i >= shared],
+        }
         if not prompt:
             raise UserError(
                 f"{where}: chosen and rejected share no first turn (no implicit prompt); give a prompt column, or "
@@ -126,6 +139,16 @@ def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
             )
         if not any(m["content"].strip() or m.get("tool_calls") for m in answer if m["role"] == "assistant"):
             raise UserError(f"{where}: the {name} answer is empty; an answer has text to learn")
+        if answer[-1]["role"] != "assistant":
+            raise UserError(
+                f"{where}: the {name} answer ends with a {answer[-1]['role']!r} turn, which would be scored as the "
+                "model's; an answer ends with the assistant's turn (leave out what follows it)"
+            )
+        if untrained[name]:
+            raise UserError(
+                f"{where}: the {name} answer's turn {untrained[name][0] + 1} has weight 0, and task=dpo scores an "
+                "answer whole (a weight leaves a turn untrained under task=sft only); drop the weight, or the turn"
+            )
     if not isinstance(prompt, str) and prompt and prompt[-1]["role"] == "assistant":
         raise UserError(
             f"{where}: the prompt ends with an assistant turn; a pair's answers follow the turn they answer"
