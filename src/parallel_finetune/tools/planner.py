@@ -1,4 +1,4 @@
-"""Layout planner: memory per GPU and time per SST-2 epoch for every tensor x pipeline x data-parallel layout.
+"""Layout planner: memory per GPU and time for every tensor x pipeline x data-parallel layout of a run.
 
 Nothing is downloaded: published models are built from the config values their family lists (`published`) on
 the meta device, so parameter counts are exact. Assumptions, also printed under the table:
@@ -23,10 +23,10 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   attention as wide as the block and a 4h GeLU MLP; in general 4*q/h + 4*kv/h (q, k, v and the attention output
   kept, q = heads x head dimension, kv the key/value width: grouped-query attention) + 4*m/h, m the width of what
   the MLP's input layers write (inner, or twice it for a gated MLP: Llama's gate and up), so 33 for Llama 3.1 8B.
-  A language model's last stage adds its logits: with loss_chunk_tokens (the run's default) one chunk's, 10 bytes
-  (16-bit matmul output, fp32 logits, fp32 exponentials; 8 in fp32) x chunk x vocabulary/t, and the head's fp32
-  gradient while it is made (4 B x head parameters/t, when the head trains); with loss_chunk_tokens=0 every
-  position's, 14*s*b*vocab (the fp32 log-softmax and its gradient beside the logits; 12 in fp32). Instruction
+  A language model's last stage adds its loss (`logit_bytes`): with loss_chunk_tokens (the run's default) one
+  chunk's logits of this rank's vocabulary shard, with loss_chunk_tokens=0 every labelled position's whole logits
+  with their fp32 log-softmax and gradients (12 B per logit at their fullest), both then the hidden states'
+  gradient and the head's weight gradient while made (when the head trains). Instruction
   tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid end to end in sequences of s
   (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the activations are those of
   ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
@@ -35,7 +35,10 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
   Here s = tokens per sample, 13.4 by default: SST-2 with dynamic padding and length-grouped batches (measured
   13.3 real, 13.9 padded WordPiece tokens per sentence incl. [CLS]/[SEP]; GPT-2 BPE has no special tokens);
-  max_length with `padded`. An epoch is 67,349 // batch steps, as the trainer draws them.
+  max_length with `padded`; sft and dpo rows at tokens_per_row (a pair: two rows). A model is timed over an
+  SST-2 epoch, 67,349 // batch steps as the trainer draws them; a recipe (resolve.planner_workload) over its
+  run's steps: max_steps, or epochs x its samples // batch, plus dpo's reference pass (a third of a step per
+  batch of pairs, once). Gradient accumulation: b is a slice's, the step's compute the whole batch's.
 - Communication, not overlapped (the trainer all-reduces after the backward), ring algorithms at 70% of the nominal
   link: tensor parallel 4 (+2 recomputed) all-reduces of s*b*h*2 bytes per layer and micro-batch; data parallel
   an all-reduce of the fp32 gradients (ZeRO-1 the same volume); FSDP two 16-bit all-gathers and an fp32
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -61,6 +65,7 @@ from ..families.base import tiny_vocab_size
 from ..families.styles import ReplicatedWithGradAllReduce
 from ..model import quantize
 from ..model.hub import resolve_model_path
+from ..model.lora import ALL_LINEAR, LoraSettings, target_modules
 from ..model.pretrained import load_hf_config
 from ..model.throughput import attention_width
 from ..parallel.hardware import Hardware, hardware_for, positive_int, positive_number
@@ -109,18 +114,39 @@ class ModelShape:
     largest_linear: int = 0  # elements of the blocks' largest Linear weight
     meta_model: nn.Module | None = None  # the model on meta, for the trainer's NF4 shard checks
     split_activations: float = 24  # S: activation bytes per token and unit of hidden width that TP splits
+    # LoRA as a run sets it (`with_lora`): (trainable elements, of those the adapter elements tensor parallelism
+    # splits, whether the output head trains); None: rank-r adapters on every Linear of the blocks + a
+    # classification head, as `--lora R` plans
+    lora_counts: tuple[int, int, bool] | None = None
 
     @property
     def lora_elements(self) -> int:
-        """Trainable parameters under LoRA: rank-r adapters on every Linear of the blocks, plus a classification
-        head (trained in full: modules_to_save); a language model's head stays frozen."""
+        """Trainable parameters under LoRA: the adapters, plus the modules trained in full (a classification
+        head by default; a language model's head stays frozen unless lora_modules_to_save names it)."""
+        if self.lora_counts is not None:
+            return self.lora_counts[0]
         trained_head = self.head_total if HeadKind(self.task) is HeadKind.CLASSIFICATION else 0
         return self.lora_rank * self.block_linear_in_out + trained_head
 
     def lora_elements_per_rank(self, tp: int) -> float:
         """`lora_elements` on one of `tp` tensor-parallel ranks: an adapter's factor on the split dimension is
         sharded like its layer (B of a column-wise layer, A of a row-wise one), the other factor whole."""
-        return self.lora_elements - self.lora_rank * self.block_linear_split * (1 - 1 / tp)
+        split = self.lora_counts[1] if self.lora_counts is not None else self.lora_rank * self.block_linear_split
+        return self.lora_elements - split * (1 - 1 / tp)
+
+    @property
+    def head_trains(self) -> bool:
+        """Whether the output head (a language model's: the logits' weight) gets a gradient."""
+        if not self.lora_rank:
+            return True
+        if self.lora_counts is not None:
+            return self.lora_counts[2]
+        return HeadKind(self.task) is HeadKind.CLASSIFICATION
+
+    @property
+    def head_weight(self) -> int:
+        """Elements of a language model's output weight (vocabulary x hidden; tied: the embedding)."""
+        return self.hf_config.vocab_size * self.hidden
 
     hidden = property(lambda self: self.hf_config.hidden_size)
     heads = property(lambda self: self.hf_config.num_attention_heads)
@@ -233,6 +259,29 @@ def model_shape(model: str, head: HeadKind = HeadKind.CLASSIFICATION) -> ModelSh
     )
 
 
+def with_lora(shape: ModelShape, lora: LoraSettings) -> ModelShape:
+    """`shape` under LoRA as a run applies it (model/lora.py): adapters on the blocks' Linear layers that
+    `lora.targets` names, and `lora.modules_to_save` trained in full; NF4 when `lora.quantization` is set."""
+    adapted = target_modules(shape.meta_model, shape.family, lora)
+    adapters = sum(lora.rank * (m.in_features + m.out_features) for _, m, _ in adapted)
+    # the factor on the split dimension is sharded like its layer: B of a column-wise layer, A of a row-wise one
+    split = sum(lora.rank * {"row": m.in_features, "column": m.out_features}.get(style, 0) for _, m, style in adapted)
+    saved = tuple(f"{name}." for name in lora.modules_to_save)
+    full = sum(p.numel() for name, p in shape.meta_model.named_parameters() if name.startswith(saved))
+    output = shape.meta_model.get_output_embeddings()
+    head_trains = any(
+        module is output for name, module in shape.meta_model.named_modules() if name in lora.modules_to_save
+    )
+    if HeadKind(shape.task) is not HeadKind.CAUSAL_LM:
+        head_trains = bool(full)
+    return dataclasses.replace(
+        shape,
+        lora_rank=lora.rank,
+        nf4=lora.quantization is not None,
+        lora_counts=(adapters + full, split, head_trains),
+    )
+
+
 def split_activations(hf_config: PretrainedConfig, block: nn.Module) -> float:
     """S of the module docstring: 4*q/h + 4*kv/h + 4*m/h, the MLP's input layers found as the block's Linear
     layers that read the hidden state into the inner width (one: GeLU MLP; two, or one twice as wide: gated)."""
@@ -270,6 +319,20 @@ class Candidate:
             f"tp={self.tp} pp={self.pp} dp={self.dp} sharding={self.sharding} ac={'on' if self.ac else 'off'} "
             f"micro-batches={self.microbatches}x{batch_size // (self.dp * self.microbatches)}"
         )
+
+    def overrides(self, gpus_per_node: int) -> list[str]:
+        """The recipe keys (key=value, as a run takes them) that start this layout on nodes of `gpus_per_node`."""
+        keys = [
+            f"tensor_parallel_degree={self.tp}",
+            f"pipeline_parallel_degree={self.pp}",
+            f"sharding={self.sharding}",
+            f"activation_checkpointing={'true' if self.ac else 'false'}",
+        ]
+        if self.pp > 1:
+            keys.append(f"microbatches={self.microbatches}")
+        if self.dims.hybrid and self.shard_degree != max(1, gpus_per_node // self.tp):
+            keys.append(f"shard_group_size={self.shard_degree}")
+        return keys
 
     # pipeline stages do not combine with FSDP in the trainer yet (resolve.validate says so)
     runs_today = property(lambda self: not (self.dims.pp_enabled and self.dims.fsdp))
@@ -319,7 +382,8 @@ def memory_per_gpu(
         head=HeadKind(shape.task), seq_len=seq_len, batch_size=batch_size, loss_chunk_tokens=0
     )
     h, a, t = shape.hidden, shape.heads, layout.tp
-    micro = dataclasses.replace(workload, seq_len=seq_len).micro_batch(batch_size // (layout.dp * layout.microbatches))
+    slice_rows = batch_size // (layout.dp * workload.accumulation * layout.microbatches)
+    micro = dataclasses.replace(workload, seq_len=seq_len).micro_batch(slice_rows)
     s, b = micro.length, micro.rows
     layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t)) * compute_bytes / 2
     fsdp = layout.dims.fsdp
@@ -365,18 +429,31 @@ def memory_per_gpu(
 
 
 def logit_bytes(shape: ModelShape, workload: Workload, tokens: float, tp: int, compute_bytes: int) -> float:
-    """A language model's loss on the last stage: one chunk's logits of this rank's vocabulary shard (and the
-    head's fp32 gradient while the backward makes it), or, with loss_chunk_tokens=0, every token's whole logits."""
+    """A language model's loss on the last stage, at its fullest moment, for `tokens` labelled positions (the
+    worst batch: every position labelled). V: the vocabulary, c: the compute dtype's bytes, made = c + 4 in
+    16-bit (a matmul's output and its fp32 copy; fp32: 4, one tensor). Both paths end the same way: the gradient
+    of the hidden states (4 x tokens x hidden, fp32 at most) and, when the head trains, its weight's gradient
+    while it is made (H = this rank's head weight elements, x made: the product in the compute dtype and its fp32
+    copy; the fp32 gradient it becomes or is added to is the `grads` state).
+
+    Chunked (loss_chunk_tokens, parallel/vocab.py), C = min(chunk, tokens) rows of this rank's V / tp columns:
+    forward C x V/tp x (made + 4) (+ the fp32 exponentials); backward C x V/tp x (4 + c) (the fp32 softmax made in
+    place, its compute-dtype copy for the two matmuls) + the common end. Whole logits (loss_chunk_tokens=0,
+    loop/loss.py's token_loss: the head's output replicated over the whole vocabulary on every rank, then
+    cross_entropy in fp32): forward tokens x V x (made + 4) (the logits, their fp32 copy, the fp32 log-softmax
+    autograd keeps); backward tokens x V x 12 (the log-softmax, its gradient, the logits' gradient, all fp32),
+    then tokens x V x (4 + c) (the fp32 gradient and its compute-dtype copy) + the common end. So whole logits
+    never plan less than the chunked loss."""
     if HeadKind(shape.task) is not HeadKind.CAUSAL_LM:
         return 0
-    vocab = shape.hf_config.vocab_size
-    # per logit: the matmul's output in the compute dtype, its fp32 copy (16-bit compute only), and one fp32
-    # temporary (the exponentials); whole logits keep the fp32 log-softmax and its gradient instead (two)
-    made = compute_bytes + (4 if compute_bytes < 4 else 0)
+    vocab, c = shape.hf_config.vocab_size, compute_bytes
+    made = c + (4 if c < 4 else 0)
+    end = 4 * tokens * shape.hidden + (shape.head_weight / tp * made if shape.head_trains else 0)
     if not workload.loss_chunk_tokens:
-        return (made + 8) * tokens * vocab
-    head_gradient = 0 if shape.lora_rank else 4 * vocab * shape.hidden / tp
-    return (made + 4) * min(workload.loss_chunk_tokens, tokens) * vocab / tp + head_gradient
+        whole = tokens * vocab
+        return max(whole * (made + 4), whole * 12, whole * (4 + c) + end)
+    rows = min(workload.loss_chunk_tokens, tokens) * vocab / tp
+    return max(rows * (made + 4), rows * (4 + c) + end)
 
 
 def gathered_block(per_part: list[float], nf4: list[float], compute_bytes: int) -> float:
@@ -459,7 +536,7 @@ class Row:
     layout: Candidate
     memory: dict[str, float]  # bytes per GPU
     step_s: float
-    epoch_min: float
+    run_min: float  # minutes for the run's steps (an SST-2 epoch when planning a model, not a recipe)
     fits: bool
 
 
@@ -486,33 +563,55 @@ COLUMNS = (
 class Plan:
     shape: ModelShape
     hardware: Hardware
-    rows: list[Row]  # best first: fitting layouts by epoch time, then the others by epoch time
+    rows: list[Row]  # best first: fitting layouts by run time, then the others by run time
     recommended: Row | None
     batch_size: int
     seq_len: int
     tokens_per_sample: float
     mfu: float
-    pairs: bool = False  # task=dpo: a sample is a preference pair
+    workload: Workload = dataclasses.field(default_factory=lambda: Workload())
+    steps: int = SST2_TRAIN_SENTENCES // 32  # the run's optimizer steps
+    current: Row | None = None  # the layout the recipe starts, when a recipe is planned
+    recipe: str | None = None  # the recipe planned (None: a model), for the printed command
+    overrides: tuple[str, ...] = ()  # the recipe's overrides as given
+
+    @property
+    def pairs(self) -> bool:
+        return self.workload.pairs
+
+    @property
+    def timed_as_run(self) -> bool:
+        """Time for the run's own steps (a recipe, or instruction and preference tuning), not an SST-2 epoch."""
+        return self.recipe is not None or self.workload.task in ("sft", "dpo")
+
+    @property
+    def slice_size(self) -> int:
+        """Samples per accumulation slice, over all data-parallel ranks."""
+        return self.batch_size // self.workload.accumulation
 
     def table(self, limit: int | None = 15) -> str:
-        """The best `limit` rows (all with None), plus the recommended one if it is further down."""
+        """The best `limit` rows (all with None), plus the recommended one (and the recipe's) if further down."""
         shown = self.rows if limit is None else self.rows[:limit]
-        if self.recommended is not None and self.recommended not in shown:
-            shown = shown + [self.recommended]
-        cells = [COLUMNS] + [self._cells(row) for row in shown]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-        align = [str.ljust if name == "sharding" else str.rjust for name in COLUMNS]
+        for extra in (self.recommended, self.current):
+            if extra is not None and extra not in shown and extra.layout not in [r.layout for r in shown]:
+                shown = shown + [extra]
+        columns = (*COLUMNS[:-1], "run min") if self.timed_as_run else COLUMNS
+        cells = [columns] + [self._cells(row) for row in shown]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+        align = [str.ljust if name == "sharding" else str.rjust for name in columns]
         lines = self._header() + ["  ".join(a(c, w) for a, c, w in zip(align, line, widths)) for line in cells]
         if len(shown) < len(self.rows):
             lines.append(f"... {len(self.rows) - len(shown)} more layouts (--all / table(limit=None) prints all)")
-        lines.append(self._verdict())
+        lines += self._verdict()
         return "\n".join(lines + [""] + self._footer())
 
     __str__ = table
 
     def _cells(self, row: Row) -> tuple[str, ...]:
         lay, mem = row.layout, row.memory
-        micro = f"{lay.microbatches}x{self.batch_size // (lay.dp * lay.microbatches)}"
+        micro = f"{lay.microbatches}x{self.slice_size // (lay.dp * lay.microbatches)}"
+        if self.workload.accumulation > 1:
+            micro = f"{self.workload.accumulation}x{micro}"
         sizes = [f"{(mem['params'] + mem['gathered'] + mem['dequantized']) / GB:.2f}"]
         sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer")]
         sizes.append(f"{(mem['activations'] + mem['logits']) / GB:.2f}")  # a language model's logits with them
@@ -528,14 +627,49 @@ class Plan:
             f"{mem['load_total'] / GB:.1f}",
             "yes" if row.fits else "no",
             f"{row.step_s:.3f}",
-            f"{row.epoch_min:.1f}",
+            f"{row.run_min:.1f}",
         )
 
     def _header(self) -> list[str]:
-        shape, hw = self.shape, self.hardware
+        shape, hw, work = self.shape, self.hardware, self.workload
         where = f" ({hw.instance})" if hw.instance else ""
+        task = work.task or str(shape.task)
+        trained = "the classification head" if HeadKind(shape.task) is HeadKind.CLASSIFICATION else "the head"
+        trained_part = (
+            f" + {trained} trained in full" if shape.lora_rank and shape.lora_elements and shape.head_trains else ""
+        )
+        targets = "every linear layer"
+        if work.lora is not None and work.lora.targets != ALL_LINEAR:
+            targets = ", ".join(work.lora.targets)
+        unit = "pairs" if self.pairs else "samples"
+        if not self.timed_as_run:
+            timed = (
+                f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {self.steps:,} steps of {self.batch_size}; "
+                f"memory at {self.seq_len} tokens per sequence, time at {self.tokens_per_sample:g} tokens per sample, "
+                f"MFU {self.mfu:g}"
+            )
+        else:
+            if work.max_steps:
+                counted = f"max_steps={work.max_steps}"
+            elif work.samples is not None:
+                counted = f"{work.epochs:g} epoch(s) of {work.samples:,} {unit} ({work.data})"
+            else:
+                counted = f"{work.epochs:g} epoch(s) of {SST2_TRAIN_SENTENCES:,} {unit} assumed ({work.data})"
+            slices = f" ({work.accumulation} accumulation slices of {self.slice_size})" if work.accumulation > 1 else ""
+            layout_of = "packed into" if work.packing else "padded to"
+            timed = (
+                f"the run: {self.steps:,} steps of {self.batch_size} {unit}{slices}: {counted}; memory at "
+                f"{self.seq_len} tokens per row ({layout_of} max_length), time at {self.tokens_per_sample:g} "
+                f"tokens per sample, MFU {self.mfu:g}; {'fp32' if work.compute_bytes == 4 else '16-bit'} compute, "
+                + (
+                    f"the loss in chunks of {work.loss_chunk_tokens:,} tokens"
+                    if work.loss_chunk_tokens
+                    else "whole logits (loss_chunk_tokens=0)"
+                )
+                * (HeadKind(shape.task) is HeadKind.CAUSAL_LM)
+            ).rstrip(", ")
         return [
-            f"{shape.name} ({shape.family.name}, {shape.task}): {shape.total:,} parameters, {shape.layers} blocks, "
+            f"{shape.name} ({shape.family.name}, {task}): {shape.total:,} parameters, {shape.layers} blocks, "
             f"hidden {shape.hidden}, {shape.heads} heads; valid tp "
             f"{', '.join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))}",
             f"{hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu}{where}: {hw.memory_gb:g} GB each, "
@@ -544,7 +678,7 @@ class Plan:
             + hw.note,
             *(
                 [
-                    f"LoRA rank {shape.lora_rank} on every linear layer + head: {shape.lora_elements:,} trainable "
+                    f"LoRA rank {shape.lora_rank} on {targets}{trained_part}: {shape.lora_elements:,} trainable "
                     f"parameters ({shape.lora_elements / shape.total:.2%}); the base frozen in 16-bit"
                 ]
                 if shape.lora_rank and not shape.nf4
@@ -552,7 +686,7 @@ class Plan:
             ),
             *(
                 [
-                    f"QLoRA rank {shape.lora_rank} on every linear layer + head: {shape.lora_elements:,} trainable "
+                    f"QLoRA rank {shape.lora_rank} on {targets}{trained_part}: {shape.lora_elements:,} trainable "
                     f"parameters ({shape.lora_elements / shape.total:.2%}); the blocks' Linear weights "
                     f"({sum(map(sum, shape.quantizable)):,}) frozen in NF4 ({NF4_BYTES:.4f} B each), the rest "
                     "of the base in 16-bit; layouts the trainer refuses with NF4 (hybrid, FSDP with tp) left out"
@@ -564,35 +698,53 @@ class Plan:
                 [
                     "dpo: each sample is a pair of rows (chosen, rejected), both in memory and time; the reference "
                     "model costs no memory (its log-probabilities are measured once before training, in this "
-                    "layout: one forward per trained pair, about a third of a step's compute per pair)"
+                    "layout: one forward per trained pair, about a third of a step's compute per pair, in the time)"
                 ]
                 if self.pairs
                 else []
             ),
-            f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {SST2_TRAIN_SENTENCES // self.batch_size:,} steps "
-            f"of {self.batch_size}; memory at {self.seq_len} tokens per sequence, time at "
-            f"{self.tokens_per_sample:g} tokens per sample, MFU {self.mfu:g}",
+            timed,
             "",
         ]
 
-    def _verdict(self) -> str:
-        best = self.recommended
+    def _describe(self, row: Row) -> str:
+        return (
+            f"{row.layout.describe(self.slice_size)}: {row.memory['total'] / GB:.1f} of "
+            f"{self.hardware.memory_gb:g} GB per GPU (loading {row.memory['load_total'] / GB:.1f})"
+        )
+
+    def _verdict(self) -> list[str]:
+        best, lines = self.recommended, []
+        minutes = "min for the run" if self.timed_as_run else "min per epoch"
+        if self.current is not None:
+            verdict = "fits" if self.current.fits else "does NOT fit"
+            lines.append(
+                f"the recipe's layout: {self._describe(self.current)}, {self.current.run_min:.1f} {minutes}: {verdict}"
+            )
         if best is None:
             fitting = [row for row in self.rows if row.fits]
-            return f"recommended: nothing fits with {HEADROOM:.0%} headroom; " + (
-                f"fastest that fits at all: {fitting[0].layout.describe(self.batch_size)}"
-                if fitting
-                else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"
-            )
+            return lines + [
+                f"recommended: nothing fits with {HEADROOM:.0%} headroom; "
+                + (
+                    f"fastest that fits at all: {fitting[0].layout.describe(self.slice_size)}"
+                    if fitting
+                    else "nothing fits at all: use more GPUs per node, larger GPUs or more nodes"
+                    + (", or a smaller batch per slice (gradient_accumulation_steps)" if self.recipe else "")
+                )
+            ]
         today = (
             "the trainer runs this today"
             if best.layout.runs_today
             else "needs pipeline parallelism with FSDP, not in the trainer yet"
         )
-        return (
-            f"recommended: {best.layout.describe(self.batch_size)}: {best.memory['total'] / GB:.1f} of "
-            f"{self.hardware.memory_gb:g} GB per GPU, {best.epoch_min:.1f} min per epoch ({today})"
+        lines.append(
+            f"recommended: {best.layout.describe(self.slice_size)}: {best.memory['total'] / GB:.1f} of "
+            f"{self.hardware.memory_gb:g} GB per GPU, {best.run_min:.1f} {minutes} ({today})"
         )
+        if self.recipe is not None:
+            keys = " ".join(best.layout.overrides(self.hardware.gpus_per_node))
+            lines.append(f"  as overrides (after {' '.join([self.recipe, *self.overrides])}): {keys}")
+        return lines
 
     def _footer(self) -> list[str]:
         return [
@@ -603,8 +755,9 @@ class Plan:
             "- State as the trainer keeps it: fp32 params 4 B, fp32 grads 4 B, AdamW 8 B per parameter, 16-bit",
             "  autocast. tp-sharded parameters and their gradients / tp; the rest whole. optimizer =",
             "  ZeRO-1, full = FSDP (+ one gathered 16-bit block), hybrid = FSDP inside a node, replicas across nodes.",
-            "- LoRA (--lora R): frozen parameters 2 B (16-bit), adapters + head 4 + 4 + 8 B; 4N FLOPs per token",
-            "  instead of 6N (no weight gradients of the frozen matmuls); data parallel moves trainable gradients.",
+            "- LoRA (peft=lora, --lora R): frozen parameters 2 B (16-bit), adapters + modules trained in full",
+            "  4 + 4 + 8 B; 4N FLOPs per token instead of 6N (no weight gradients of the frozen matmuls); data",
+            "  parallel moves trainable gradients. --lora R: every linear layer + a classification head.",
             f"- QLoRA (--qlora R): LoRA with the blocks' Linear weights in NF4, {NF4_BYTES:.4f} B (4-bit codes, an",
             "  int8 scaler per 64, an fp32 factor per 256 scalers), the rest of the base 16-bit; params adds one",
             "  block's Linear weights dequantized (16-bit working memory); FLOPs as LoRA (dequantizing each weight",
@@ -612,10 +765,11 @@ class Plan:
             "- Activations: Korthikanti et al. 2022, s*b*h*(10 + S/t + 5*a*s/(h*t)) bytes per layer at",
             f"  s = max_length, S = {self.shape.split_activations:.4g} (24 for a 4h GeLU MLP; grouped-query attention",
             "  and gated MLPs change it); ac keeps 2*s*b*h per layer + one layer; 1F1B stage i holds pp-i",
-            "  micro-batches; micro = count x size. activ includes a language model's logits on the last stage:",
-            "  one chunk's of this rank's vocabulary shard (loss_chunk_tokens, 10 B per logit) + the head's fp32",
-            "  gradient, or with --loss-chunk-tokens 0 every token's; sft with --packing: rows of",
-            f"  --tokens-per-row packed into max_length sequences at {PACKING_EFFICIENCY:.0%} of their slots.",
+            "  micro-batches; micro = [accumulation slices x] count x size. activ includes a language model's",
+            "  logits on the last stage: one chunk's of this rank's vocabulary shard (loss_chunk_tokens) + the",
+            "  head's gradient while made, or with loss_chunk_tokens=0 every labelled position's whole logits,",
+            "  fp32 log-softmax and gradients; sft/dpo with packing: rows of --tokens-per-row packed into",
+            f"  max_length sequences (dpo: 2 x max_length) at {PACKING_EFFICIENCY:.0%} of their slots.",
             "- Time: (6N + 12*L*s*d) FLOPs per token (+ 2N + 4*L*s*d with ac), d = heads x head dimension, at the",
             "  MFU of peak, / pipeline efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link",
             "  rate, not overlapped.",
@@ -627,11 +781,12 @@ class Plan:
 class Workload:
     """What a plan trains: the task, tokens per sequence for memory (`seq_len`), the global batch, real tokens per
     sample for time (SST-2's mean after dynamic padding; `padded`: every row padded to `seq_len`), the model FLOPs
-    utilisation assumed, LoRA's rank (0: full fine-tuning) and the frozen base's quantization (nf4: QLoRA)."""
+    utilisation assumed, LoRA's rank (0: full fine-tuning) and the frozen base's quantization (nf4: QLoRA).
+    resolve.planner_workload makes one from a recipe: everything a run of it would do."""
 
     head: HeadKind = HeadKind.CLASSIFICATION  # the model's last layer (instruction tuning trains the causal LM)
     seq_len: int = 128
-    batch_size: int = 32
+    batch_size: int = 32  # global: summed over data-parallel ranks and accumulation slices
     tokens_per_sample: float = 13.4
     padded: bool = False
     mfu: float = 0.35
@@ -644,6 +799,15 @@ class Workload:
     # sequences of twice seq_len; the reference model costs no memory (its log-probabilities are measured before
     # training: one forward of each trained pair, about a third of a step's compute, once)
     pairs: bool = False
+    accumulation: int = 1  # gradient_accumulation_steps: slices of batch_size / (dp x accumulation) rows per rank
+    compute_bytes: int = 2  # the compute dtype's bytes: 2 (bf16/fp16 autocast, precision auto on GPUs), 4 (fp32)
+    lora: LoraSettings | None = None  # the run's adapters and modules trained in full (None with lora_rank: all
+    # linear layers + a classification head, as --lora R plans)
+    task: str | None = None  # the recipe's `task:` (classification, causal_lm, sft, dpo); None: the head's name
+    samples: int | None = None  # training samples per epoch (None: SST-2's 67,349 sentences)
+    epochs: float = 1.0  # passes over them (time: epochs x samples / batch_size steps)
+    max_steps: int | None = None  # when set, the run's steps (wins over epochs)
+    data: str = ""  # where the samples come from, for the header
 
     def micro_batch(self, rows: float) -> MicroBatch:
         """What `rows` training rows (samples: pairs for dpo, two rows each) of one micro-batch become: packed
@@ -653,6 +817,12 @@ class Workload:
             return MicroBatch(rows, self.seq_len)
         per_row = min(self.tokens_per_row or self.tokens_per_sample, self.seq_len)
         return MicroBatch(max(1, math.ceil(rows * per_row / (PACKING_EFFICIENCY * length))), length)
+
+    @property
+    def steps(self) -> int:
+        """The run's optimizer steps: max_steps, or epochs x the global batches of an epoch (as the trainer)."""
+        samples = SST2_TRAIN_SENTENCES if self.samples is None else self.samples
+        return self.max_steps or max(1, math.ceil(self.epochs * (samples // self.batch_size or 1)))
 
 
 @dataclass(frozen=True)
@@ -673,12 +843,23 @@ def plan(
     gpu: str | None = None,
     workload: Workload = Workload(),
     runs_today: bool = False,
+    current: Candidate | None = None,
+    refuse: Callable[[Candidate], str | None] | None = None,
 ) -> Plan:
     """Every layout of `model` training `workload` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with
-    `runs_today` only those the trainer runs now. See the module docstring for the assumptions."""
+    `runs_today` only those the trainer runs now, and none that `refuse` (a run's own checks) gives a reason
+    against. `current`: the layout a recipe starts there, planned and reported beside the recommendation. See the
+    module docstring for the assumptions."""
     hardware = hardware_for(gpus, gpu_mem_gb, instance, gpu, nodes)
     seq_len, batch_size = positive_int("seq_len", workload.seq_len), positive_int("batch_size", workload.batch_size)
+    accumulation = positive_int("accumulation", workload.accumulation)
     tokens_per_sample = positive_number("tokens_per_sample", workload.tokens_per_sample, "13.4")
+    if workload.tokens_per_row is not None:
+        positive_number("tokens_per_row", workload.tokens_per_row, "512")
+    if workload.loss_chunk_tokens < 0 or isinstance(workload.loss_chunk_tokens, bool):
+        raise UserError(f"loss_chunk_tokens={workload.loss_chunk_tokens!r} must be >= 0 (0: the whole logits at once)")
+    if workload.compute_bytes not in (2, 4):
+        raise UserError(f"compute_bytes={workload.compute_bytes!r} is not valid; valid: 2 (bf16, fp16), 4 (fp32)")
     mfu, lora_rank = workload.mfu, workload.lora_rank
     if not 0 < mfu <= 1:
         raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
@@ -689,23 +870,54 @@ def plan(
     if nf4 and not lora_rank:
         raise UserError("base_quantization=nf4 is QLoRA: it quantizes LoRA's frozen base; give a lora_rank > 0")
     if lora_rank:
-        shape = dataclasses.replace(shape, lora_rank=positive_int("lora_rank", lora_rank), nf4=nf4)
-    tokens = seq_len if workload.padded else min(tokens_per_sample, seq_len)
+        rank = positive_int("lora_rank", lora_rank)
+        lora = workload.lora or LoraSettings(
+            rank,
+            2.0 * rank,
+            0.0,
+            ALL_LINEAR,
+            tuple(shape.family.lora_head) if HeadKind(shape.task) is HeadKind.CLASSIFICATION else (),
+        )
+        if nf4 and lora.quantization is None:
+            lora = dataclasses.replace(lora, quantization=quantize.NF4Settings(NF4_BLOCK, NF4_SCALER_BLOCK))
+        shape = with_lora(shape, lora if nf4 else dataclasses.replace(lora, quantization=None))
+    # time: real tokens per sample (a chat row's planned mean for sft and dpo), or padded to seq_len
+    real = workload.tokens_per_row if workload.tokens_per_row is not None else tokens_per_sample
+    tokens = seq_len if workload.padded else min(real, seq_len)
     tokens *= 2 if workload.pairs else 1  # a preference pair is two rows: twice the compute of one
-    steps = SST2_TRAIN_SENTENCES // batch_size
-    rows = []
-    for layout in candidate_layouts(shape, hardware, batch_size):
-        if (runs_today and not layout.runs_today) or nf4_refusal(shape, layout):
-            continue
+    steps = workload.steps
+    # dpo: the reference pass, once before training: one forward per pair, about a third of a step's compute
+    reference_steps = (workload.samples or SST2_TRAIN_SENTENCES) / batch_size / 3 if workload.pairs else 0
+
+    def row_of(layout: Candidate) -> Row:
         memory = memory_per_gpu(shape, layout, seq_len, batch_size, workload=workload)
         step = step_seconds(shape, hardware, layout, batch_size, tokens, mfu)
-        rows.append(Row(layout, memory, step, steps * step / 60, memory["peak"] <= hardware.memory_gb * GB))
+        run_min = (steps + reference_steps) * step / 60
+        return Row(layout, memory, step, run_min, memory["peak"] <= hardware.memory_gb * GB)
+
+    rows = [
+        row_of(layout)
+        for layout in candidate_layouts(shape, hardware, batch_size // accumulation)
+        if not ((runs_today and not layout.runs_today) or nf4_refusal(shape, layout) or (refuse and refuse(layout)))
+    ]
     if not rows:
         degrees = ", ".join(map(str, shape.family.valid_tp_degrees(shape.hf_config)))
         raise UserError(
             f"batch_size={batch_size}: no layout of {model} on {hardware.world} GPUs splits it evenly "
-            f"over its data-parallel ranks (valid tp: {degrees})"
+            f"over its data-parallel ranks x gradient_accumulation_steps={accumulation} (valid tp: {degrees})"
         )
-    rows.sort(key=lambda row: (not row.fits, row.epoch_min, row.memory["peak"]))
+    rows.sort(key=lambda row: (not row.fits, row.run_min, row.memory["peak"]))
     roomy = [row for row in rows if row.memory["peak"] <= (1 - HEADROOM) * hardware.memory_gb * GB]
-    return Plan(shape, hardware, rows, roomy[0] if roomy else None, batch_size, seq_len, tokens, mfu, workload.pairs)
+    return Plan(
+        shape,
+        hardware,
+        rows,
+        roomy[0] if roomy else None,
+        batch_size,
+        seq_len,
+        tokens,
+        mfu,
+        workload,
+        steps,
+        current=row_of(current) if current is not None else None,
+    )
