@@ -35,7 +35,7 @@ from ..model.throughput import Peak, device_peak
 from ..outputs.checkpoint import TrainingState
 from ..outputs.loggers import destinations
 from ..outputs.reporting import PhaseTimer, Reporter
-from ..outputs.runfolder import RunLock, claim_run_folders, open_run_folder
+from ..outputs.runfolder import RunLock, claim_run_folders, open_run_folder, written_settings
 from ..parallel import Placement
 from ..parallel.layout import Engine, Layout, check_batch_split, init_distributed, rank0_decides
 from ..parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
@@ -324,7 +324,7 @@ class RunBuilder:
         config = self.config
         reporter = Reporter(output_dir, total_steps, config.log_every, layout.is_main, resumed_at=step)
         trackers = destinations(config.report_to)
-        params = config.to_dict() | resolved.as_params()  # as written, and what `auto` became
+        params = written_settings(config.to_dict()) | resolved.as_params()  # as written, and what `auto` became
         reporter.started = rank0_decides(
             layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
         )
