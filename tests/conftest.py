@@ -410,6 +410,9 @@ def assert_one_line_per_event(run: Run) -> None:
         f"eval @ step {e['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items() if k != "step") for e in evals
     ]
     assert printed == expected and expected, "one line per evaluation, rank 0's values, from one rank"
+    # a run of fewer than 10 steps is said to be short once, by rank 0 (loop.builder.small_run_warnings)
+    short = [line for line in lines if line.startswith(f"the run trains {total} step(s)")]
+    assert len(short) == (total < 10), short
 
 
 @contextlib.contextmanager
