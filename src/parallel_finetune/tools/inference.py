@@ -88,9 +88,9 @@ def _run_settings(folder: Path) -> dict:
     return settings if isinstance(settings, dict) else {}
 
 
-def _chat_model(path: Path, task: str) -> str:
+def _chat_model(path: Path, task_key: str) -> str:
     return (
-        f"{path}: the model beside it is a chat model (task={task}), and predict.py classifies texts; chat with "
+        f"{path}: the model beside it is a chat model (task={task_key}), and predict.py classifies texts; chat with "
         "it through transformers (pipeline('text-generation') given messages; docs/running.md)"
     )
 
