@@ -107,9 +107,18 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# What a run trains, and where, as its first line says it: a tiny model from the recipe's config (SIZE=tiny, or
+# size=tiny in ARGS, which comes last and wins), the model ARGS names (model=), or the recipe's own; on the CPU when
+# no GPU is found, whatever the size.
+run_size = $(lastword $(patsubst model.size=%,%,$(patsubst size=%,%,$(filter size=% model.size=%,size=$(SIZE) $(ARGS)))))
+run_given = $(lastword $(patsubst model.model=%,%,$(patsubst model=%,%,$(filter model=% model.model=%,$(ARGS)))))
+run_model = $(if $(filter tiny,$(run_size)),a tiny model built from the recipe's config,$(if $(run_given),model \
+	$(run_given),the recipe's model))
+run_place = $(if $(filter 0,$(NGPU)),on the CPU (no GPU found$(if $(filter tiny,$(run_size)),; SIZE=full for the \
+	recipe's model)),on the GPUs ($(NGPU) found))
 # Runs a recipe: validate in one process first (bad input -> one line, before any rank starts), then torchrun.
 define run_recipe
-	@echo ">>> $(1): $(NPROC) processes, size=$(SIZE)$(if $(filter 0,$(NGPU)), (no GPU found: tiny model on CPU),)"
+	@echo ">>> $(1): $(NPROC) process$(if $(filter 1,$(NPROC)),,es), size=$(run_size): $(run_model), $(run_place)"
 	$(PY) -m parallel_finetune.train --check --nproc $(NPROC) $(1) $(RUN_ARGS)
 	$(TORCHRUN) --nproc_per_node $(NPROC) scripts/train.py $(1) $(RUN_ARGS)
 endef

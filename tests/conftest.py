@@ -29,9 +29,11 @@ os.environ["HF_HUB_CACHE"] = str(HUB_CACHE)
 
 import harness  # noqa: E402
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 from parallel_finetune.families import family_names, get_family  # noqa: E402
 from parallel_finetune.launch import torchrun_command  # noqa: E402
+from parallel_finetune.outputs.reporting import format_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The tests mirror the package's folders (tests/data/, tests/loop/, ...); some share helpers across folders (an sft
@@ -398,7 +400,33 @@ def assert_trains_like(run: Run, reference: Run, task: str, tolerance: float = 1
         close = METRIC_TOLERANCE.get(key.removeprefix("mismatched_"), {"rel": 1e-5})
         assert run.summary[key] == pytest.approx(reference.summary[key], nan_ok=True, **close), key
     assert run.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], abs=tolerance)
+    assert_one_line_per_event(run)
     return max(differences)
+
+
+def assert_one_line_per_event(run: Run) -> None:
+    """What a run prints, on any layout: each step line (every `log_every` steps, the last, a skipped one) and
+    each evaluation line exactly once, from rank 0, with rank 0's values, those of metrics.jsonl and eval.jsonl
+    (the loss the pipeline's last stage computed, reduced to every rank; rank 0's throughput). Each rank's output
+    is whole in `run.output` (the harness keeps one file per rank), so every rank's copy of a line would count."""
+    log_every = yaml.safe_load((run.output_dir / "config.yaml").read_text())["log_every"]
+    records = run.records
+    total = records[-1]["step"]
+    lines = run.output.splitlines()
+    printed = [line for line in lines if line.startswith("step ") and " | epoch " in line]
+    expected = [
+        format_step(r, total) for r in records if r["step"] % log_every == 0 or r["step"] == total or r["skipped"]
+    ]
+    assert printed == expected, "one step line per logged step, rank 0's values, from one rank"
+    evals = [json.loads(line) for line in (run.output_dir / "eval.jsonl").read_text().splitlines()]
+    printed = [line for line in lines if line.startswith("eval @ step ")]
+    expected = [
+        f"eval @ step {e['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items() if k != "step") for e in evals
+    ]
+    assert printed == expected and expected, "one line per evaluation, rank 0's values, from one rank"
+    # a run of fewer than 10 steps is said to be short once, by rank 0 (loop.builder.small_run_warnings)
+    short = [line for line in lines if line.startswith(f"the run trains {total} step(s)")]
+    assert len(short) == (total < 10), short
 
 
 @contextlib.contextmanager

@@ -364,6 +364,27 @@ def test_make_task_and_data_become_the_data_keys(target, variables, recipe, expe
     assert sagemaker[-len(expected) :] == expected
 
 
+@pytest.mark.parametrize(
+    "target, variables, said",
+    [
+        ("gptj-tp", ["NGPU=0"], "2 processes, size=tiny: a tiny model built from the recipe's config, on the CPU"),
+        # a model folder at full size on a CPU: its name, not "tiny model on CPU"
+        ("llama-sft", ["NGPU=0", "SIZE=full", "ARGS=model=path/to/m"], "size=full: model path/to/m, on the CPU"),
+        ("gptj-tp", ["NGPU=0", "ARGS=size=full"], "size=full: the recipe's model, on the CPU"),  # ARGS comes last
+        ("bert-minilm", ["NGPU=0"], "1 process, size=full: the recipe's model, on the CPU (no GPU found)"),
+        ("gptj-tp", ["NGPU=4"], "4 processes, size=full: the recipe's model, on the GPUs (4 found)"),
+    ],
+)
+def test_make_says_which_model_runs_where(target, variables, said):
+    """The first line of a make target says the size that runs, the model it trains and the device, as the keys
+    it passes make them (it said "(no GPU found: tiny model on CPU)" on any CPU run, a model folder's too)."""
+    dry = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", target, *variables], cwd=REPO, capture_output=True, text=True
+    )
+    (line,) = [line for line in dry.stdout.splitlines() if line.startswith('echo ">>> ')]
+    assert said in line, line
+
+
 def test_minilm_glue_recipe_takes_its_task_from_the_command_line():
     from parallel_finetune.resolve import load_config
 

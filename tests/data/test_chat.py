@@ -18,6 +18,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from conftest import launch, load_task_of, prepare_data, recipe, tiny_overrides
 
 from parallel_finetune.data import chat
@@ -653,8 +654,11 @@ def test_predict_on_a_chat_model_says_it_is_one(single_process_run, sst2, cache_
     texts.write_text("text\na gorgeous movie\n")
     assert predict_main([str(run.output_dir / "hf"), str(texts)]) == 2
     said = capsys.readouterr().err
-    assert said.count("\n") == 1 and said.startswith(f"error: {run.output_dir / 'labels.json'}: the model beside it")
+    assert said.count("\n") == 1 and said.startswith(f"error: {run.output_dir / 'config.yaml'}: the model beside it")
     assert "is a chat model (task=sft), and predict.py classifies texts" in said
+    # an sft run has no labels and reads no GLUE task: no labels.json, no glue_task in its config.yaml
+    assert not (run.output_dir / "labels.json").exists()
+    assert "glue_task" not in yaml.safe_load((run.output_dir / "config.yaml").read_text())
 
 
 def test_a_template_without_turn_markers_or_generation_prompt_is_said_and_an_empty_one_refused(learned, caplog):

@@ -177,6 +177,32 @@ def test_text_pairs_in_csv_and_parquet_read_alike(tmp_path):
     assert read[0] == read[1] and task.name == "explicit"
 
 
+def test_the_pairs_kind_and_prompt_format_are_said_as_they_are(tmp_path, caplog):
+    """One line says what the pairs are: text (no chat template) or messages (rendered by it), with an explicit or
+    an implicit prompt, and how many (text pairs were said to be in "the explicit format", which names only where
+    the prompt is)."""
+    train = tmp_path / "train.jsonl"
+    text = [{"prompt": f"Review: film {i}\nSentiment:", "chosen": " good", "rejected": " bad"} for i in range(4)]
+    train.write_text("".join(json.dumps(row) + "\n" for row in text), encoding="utf-8")
+    said = {}
+    for name, overrides in {
+        "text": [f"train_file={train}", "validation_split_percentage=50"],
+        "implicit messages": [f"train_file={PREFERENCE_SAMPLE_DIR / 'implicit.jsonl'}"],
+    }.items():
+        caplog.clear()
+        with caplog.at_level("INFO", logger="parallel_finetune.tasks.preferences"):
+            load_task_of(dpo_config(*overrides))
+        (said[name],) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("task=dpo: ")]
+    assert said["text"] == (
+        f"task=dpo: {train}: 2 pairs of text (TRL's standard format, no chat template), explicit prompt (columns "
+        "prompt, chosen, rejected)"
+    )
+    assert said["implicit messages"].endswith(
+        "pairs of messages (TRL's conversational format, rendered by the chat template), implicit prompt (what both "
+        "answers begin with) (columns chosen, rejected)"
+    )
+
+
 def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(cache_dir):
     prepared = prepare_data(dpo_config(cache_dir=cache_dir))
     split = TokenizedSplit.of(prepared.splits["train"], prepared.task)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, launch, recipe, tiny_overrides
+import yaml
+from conftest import REPO, assert_one_line_per_event, launch, recipe, tiny_overrides
 
 from parallel_finetune.loop.loss import PAIR_METRICS
 
@@ -69,7 +70,16 @@ def assert_prefers_like(run, reference, tolerance: float = TOLERANCE) -> float:
     assert reference.losses[0] != reference.losses[-1], "the loss must move"
     for key in HELD_OUT:
         assert run.summary[key] == pytest.approx(reference.summary[key], abs=tolerance, rel=1e-6), key
+    assert_one_line_per_event(run)  # under a pipeline too, where the last stage computes the loss
     return max(differences)
+
+
+def assert_no_glue_or_labels(folder) -> None:
+    """A dpo (or sft) run reads no GLUE task and has no labels: its config.yaml names no glue_task, and it writes
+    no labels.json (they said sst2 and a dpo "label" file)."""
+    settings = yaml.safe_load((folder / "config.yaml").read_text())
+    assert settings["task"] in ("dpo", "sft") and "glue_task" not in settings
+    assert not (folder / "labels.json").exists()
 
 
 DPO_LAYOUTS = [
@@ -112,12 +122,16 @@ def test_lora_dpo_under_a_pipeline_matches_and_exports_its_adapter(references, s
     """LoRA under PP=2 1F1B (the reference: the stages' adapters disabled) against one process, and its adapter/
     exported as for sft (peft's files)."""
     reference = references("llama", "lora")
-    overrides = dpo_overrides(sst2, cache_dir, "llama", *LORA, *PP2, export="true")
+    overrides = dpo_overrides(sst2, cache_dir, "llama", *LORA, *PP2, export="true", checkpoint_every=6)
     run = launch(2, overrides, tmp_path / "lora-pp2", recipe=kind_recipe("llama", "lora"))
     difference = assert_prefers_like(run, reference)
     print(f"llama lora_pp2 dpo: largest difference {difference:.2e}")
     adapter = run.output_dir / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+    assert not (adapter / "labels.json").exists()
+    (checkpoint,) = (run.output_dir / "checkpoints").glob("step-*")
+    for folder in (run.output_dir, checkpoint):
+        assert_no_glue_or_labels(folder)
 
 
 def test_dpo_under_deepspeed_matches_single_process(references, sst2, cache_dir, tmp_path):
@@ -209,4 +223,4 @@ def test_dpo_learns_the_preference_sample(sst2, cache_dir, tmp_path):
     after = run.summary["rewards/accuracies"]
     print(f"held-out rewards/accuracies: 0 before, {halfway['rewards/accuracies']:.3f} at step 50, {after:.3f} at 100")
     assert after > 0.9 and run.summary["rewards/margins"] > halfway["rewards/margins"] > 0
-    assert json.loads((run.output_dir / "labels.json").read_text())["problem_type"] == "dpo"
+    assert_no_glue_or_labels(run.output_dir)

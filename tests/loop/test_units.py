@@ -697,3 +697,42 @@ def test_a_recipe_is_resolved_once_into_the_values_components_receive():
         "resolved.sharding": "optimizer",
         "resolved.microbatches": 6,
     }
+
+
+def test_a_small_held_out_split_or_a_short_run_is_said_with_the_count_and_what_to_change(tmp_path, cache_dir):
+    """2 held-out pairs (an accuracy of 0, 0.5 or 1) or 3 steps ran silently; now one line each, with the count and
+    the key to change: the held-out share where the split is drawn from train, the validation file where it is
+    given; max_steps, or epochs where the run counts them. The shipped sample (64 held-out pairs) at 10 steps: none.
+    (RunBuilder.build says them on rank 0 alone; conftest.assert_one_line_per_event counts the short run's.)"""
+    from conftest import prepare_data
+    from test_preference_data import dpo_config
+
+    from parallel_finetune.loop.builder import small_run_warnings
+
+    def pairs(name: str, count: int) -> str:
+        path = tmp_path / name
+        rows = [{"prompt": f"Film {i}:", "chosen": " good", "rejected": " bad"} for i in range(count)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        return str(path)
+
+    carved = dpo_config(f"train_file={pairs('train.jsonl', 20)}", "max_steps=3", cache_dir=cache_dir)
+    assert small_run_warnings(carved, prepare_data(carved), 3, 18) == [
+        "the held-out split has 2 pairs: a metric over so few moves in steps of 1/2 and says little; raise "
+        "validation_split_percentage (now 10% of the training rows) for at least 32",
+        "the run trains 3 step(s) (max_steps=3): too few for its loss or metrics to show a trend; raise max_steps "
+        "to 10 or more",
+    ]
+    given = dpo_config(
+        f"train_file={tmp_path / 'train.jsonl'}", f"validation_file={pairs('dev.jsonl', 3)}", cache_dir=cache_dir
+    )
+    assert small_run_warnings(given, prepare_data(given), 10, 10) == [
+        "the held-out split has 3 pairs: a metric over so few moves in steps of 1/3 and says little; give a "
+        "validation split of more rows (validation_file=) for at least 32"
+    ]
+    sample = dpo_config("epochs=1", "batch_size=64", cache_dir=cache_dir)
+    prepared = prepare_data(sample)
+    assert small_run_warnings(sample, prepared, 10, 10) == []
+    assert small_run_warnings(sample, prepared, 6, 6) == [
+        "the run trains 6 step(s) (epochs=1 of 6 step(s) of batch_size 64): too few for its loss or metrics to show "
+        "a trend; raise epochs (or give more training rows) for 10 steps or more"
+    ]

@@ -165,6 +165,22 @@ def test_a_resumed_run_continues_its_tracker_run_and_failure_is_recorded(tmp_pat
     assert format_step(record(3, 0.7), 4).startswith("step 3/4 | epoch 0.30 | loss 0.7000")
 
 
+def test_only_rank_0_prints_a_line_per_event(tmp_path, capsys):
+    """Every rank makes a Reporter; only rank 0's prints, and it prints each step and evaluation once. (tqdm's
+    `write` prints whether its bar is disabled or not: other ranks' disabled bars printed every line too.) The
+    layouts' runs check the same on their whole output (conftest.assert_one_line_per_event)."""
+    for enabled in (False, True):  # another rank, then rank 0
+        reporter = Reporter(tmp_path, 2, 1, enabled)
+        reporter.step(record(1, 0.9))
+        reporter.evaluation(1, {"eval_loss": 0.5})
+        reporter.generations(1, [{"prompt": "p", "answer": "a"}])
+        reporter.close()
+        output = capsys.readouterr()
+        lines = (output.out + output.err).splitlines()
+        printed = [line for line in lines if line.startswith(("step 1/2", "eval @ step 1", "generations @ step 1"))]
+        assert len(printed) == (3 if enabled else 0), printed
+
+
 def closed_port() -> int:
     """A port on 127.0.0.1 that nothing listens on: a connection is refused at once."""
     with socket.socket() as probe:

@@ -35,12 +35,13 @@ from ..model.throughput import Peak, device_peak
 from ..outputs.checkpoint import TrainingState
 from ..outputs.loggers import destinations
 from ..outputs.reporting import PhaseTimer, Reporter
-from ..outputs.runfolder import RunLock, claim_run_folders, open_run_folder
+from ..outputs.runfolder import RunLock, claim_run_folders, open_run_folder, written_settings
 from ..parallel import Placement
 from ..parallel.layout import Engine, Layout, check_batch_split, init_distributed, rank0_decides
 from ..parallel.pipeline import Pipeline, PipelineSettings, check_microbatches
 from ..preflight import check_heads, check_model_config
 from ..resolve import Resolved, choose_model, resolve, resolve_schedule
+from ..tasks.sources import carved_fingerprint
 from ..tasks.task import HeadKind
 from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
@@ -94,6 +95,42 @@ def prepare_data(config: Config, model_path: str | None = None, resolved: Resolv
     )
 
 
+# Below these a run's figures say little: a metric over n held-out rows moves in steps of 1/n (2 pairs: an accuracy
+# of 0, 0.5 or 1), and a handful of steps shows no trend. Said once, at the start, with the count and what to change.
+FEW_HELD_OUT = 32
+FEW_STEPS = 10
+
+
+def small_run_warnings(config: Config, prepared: PreparedData, total_steps: int, steps_per_epoch: int) -> list[str]:
+    """One line for a held-out split of fewer than FEW_HELD_OUT rows (pairs, for dpo), one for a run of fewer than
+    FEW_STEPS steps: the count and the key to change."""
+    lines = []
+    held = len(prepared.splits["validation"])
+    if held < FEW_HELD_OUT:
+        unit = "pairs" if prepared.task.preference_pairs else "rows"
+        percentage, seed = config.validation_split_percentage, config.seed
+        if prepared.source.fingerprint.endswith(
+            carved_fingerprint("", validation_split_percentage=percentage, seed=seed)
+        ):
+            change = f"raise validation_split_percentage (now {percentage:g}% of the training rows)"
+        else:
+            change = "give a validation split of more rows (validation_file=)"
+        lines.append(
+            f"the held-out split has {held} {unit}: a metric over so few moves in steps of 1/{held} and says little; "
+            f"{change} for at least {FEW_HELD_OUT}"
+        )
+    if total_steps < FEW_STEPS:
+        if config.max_steps is not None:
+            why, change = f"max_steps={config.max_steps}", f"raise max_steps to {FEW_STEPS} or more"
+        else:
+            why = f"epochs={config.epochs:g} of {steps_per_epoch} step(s) of batch_size {config.batch_size}"
+            change = f"raise epochs (or give more training rows) for {FEW_STEPS} steps or more"
+        lines.append(
+            f"the run trains {total_steps} step(s) ({why}): too few for its loss or metrics to show a trend; {change}"
+        )
+    return lines
+
+
 class RunBuilder:
     """Assembles a run (`build`); holds rank 0's lock on the run folders from claiming them until `release`."""
 
@@ -138,6 +175,9 @@ class RunBuilder:
             train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
             sampler = GlobalBatches(train.lengths, config.batch_size, config.seed, config.group_by_length)
             schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
+            if layout.is_main:  # rank 0 alone: the other ranks show WARNING lines too, and would repeat it
+                for line in small_run_warnings(config, prepared, schedule.total_steps, len(sampler)):
+                    log.warning("%s", line)
         with self.timer("model"):
             built = self._build(layout, resolved, prepared, train, schedule)
         # before a resumed checkpoint replaces the weights
@@ -340,7 +380,7 @@ class RunBuilder:
         config = self.config
         reporter = Reporter(output_dir, total_steps, config.log_every, layout.is_main, resumed_at=step)
         trackers = destinations(config.report_to)
-        params = config.to_dict() | resolved.as_params()  # as written, and what `auto` became
+        params = written_settings(config.to_dict()) | resolved.as_params()  # as written, and what `auto` became
         reporter.started = rank0_decides(
             layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
         )

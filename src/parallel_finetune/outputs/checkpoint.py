@@ -50,7 +50,7 @@ from ..tasks import data_fingerprint, write_label_file
 from . import integrity
 from .run_files import CHECKPOINT_NAME as NAME
 from .run_files import CONFIG_FILE, STATE_FILE
-from .runfolder import checkpoint_folders, effective_resume, record_written
+from .runfolder import checkpoint_folders, effective_resume, record_written, written_settings
 
 log = logging.getLogger(__name__)
 
@@ -407,9 +407,9 @@ def trainer_state(state: TrainingState, tensors: dict) -> dict:
 def finish(state: TrainingState, tensors: dict, everyone: list[dict], partial: Path, final: Path) -> None:
     """Rank 0, once every rank wrote and hashed its files: what an export needs without the data (the run's
     configuration and tokenizer, labels.json), trainer_state.json, the manifest (last), then the rename."""
-    (partial / CONFIG_FILE).write_text(yaml.safe_dump(state.settings, sort_keys=False))
+    (partial / CONFIG_FILE).write_text(yaml.safe_dump(written_settings(state.settings), sort_keys=False))
     state.tokenizer.save_pretrained(partial / "tokenizer")
-    if state.task is not None:
+    if state.task is not None and state.task.has_labels:
         write_label_file(partial, state.task)
     (partial / STATE_FILE).write_text(json.dumps(trainer_state(state, tensors), indent=1))
     entries = {name: entry for part in everyone for name, entry in part.items()}

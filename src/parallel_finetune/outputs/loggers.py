@@ -104,9 +104,11 @@ def flat_params(config: dict, limit: int = 500) -> dict[str, str]:
 
 
 class ProgressLogger:
-    """The progress bar and, every `log_every` steps, one log line (also on rank != 0: a disabled bar)."""
+    """Rank 0's progress bar and, every `log_every` steps, one log line. Only rank 0 has one: a disabled bar would
+    not do, since tqdm's `write` prints whether its bar is disabled or not, so every rank printed every line (with
+    its own throughput)."""
 
-    def __init__(self, total_steps: int, log_every: int, resumed_at: int, enabled: bool, format_step):
+    def __init__(self, total_steps: int, log_every: int, resumed_at: int, format_step):
         self.total_steps, self.log_every, self.format_step = total_steps, log_every, format_step
         # In a log file (not a terminal) every redraw is a line of text: redraw every 30 s there.
         self.bar = tqdm(
@@ -114,7 +116,6 @@ class ProgressLogger:
             initial=resumed_at,
             desc="train",
             unit="step",
-            disable=not enabled,
             dynamic_ncols=True,
             file=sys.stderr,
             mininterval=0.2 if sys.stderr.isatty() else 30,
@@ -130,8 +131,6 @@ class ProgressLogger:
         self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
     def log_generations(self, step: int, generations: list[dict]) -> None:
-        if self.bar.disable:  # rank 0 says it once
-            return
         answers = " | ".join(repr(g["answer"][:60]) for g in generations)
         self.bar.write(f"generations @ step {step} (generations.jsonl): {answers}")
 

@@ -48,18 +48,22 @@ def package_versions() -> dict[str, str]:
 
 
 class Reporter:
-    """Rank 0's view of training: the progress bar, the run folder's metrics.jsonl/eval.jsonl and the trackers
-    `report_to` names (loggers.py), each given every train record and evaluation. Other ranks get a Reporter
-    with a disabled bar and no loggers."""
+    """Rank 0's view of training: the progress bar and its lines, the run folder's metrics.jsonl/eval.jsonl and
+    the trackers `report_to` names (loggers.py), each given every train record and evaluation. Other ranks get a
+    Reporter with no loggers: each event is one line, printed once, whatever the number of ranks. Rank 0's
+    values are the run's: the step's loss and norm are reduced over every rank (a pipeline's last stage holds the
+    loss) and an evaluation's figures are handed to every stage, so rank 0 prints what one process would."""
 
     def __init__(self, output_dir: Path, total_steps: int, log_every: int, enabled: bool, resumed_at: int = 0):
         self.output_dir, self.resumed_at = output_dir, resumed_at
-        self.progress = ProgressLogger(total_steps, log_every, resumed_at, enabled, format_step)
-        self.loggers: list[MetricLogger] = [self.progress]
+        self.loggers: list[MetricLogger] = []
         self.closed = False
         self.started = True  # False: SIGTERM arrived while rank 0 started the trackers (the run stops)
         if enabled:
-            self.loggers.append(JsonlLogger(output_dir, resumed_at))
+            self.loggers += [
+                ProgressLogger(total_steps, log_every, resumed_at, format_step),
+                JsonlLogger(output_dir, resumed_at),
+            ]
 
     def add_trackers(self, names: tuple[str, ...], run_name: str | None, params: dict, timeout_s: float = 30.0) -> bool:
         """Rank 0: start the trackers `report_to` names, MLflow's and W&B's within `timeout_s` (a UserError if one

@@ -13,7 +13,7 @@ RECORD_HEADER = "# parallel-finetune: what runs wrote in this folder; overwrite=
 # (report_to=none writes no tensorboard/, predict=false no predictions.tsv): overwrite=true deletes recorded names
 # only, and refuses a folder holding one of these that no run recorded.
 RUN_OUTPUTS = (
-    "config.yaml",  # every run (runfolder.open_run_folder), as labels.json
+    "config.yaml",  # every run (runfolder.open_run_folder), as labels.json (but sft and dpo, which have no labels)
     "labels.json",  # the task: its label names and ids, columns, problem type (tasks.LABEL_FILE)
     "metrics.jsonl",  # every run, once training starts (loggers.JsonlLogger), as eval.jsonl
     "eval.jsonl",

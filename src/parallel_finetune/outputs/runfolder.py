@@ -44,7 +44,7 @@ import yaml
 from ..config import CheckpointSection, OutputSection
 from ..errors import UserError, one_line
 from ..parallel.layout import rank0_decides
-from ..tasks import LABEL_FILE, write_label_file
+from ..tasks import DPO, LABEL_FILE, SFT, write_label_file
 from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
 from .run_files import EXPORT_STAGING as STAGING
 from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
@@ -406,18 +406,33 @@ def open_run_folder(
     output_dir: Path, root: Path, *, settings: dict, overwrite: bool, deepspeed_config: dict | None, task: Task
 ) -> None:
     """Rank 0, once every input is accepted (a failed start leaves nothing): overwrite=true's replacement of the
-    previous run, then config.yaml (`settings`: the run's keys, flat, as Config.to_dict gives them), labels.json
-    (what the head's ids mean, beside the outputs) and deepspeed_config.json, each put on the folder's record just
-    before it is written (a killed run's are on record; what this run does not write stays off it)."""
+    previous run, then config.yaml (`settings`: the run's keys, flat, as Config.to_dict gives them, less those
+    its task never reads: `written_settings`), labels.json (what the head's ids mean, beside the outputs; not for
+    sft and dpo, which have no labels) and deepspeed_config.json, each put on the folder's record just before it
+    is written (a killed run's are on record; what this run does not write stays off it)."""
     if overwrite and not restarted():
         replace_previous_run(output_dir, root)
     output_dir.mkdir(parents=True, exist_ok=True)
-    record_written(output_dir, "config.yaml", LABEL_FILE)
-    write_yaml(output_dir / "config.yaml", settings)
-    write_label_file(output_dir, task)
+    record_written(output_dir, "config.yaml")
+    write_yaml(output_dir / "config.yaml", written_settings(settings))
+    if task.has_labels:
+        record_written(output_dir, LABEL_FILE)
+        write_label_file(output_dir, task)
     if deepspeed_config is not None:
         record_written(output_dir, "deepspeed_config.json")
         write_json(output_dir / "deepspeed_config.json", deepspeed_config)
+
+
+# Keys a task never reads, left out of what its run writes as its settings (config.yaml in the run folder and in
+# each checkpoint, the trackers' parameters), so that they say what the run did: sft and dpo read no GLUE task,
+# whatever glue_task's default. A continued run compares only the keys its checkpoint holds.
+UNREAD_KEYS = {SFT: ("glue_task",), DPO: ("glue_task",)}
+
+
+def written_settings(settings: dict) -> dict:
+    """The run's settings (flat keys) as its files write them: without the keys its task never reads."""
+    unread = UNREAD_KEYS.get(settings.get("task"), ())
+    return {key: value for key, value in settings.items() if key not in unread}
 
 
 def write_yaml(path: Path, data: dict) -> None:

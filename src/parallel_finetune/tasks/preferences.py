@@ -33,6 +33,13 @@ FORMATS = {
     "explicit": "prompt, chosen and rejected (explicit prompt)",
     "implicit": "chosen and rejected sharing their prompt (implicit prompt)",
 }
+# TRL's two kinds of pair: plain text (its "standard" format, tokenized as it is) or conversations (rendered by
+# the chat template); either holds its prompt explicitly or implicitly (FORMATS).
+KINDS = {
+    False: "text (TRL's standard format, no chat template)",
+    True: "messages (TRL's conversational format, rendered by the chat template)",
+}
+PROMPTS = {"explicit": "explicit prompt", "implicit": "implicit prompt (what both answers begin with)"}
 VALID = (
     "columns chosen and rejected (texts or lists of messages) and, unless both hold the prompt too, prompt (or "
     "name yours with prompt_column, chosen_column and rejected_column)"
@@ -184,11 +191,20 @@ def preference_rows(table: Table, split: str, form: str, columns: tuple[str, ...
         rows["index"].append(row)
     if not rows["index"]:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
+    if split == "train":  # said once the rows are read: whether they are texts or messages is known only then
+        log.info(
+            "task=dpo: %s: %d pairs of %s, %s (columns %s)",
+            table.where,
+            len(rows["index"]),
+            KINDS[conversational],
+            PROMPTS[form],
+            ", ".join(columns),
+        )
     return rows
 
 
 def define_preference_task(train: Table, *, data: DataSection) -> Task:
-    """The Task of preference rows: their format, found from the training table's columns and said in one line."""
+    """The Task of preference rows: their format, found from the training table's columns (said in one line with
+    the pairs' kind, texts or messages, once preference_rows has read them)."""
     form, columns = detect_preference_format(train, data=data)
-    log.info("task=dpo: %s pairs in the %s format", train.where, FORMATS[form])
     return Task.preference(form, columns)

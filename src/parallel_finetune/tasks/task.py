@@ -1,6 +1,7 @@
 """The Task: what a run learns. Its targets (class ids, regression values or next tokens), the head that makes
 them (HeadKind), how its predictions are scored (`metric`, for metrics.compute_metrics) and what its label ids
-mean; `labels.json` (in run folders, checkpoints, adapter/ and the data cache) is a Task as JSON.
+mean; `labels.json` (in run folders, checkpoints, adapter/ and the data cache) is a Task as JSON; sft and dpo runs,
+which have no labels, write none (`Task.has_labels`).
 
 `problem_type` is the one field that decides the head: single_label_classification and regression are both a
 sequence-classification head (class logits, or one output), causal_lm and sft (instruction tuning: conversations,
@@ -108,6 +109,14 @@ class Task:
     def regression(self) -> bool:
         """A classification head with one output, trained on real-valued targets (squared error)."""
         return self.problem_type == REGRESSION
+
+    @property
+    def has_labels(self) -> bool:
+        """Whether a run writes labels.json: what the head's ids mean and the columns they come from
+        (classification, regression; causal_lm its text column, which predict.py reads to say what the model
+        is). sft and dpo have no labels: their run folders and checkpoints hold none, and config.yaml's `task`
+        says what they trained."""
+        return self.problem_type not in (SFT, DPO)
 
     @property
     def num_labels(self) -> int:

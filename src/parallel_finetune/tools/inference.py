@@ -66,11 +66,33 @@ def find_model(folder: str | Path) -> tuple[str, Path]:
 
 
 def _labels_beside(folder: Path) -> Task | None:
-    """labels.json in the model's folder or the run folder above it."""
+    """labels.json in the model's folder or the run folder above it; a chat model's run folder (sft, dpo: no
+    labels.json) is said from its config.yaml."""
     for place in (folder, folder.parent):
         if (place / LABEL_FILE).is_file():
             return _read_labels(place / LABEL_FILE)
+        trained = _run_settings(place).get("task")
+        if trained in (SFT, DPO):
+            raise UserError(_chat_model(place / CONFIG_FILE, trained))
     return None
+
+
+def _run_settings(folder: Path) -> dict:
+    """The config.yaml a run wrote into `folder`, or {} (none, or not a run's)."""
+    import yaml
+
+    try:
+        settings = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _chat_model(path: Path, task_key: str) -> str:
+    return (
+        f"{path}: the model beside it is a chat model (task={task_key}), and predict.py classifies texts; chat with "
+        "it through transformers (pipeline('text-generation') given messages; docs/running.md)"
+    )
 
 
 def _read_labels(path: Path) -> Task:
@@ -94,11 +116,8 @@ def _read_labels(path: Path) -> Task:
     def strings(value) -> bool:
         return isinstance(value, list) and all(isinstance(item, str) and item for item in value)
 
-    if problem in (SFT, DPO):
-        raise UserError(
-            f"{path}: the model beside it is a chat model (task={problem}), and predict.py classifies texts; chat with "
-            "it through transformers (pipeline('text-generation') given messages; docs/running.md)"
-        )
+    if problem in (SFT, DPO):  # a run before sft and dpo wrote no labels.json
+        raise UserError(_chat_model(path, problem))
     if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
         wrong = f"problem_type {problem!r}"
     elif not isinstance(pair, bool):
@@ -254,13 +273,7 @@ def _adapter_settings(folder: Path) -> dict:
 
 def _trained_over_nf4(folder: Path) -> bool:
     """The run that exported `folder` (adapter/, base/) held its base in NF4 (QLoRA): its config.yaml, beside."""
-    import yaml
-
-    try:
-        settings = yaml.safe_load((folder.parent / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return False
-    return isinstance(settings, dict) and settings.get("lora_base_quantization") == "nf4"
+    return _run_settings(folder.parent).get("lora_base_quantization") == "nf4"
 
 
 def _hub_offline() -> bool:
