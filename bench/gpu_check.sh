@@ -18,4 +18,7 @@ fi
 # --no-deps: the bundle holds exactly what the machine lacks; the image's torch, numpy, pandas, pyarrow stay its own.
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .gpu-bundle/wheels/*.whl
 export PYTHONPATH="$PWD/src:$site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# What the bundle's wheels take from the image (their pins: datasets pyarrow>=24, fsspec<=2026.9.0; transformers
+# huggingface-hub>=1.31, regex>=2025.10.22): said first, so that a mismatch reads as such in the log.
+"$python" -m pip list 2>/dev/null | grep -iE '^(torch|numpy|pyarrow|fsspec|regex|huggingface.hub|accelerate|safetensors|pandas) ' || true
 exec "$python" bench/gpu.py --out "$out" --work "$work" "$@"
