@@ -52,7 +52,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
-	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu plan notebooks lint docs clean-runs help
+	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
 	@echo "               your data: DATA=my.csv (.tsv .jsonl .parquet; columns text, label; others: ARGS=\"label_column=y\")"
@@ -93,7 +93,11 @@ help:
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
-	@echo "make bench-gpu     one CUDA GPU: ours packed/padded vs TRL at Llama 3.2 1B's shape, QLoRA ours vs peft+bnb at 8B's"
+	@echo "make bench-gpu     the GPU check with .venv on one CUDA GPU: correctness first (varlen vs dense mask, NF4), then"
+	@echo "               ours packed/padded vs TRL and QLoRA ours vs peft+bitsandbytes at Llama 3.2 1B's shape (docs/benchmarks.md)"
+	@echo "make bench-gpu-dry-run   the same check end to end on a CPU: tiny shapes, the CUDA kernels' strict stand-ins"
+	@echo "make gpu-bundle    (networked machine) wheels + data for the GPU check in .gpu-bundle/ (DATA=sst2 folder)"
+	@echo "make gpu-check     (GPU machine, no network, no .venv) install .gpu-bundle/ and run the check on its python3"
 	@echo "make bench-lm-memory  a Llama with a 128k vocabulary on chat rows: peak memory and step time, whole logits vs chunked loss"
 	@echo "make bench-qlora-memory   QLoRA vs LoRA vs full fine-tuning of a ~1B Llama at TP=2 and FSDP DP=2:"
 	@echo "               per-rank state, load and training peaks against the planner's estimate"
@@ -278,8 +282,20 @@ bench-qlora-memory: setup
 bench-lm-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/lm_memory.py $(ARGS)
 
+# The GPU check (bench/gpu.py): each row in its own process, gpu.md/gpu.json written after every row.
 bench-gpu: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/gpu.py $(ARGS)
+
+bench-gpu-dry-run: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/gpu.py --dry-run $(ARGS)
+
+# On a networked machine: what a bare GPU machine with its own torch lacks, inside the checkout (.gpu-bundle/).
+gpu-bundle: setup
+	$(PY) bench/gpu_bundle.py $(if $(DATA),--sst2 $(DATA)) $(ARGS)
+
+# On the GPU machine: no setup (no network), the machine's python3 and torch, the bundle installed beside them.
+gpu-check:
+	bash bench/gpu_check.sh runs/bench/gpu $(ARGS)
 
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"

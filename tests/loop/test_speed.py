@@ -63,6 +63,31 @@ def test_a_withheld_mfu_is_null_everywhere_and_said_why(sst2, cache_dir, tmp_pat
     assert_mfu_as_documented(run.records, run.summary, run.output)
 
 
+def test_lora_model_flops_count_the_frozen_base_at_four():
+    """LoRA's MFU as NeMo AutoModel counts it: the frozen base 4 FLOPs a parameter and token (forward, and the
+    activations' gradient: no weight gradient), the adapters and the head trained in full 6; attention unchanged."""
+    from parallel_finetune.model import lora
+    from parallel_finetune.model.load import lora_flops
+
+    family = get_family("gptj")
+    config = family.hf_config(None, "tiny", 8192, 128, {})
+    torch.manual_seed(0)
+    model = family.model_classes["classification"](config)
+    full = model_flops(*stage_costs(model, family), config.hidden_size)
+    settings = lora.LoraSettings(16, 32.0, 0.0, ("q_proj", "v_proj"), ("score",))
+    adapters = lora.planned_shapes(model, family, settings)
+    flops = lora_flops(full, model, family, settings, adapters)
+    # q_proj and v_proj of 2 blocks: A 16x128 and B 128x16 each; the 128x2 score head trained in full
+    assert sum(torch.Size(s).numel() for s in adapters.values()) == 2 * 2 * 2 * 16 * 128 == 16_384
+    assert (flops.frozen_params, flops.adapter_params) == (393_472 - 256, 16_384)
+    blocks = 2 * (4 * 128 * 128 + 2 * 128 * 512)
+    assert flops.sequence(10) == (4 * blocks + 6 * 256 + 6 * 16_384) * 10 + 12 * 2 * 128 * 10 * 10
+    assert flops.sequence(10) < full.sequence(10)  # was 6 x every base parameter before
+    assert "4 x frozen" in flops.convention() and "6 x parameters" in full.convention()
+    with pytest.raises(ValueError):
+        full.with_adapters(full.matmul_params + 1, 0)
+
+
 def test_model_flops_by_hand():
     family = get_family("gptj")
     config = family.hf_config(None, "tiny", 8192, 128, {})

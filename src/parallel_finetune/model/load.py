@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..families.base import Family
+from ..families.base import Family, has_module
 from ..parallel import Parallelized, Placement, parallelize
 from ..parallel.hardware import peak_memory_mib
 from ..parallel.layout import Engine
@@ -112,6 +112,8 @@ def load_model(
         adapters = _plan_adapters(model, family, settings, new, missing=list(whole_plan.new), source=weights, seed=seed)
         shapes.update(adapters)
     flops = model_flops(*stage_costs(model, family), attention_width(hf_config))
+    if settings is not None:  # LoRA: the frozen base at 4 FLOPs a parameter and token, the adapters at 6
+        flops = lora_flops(flops, model, family, settings, adapters)
     box_of, write = shard_box, None
     deepspeed_config = placement.deepspeed_config if placement is not None else None
     if deepspeed_config is not None and deepspeed_config["zero_optimization"]["stage"] == 3:
@@ -172,6 +174,25 @@ def _log_quantized(model: nn.Module, quantization: quantize.NF4Settings) -> None
         full / 2**20,
         str(nf4[0].dtype).removeprefix("torch.") if nf4 else "-",
     )
+
+
+def lora_flops(
+    flops: ModelFlops, model: nn.Module, family: Family, settings: lora.LoraSettings, adapters: dict[str, list[int]]
+) -> ModelFlops:
+    """`flops` of the whole model under LoRA: the matrices stage_costs counts that lora_modules_to_save does not
+    name are frozen; the planned adapters (every A and B) are trained (throughput.py's convention)."""
+    heads = tuple(f"{m}." for m in settings.modules_to_save)
+    counted = [
+        (f"{path}.weight", model.get_submodule(path).weight)
+        for path in family.last_stage_modules
+        if has_module(model, path) and getattr(model.get_submodule(path), "weight", None) is not None
+    ]
+    for block in family.blocks(model):
+        prefix = next(name for name, module in model.named_modules() if module is block)
+        counted += [(f"{prefix}.{name}", p) for name, p in block.named_parameters()]
+    trained = sum(p.numel() for name, p in counted if p.ndim >= 2 and name.startswith(heads))
+    adapter = sum(math.prod(shape) for shape in adapters.values())
+    return flops.with_adapters(flops.matmul_params - trained, adapter)
 
 
 def _adapters_only(model: nn.Module, family: Family, settings: lora.LoraSettings | None) -> Parallelized:

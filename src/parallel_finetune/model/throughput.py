@@ -6,6 +6,15 @@ parameters (blocks and head; embedding lookups are not matmuls) in L blocks whos
 
     6 N n  +  12 L d n^2       (the second term: attention scores and their weighted sum)
 
+With LoRA/QLoRA the base is frozen: its weights get no gradient, so each of its matrix parameters costs 2 FLOPs
+a token forward and 2 backward (the gradient of the activations only), 4 in all; the adapters (A and B of every
+adapted Linear: r x (in + out) multiply-accumulates a token) and a head trained in full cost 6, as in full
+training. As NeMo AutoModel counts LoRA:
+
+    (6 T + 4 F + 6 A) n  +  12 L d n^2      T trained base matrices (a LoRA head), F frozen ones, A the adapters'
+
+Attention has no weights: its backward is the same whether the base is trained or frozen.
+
 d = heads x head dimension (`attention_width`): the hidden width, except where a head has a dimension of its own
 (Qwen 3 4B: 32 x 128 = 4096 for width 2560); grouped-query attention shares k/v, not these FLOPs.
 
@@ -43,9 +52,28 @@ class ModelFlops:
     matmul_params: int  # N: matrix parameters a token goes through (blocks and head)
     layers: int
     attention_width: int  # d: heads x head dimension
+    frozen_params: int = 0  # F: those of N that are frozen (LoRA's base): 4 FLOPs a token, not 6
+    adapter_params: int = 0  # A: LoRA's A and B matrices (not in N), trained: 6 FLOPs a token
+
+    def per_token(self) -> float:
+        """Matmul FLOPs a token costs forward and backward (6 T + 4 F + 6 A; 6 N in full training)."""
+        trained = self.matmul_params - self.frozen_params + self.adapter_params
+        return 6.0 * trained + 4.0 * self.frozen_params
 
     def sequence(self, n: int) -> float:
-        return 6.0 * self.matmul_params * n + 12.0 * self.layers * self.attention_width * n * n
+        return self.per_token() * n + 12.0 * self.layers * self.attention_width * n * n
+
+    def with_adapters(self, frozen_params: int, adapter_params: int) -> ModelFlops:
+        """The same model under LoRA: `frozen_params` of its matrix parameters frozen, `adapter_params` added."""
+        if not 0 <= frozen_params <= self.matmul_params:
+            raise ValueError(f"frozen_params={frozen_params} outside 0..{self.matmul_params}")
+        return ModelFlops(self.matmul_params, self.layers, self.attention_width, frozen_params, adapter_params)
+
+    def convention(self) -> str:
+        """Which count this is, for a summary or a benchmark's table."""
+        if self.frozen_params or self.adapter_params:
+            return "4 x frozen base + 6 x adapters and trained head per token, + 12 L d n^2 attention"
+        return "6 x parameters per token + 12 L d n^2 attention"
 
     def batch(self, lengths) -> float:
         return sum(self.sequence(n) for n in lengths)
