@@ -488,6 +488,42 @@ def test_qlora_compiles_its_dequantization_at_load_not_in_the_first_step(compile
         assert torch.equal(model(**batch).logits, evaluated)
 
 
+def test_fsdp_weights_compile_at_load_as_their_forward_gathers_them(compiled_here):
+    """Under FSDP2 the forward dequantizes the whole weight its all-gather makes, not this rank's shard: the
+    warm-up compiles that layout (128 x 128 here, the shard 64 x 128), and the gathered weight's forward and
+    backward compile nothing more (a fake process group of 2: the shapes are real, the collectives do nothing)."""
+    from conftest import fake_tp_mesh
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from parallel_finetune.model.quantize import NF4Linear, meta_nf4
+    from parallel_finetune.model.weights import materialize
+
+    torch.manual_seed(0)
+    with fake_tp_mesh(2, rank=0) as mesh:
+        model = nn.Sequential(nn.Linear(128, 128, bias=False, device="meta"))
+        layer = model[0]
+        layer.__class__ = NF4Linear
+        layer.nf4_transposed, layer.nf4_style = False, "none"
+        layer.weight = nn.Parameter(meta_nf4((128, 128), torch.float32, SETTINGS), requires_grad=False)
+        fully_shard(layer, mesh=mesh)
+        materialize(model, torch.device("cpu"), leave=set())
+        local, shard = layer.weight._local_tensor, quantize_shard(torch.randn(64, 128), SETTINGS)
+        for key in INNER[:3]:  # as quantize.quantizing_writer fills FSDP's shard
+            getattr(local, key).copy_(getattr(shard, key))
+        local.scaler_mean, local.nf4 = shard.scaler_mean, shard.nf4
+        before = dynamo_graphs()
+        assert compiled_here.warm_up(model) == 1
+        assert [layout.shape for layout, _ in compiled_here._COMPILED] == [(128, 128)]
+        assert dynamo_graphs() - before == 1
+        x = torch.randn(3, 128, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+        assert y.shape == (3, 128) and x.grad is not None
+        assert dynamo_graphs() - before == 1
+
+
 def test_qlora_instruction_tuning_tp2_matches_single_process(single_process_run, sst2, cache_dir, tmp_path):
     """QLoRA with a language model's chunked, vocabulary-parallel loss: the chat sample's sft run of the tiny
     Llama under TP=2 (NF4 base, the head a vocabulary shard per rank) against one process, every step's loss and
