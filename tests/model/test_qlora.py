@@ -8,6 +8,7 @@ fp32, tiny models (recipes/*/qlora.yaml's tiny blocks: 16 x 8), real SST-2, adap
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -386,6 +387,141 @@ def test_the_functional_dequantization_is_torchaos_bit_for_bit():
         for block, scaler_block in ((64, 256), (32, 8)):
             nf4 = torchao_nf4().to_nf4(torch.randn(128, 256, dtype=dtype), block, scaler_block)
             assert torch.equal(original_weight(nf4), nf4.get_original_weight())
+
+
+# ------------------------------------------------------------- the compiled (CUDA) dequantization, on this CPU
+@pytest.fixture
+def compiled_here(monkeypatch):
+    """quantize.original_weight's CUDA branch run on this CPU: the dequantization compiled (Inductor's C++
+    backend instead of Triton), its cache of compiled layouts empty; returns the module."""
+    from parallel_finetune.model import quantize
+
+    monkeypatch.setattr(quantize, "COMPILED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(quantize, "_COMPILED", {})
+    with torch._inductor.config.patch(compile_threads=1):  # no pool of compile workers (one per core)
+        yield quantize
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def as_training_calls_it(original_weight, nf4) -> list[torch.Tensor]:
+    """nf4 dequantized under each state it is called in: the forward's (bf16 autocast, gradients off: an autograd
+    function's forward), the backward's and evaluation's (no autocast, gradients off) and gradients on."""
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        forward = original_weight(nf4)
+    with torch.no_grad():
+        evaluation = original_weight(nf4)
+    return [forward, evaluation, original_weight(nf4)]
+
+
+def test_compiled_dequantization_is_torchaos_bit_for_bit(compiled_here):
+    """Compiled, the dequantization is NF4Tensor.get_original_weight's values exactly, in bf16, fp16 and fp32
+    (Inductor's fused kernel, left to itself, keeps the 16-bit intermediates in fp32: a fifth of the bf16 values
+    differed, by up to 0.031), under every state training calls it in."""
+    torch.manual_seed(0)
+    # (the bf16 shape is one of the next test's, the fp32 one a tiny GPT-J's attention: Inductor's cache of
+    # compiled code serves the later tests)
+    cases = [(torch.bfloat16, (16, 16), 16, 8), (torch.float16, (32, 64), 32, 4), (torch.float32, (128, 128), 16, 8)]
+    for dtype, shape, block, scaler_block in cases:
+        # spread over magnitudes, so that the scalers' int8 rounding and the 16-bit products all matter
+        weight = (torch.randn(shape) * torch.logspace(-3, 1, shape[1])).to(dtype)
+        nf4 = torchao_nf4().to_nf4(weight, block, scaler_block)
+        for dequantized in as_training_calls_it(compiled_here.original_weight, nf4):
+            assert torch.equal(dequantized, nf4.get_original_weight()), (dtype, shape)
+    assert len(compiled_here._COMPILED) == len(cases)  # the compiled branch ran, not the eager one
+
+
+def test_compiled_dequantization_is_one_graph_per_layout(compiled_here):
+    """One graph per distinct layout, whatever the grad and autocast state of the call, and more layouts than
+    dynamo's recompile limit all compiled: with the limit at 2 (8 by default; lowered so that the test compiles
+    a few small graphs, not 9 or more), 3 weight shapes are 3 graphs."""
+    torch.manual_seed(0)
+    weights = [torchao_nf4().to_nf4(torch.randn(16 * rows, 16, dtype=torch.bfloat16), 16, 8) for rows in range(1, 4)]
+    before = dynamo_graphs()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(2):
+            for nf4 in weights:
+                for dequantized in as_training_calls_it(compiled_here.original_weight, nf4):
+                    assert torch.equal(dequantized, nf4.get_original_weight())
+    assert dynamo_graphs() - before == len(weights) == len(compiled_here._COMPILED)
+    assert compiled_here.compiled_graphs() >= len(weights)  # what parallel.compiled_graphs leaves out
+
+
+def test_qlora_compiles_its_dequantization_at_load_not_in_the_first_step(compiled_here, caplog):
+    """load_model compiles each distinct layout of the model's NF4 weights (one graph each) before it returns, so
+    the first training step (bf16 autocast forward, backward) and evaluation compile nothing."""
+    from parallel_finetune.data.batch import padded_batch
+    from parallel_finetune.families import get_family
+    from parallel_finetune.families.base import tiny_vocab_size
+    from parallel_finetune.loop.runner import model_inputs
+    from parallel_finetune.model import lora
+    from parallel_finetune.model.load import load_model
+
+    family = get_family("gptj")
+    hf_config = family.hf_config(None, "tiny", tiny_vocab_size(512), 128, {})
+    family.set_task(hf_config, "classification", pad_token_id=0)
+    settings = lora.LoraSettings(4, 8.0, 0.0, lora.ALL_LINEAR, family.lora_head, SETTINGS)
+    before = dynamo_graphs()
+    with caplog.at_level(logging.INFO, logger="parallel_finetune.model.load"):
+        model = load_model(family, "classification", hf_config, None, seed=0, adapters=settings).model
+    layouts = compiled_here.forward_layouts(model)
+    assert f"qlora: dequantization compiled for {len(layouts)} NF4 weight layouts in " in caplog.text
+    assert len(compiled_here.nf4_weights(model)) > len(layouts) > 1  # weights sharing a layout share its graph
+    assert set(compiled_here._COMPILED) == layouts
+    assert dynamo_graphs() - before == len(layouts)
+    loaded = dynamo_graphs()
+    batch = model_inputs(padded_batch([[5, 6, 7, 8, 9], [10, 11, 12]], pad_id=0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(**batch).logits
+    logits.float().square().sum().backward()
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**batch).logits
+    assert dynamo_graphs() == loaded
+    compiled_here.COMPILED_DEVICES = frozenset()  # the eager dequantization: the same model, the same logits
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, evaluated)
+
+
+def test_fsdp_weights_compile_at_load_as_their_forward_gathers_them(compiled_here):
+    """Under FSDP2 the forward dequantizes the whole weight its all-gather makes, not this rank's shard: the
+    warm-up compiles that layout (128 x 128 here, the shard 64 x 128), and the gathered weight's forward and
+    backward compile nothing more (a fake process group of 2: the shapes are real, the collectives do nothing)."""
+    from conftest import fake_tp_mesh
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from parallel_finetune.model.quantize import NF4Linear, meta_nf4
+    from parallel_finetune.model.weights import materialize
+
+    torch.manual_seed(0)
+    with fake_tp_mesh(2, rank=0) as mesh:
+        model = nn.Sequential(nn.Linear(128, 128, bias=False, device="meta"))
+        layer = model[0]
+        layer.__class__ = NF4Linear
+        layer.nf4_transposed, layer.nf4_style = False, "none"
+        layer.weight = nn.Parameter(meta_nf4((128, 128), torch.float32, SETTINGS), requires_grad=False)
+        fully_shard(layer, mesh=mesh)
+        materialize(model, torch.device("cpu"), leave=set())
+        local, shard = layer.weight._local_tensor, quantize_shard(torch.randn(64, 128), SETTINGS)
+        for key in INNER[:3]:  # as quantize.quantizing_writer fills FSDP's shard
+            getattr(local, key).copy_(getattr(shard, key))
+        local.scaler_mean, local.nf4 = shard.scaler_mean, shard.nf4
+        before = dynamo_graphs()
+        assert compiled_here.warm_up(model) == 1
+        assert [layout.shape for layout, _ in compiled_here._COMPILED] == [(128, 128)]
+        assert dynamo_graphs() - before == 1
+        x = torch.randn(3, 128, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().sum().backward()
+        assert y.shape == (3, 128) and x.grad is not None
+        assert dynamo_graphs() - before == 1
 
 
 def test_qlora_instruction_tuning_tp2_matches_single_process(single_process_run, sst2, cache_dir, tmp_path):

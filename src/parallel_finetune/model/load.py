@@ -92,7 +92,9 @@ def load_model(
     (resolve.Resolved.lora: planned, initialised from the seed; None: no adapters). `from_checkpoint`: a run's
     checkpoint supplies the values, read on top by checkpoint.py (as resume does, with everything else it holds):
     the base is read here only for what it lacks (LoRA's: the frozen base), else the parameters are allocated
-    only. Quiet but for a run's tiny model's size: a run logs what was loaded with `log_loaded`."""
+    only. QLoRA on CUDA: each layout of its NF4 weights' dequantization compiled before it returns (not in a
+    timed step). Quiet but for a run's tiny model's size and that compile: a run logs what was loaded with
+    `log_loaded`."""
     seed_everything(seed)  # identical initialisation on every rank and in every layout
     device = placement.layout.device if placement is not None else torch.device("cpu")
     started, before = time.perf_counter(), peak_memory_mib(device)
@@ -136,6 +138,16 @@ def load_model(
         source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
         weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
+    # QLoRA on CUDA: its dequantization compiled now, not inside the first timed step (compiled blocks compile it
+    # into their own graphs instead)
+    if parallel.quantized and not parallel.compiled:
+        warmed = time.perf_counter()
+        if layouts := quantize.warm_up(model):
+            log.info(
+                "qlora: dequantization compiled for %d NF4 weight layouts in %.1f s (before the first step)",
+                layouts,
+                time.perf_counter() - warmed,
+            )
     loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
     seconds = time.perf_counter() - started
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)

@@ -163,10 +163,11 @@ class NF4Layout:
 
 
 def dequantize_nf4(codes, scalers, factors, scaler_mean, table, layout: NF4Layout):
-    """torchao's NF4Tensor.get_original_weight as one function of its inner tensors, the same values bit for bit:
-    two 4-bit codes per byte looked up in the NF4 table, times their block's scaler (the int8 scalers over their
-    group's factor, plus the mean). Eager on a CPU; on CUDA compiled into one kernel, where the eager version's
-    int64 code indices and fp32 intermediates (tens of launches and bytes per weight) made QLoRA's step slow."""
+    """torchao's NF4Tensor.get_original_weight as one function of its inner tensors, the same operations in the
+    same dtypes: two 4-bit codes per byte looked up in the NF4 table, times their block's scaler (the int8 scalers
+    over their group's factor, plus the mean). Eager on a CPU; on CUDA compiled into one kernel per layout
+    (`original_weight`), where the eager version's int64 code indices and fp32 intermediates (tens of launches and
+    bytes per weight) made QLoRA's step slow."""
     first, second = table[(codes >> 4).to(torch.long)], table[(codes & 0b1111).to(torch.long)]
     block_scalers = scalers.view(-1, layout.scaler_block_size) / factors.unsqueeze(-1)
     block_scalers = block_scalers.flatten().to(layout.dtype) + scaler_mean
@@ -174,25 +175,106 @@ def dequantize_nf4(codes, scalers, factors, scaler_mean, table, layout: NF4Layou
     return torch.stack([first * repeated, second * repeated], dim=-1).reshape(layout.shape)
 
 
-_COMPILED_DEQUANTIZE = None
+# Device types whose dequantization is compiled (tests put "cpu" here to run the CUDA branch on a CPU).
+COMPILED_DEVICES: frozenset[str] = frozenset({"cuda"})
+# Inductor's settings under which the compiled kernel computes what eager computes, operation by operation (so
+# that it is torchao's values bit for bit): without them a fused kernel keeps bf16/fp16 intermediates in fp32 and
+# contracts a multiply and an add (on a CPU a tenth to a quarter of the bf16 values differed, by up to 0.031);
+# Triton's x / y is an approximate division (div.full) unless asked for eager's rounded one, and it flushes
+# denormals, which eager keeps. (The Triton two are read from Inductor's config, not yet run on a GPU.)
+EAGER_NUMERICS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+}
+# One compiled function per (layout, device), each its own region of dynamo's cache (isolate_recompiles): dynamo
+# keeps the graphs of one function on its code object, 8 at most per region (recompile_limit; 256 over all regions),
+# and one function compiled for every weight shape reached 8 with 3 shapes (a graph per shape and per grad/autocast
+# state it was called under); past the limit it runs eager.
+_COMPILED: dict[tuple[NF4Layout, torch.device], Callable] = {}
+_GRAPHS = [0]  # graphs compiled for the dequantization in this process (compiled_graphs)
+
+
+def nf4_layout(nf4, shape: tuple[int, ...] | None = None) -> NF4Layout:
+    """`nf4`'s layout; `shape`: the shape its forward dequantizes, when not its own (FSDP's whole weight)."""
+    return NF4Layout(nf4.block_size, nf4.scaler_block_size, tuple(nf4.shape) if shape is None else shape, nf4.dtype)
+
+
+def _inner(nf4) -> tuple[torch.Tensor, ...]:
+    return nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean, nf4.nf4
+
+
+def _stand_in(layout: NF4Layout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Inner tensors shaped as torchao makes them (and FSDP's all-gather) for an NF4 weight of `layout`: one
+    dimension each, the mean a scalar; what a layout is compiled on before any weight of it exists on this rank
+    (FSDP's whole weights exist only inside a forward)."""
+    blocks = math.prod(layout.shape) // layout.block_size
+    return (
+        torch.zeros(blocks * layout.block_size // 2, dtype=torch.uint8, device=device),
+        torch.zeros(blocks, dtype=torch.int8, device=device),
+        torch.ones(blocks // layout.scaler_block_size, dtype=layout.dtype, device=device),
+        torch.zeros((), dtype=layout.dtype, device=device),
+        torch.zeros(16, dtype=layout.dtype, device=device),
+    )
+
+
+def _run_compiled(function: Callable, inputs: tuple[torch.Tensor, ...], layout: NF4Layout) -> torch.Tensor:
+    # Dynamo guards the global state a graph was traced under: the forward runs with autocast on and gradients
+    # off, the backward with autocast off, evaluation under no_grad, and each would be a graph of its own. The
+    # values depend on neither (no input needs a gradient, autocast casts none of these operations), so every
+    # call runs under one state: one graph per layout.
+    with torch.no_grad(), torch.autocast(inputs[0].device.type, enabled=False):
+        return function(*inputs, layout)
+
+
+def _compiled(layout: NF4Layout, device: torch.device) -> Callable:
+    """The dequantization of `layout` on `device`, compiled (its one graph made now, on stand-in tensors)."""
+    key = (layout, device)
+    if key not in _COMPILED:
+        from torch._dynamo.utils import counters
+
+        function = torch.compile(
+            dequantize_nf4, fullgraph=True, dynamic=False, isolate_recompiles=True, options=EAGER_NUMERICS
+        )
+        before = counters["stats"]["unique_graphs"]
+        _run_compiled(function, _stand_in(layout, device), layout)
+        _GRAPHS[0] += counters["stats"]["unique_graphs"] - before
+        _COMPILED[key] = function
+    return _COMPILED[key]
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile made for the dequantization in this process (one per layout and device)."""
+    return _GRAPHS[0]
 
 
 def original_weight(nf4) -> torch.Tensor:
-    """An NF4 weight dequantized (dequantize_nf4; compiled on CUDA)."""
-    global _COMPILED_DEQUANTIZE
-    function = dequantize_nf4
-    if nf4.device.type == "cuda":
-        if _COMPILED_DEQUANTIZE is None:
-            _COMPILED_DEQUANTIZE = torch.compile(dequantize_nf4, dynamic=False)
-        function = _COMPILED_DEQUANTIZE
-    return function(
-        nf4.quantized_data,
-        nf4.quantized_scalers,
-        nf4.quantization_factor,
-        nf4.scaler_mean,
-        nf4.nf4,
-        NF4Layout(nf4.block_size, nf4.scaler_block_size, tuple(nf4.shape), nf4.dtype),
-    )
+    """An NF4 weight dequantized (dequantize_nf4; compiled on COMPILED_DEVICES, once per layout). Inside a
+    compiled block (compile=true) the plain function is traced into the block's graph and compiled with it."""
+    layout = nf4_layout(nf4)
+    if nf4.device.type not in COMPILED_DEVICES or torch.compiler.is_compiling():
+        return dequantize_nf4(*_inner(nf4), layout)
+    return _run_compiled(_compiled(layout, nf4.device), _inner(nf4), layout)
+
+
+def forward_layouts(model: nn.Module) -> set[tuple[NF4Layout, torch.device]]:
+    """(layout, device) of every weight `model`'s NF4Linears dequantize in their forward: this rank's NF4 shard, or
+    under FSDP2 the whole weight (its all-gather makes one NF4Tensor of the DTensor's global shape)."""
+    layouts = set()
+    for module in model.modules():
+        local = local_nf4(module.weight) if isinstance(module, NF4Linear) else None
+        if local is not None:
+            layouts.add((nf4_layout(local, tuple(module.weight.shape)), local.device))
+    return layouts
+
+
+def warm_up(model: nn.Module) -> int:
+    """Compile the dequantization of each distinct layout of `model`'s NF4 weights that is dequantized compiled,
+    now (at load, before any step is timed) rather than inside the first forward. Returns how many layouts."""
+    layouts = [(layout, device) for layout, device in forward_layouts(model) if device.type in COMPILED_DEVICES]
+    for layout, device in layouts:
+        _compiled(layout, device)
+    return len(layouts)
 
 
 class NF4Linear(nn.Linear):

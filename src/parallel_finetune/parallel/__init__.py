@@ -112,10 +112,11 @@ def parallelize(
 
 
 def compiled_graphs() -> int:
-    """How many graphs torch.compile compiled in this process so far (dynamo's count of unique graphs)."""
+    """How many graphs torch.compile compiled for the blocks in this process so far (dynamo's count of unique
+    graphs, less QLoRA's compiled dequantization's, which load_model compiles on CUDA)."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"] - quantize.compiled_graphs()
 
 
 def compile_blocks(blocks: list[nn.Module]) -> None:
