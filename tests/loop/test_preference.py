@@ -124,7 +124,9 @@ def test_dpo_under_deepspeed_matches_single_process(references, sst2, cache_dir,
     """engine=deepspeed (ZeRO-2, DP=2): the pairs' log-probabilities from the model's own whole logits."""
     reference = references("llama", "full")
     overrides = ["engine=deepspeed", "tensor_parallel_degree=auto", "zero_stage=2"]
-    run = launch(2, dpo_overrides(sst2, cache_dir, "llama", *overrides), tmp_path / "ds", recipe=recipe("llama"))
+    # loss_chunk_tokens at its default: DeepSpeed reads none and refuses one set (config._check_unread_keys)
+    keys = dpo_overrides(sst2, cache_dir, "llama", *overrides, loss_chunk_tokens=1024)
+    run = launch(2, keys, tmp_path / "ds", recipe=recipe("llama"))
     difference = assert_prefers_like(run, reference)
     print(f"llama deepspeed_dp2 dpo: largest difference {difference:.2e}")
 
