@@ -214,6 +214,18 @@ def test_text_pairs_in_csv_and_parquet_read_alike(tmp_path):
     assert read[0] == read[1] and task.name == "explicit"
 
 
+def test_a_csv_text_prompt_beginning_with_a_bracket_is_text(tmp_path):
+    """Issue 54: a CSV text prompt `[Q] ...` was parsed as JSON messages and refused; only a cell beginning with
+    `[{` is JSON messages (docs/data.md), so it reads as the Parquet file's text."""
+    rows = {"prompt": ["[Q] Review: a charming film\nSentiment:", "[Q] Review: a dull film\nSentiment:"]}
+    rows |= {"chosen": [" positive", " negative"], "rejected": [" [negative]", " [positive]"]}
+    with open(tmp_path / "train.csv", "w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([tuple(rows), *zip(*rows.values())])
+    raw, task, _ = load_task_of(dpo_config(f"train_file={tmp_path / 'train.csv'}", "validation_split_percentage=50"))
+    read = sorted((r["prompt"], r["chosen"], r["rejected"]) for r in raw["train"].to_list() + raw["validation"].to_list())
+    assert read == sorted(tuple(json.dumps(value) for value in row) for row in zip(*rows.values()))
+
+
 def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(cache_dir):
     prepared = prepare_data(dpo_config(cache_dir=cache_dir))
     split = TokenizedSplit.of(prepared.splits["train"], prepared.task)
