@@ -222,7 +222,8 @@ def test_a_csv_text_prompt_beginning_with_a_bracket_is_text(tmp_path):
     with open(tmp_path / "train.csv", "w", newline="", encoding="utf-8") as file:
         csv.writer(file).writerows([tuple(rows), *zip(*rows.values())])
     raw, task, _ = load_task_of(dpo_config(f"train_file={tmp_path / 'train.csv'}", "validation_split_percentage=50"))
-    read = sorted((r["prompt"], r["chosen"], r["rejected"]) for r in raw["train"].to_list() + raw["validation"].to_list())
+    pairs = raw["train"].to_list() + raw["validation"].to_list()
+    read = sorted((pair["prompt"], pair["chosen"], pair["rejected"]) for pair in pairs)
     assert read == sorted(tuple(json.dumps(value) for value in row) for row in zip(*rows.values()))
 
 
