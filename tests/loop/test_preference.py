@@ -212,3 +212,7 @@ def test_dpo_learns_the_preference_sample(sst2, cache_dir, tmp_path):
     print(f"held-out rewards/accuracies: 0 before, {halfway['rewards/accuracies']:.3f} at step 50, {after:.3f} at 100")
     assert after > 0.9 and run.summary["rewards/margins"] > halfway["rewards/margins"] > 0
     assert json.loads((run.output_dir / "labels.json").read_text())["problem_type"] == "dpo"
+    # issue 54: each logged step's line shows how its pairs are preferred, as metrics.jsonl records it
+    last = run.records[-1]
+    said = f"| rewards/accuracies {last['rewards/accuracies']:.3f} | rewards/margins {last['rewards/margins']:.4f}"
+    assert any(line.startswith("step 100/100 |") and line.endswith(said) for line in run.output.splitlines())
