@@ -105,6 +105,41 @@ def test_bad_overrides_are_one_line_errors(override, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "recipe,overrides,message",
+    [
+        (
+            "gptj/tp.yaml",
+            ["loss_chunk_tokens=256"],
+            "loss_chunk_tokens=256 chunks a language model's head, and task=classification has none; drop it",
+        ),
+        (
+            "llama/tp.yaml",
+            ["task=causal_lm", "engine=deepspeed", "loss_chunk_tokens=0"],
+            "loss_chunk_tokens=0 is engine=torch's (under engine=deepspeed the model computes its whole logits); "
+            "drop it or use engine=torch",
+        ),
+        (
+            "llama/dpo.yaml",
+            ["num_labels=2"],
+            "num_labels=2 shapes a classification head, and task=dpo trains the language-model head; drop it",
+        ),
+        (
+            "llama/sft.yaml",
+            ["problem_type=regression"],
+            "problem_type='regression' shapes a classification head, and task=sft trains the language-model head",
+        ),
+    ],
+)
+def test_a_key_that_does_nothing_in_the_run_is_refused_naming_it(recipe, overrides, message):
+    """Issue 54: loss_chunk_tokens under a classification head or DeepSpeed, num_labels and problem_type under a
+    language-model task were taken and did nothing; their defaults (every shipped recipe's) pass."""
+    with pytest.raises(UserError) as error:
+        load_config(RECIPE.parents[1] / recipe, overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    load_config(RECIPE.parents[1] / recipe, overrides[:-1])  # the key at its default: the run reads as before
+
+
 def test_task_must_suit_the_family():
     with pytest.raises(UserError, match="task='causal_lm' is not supported by family bert; valid: classification"):
         load_config(RECIPE.parents[1] / "bert" / "tp.yaml", ["task=causal_lm"])

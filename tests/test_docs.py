@@ -267,3 +267,21 @@ def test_links_between_pages_point_at_pages_and_headings_that_exist():
                 if fragment not in {anchor(h) for h in headings}:
                     problems.append(f"{page.name}: no heading #{fragment} in {linked.name}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_preference_parity_statement_says_the_shipped_lora_dropout_breaks_it():
+    """Issue 54: the dpo_lora recipes' lora_dropout makes TP=2 differ from one process (each rank draws its own
+    masks); the parity list, proven with dropout off, must say so while a shipped DPO recipe sets dropout."""
+    import yaml
+
+    dropouts = {
+        path.relative_to(REPO).as_posix(): (yaml.safe_load(path.read_text()).get("peft") or {}).get("lora_dropout", 0)
+        for path in sorted((REPO / "recipes").glob("*/dpo*.yaml"))
+    }
+    page = (REPO / "docs" / "preference.md").read_text(encoding="utf-8")
+    layouts = page.split("## Batches, packing and layouts", 1)[1].split("\n## ", 1)[0]
+    for recipe, dropout in dropouts.items():
+        if dropout:
+            said = f"`lora_dropout: {dropout:g}`" in layouts and "Those runs have dropout off" in layouts
+            assert said, f"{recipe} sets lora_dropout: {dropout}, which preference.md's parity list does not say"
+    assert "test_dpo_resumes_exactly_with_dropout_on" in layouts

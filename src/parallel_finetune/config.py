@@ -54,8 +54,10 @@ class ModelSection:
     # head trained on the answers' tokens (train_on); dpo = preference tuning: pairs of a prompt, a chosen and a
     # rejected answer, the language-model head trained to prefer the chosen one (the `preference:` section)
     task: Literal["classification", "causal_lm", "sft", "dpo"] = "classification"
-    num_labels: int | None = None  # the head's width; None = the number of distinct training labels (1: regression)
-    # transformers' name; auto = regression when the training labels are numbers with fractions, else classification
+    # task=classification's head width; None = the number of distinct training labels (1: regression)
+    num_labels: int | None = None
+    # task=classification's (like num_labels, refused with another task); transformers' name; auto = regression
+    # when the training labels are numbers with fractions, else classification
     problem_type: Literal["auto", "single_label_classification", "regression"] = "auto"
 
     @property
@@ -206,7 +208,8 @@ class MemorySection:
     offload_activations: Continues[bool] = False  # keep saved activations in CPU memory until the backward needs them
     # a language model's head and loss are computed together, this many target tokens at a time, never holding every
     # token's logits over the whole vocabulary (under tensor parallelism each rank only its vocabulary shard's);
-    # 0 = the whole logits at once (every position over the whole vocabulary, as transformers computes them)
+    # 0 = the whole logits at once (every position over the whole vocabulary, as transformers computes them).
+    # engine=torch's language-model tasks only: set under task=classification or engine=deepspeed it is refused
     loss_chunk_tokens: Continues[int] = 1024
 
 
@@ -763,6 +766,7 @@ def check_keys(config: Config, where: str = "config") -> None:
     _check_generation(config, bad)
     _check_sft_keys(config, bad)
     _check_preference(config, bad)
+    _check_unread_keys(config, bad)
     _check_peft(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
@@ -855,6 +859,22 @@ def _check_sft_keys(config: Config, bad: BadKey) -> None:
             why = "is task=sft's (conversations rendered by a chat template)"
             raise bad(key, f"{why}, and task={config.task} reads none; drop it or set task=sft")
         raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it or set task=dpo")
+
+
+def _check_unread_keys(config: Config, bad: BadKey) -> None:
+    """Keys another task or engine reads, set (to other than their default) where they would change nothing:
+    refused, as another task's data keys are (_check_sft_keys)."""
+    if config.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
+        if config.task == "classification":
+            raise bad("loss_chunk_tokens", "chunks a language model's head, and task=classification has none; drop it")
+        if config.engine == "deepspeed":
+            why = "is engine=torch's (under engine=deepspeed the model computes its whole logits); drop it"
+            raise bad("loss_chunk_tokens", f"{why} or use engine=torch")
+    if config.task != "classification":
+        for key in ("num_labels", "problem_type"):
+            if getattr(config.model, key) != getattr(ModelSection, key):
+                why = "shapes a classification head"
+                raise bad(key, f"{why}, and task={config.task} trains the language-model head; drop it")
 
 
 def _check_preference(config: Config, bad: BadKey) -> None:

@@ -306,5 +306,18 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     return (
         f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
         f"{pipeline}{dims.dp} data-parallel x {dims.tp} tensor-parallel{sharding} | "
-        f"data {data}" + (f" | packed into sequences of {config.max_length} tokens" if config.packing else "")
+        f"data {data}{describe_packing(config)}"
     )
+
+
+def describe_packing(config: Config) -> str:
+    """The packing part of --check's line: task=dpo packs a pair's two rows (each up to max_length) into one
+    sequence, so its sequences hold twice max_length (loop/builder.py's PackedShape)."""
+    if not config.packing:
+        return ""
+    if config.task == DPO:
+        return (
+            f" | packed into sequences of {2 * config.max_length} tokens (2 x max_length: both rows of a pair, "
+            f"each up to {config.max_length})"
+        )
+    return f" | packed into sequences of {config.max_length} tokens"

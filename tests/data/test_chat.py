@@ -6,6 +6,7 @@ shipped chat sample and reports perplexity over the answers."""
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -549,6 +550,30 @@ def test_a_string_beginning_with_a_bracket_is_text_outside_csv(tmp_path):
     files = _jsonl(tmp_path, [{"messages": json.dumps([USER, ANSWER])}])
     with pytest.raises(UserError, match=r":1: column 'messages' holds a str, not a list of messages"):
         load_task_of(sft_config(*files))
+
+
+def test_a_csv_text_beginning_with_a_bracket_is_text_and_json_messages_are_messages(tmp_path):
+    """Issue 54: a CSV prompt `[Q] ...` was parsed as JSON and refused; a cell is read as messages only when it
+    begins with `[{` (or is `[]`), and any other text, whatever it begins with, is text (docs/data.md)."""
+    conversation = json.dumps([USER, ANSWER])
+    rows = [
+        ("[Q] Is this review positive? a charming film", "[A] positive"),
+        ("[1, 2] reversed?", "[2, 1]"),
+        (json.dumps([USER]), json.dumps([ANSWER])),
+        (" [ " + conversation[1:-1] + "]", json.dumps([ANSWER])),
+    ]
+    path, held_out = tmp_path / "rows.csv", tmp_path / "dev.csv"
+    for name in (path, held_out):
+        with open(name, "w", newline="", encoding="utf-8") as file:
+            csv.writer(file).writerows([("prompt", "completion"), *rows])
+    split = load_task_of(sft_config(f"train_file={path}", f"validation_file={held_out}"))[0]["train"]
+    said = [{"role": "user", "content": r[0]} for r in rows[:2]]
+    assert [json.loads(m)[0] for m in split["messages"]][:2] == said
+    assert [json.loads(m)[-1]["content"] for m in split["messages"]][:2] == ["[A] positive", "[2, 1]"]
+    assert [json.loads(m) for m in split["messages"]][2:] == [[USER, ANSWER], [USER, ANSWER, ANSWER]]
+    path.write_text('prompt,completion\n"[{""role"": ""user""",b\n', encoding="utf-8")  # `[{`: JSON, or an error
+    with pytest.raises(UserError, match=rf"^{path}:2: column 'prompt' is not JSON text of a list of messages"):
+        load_task_of(sft_config(f"train_file={path}", f"validation_file={held_out}"))
 
 
 def test_resuming_after_the_chat_template_changed_is_refused(sst2, cache_dir, tmp_path):

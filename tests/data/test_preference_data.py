@@ -107,6 +107,43 @@ def test_a_prompt_with_no_room_for_its_answer_is_refused_saying_the_truncation_p
     assert "prompts are never cut; answers are cut at the end to fit" in text
 
 
+def test_a_cut_that_leaves_both_answers_the_same_tokens_is_refused_counting_such_pairs(tmp_path, cache_dir):
+    """Issue 54: two answers that differ only after what max_length keeps were cut to the same tokens and counted
+    only as cut; such a pair ties, training on nothing. Refused as identical answers are in the data, with the
+    count, by the run and by --check."""
+    from parallel_finetune.preflight import preflight
+
+    shared = "a charming film, " * 30
+    long = {"prompt": [USER], "chosen": [{**RIGHT, "content": shared + "Positive."}]}
+    long["rejected"] = [{**WRONG, "content": shared + "Negative."}]
+    rows = [GOOD, long, GOOD, long]
+    held_out = tmp_path / "dev.jsonl"  # short pairs: every one fits max_length=64
+    held_out.write_text(json.dumps(GOOD) + "\n", encoding="utf-8")
+    files = [*pair_files(tmp_path, rows), f"validation_file={held_out}", f"output_dir={tmp_path / 'run'}"]
+    config = dpo_config(*files, "max_length=64", cache_dir=cache_dir)
+    said = (
+        f"{tmp_path / 'train.jsonl'}:2: cutting the answers to max_length=64 leaves chosen and rejected the same "
+        "tokens (2 of 4 pair(s) of the train split); a pair needs two different answers (identical ones are "
+        "refused in the data alike): raise max_length, or shorten the prompts of those pairs"
+    )
+    for check in (lambda: preflight(config, 1), lambda: prepare_data(config)):
+        with pytest.raises(UserError) as caught:
+            check()
+        assert str(caught.value) == said
+    prepare_data(dpo_config(*files, "max_length=256", cache_dir=cache_dir))  # room for the answers' ends: trains
+
+
+def test_check_says_a_packed_dpo_sequence_holds_twice_max_length(tmp_path, cache_dir):
+    """Issue 54: --check said DPO packs into max_length sequences; a sequence holds a pair's two rows, 2 x
+    max_length (loop/builder.py's PackedShape)."""
+    from parallel_finetune.preflight import preflight
+
+    line = preflight(dpo_config("packing=true", f"output_dir={tmp_path / 'run'}", cache_dir=cache_dir), 1)
+    assert line.endswith(
+        " | packed into sequences of 256 tokens (2 x max_length: both rows of a pair, each up to 128)"
+    ), line
+
+
 def test_a_template_that_renders_no_assistant_turn_is_refused(tmp_path, cache_dir):
     template = tmp_path / "users_only.jinja"
     template.write_text(
@@ -201,6 +238,19 @@ def test_the_pairs_kind_and_prompt_format_are_said_as_they_are(tmp_path, caplog)
         "pairs of messages (TRL's conversational format, rendered by the chat template), implicit prompt (what both "
         "answers begin with) (columns chosen, rejected)"
     )
+
+
+def test_a_csv_text_prompt_beginning_with_a_bracket_is_text(tmp_path):
+    """Issue 54: a CSV text prompt `[Q] ...` was parsed as JSON messages and refused; only a cell beginning with
+    `[{` is JSON messages (docs/data.md), so it reads as the Parquet file's text."""
+    rows = {"prompt": ["[Q] Review: a charming film\nSentiment:", "[Q] Review: a dull film\nSentiment:"]}
+    rows |= {"chosen": [" positive", " negative"], "rejected": [" [negative]", " [positive]"]}
+    with open(tmp_path / "train.csv", "w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([tuple(rows), *zip(*rows.values())])
+    raw, task, _ = load_task_of(dpo_config(f"train_file={tmp_path / 'train.csv'}", "validation_split_percentage=50"))
+    pairs = raw["train"].to_list() + raw["validation"].to_list()
+    read = sorted((pair["prompt"], pair["chosen"], pair["rejected"]) for pair in pairs)
+    assert read == sorted(tuple(json.dumps(value) for value in row) for row in zip(*rows.values()))
 
 
 def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(cache_dir):

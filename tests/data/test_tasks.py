@@ -374,6 +374,27 @@ def test_data_check_refuses_what_the_run_would_fail_on(tmp_path, overrides, mess
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), proc.stderr
 
 
+def test_a_saved_datasets_folder_given_as_train_file_says_to_give_dataset(tmp_path, cache_dir):
+    """Issue 54: train_file= a folder written by save_to_disk said "unknown file type '(none)'"; it names the key
+    that reads such a folder (as make's DATA= does: dataset_dict.json or state.json), any other folder the keys."""
+    rows = datasets.Dataset.from_dict({"sentence": ["good", "bad"], "label": [1, 0]})
+    datasets.DatasetDict({"train": rows}).save_to_disk(tmp_path / "splits")
+    rows.save_to_disk(tmp_path / "one")
+    (tmp_path / "plain").mkdir()
+    train = write(tmp_path / "train.csv", "sentence,label\ngood,1\nbad,0\n")
+    for name, key, said in (
+        ("splits", "train_file", "(it holds dataset_dict.json): give dataset={path} (its splits train, validation"),
+        ("one", "validation_file", "(it holds state.json): give dataset={path} (its splits train, validation, test)"),
+        ("plain", "train_file", "is a folder; train_file= takes a file of rows (.csv, .tsv, .jsonl, .json, .parquet)"),
+    ):
+        path = tmp_path / name
+        given = {"train_file": train} | {key: path}
+        with pytest.raises(UserError) as error:
+            load_task_of(load_config(RECIPE, tiny(cache_dir, **given)))
+        assert str(error.value).startswith(f"{key}={str(path)!r} ") and said.format(path=path) in str(error.value)
+        assert "\n" not in str(error.value)
+
+
 def test_non_finite_and_missing_targets_in_json_parquet_and_glue_files(tmp_path, cache_dir, glue_folders):
     """A NaN or an infinity is refused as not finite wherever it comes from (a JSON `NaN`, a Parquet float NaN, an
     STS-B score); a null is a missing label, refused as such."""

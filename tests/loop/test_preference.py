@@ -138,7 +138,9 @@ def test_dpo_under_deepspeed_matches_single_process(references, sst2, cache_dir,
     """engine=deepspeed (ZeRO-2, DP=2): the pairs' log-probabilities from the model's own whole logits."""
     reference = references("llama", "full")
     overrides = ["engine=deepspeed", "tensor_parallel_degree=auto", "zero_stage=2"]
-    run = launch(2, dpo_overrides(sst2, cache_dir, "llama", *overrides), tmp_path / "ds", recipe=recipe("llama"))
+    # loss_chunk_tokens at its default: DeepSpeed reads none and refuses one set (config._check_unread_keys)
+    keys = dpo_overrides(sst2, cache_dir, "llama", *overrides, loss_chunk_tokens=1024)
+    run = launch(2, keys, tmp_path / "ds", recipe=recipe("llama"))
     difference = assert_prefers_like(run, reference)
     print(f"llama deepspeed_dp2 dpo: largest difference {difference:.2e}")
 
@@ -224,3 +226,7 @@ def test_dpo_learns_the_preference_sample(sst2, cache_dir, tmp_path):
     print(f"held-out rewards/accuracies: 0 before, {halfway['rewards/accuracies']:.3f} at step 50, {after:.3f} at 100")
     assert after > 0.9 and run.summary["rewards/margins"] > halfway["rewards/margins"] > 0
     assert_no_glue_or_labels(run.output_dir)
+    # issue 54: each logged step's line shows how its pairs are preferred, as metrics.jsonl records it
+    last = run.records[-1]
+    said = f"| rewards/accuracies {last['rewards/accuracies']:.3f} | rewards/margins {last['rewards/margins']:.4f}"
+    assert any(line.startswith("step 100/100 |") and line.endswith(said) for line in run.output.splitlines())

@@ -181,6 +181,33 @@ def test_only_rank_0_prints_a_line_per_event(tmp_path, capsys):
         assert len(printed) == (3 if enabled else 0), printed
 
 
+def test_a_dpo_step_shows_and_tracks_its_pairs_rewards(tmp_path):
+    """Issue 54: a DPO step's rewards/accuracies and margins were in metrics.jsonl only: the step line shows them
+    and the trackers get every pair metric (TRL's names, loop/loss.py's PAIR_METRICS) each logged step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from parallel_finetune.loop.loss import PAIR_METRICS
+
+    pairs = {key: 0.25 + number / 8 for number, key in enumerate(PAIR_METRICS[1:])}  # the step's, as the trainer's
+    step = record(2, 0.6) | pairs
+    line = format_step(step, 4)
+    accuracy, margins = pairs["rewards/accuracies"], pairs["rewards/margins"]
+    assert line.endswith(f"| rewards/accuracies {accuracy:.3f} | rewards/margins {margins:.4f}"), line
+    assert "rewards" not in format_step(record(2, 0.6), 4)  # the other tasks' line as before
+    output = tmp_path / "run"
+    output.mkdir()
+    reporter = Reporter(output, 4, 1, True)
+    reporter.add_trackers(("tensorboard",), None, {})
+    reporter.step(step)
+    reporter.close()
+    events = EventAccumulator(str(output / "tensorboard")).Reload()
+    tracked = {tag: events.Scalars(tag)[0] for tag in events.Tags()["scalars"]}
+    for key, value in pairs.items():
+        assert tracked[f"train/{key}"].step == 2 and abs(tracked[f"train/{key}"].value - value) < 1e-6, key
+    written = json.loads((output / "metrics.jsonl").read_text())
+    assert {key: written[key] for key in pairs} == pairs
+
+
 def closed_port() -> int:
     """A port on 127.0.0.1 that nothing listens on: a connection is refused at once."""
     with socket.socket() as probe:

@@ -9,7 +9,9 @@ prompt's tokens are those all three begin with (a token merging the prompt's end
 answer's), so both rows begin with the same prompt tokens, and only the answers' tokens are scored.
 
 Truncation: a prompt is never cut; an answer longer than what max_length leaves after its prompt is cut at the
-end (counted in one log line). A prompt that leaves no token for an answer is an error naming the row's place.
+end (counted in one log line). A prompt that leaves no token for an answer is an error naming the row's place, as
+is a cut that leaves both answers the same tokens (an identical pair ties, so it would train on nothing: the data
+refuses identical answers alike, tasks/preferences.py); the error counts such pairs in the split.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, desc: st
     rejected answer), `prompt_length` (the prompt's tokens, which both rows begin with), `length` (the pair's
     tokens, both rows together) and `index`."""
     columns: dict[str, list] = {"input_ids": [], "rejected_ids": [], "prompt_length": [], "length": [], "index": []}
-    cut = 0
+    cut, identical = 0, []
     rows = zip(split["prompt"][:], split["chosen"][:], split["rejected"][:], split["where"][:], split["index"][:])
     for prompt, chosen, rejected, where, index in rows:
         prompt, chosen, rejected = json.loads(prompt), json.loads(chosen), json.loads(rejected)
@@ -88,11 +90,20 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, desc: st
                 raise UserError(f"{where}: the {name} answer renders to no token")
         cut += any(len(row) > max_length for row in rows)
         chosen_ids, rejected_ids = (row[:max_length] for row in rows)
+        if chosen_ids == rejected_ids:  # different answers that share their first max_length - prompt tokens
+            identical.append(where)
         columns["input_ids"].append(chosen_ids)
         columns["rejected_ids"].append(rejected_ids)
         columns["prompt_length"].append(prompt_length)
         columns["length"].append(len(chosen_ids) + len(rejected_ids))
         columns["index"].append(index)
+    if identical:
+        raise UserError(
+            f"{identical[0]}: cutting the answers to max_length={max_length} leaves chosen and rejected the same "
+            f"tokens ({len(identical)} of {len(columns['index'])} pair(s) of the {desc} split); a pair needs two "
+            "different answers (identical ones are refused in the data alike): raise max_length, or shorten the "
+            "prompts of those pairs"
+        )
     if cut:
         log.warning(
             "dpo %s split: cut the answers of %d of %d pair(s) to max_length=%d (prompt and answer; an answer's end "

@@ -82,9 +82,11 @@ def destinations(report_to) -> tuple[str, ...]:
 
 
 def _scalars(record: dict) -> dict[str, float]:
+    """A train record's tracked numbers: TRAIN_SCALARS and task=dpo's pair metrics (TRL's rewards/*, logps/*)."""
+    keys = [*TRAIN_SCALARS, *(key for key in record if "/" in key)]
     return {
         f"train/{key}": float(record[key])
-        for key in TRAIN_SCALARS
+        for key in keys
         if isinstance(record.get(key), (int, float)) and math.isfinite(record[key])
     }
 

@@ -112,6 +112,9 @@ def format_step(record: dict, total_steps: int) -> str:
         f"{record['samples_per_s']:.1f} samples/s | {record['tokens_per_s']:.0f} tokens/s | "
         f"{record['tflops_per_device']:.3g} TFLOP/s | MFU {percent(record['mfu'])}"
     )
+    if "rewards/accuracies" in record:  # task=dpo: how the step's pairs are preferred (every pair metric: trackers)
+        accuracies, margins = record["rewards/accuracies"], record["rewards/margins"]
+        line += f" | rewards/accuracies {accuracies:.3f} | rewards/margins {margins:.4f}"
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")
 
 

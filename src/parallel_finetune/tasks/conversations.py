@@ -11,15 +11,16 @@ Each conversational row becomes the same thing, a list of messages as the chat t
 field kept: tool_calls, reasoning_content, name, ...), `answers_from` (the index of the first message whose
 assistant turns are trained: 0, or the prompt's length) and `untrained` (assistant turns whose `weight` is 0,
 ShareGPT's and axolotl's per-turn key), stored as JSON text so every row of a split has one column type. A CSV or
-TSV cell holding a list is JSON text; in JSON Lines, Parquet and `datasets` a string is text, never parsed. A
-malformed row is one line naming its place
-(file:line, or `row N`) and what is valid.
+TSV cell holding a list is JSON text (a prompt or completion cell is read as one only when it begins with `[{` or
+is `[]`: other text, `[Q] ...` too, is text); in JSON Lines, Parquet and `datasets` a string is text, never
+parsed. A malformed row is one line naming its place (file:line, or `row N`) and what is valid.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
@@ -169,10 +170,15 @@ def read_messages(table: Table, row: int, column: str, value, needs_answer: bool
     return messages, trained
 
 
+# JSON text of a list of messages: "[" then "{" (the first message) or "]" (none), spaces allowed between
+MESSAGES_JSON = re.compile(r"\s*\[\s*[{\]]")
+
+
 def holds_messages(table: Table, value) -> bool:
-    """A prompt or completion cell holds messages: a list, or in a CSV/TSV cell JSON text of one. Elsewhere a
-    string is the text itself, whatever it begins with."""
-    return not isinstance(value, str) or (table.text_cells and value.lstrip().startswith("["))
+    """A prompt or completion cell holds messages: a list, or in a CSV/TSV cell JSON text of one, text that begins
+    with `[{` (or is `[]`); other text beginning with "[" (`[Q] ...`, `[1, 2] reversed?`) is the text itself, as
+    is any string elsewhere, whatever it begins with."""
+    return not isinstance(value, str) or (table.text_cells and MESSAGES_JSON.match(value) is not None)
 
 
 def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tuple[list[dict], list[bool], int]:

@@ -200,9 +200,25 @@ def read_parquet(path: Path) -> Table:
     return Table(str(path), columns, [f"{path} row {i + 1}" for i in range(rows)])
 
 
+# what `datasets`' save_to_disk writes at a folder's top: a DatasetDict's, a single Dataset's (the Makefile's DATA=
+# and the notebooks read a folder holding either as dataset=)
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")
+
+
 def read_file(path: str | Path, key: str) -> Table:
     """A user's data file by its extension; `key`: the config key that named it (for messages)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        saved = next((name for name in SAVED_DATASET_FILES if (path / name).is_file()), None)
+        if saved is not None:
+            raise UserError(
+                f"{key}={str(path)!r} is a folder written by datasets' save_to_disk (it holds {saved}): give "
+                f"dataset={path} (its splits train, validation, test); {key}= takes a file of rows"
+            )
+        raise UserError(
+            f"{key}={str(path)!r} is a folder; {key}= takes a file of rows ({', '.join(FORMATS)}), dataset= a "
+            "folder written by save_to_disk, data_dir= a folder of GLUE files"
+        )
     kind = FORMATS.get(path.suffix.lower())
     if kind is None:
         raise UserError(

@@ -7,7 +7,8 @@
 
 Each row becomes a pair of JSON texts the data stage renders (data/preference.py): `prompt`, `chosen`,
 `rejected` (a text, or a list of messages), with `where` (file:line, for its errors) and `index`. A CSV or TSV
-cell holding a list is JSON text; in JSON Lines, Parquet and `datasets` a string is text, never parsed. A bad row
+cell holding a list is JSON text, read as one when it begins with `[{` (conversations.holds_messages: a text
+prompt `[Q] ...` stays text); in JSON Lines, Parquet and `datasets` a string is text, never parsed. A bad row
 is one line naming its place and what is valid: a missing or empty answer, two identical answers, an answer that
 ends with a user's or tool's turn (it would be scored as the model's) or holds a turn of `weight` 0 (an answer is
 scored whole), implicit rows that share no prompt, rows that mix text and messages.
