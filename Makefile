@@ -48,7 +48,7 @@ DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/d
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
-.PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
+.PHONY: setup setup-all data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
@@ -99,12 +99,26 @@ help:
 	@echo "               per-rank state, load and training peaks against the planner's estimate"
 	@echo "make plan      memory and time per parallel layout (MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
 
+# setup: the core, enough for every training target (requirements.txt); setup-all adds DeepSpeed, MLflow, W&B,
+# SageMaker, the notebooks' and the tests' tools (requirements-all.txt), which test, lint, notebooks and the
+# -sagemaker targets need. Each says what it installs first and shows pip's progress (the first
+# setup downloads torch: minutes, and gigabytes with its CUDA libraries).
 setup: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
+	@echo ">>> setup: installing the core into $(VENV) (requirements.txt: torch, transformers, datasets, peft, torchao,"
+	@echo "    evaluate, scikit-learn, tensorboard, ...) to train, export and predict; the first time downloads torch:"
+	@echo "    minutes, and gigabytes with CUDA. DeepSpeed, trackers, SageMaker and test tools: make setup-all"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install --progress-bar on -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+	@echo ">>> setup: done ($(VENV)); it is not repeated until requirements.txt or pyproject.toml change"
+	touch $@
+setup-all: $(VENV)/.installed-all
+$(VENV)/.installed-all: $(VENV)/.installed requirements-all.txt
+	@echo ">>> setup-all: adding to $(VENV) what the core leaves out (requirements-all.txt): DeepSpeed (engine=deepspeed),"
+	@echo "    MLflow and W&B (report_to), the SageMaker SDK and moto, papermill, matplotlib, pytest and ruff"
+	$(PY) -m pip install --progress-bar on -r requirements-all.txt
 	touch $@
 
 # Runs a recipe: validate in one process first (bad input -> one line, before any rank starts), then torchrun.
@@ -169,11 +183,11 @@ $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family)))
 # SM_ARGS). Defaults: ml.p4d.24xlarge, size=full, e.g. make gptj-tp-sagemaker DATA=../shared/data/sst2
 SM_ARGS ?=
 define sagemaker_targets
-$(1)-tp-sagemaker: setup
+$(1)-tp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
-$(1)-pp-sagemaker: setup
+$(1)-pp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
-$(1)-tp-pp-sagemaker: setup
+$(1)-tp-pp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp_pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
 endef
 $(foreach family,$(FAMILIES),$(eval $(call sagemaker_targets,$(family))))
@@ -202,13 +216,13 @@ data: setup
 test-data: setup
 	@$(PY) scripts/fetch_sst2.py
 
-test: test-data
+test: setup-all test-data
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 docs: setup
 	$(PY) scripts/config_reference.py
 
-lint: setup
+lint: setup-all
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -281,7 +295,7 @@ plan: setup
 # Every walkthrough notebook, top to bottom, LAUNCH=local at the size this machine runs (tiny without a GPU);
 # executed copies in runs/notebooks/. CI: make notebooks MAX_STEPS=40 DATA=../shared/data/sst2
 MAX_STEPS ?=
-notebooks: setup
+notebooks: setup-all
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(PY) scripts/run_notebooks.py -p LAUNCH local \
 		$(if $(DATA),-p DATA $(abspath $(DATA))) $(if $(MAX_STEPS),-p MAX_STEPS $(MAX_STEPS)) $(ARGS)
 

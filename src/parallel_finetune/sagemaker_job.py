@@ -371,7 +371,7 @@ def job_requirements(engine: str, model: str | None = None) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             raise UserError(
                 f"{name} is not installed here, so its version for the job is unknown; pip install "
-                f"-r requirements.txt first"
+                f"-r requirements-all.txt first"
             ) from None
         pinned.append(f"{name}=={version.split('+')[0]}")  # 2.13.0+cpu here -> the CUDA build of 2.13.0 there
     return pinned
@@ -765,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ImportError as exc:
         print(
-            f"error: {exc.name} is missing: pip install -r requirements.txt (it brings sagemaker-train)",
+            f"error: {exc.name} is missing: make setup-all, or pip install -r requirements-all.txt (it brings "
+            "sagemaker-train)",
             file=sys.stderr,
         )
         return 2
