@@ -400,6 +400,13 @@ def test_make_help_names_every_family_in_recipes():
     assert {"llama-tp", "qwen3-tp", "mistral-tp"} <= set(targets)
     assert [target for target in targets if target not in shown.split()] == []
     assert "FAMILY-pp" in shown and "FAMILY-tp-pp" in shown
+    # every target make knows by name (its .PHONY list: the generated -pp, -sft, -dpo, -sagemaker ones, the setups,
+    # the benches) is named in `make help`, so no target is found only by reading the Makefile
+    database = subprocess.run(["make", "-pn", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    phony = {word for line in database.splitlines() if line.startswith(".PHONY:") for word in line.split()[1:]}
+    assert {"llama-sft-sagemaker", "qwen3-dpo-lora-sagemaker", "setup-all", "bench-gpu"} <= phony
+    words = set(shown.replace("(", " ").replace(")", " ").split())
+    assert sorted(phony - words - {"help"}) == []
 
 
 # Each command line with --help and with a bad argument, run as `python script ...` runs it, in one fresh

@@ -429,10 +429,13 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     files keep their names here (one that shares another's name goes into a folder named for its split)."""
     from .loop.builder import prepare_data
     from .tasks.glue import TASKS
-    from .tasks.sources import glue_folder_files
+    from .tasks.sources import SHIPPED_SAMPLES, glue_folder_files
 
     local_dataset = bool(config.dataset) and Path(config.dataset).expanduser().is_dir()
-    if not (config.train_file or local_dataset or (config.data_dir and not config.dataset)):
+    # task=sft or dpo without rows of the user's: the sample shipped in the package, which the code channel carries,
+    # so only its tokenized cache is staged (the job's copy of the sample has the same bytes, so the same cache key)
+    shipped_sample = config.task in SHIPPED_SAMPLES and not (config.train_file or config.dataset)
+    if not (shipped_sample or config.train_file or local_dataset or (config.data_dir and not config.dataset)):
         wanted = (
             f"dataset={config.dataset!r} is a Hub data set: save it with datasets' save_to_disk and pass dataset=FOLDER"
             if config.dataset
@@ -456,7 +459,7 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     elif config.dataset:
         shutil.copytree(Path(config.dataset).expanduser(), folder / "dataset")
         staged["dataset"] = "dataset"
-    else:
+    elif not shipped_sample:
         for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
             if path.is_file():
                 shutil.copy(path, folder / path.name)

@@ -581,3 +581,30 @@ def test_the_plan_families_full_size_jobs_fit_a_p4d_before_any_upload(family, la
     described = check_job_layout(config, JobSettings(), None)
     tp = {"tp": 8, "lora": 8, "pp": 1, "tp_pp": 4}[layout]
     assert described.startswith("1 x ml.p4d.24xlarge = ") and described.endswith(f"x {tp} tensor-parallel"), described
+
+
+# ---------------------------------------------------------------- issue 54: sft and dpo jobs, gated checkpoints
+
+
+def test_sft_and_dpo_recipes_have_sagemaker_targets_and_the_shipped_sample_travels_in_the_code(cache_dir, tmp_path):
+    """make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-) submits the recipe as the -tp- targets do; without
+    DATA the job reads the sample its code channel carries, so only the sample's tokenized cache is staged."""
+    from conftest import make_commands
+
+    from parallel_finetune.resolve import load_config
+    from parallel_finetune.sagemaker_job import stage_data
+
+    for target, recipe in (
+        ("llama-sft-sagemaker", "recipes/llama/sft.yaml"),
+        ("qwen3-sft-lora-sagemaker", "recipes/qwen3/sft_lora.yaml"),
+        ("mistral-dpo-sagemaker", "recipes/mistral/dpo.yaml"),
+        ("llama-dpo-lora-sagemaker", "recipes/llama/dpo_lora.yaml"),
+    ):
+        (command,) = make_commands(target, "SM_ARGS=--hf-token env")
+        assert command[1:] == ["scripts/launch_sagemaker.py", recipe, "--hf-token", "env"], command
+    config = load_config("recipes/llama/dpo.yaml", ["size=tiny", f"cache_dir={cache_dir}"])
+    keys, cache = stage_data(config, tmp_path / "training")
+    assert keys == {} and "dpo-sample-" in cache
+    staged = sorted(str(p.relative_to(tmp_path / "training")) for p in (tmp_path / "training").rglob("*.json*"))
+    assert staged and all(name.startswith(f"cache/{cache}/") for name in staged if name.startswith("cache/")), staged
+    assert not [name for name in staged if name.endswith(".jsonl")]  # no rows: the job's package holds them
