@@ -471,3 +471,19 @@ def test_scripts_answer_help_and_refuse_bad_arguments_before_importing_torch(tmp
             assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), said
             assert bad[target][1] in lines[0], said
             assert "Traceback" not in out + err and token not in out + err, said
+
+
+def test_a_run_is_named_after_the_make_target_that_starts_it():
+    """`make llama-sft-lora` writes runs/llama-sft-lora-<time> (and --check says `ok: llama-sft-lora`), not
+    llama-sft_lora after the recipe file's name: every recipe a make target runs takes that target's name."""
+    from parallel_finetune.resolve import load_config
+
+    database = subprocess.run(["make", "-pn", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    phony = {word for line in database.splitlines() if line.startswith(".PHONY:") for word in line.split()[1:]}
+    named = {}
+    for recipe in sorted(REPO.glob("recipes/*/*.yaml")):
+        target = f"{recipe.parent.name}-{recipe.stem.replace('_', '-')}"
+        if target in phony:
+            named[target] = load_config(recipe).recipe
+    assert {"gptj-tp-pp", "llama-sft-lora", "qwen3-dpo-lora", "bert-minilm-lora"} <= set(named)
+    assert {target: name for target, name in named.items() if name != target} == {}
