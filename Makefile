@@ -48,9 +48,12 @@ DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/d
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
-.PHONY: setup data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
+.PHONY: setup setup-all data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
+	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
+	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
+	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
@@ -59,8 +62,9 @@ help:
 	@echo "               any GLUE task: TASK=mrpc DATA=path/to/MRPC (GLUE's files; without DATA, the Hub)"
 	@echo "make FAMILY-tp   the same for every family in recipes/:"
 	@echo "               $(addsuffix -tp,$(FAMILIES))"
-	@echo "make FAMILY-pp (gptj-pp, llama-pp, ...)   pipeline parallelism (2 stages on a CPU)"
-	@echo "make FAMILY-tp-pp (gptj-tp-pp, qwen3-tp-pp, ...)   2 pipeline stages x tensor parallelism (4 processes on a CPU)"
+	@echo "make FAMILY-pp   pipeline parallelism (2 stages on a CPU): $(addsuffix -pp,$(FAMILIES))"
+	@echo "make FAMILY-tp-pp   2 pipeline stages x tensor parallelism (4 processes on a CPU):"
+	@echo "               $(addsuffix -tp-pp,$(FAMILIES))"
 	@echo "make FAMILY-lora   LoRA: base frozen, adapters + head trained:"
 	@echo "               $(addsuffix -lora,$(LORA_FAMILIES))"
 	@echo "make FAMILY-qlora   QLoRA: the same with the base's linear layers in 4-bit NF4: $(addsuffix -qlora,$(QLORA_FAMILIES))"
@@ -74,20 +78,28 @@ help:
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
-	@echo "make test      run the test suite (CPU, gloo); first make test-data:"
+	@echo "make setup     create .venv with the core (requirements.txt); every target runs it first"
+	@echo "make setup-all add DeepSpeed, MLflow, W&B, SageMaker, notebook and test tools (requirements-all.txt)"
+	@echo "make test      run the test suite (CPU, gloo); first make setup-all and test-data:"
 	@echo "make test-data GLUE SST-2 for the tests: SST2_DIR, else data/glue/sst2 (fetched once, 7 MB), else ../shared/data/sst2"
 	@echo "make docs      regenerate docs/configuration.md from Config (a test fails when it is stale)"
 	@echo "make lint      ruff: lint and format check (src, tests, bench, scripts)"
 	@echo "make selftest  every layout vs one process on this machine's GPUs (nccl) or CPU (gloo): table + verdict"
 	@echo "make notebooks execute the walkthrough notebooks: four families and sft (LAUNCH=local; MAX_STEPS=, DATA=)"
-	@echo "make gptj-tp-sagemaker (gpt2-, gptneo-, bert-; -pp-, -tp-pp-)   submit the recipe as a SageMaker job"
-	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\")"
+	@echo "make FAMILY-tp-sagemaker (-pp-, -tp-pp-)   submit the recipe as a SageMaker job (docs/multi-node.md):"
+	@echo "               $(foreach f,$(FAMILIES),$(f)-tp-sagemaker $(f)-pp-sagemaker $(f)-tp-pp-sagemaker)"
+	@echo "make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-)   instruction and preference tuning as jobs:"
+	@echo "               $(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES))"
+	@echo "               $(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES))"
+	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\";"
+	@echo "               gated models: SM_ARGS=\"--hf-token env\" or \"--hf-token <Secrets Manager ARN>\")"
 	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
 	@echo "make bench     our trainer vs the Hugging Face Trainer (real MiniLM), then bench-speed and bench-pipeline"
 	@echo "make bench-speed   TP=2 vs one process at hidden 512/1024, MFU against the matmul peak, compile on/off"
 	@echo "make bench-pipeline   PP=2 step time (gpipe, 1f1b) vs the bubble model t1/p*(m+p-1)/m"
 	@echo "make bench-dp  DP=2 weak scaling, gradients summed after vs during the backward"
 	@echo "make bench-minilm   one epoch of the real MiniLM checkpoint: dev accuracy vs time"
+	@echo "make bench-minilm-lora   the same with LoRA (recipes/bert/minilm_lora.yaml)"
 	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
 	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
@@ -102,13 +114,28 @@ help:
 	@echo "make bench-qlora-memory   QLoRA vs LoRA vs full fine-tuning of a ~1B Llama at TP=2 and FSDP DP=2:"
 	@echo "               per-rank state, load and training peaks against the planner's estimate"
 	@echo "make plan      memory and time per parallel layout (RECIPE= or MODEL=, INSTANCE= or GPUS= GPU_MEM_GB=, NODES=)"
+	@echo "make clean-runs   remove runs/ (every run folder, executed notebooks)"
 
+# setup: the core, enough for every training target (requirements.txt); setup-all adds DeepSpeed, MLflow, W&B,
+# SageMaker, the notebooks' and the tests' tools (requirements-all.txt), which test, lint, notebooks and the
+# -sagemaker targets need. Each says what it installs first and shows pip's progress (the first
+# setup downloads torch: minutes, and gigabytes with its CUDA libraries).
 setup: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
+	@echo ">>> setup: installing the core into $(VENV) (requirements.txt: torch, transformers, datasets, peft, torchao,"
+	@echo "    evaluate, scikit-learn, tensorboard, ...) to train, export and predict; the first time downloads torch:"
+	@echo "    minutes, and gigabytes with CUDA. DeepSpeed, trackers, SageMaker and test tools: make setup-all"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install --progress-bar on -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+	@echo ">>> setup: done ($(VENV)); it is not repeated until requirements.txt or pyproject.toml change"
+	touch $@
+setup-all: $(VENV)/.installed-all
+$(VENV)/.installed-all: $(VENV)/.installed requirements-all.txt
+	@echo ">>> setup-all: adding to $(VENV) what the core leaves out (requirements-all.txt): DeepSpeed (engine=deepspeed),"
+	@echo "    MLflow and W&B (report_to), the SageMaker SDK and moto, papermill, matplotlib, pytest and ruff"
+	$(PY) -m pip install --progress-bar on -r requirements-all.txt
 	touch $@
 
 # What a run trains, and where, as its first line says it: a tiny model from the recipe's config (SIZE=tiny, or
@@ -182,14 +209,25 @@ $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family)))
 # SM_ARGS). Defaults: ml.p4d.24xlarge, size=full, e.g. make gptj-tp-sagemaker DATA=../shared/data/sst2
 SM_ARGS ?=
 define sagemaker_targets
-$(1)-tp-sagemaker: setup
+$(1)-tp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
-$(1)-pp-sagemaker: setup
+$(1)-pp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
-$(1)-tp-pp-sagemaker: setup
+$(1)-tp-pp-sagemaker: setup-all
 	$(PY) scripts/launch_sagemaker.py recipes/$(1)/tp_pp.yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
 endef
 $(foreach family,$(FAMILIES),$(eval $(call sagemaker_targets,$(family))))
+# Instruction and preference tuning as jobs: FAMILY-sft-sagemaker, -sft-lora-, -dpo-, -dpo-lora- (without DATA, the
+# job trains on the shipped sample its code channel holds). Gated checkpoints (meta-llama, ...) need a Hub token:
+# SM_ARGS="--hf-token env" (this shell's HF_TOKEN) or "--hf-token arn:aws:secretsmanager:..." (docs/multi-node.md).
+define task_sagemaker_target
+$(1)-$(2)-sagemaker: setup-all
+	$(PY) scripts/launch_sagemaker.py recipes/$(1)/$(3).yaml $(DATA_ARGS) $(ARGS) $(SM_ARGS)
+endef
+$(foreach family,$(SFT_FAMILIES),$(eval $(call task_sagemaker_target,$(family),sft,sft)))
+$(foreach family,$(SFT_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),sft-lora,sft_lora)))
+$(foreach family,$(DPO_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo,dpo)))
+$(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo-lora,dpo_lora)))
 # 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
 ifeq ($(NGPU),0)
 $(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4
@@ -215,13 +253,13 @@ data: setup
 test-data: setup
 	@$(PY) scripts/fetch_sst2.py
 
-test: test-data
+test: setup-all test-data
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 docs: setup
 	$(PY) scripts/config_reference.py
 
-lint: setup
+lint: setup-all
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -307,7 +345,7 @@ plan: setup
 # Every walkthrough notebook, top to bottom, LAUNCH=local at the size this machine runs (tiny without a GPU);
 # executed copies in runs/notebooks/. CI: make notebooks MAX_STEPS=40 DATA=../shared/data/sst2
 MAX_STEPS ?=
-notebooks: setup
+notebooks: setup-all
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-0} $(PY) scripts/run_notebooks.py -p LAUNCH local \
 		$(if $(DATA),-p DATA $(abspath $(DATA))) $(if $(MAX_STEPS),-p MAX_STEPS $(MAX_STEPS)) $(ARGS)
 

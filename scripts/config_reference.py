@@ -7,7 +7,6 @@ and the comment written next to it in src/parallel_finetune/config.py, so the re
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from parallel_finetune import config as config_module
 from parallel_finetune.config import FIELDS, SECTION_CLASSES, SECTIONS
+from parallel_finetune.errors import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "configuration.md"
@@ -108,7 +108,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is stale")
     args = parser.parse_args()
     page = render()

@@ -12,16 +12,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from parallel_finetune.errors import UserError
-from parallel_finetune.outputs.convert import export_checkpoint
+from parallel_finetune.errors import OneLineArgumentParser, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("out")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
+    # after the arguments: --help and a bad one are answered before torch is imported
+    from parallel_finetune.outputs.convert import export_checkpoint
+
     try:
         print(export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype))
     except UserError as exc:

@@ -8,6 +8,7 @@ Prints index<TAB>label<TAB>score per row (regression: index<TAB>value); see docs
 
 import sys
 
+# inference.py imports torch and transformers only once the arguments are good (--help is instant)
 from parallel_finetune.tools.inference import main
 
 if __name__ == "__main__":

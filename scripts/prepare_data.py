@@ -8,9 +8,8 @@ uploading the data to S3). Prints the cache folder.
 import logging
 import sys
 
+from parallel_finetune.config import parse_config
 from parallel_finetune.errors import UserError
-from parallel_finetune.loop.builder import prepare_data
-from parallel_finetune.resolve import load_config
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +18,11 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        # the recipe and its key=value checked by config.py first: a typo is one line before torch is imported
+        parse_config(argv[0], argv[1:])
+        from parallel_finetune.loop.builder import prepare_data
+        from parallel_finetune.resolve import load_config
+
         config = load_config(argv[0], argv[1:])
         prepared = prepare_data(config)
     except UserError as exc:

@@ -17,14 +17,23 @@ import sys
 import time
 from pathlib import Path
 
-from parallel_finetune.families import family_names
+from parallel_finetune.errors import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
-# One walkthrough per family that has one, in the registry's order, then the topic walkthroughs (sft: instruction
-# tuning on the shipped chat sample, dpo: preference tuning on the shipped preference sample; each reads DATA only
-# when it holds conversations, or pairs).
+# One walkthrough per family that has one, then the topic walkthroughs (sft: instruction tuning on the shipped chat
+# sample, dpo: preference tuning on the shipped preference sample; each reads DATA only when it holds
+# conversations, or pairs).
 TOPICS = ("sft", "dpo")
-NOTEBOOKS = tuple(name for name in (*family_names(), *TOPICS) if (REPO / "notebooks" / f"{name}.ipynb").is_file())
+NOTEBOOKS = tuple(sorted(path.stem for path in (REPO / "notebooks").glob("*.ipynb")))
+
+
+def run_order(names: tuple[str, ...]) -> list[str]:
+    """The families' walkthroughs in the registry's order, then the topics. The registry imports transformers, so
+    it is asked only once the arguments are good (--help and a wrong name are answered at once)."""
+    from parallel_finetune.families import family_names
+
+    order = [*family_names(), *TOPICS]
+    return sorted(names, key=lambda name: order.index(name) if name in order else len(order))
 
 
 def value(text: str):
@@ -48,7 +57,7 @@ def check(executed: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help=", ".join(NOTEBOOKS) + " (default: all)")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     parser.add_argument(
@@ -62,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown notebook(s) {', '.join(unknown)}; valid: {', '.join(NOTEBOOKS)}")
     import papermill
 
+    names = args.names or run_order(NOTEBOOKS)  # named ones in the order given
+
     parameters = {key: value(text) for key, text in args.p}
     out = REPO / "runs" / "notebooks"
     out.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name in args.names or NOTEBOOKS:
+    for name in names:
         started = time.perf_counter()
         executed = out / f"{name}.ipynb"
         print(f">>> notebooks/{name}.ipynb {parameters}", flush=True)

@@ -241,7 +241,7 @@ def make_commands(target: str, *variables: str) -> list[list[str]]:
     # as typed in a shell, not nested in `make test` (which would add "make[1]: Entering directory" lines)
     env = {k: v for k, v in subprocess_env().items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     dry = subprocess.run(
-        ["make", "-n", "-o", ".venv/.installed", target, *variables],
+        ["make", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-all", target, *variables],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -421,3 +421,90 @@ def test_make_help_names_every_family_in_recipes():
     assert {"llama-tp", "qwen3-tp", "mistral-tp"} <= set(targets)
     assert [target for target in targets if target not in shown.split()] == []
     assert "FAMILY-pp" in shown and "FAMILY-tp-pp" in shown
+    # every target make knows by name (its .PHONY list: the generated -pp, -sft, -dpo, -sagemaker ones, the setups,
+    # the benches) is named in `make help`, so no target is found only by reading the Makefile
+    database = subprocess.run(["make", "-pn", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    phony = {word for line in database.splitlines() if line.startswith(".PHONY:") for word in line.split()[1:]}
+    assert {"llama-sft-sagemaker", "qwen3-dpo-lora-sagemaker", "setup-all", "bench-gpu"} <= phony
+    words = set(shown.replace("(", " ").replace(")", " ").split())
+    assert sorted(phony - words - {"help"}) == []
+
+
+# Each command line with --help and with a bad argument, run as `python script ...` runs it, in one fresh
+# interpreter: none may have imported torch by the time it answers (a refusal took 41 s, --help 39 s: the ~20-40 s
+# torch and transformers take to import on a loaded machine). scripts/plan.py is left out: its --help lists the
+# registry's models, which needs transformers.
+FAST_ANSWERS = """
+import contextlib, io, json, runpy, sys, time, warnings
+warnings.filterwarnings("ignore", message=".*found in sys.modules")  # runpy on a module run a second time
+results = []
+for target, argv in json.loads(sys.argv[1]):
+    sys.argv = [target, *argv]
+    out, err = io.StringIO(), io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if target.endswith(".py"):
+                runpy.run_path(target, run_name="__main__")
+            else:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    results.append([target, argv, code, out.getvalue(), err.getvalue(), "torch" in sys.modules,
+                    time.perf_counter() - started])
+print(json.dumps(results))
+"""
+
+
+def test_scripts_answer_help_and_refuse_bad_arguments_before_importing_torch(tmp_path):
+    rows = tmp_path / "rows.csv"
+    rows.write_text("sentence\na fine film\n")
+    token = "hf_NeverPrintThisToken"
+    bad = {
+        "scripts/train.py": (["--nproc", "x", "r.yaml"], "argument --nproc: invalid int value: 'x'"),
+        "parallel_finetune.train": (["recipes/gptj/tp.yaml", "lrr=3"], "unknown key 'lrr'; did you mean 'lr'?"),
+        "scripts/predict.py": ([str(tmp_path / "no-model"), str(rows)], "no-model': no such folder"),
+        "scripts/export_hf.py": (["--dtype", "int8", "a", "b"], "argument --dtype: invalid choice: 'int8'"),
+        "scripts/prepare_data.py": (["recipes/gptj/tp.yaml", "max_length=many"], "max_length"),
+        "scripts/launch_sagemaker.py": (["recipes/gptj/tp.yaml", "--hf-token", token], "--hf-token: neither `env`"),
+        "scripts/run_notebooks.py": (["gpt5"], "unknown notebook(s) gpt5"),
+        "scripts/config_reference.py": (["--stale"], "unrecognized arguments: --stale"),
+        "scripts/fetch_sst2.py": (["--fetch"], "unknown arguments '--fetch'"),
+    }
+    calls = [[target, ["--help"]] for target in bad] + [[target, argv] for target, (argv, _) in bad.items()]
+    proc = subprocess.run(
+        [sys.executable, "-c", FAST_ANSWERS, json.dumps(calls)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for target, argv, code, out, err, torch_loaded, seconds in json.loads(proc.stdout):
+        said = f"{target} {' '.join(argv)}: exit {code} in {seconds:.1f} s\n{out[-500:]}{err[-1000:]}"
+        assert not torch_loaded, said
+        if argv == ["--help"]:
+            assert code in (0, None) and len(out.splitlines()) > 2 and not err.strip(), said
+        else:
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), said
+            assert bad[target][1] in lines[0], said
+            assert "Traceback" not in out + err and token not in out + err, said
+
+
+def test_a_run_is_named_after_the_make_target_that_starts_it():
+    """`make llama-sft-lora` writes runs/llama-sft-lora-<time> (and --check says `ok: llama-sft-lora`), not
+    llama-sft_lora after the recipe file's name: every recipe a make target runs takes that target's name."""
+    from parallel_finetune.resolve import load_config
+
+    database = subprocess.run(["make", "-pn", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    phony = {word for line in database.splitlines() if line.startswith(".PHONY:") for word in line.split()[1:]}
+    named = {}
+    for recipe in sorted(REPO.glob("recipes/*/*.yaml")):
+        target = f"{recipe.parent.name}-{recipe.stem.replace('_', '-')}"
+        if target in phony:
+            named[target] = load_config(recipe).recipe
+    assert {"gptj-tp-pp", "llama-sft-lora", "qwen3-dpo-lora", "bert-minilm-lora"} <= set(named)
+    assert {target: name for target, name in named.items() if name != target} == {}

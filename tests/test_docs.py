@@ -244,6 +244,23 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     unlinked = [page.name for page in sorted((REPO / "docs").glob("*.md")) if f"](docs/{page.name}" not in readme]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    # and each has its row in the README's index of pages (a link in the prose is easy to miss)
+    indexed = set(re.findall(r"^\| \[docs/([\w-]+\.md)\]", readme, flags=re.M))
+    assert sorted(page.name for page in (REPO / "docs").glob("*.md") if page.name not in indexed) == []
+
+
+def test_the_notebooks_page_gives_each_walkthroughs_step_count():
+    """docs/notebooks.md's MAX_STEPS row holds every notebook's default, the parameters cell papermill overrides."""
+    import json
+
+    row = next(line for line in (REPO / "docs" / "notebooks.md").read_text().splitlines() if "| `MAX_STEPS`" in line)
+    default = row.split("|")[2]
+    for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        (cell,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        (steps,) = re.findall(r"^MAX_STEPS = (\w+)", "".join(cell["source"]), flags=re.M)
+        said = f"`{steps}`" in default and (default.startswith(f" `{steps}`") or f"`{notebook.stem}`" in default)
+        assert said, f"{notebook.name}: MAX_STEPS = {steps}, docs/notebooks.md says {default.strip()}"
 
 
 def anchor(heading: str) -> str:

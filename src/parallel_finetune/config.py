@@ -101,10 +101,13 @@ class DataSection:
     train_on: Literal["answers", "all"] = "answers"  # task=sft: the loss on the assistant turns only, or every token
     validation_split_percentage: float = 10.0  # with no validation split: this share of train held out (seeded by seed)
     cache_dir: Continues[str] = "data/cache"  # tokenized datasets, reused by every run with the same tokenizer and data
-    max_length: int = 128  # truncation length (classification, sft) or block size (causal_lm)
+    # truncation length (classification, sft; dpo: each answer's row, prompt + answer, the prompt never cut) or block
+    # size (causal_lm)
+    max_length: int = 128
     group_by_length: bool = True  # fill each global batch with sentences of similar length (less padding)
     # training batches packed: each rank's rows of a step laid end to end in sequences of at most max_length tokens
-    # (attention and targets never cross rows); the same rows and loss as unpacked, fewer padding slots
+    # (dpo: a pair's two rows together, in sequences of 2 x max_length); attention and targets never cross rows; the
+    # same rows and loss as unpacked, fewer padding slots
     packing: bool = False
     eval_batch_size: Continues[int] = 64  # rows per evaluation forward, per data-parallel rank
 
@@ -710,7 +713,9 @@ def parse_config(recipe: str | Path | None, overrides: list[str] = ()) -> tuple[
     name = ""
     if recipe is not None:
         values, tiny = _read_recipe(Path(recipe))
-        name = Path(recipe).stem
+        # named as the make target that runs it (the run folder runs/<name>-<time>, --check's line, a SageMaker
+        # job's name): tp_pp.yaml -> gptj-tp-pp, sft_lora.yaml -> llama-sft-lora
+        name = Path(recipe).stem.replace("_", "-")
     parsed = [parse_override(text) for text in overrides]
     for key, value in parsed:
         if key == "size":

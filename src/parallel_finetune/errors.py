@@ -1,6 +1,8 @@
 """The one exception type a user should ever see as a message instead of a traceback."""
 
+import argparse
 import shutil
+import sys
 
 
 class UserError(Exception):
@@ -35,3 +37,13 @@ def one_line(exc: BaseException, folder=None) -> str:
         if free < 2**20:
             return f"No space left on device ({free:,} bytes free under {folder}); {text}"
     return text
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for the command lines (scripts/, `-m parallel_finetune.train`): a bad argument is one `error:` line
+    and exit 2, as a UserError is; argparse's own prints the usage block first. Defined here, beside UserError, so a
+    script refuses its arguments before it imports torch (errors.py imports nothing of the package)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)

@@ -6,6 +6,7 @@ The number of steps, the warm-up and compile wait for the data: `resolve_schedul
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,6 +289,11 @@ def validate(config: Config, where: str = "config") -> None:
         trackers = destinations(config.report_to)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
+    # mlflow and wandb are not in the core setup (requirements.txt): a run that reports to one says so here, in one
+    # line, not as an ImportError on every rank once the model is loaded
+    missing = [name for name in trackers if name in ("mlflow", "wandb") and importlib.util.find_spec(name) is None]
+    if missing:
+        raise bad("report_to", f"needs {' and '.join(missing)}: make setup-all, or pip install -r requirements-all.txt")
     waiting = set(trackers) & set(TIMED_TRACKERS)
     if waiting and config.tracker_timeout_s + TRACKER_GRACE_S >= config.collective_timeout_s:
         raise bad(

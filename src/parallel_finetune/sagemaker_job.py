@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
@@ -34,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import parse_override
-from .errors import UserError
-from .loop.builder import prepare_data
-from .parallel.hardware import INSTANCES
-from .resolve import choose_model, load_config
+from .errors import OneLineArgumentParser, UserError
+
+# resolve.py, loop/ and parallel/ (which import torch) are imported by the functions that use them, so that
+# launch_sagemaker.py --help and a bad argument are answered at once, and the job's entry script reads its Hub token
+# before anything heavy loads.
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,19 @@ ENTRY_SCRIPT = '''"""SageMaker entry point: the Torchrun driver runs
 `torchrun ... train.py --recipe R --key value ...`."""
 import sys
 
+from parallel_finetune.sagemaker_job import hub_token_from_secret
 from parallel_finetune.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # HF_TOKEN from the secret HF_TOKEN_SECRET_ARN names (launch_sagemaker.py --hf-token ARN), before any download
+    sys.exit(hub_token_from_secret() or main())
 '''
+# A Hub token for gated checkpoints (Llama, Gemma, ...): `--hf-token env` copies this machine's $HF_TOKEN into the
+# job's environment (readable by whoever may describe the job); `--hf-token ARN` names a Secrets Manager secret that
+# the job reads at start (its role needs secretsmanager:GetSecretValue on it), so the token is in no job description.
+HUB_TOKEN_VARIABLE = "HF_TOKEN"
+HUB_TOKEN_SECRET_VARIABLE = "HF_TOKEN_SECRET_ARN"
+SECRET_ARN = re.compile(r"arn:aws[\w-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[\w/+=.@-]+")
 # Left out of the recipe folder's upload, with a warning: names that usually hold credentials or keys, and large
 # files (a recipe folder holds YAML; data goes through the training channel, weights through model=s3://).
 SECRET_PATTERNS = (
@@ -140,9 +150,12 @@ class JobSettings:
     volume_gb: int = 500
     max_run_hours: float = 24.0
     job_name: str | None = None  # base name; SageMaker's job name adds a timestamp. None = the recipe's name
+    hf_token: str | None = None  # "env" ($HF_TOKEN here) or a Secrets Manager ARN; None = the job has no Hub token
 
     def resolve(self) -> JobSettings:
         """Fill the blanks from the environment; a one-line error for anything still missing or invalid."""
+        from .parallel.hardware import INSTANCES
+
         if self.instance_type not in INSTANCES:
             raise UserError(
                 f"instance_type={self.instance_type!r} is not a known GPU training instance; valid: "
@@ -167,6 +180,7 @@ class JobSettings:
             raise UserError(f"role={role!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)")
         if bucket.startswith("s3://") or "/" in bucket:
             raise UserError(f"bucket={bucket!r} must be a bucket name, without s3:// or a path (use --prefix)")
+        check_hub_token(self.hf_token)
         return JobSettings(
             self.instance_type,
             self.instance_count,
@@ -179,10 +193,13 @@ class JobSettings:
             self.volume_gb,
             self.max_run_hours,
             self.job_name,
+            self.hf_token,
         )
 
     @property
     def gpus_per_instance(self) -> int:
+        from .parallel.hardware import INSTANCES
+
         return INSTANCES[self.instance_type][1]
 
 
@@ -243,6 +260,81 @@ class Job:
         return self._session().client("sagemaker")
 
 
+def check_hub_token(hf_token: str | None, environ=os.environ) -> None:
+    """--hf-token: "env" with $HF_TOKEN set here, or a Secrets Manager secret's ARN. The value itself is never
+    repeated in an error: a token pasted in its place must not end up in a terminal's scrollback or a CI log."""
+    if hf_token is None or (hf_token == "env" and environ.get(HUB_TOKEN_VARIABLE)) or SECRET_ARN.fullmatch(hf_token):
+        return
+    if hf_token == "env":
+        raise UserError(
+            f"--hf-token env: ${HUB_TOKEN_VARIABLE} is not set here; export {HUB_TOKEN_VARIABLE}=<a read token of "
+            "the Hub account that accepted the model's licence>, or pass a Secrets Manager secret's ARN"
+        )
+    raise UserError(
+        "--hf-token: neither `env` nor a Secrets Manager secret's ARN (arn:aws:secretsmanager:<region>:<account>:"
+        "secret:<name>); never the token itself, which would show in the job's description and your shell history"
+    )
+
+
+def job_environment(settings: JobSettings, environ=os.environ) -> dict[str, str]:
+    """The job's environment variables: quiet Hub downloads, the trackers' settings, the Hub token as --hf-token
+    says, and on multi-node EFA instances AWS's NCCL settings."""
+    environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment(environ)}
+    check_hub_token(settings.hf_token, environ)
+    if settings.hf_token == "env":
+        environment[HUB_TOKEN_VARIABLE] = environ[HUB_TOKEN_VARIABLE]
+        log.info(
+            "the job gets $%s from this environment (whoever may describe the job can read it; --hf-token "
+            "<secret ARN> keeps it in Secrets Manager)",
+            HUB_TOKEN_VARIABLE,
+        )
+    elif settings.hf_token:
+        environment[HUB_TOKEN_SECRET_VARIABLE] = settings.hf_token
+        log.info("the job reads its Hub token from %s at start", settings.hf_token)
+    if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
+        environment.update(EFA_ENVIRONMENT)
+    return environment
+
+
+def hub_token_from_secret(environ=os.environ) -> int:
+    """In the job, before training: $HF_TOKEN from the secret $HF_TOKEN_SECRET_ARN names (its string, or its
+    "HF_TOKEN" key when it holds JSON key/value pairs, as the console's form stores them). 0, or 2 after one line."""
+    arn = environ.get(HUB_TOKEN_SECRET_VARIABLE)
+    if not arn or environ.get(HUB_TOKEN_VARIABLE):
+        return 0
+    import json
+
+    import boto3
+    import botocore.exceptions
+
+    region = arn.split(":")[3]
+    try:
+        secret = boto3.Session(region_name=region).client("secretsmanager").get_secret_value(SecretId=arn)
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+        print(
+            f"error: {HUB_TOKEN_SECRET_VARIABLE}={arn}: the secret could not be read ({type(exc).__name__}); the "
+            "job's role needs secretsmanager:GetSecretValue on it (and kms:Decrypt for a customer key)",
+            file=sys.stderr,
+        )
+        return 2
+    token = secret.get("SecretString") or ""
+    try:
+        pairs = json.loads(token)
+    except ValueError:
+        pairs = None
+    if isinstance(pairs, dict):
+        token = pairs.get(HUB_TOKEN_VARIABLE) or ""
+    if not token.strip():
+        print(
+            f"error: {HUB_TOKEN_SECRET_VARIABLE}={arn}: the secret holds no token (store it as plain text, or as "
+            f'JSON {{"{HUB_TOKEN_VARIABLE}": "hf_..."}})',
+            file=sys.stderr,
+        )
+        return 2
+    environ[HUB_TOKEN_VARIABLE] = token.strip()
+    return 0
+
+
 def split_s3_uri(uri: str) -> tuple[str, str]:
     match = re.fullmatch(r"s3://([^/]+)/?(.*)", uri)
     if not match:
@@ -279,7 +371,7 @@ def job_requirements(engine: str, model: str | None = None) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             raise UserError(
                 f"{name} is not installed here, so its version for the job is unknown; pip install "
-                f"-r requirements.txt first"
+                f"-r requirements-all.txt first"
             ) from None
         pinned.append(f"{name}=={version.split('+')[0]}")  # 2.13.0+cpu here -> the CUDA build of 2.13.0 there
     return pinned
@@ -335,11 +427,15 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
 
     The job finds the cache because its key hashes the files' names and bytes and the tokenizer, not their paths:
     files keep their names here (one that shares another's name goes into a folder named for its split)."""
+    from .loop.builder import prepare_data
     from .tasks.glue import TASKS
-    from .tasks.sources import glue_folder_files
+    from .tasks.sources import SHIPPED_SAMPLES, glue_folder_files
 
     local_dataset = bool(config.dataset) and Path(config.dataset).expanduser().is_dir()
-    if not (config.train_file or local_dataset or (config.data_dir and not config.dataset)):
+    # task=sft or dpo without rows of the user's: the sample shipped in the package, which the code channel carries,
+    # so only its tokenized cache is staged (the job's copy of the sample has the same bytes, so the same cache key)
+    shipped_sample = config.task in SHIPPED_SAMPLES and not (config.train_file or config.dataset)
+    if not (shipped_sample or config.train_file or local_dataset or (config.data_dir and not config.dataset)):
         wanted = (
             f"dataset={config.dataset!r} is a Hub data set: save it with datasets' save_to_disk and pass dataset=FOLDER"
             if config.dataset
@@ -363,7 +459,7 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     elif config.dataset:
         shutil.copytree(Path(config.dataset).expanduser(), folder / "dataset")
         staged["dataset"] = "dataset"
-    else:
+    elif not shipped_sample:
         for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
             if path.is_file():
                 shutil.copy(path, folder / path.name)
@@ -458,6 +554,7 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
     would otherwise surface minutes into a paid job. The model's config comes from `config_for`, as in the job:
     a published checkpoint's sizes from its family (offline), else the S3 model's own config.json or the Hub's."""
     from .preflight import check_layout
+    from .resolve import choose_model
 
     chosen = choose_model(config)
     family = chosen.family
@@ -543,6 +640,8 @@ def launch(
     recipe: str | Path, overrides: list[str] = (), settings: JobSettings | None = None, wait: bool = False
 ) -> Job:
     """Validate everything, stage and upload code and data, submit the job. With `wait`, also wait for it."""
+    from .resolve import load_config
+
     overrides = list(overrides)
     settings = (settings or JobSettings()).resolve()
     recipe = Path(recipe).expanduser()
@@ -576,9 +675,7 @@ def launch(
         inputs = [InputData(channel_name=DATA_CHANNEL, data_source=data_uri)]
         if model_is_s3:
             inputs.append(InputData(channel_name="model", data_source=config.model.source))
-        environment = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **tracking_environment()}
-        if settings.instance_count > 1 and settings.instance_type in EFA_RDMA_INSTANCES:
-            environment.update(EFA_ENVIRONMENT)
+        environment = job_environment(settings)
         trainer = _model_trainer(session, settings, base_name, tmp / "code", hyperparameters, environment)
         trainer.train(input_data_config=inputs, wait=False, logs=False)
     submitted = trainer._latest_training_job
@@ -603,18 +700,20 @@ def launch(
 
 def main(argv: list[str] | None = None) -> int:
     """scripts/launch_sagemaker.py RECIPE [key=value ...] [--instance-type T --instance-count N --wait ...]"""
-    import argparse
-    import sys
-
     defaults = JobSettings()
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="launch_sagemaker.py",
         description="Submit a recipe as a SageMaker training job (torchrun, one process per GPU). Role, region "
         "and bucket default to $SAGEMAKER_ROLE, $AWS_REGION and $SAGEMAKER_BUCKET.",
     )
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gptj/tp.yaml")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key=value (data_dir= is prepared here)")
-    parser.add_argument("--instance-type", default=defaults.instance_type, help=", ".join(INSTANCES))
+    parser.add_argument(
+        "--instance-type",
+        default=defaults.instance_type,
+        help="a GPU training instance, e.g. ml.p4d.24xlarge (the default), ml.p5.48xlarge, ml.g5.48xlarge; "
+        "another is answered with the list",
+    )
     parser.add_argument("--instance-count", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--role", help="IAM role ARN for the job")
     parser.add_argument("--region", help="AWS region")
@@ -628,6 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-run-hours", type=float, default=defaults.max_run_hours)
     parser.add_argument("--wait", action="store_true", help="wait for the job to end")
     parser.add_argument("--download", metavar="DIR", help="with --wait: fetch the model and metrics into DIR")
+    parser.add_argument(
+        "--hf-token",
+        metavar="env|ARN",
+        help="a Hub token for gated models: `env` passes this shell's $HF_TOKEN in the job's environment; a Secrets "
+        "Manager secret's ARN is read by the job itself (docs/multi-node.md)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("sagemaker", "sagemaker.config", "botocore", "boto3", "urllib3", "datasets"):
@@ -643,8 +748,10 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint_s3_uri,
         max_run_hours=args.max_run_hours,
         job_name=args.job_name,
+        hf_token=args.hf_token,
     )
     try:
+        check_hub_token(args.hf_token)  # before torch is imported, as the other arguments are
         job = launch(args.recipe, args.overrides, settings)
         print(
             f"job {job.name}\n  console  {job.console_url}\n  output   {job.output_s3_uri}\n"
@@ -661,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ImportError as exc:
         print(
-            f"error: {exc.name} is missing: pip install -r requirements.txt (it brings sagemaker-train)",
+            f"error: {exc.name} is missing: make setup-all, or pip install -r requirements-all.txt (it brings "
+            "sagemaker-train)",
             file=sys.stderr,
         )
         return 2

@@ -10,14 +10,12 @@ instead of a traceback from every rank).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
 
-from .config import USER_KEYS
-from .errors import RankError, UserError
-from .resolve import load_config
+from .config import USER_KEYS, parse_config
+from .errors import OneLineArgumentParser, RankError, UserError
 
 
 def sagemaker_arguments(argv: list[str]) -> list[str]:
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="parallel_finetune.train",
         description="Fine-tune a recipe on SST-2. Overrides: key=value with keys " + ", ".join(USER_KEYS),
     )
@@ -61,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
+        # The recipe and every key=value read and checked by config.py alone first: a typo or a bad value is one
+        # line in a second, before torch and transformers are imported (resolve.py and what follows need them).
+        parse_config(args.recipe, args.overrides)
+        from .resolve import load_config
+
         config = load_config(args.recipe, args.overrides)
         if args.check:
             from .preflight import preflight

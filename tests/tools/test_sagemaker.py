@@ -164,6 +164,48 @@ TRACKING = {
 }
 
 
+HUB_TOKEN = "hf_GatedModelReadToken0123456789"
+
+
+def test_a_hub_token_from_secrets_manager_reaches_the_job_and_is_never_printed(aws, capsys):
+    """--hf-token ARN: the job's environment names the secret (no token in the job's description); the entry script
+    reads it into HF_TOKEN before training, as plain text or the console's {"HF_TOKEN": ...} form; a secret it
+    cannot read is one line naming the ARN and the permission."""
+    import boto3
+
+    from parallel_finetune import sagemaker_job
+
+    secrets = boto3.client(
+        "secretsmanager",
+        endpoint_url=aws.url,
+        region_name=REGION,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    plain = secrets.create_secret(Name="hub/plain", SecretString=HUB_TOKEN)["ARN"]
+    pairs = secrets.create_secret(Name="hub/pairs", SecretString=json.dumps({"HF_TOKEN": HUB_TOKEN}))["ARN"]
+    settings = sagemaker_job.JobSettings(instance_count=2, hf_token=plain)
+    environment = sagemaker_job.job_environment(settings, {"HF_TOKEN": "hf_OfThisShellNotPassed"})
+    assert environment["HF_TOKEN_SECRET_ARN"] == plain and "HF_TOKEN" not in environment
+    assert environment["FI_PROVIDER"] == "efa"  # the EFA settings of two p4d nodes, as before
+    for arn in (plain, pairs):
+        environ = {"HF_TOKEN_SECRET_ARN": arn}
+        assert sagemaker_job.hub_token_from_secret(environ) == 0
+        assert environ["HF_TOKEN"] == HUB_TOKEN
+    missing = plain.replace("hub/plain", "hub/gone")
+    assert sagemaker_job.hub_token_from_secret({"HF_TOKEN_SECRET_ARN": missing}) == 2
+    shown = capsys.readouterr()
+    assert shown.err.startswith(f"error: HF_TOKEN_SECRET_ARN={missing}: the secret could not be read")
+    assert "secretsmanager:GetSecretValue" in shown.err and len(shown.err.strip().splitlines()) == 1
+    assert HUB_TOKEN not in shown.out + shown.err
+    # env without $HF_TOKEN here, and a token where the ARN goes: refused, the value not repeated
+    with pytest.raises(sagemaker_job.UserError, match=r"--hf-token env: \$HF_TOKEN is not set"):
+        sagemaker_job.check_hub_token("env", {})
+    with pytest.raises(sagemaker_job.UserError, match="neither `env` nor a Secrets Manager") as refused:
+        sagemaker_job.check_hub_token(HUB_TOKEN, {})
+    assert HUB_TOKEN not in str(refused.value)
+
+
 def test_a_local_mlflow_store_stays_on_this_machine(caplog):
     from parallel_finetune import sagemaker_job
 
@@ -198,11 +240,22 @@ def test_launch_script_submits_the_recipe_and_its_code_runs_the_job(aws, sst2, c
             ROLE,
             "--bucket",
             BUCKET,
+            "--hf-token",
+            "env",
         ],
-        {**aws.env, **TRACKING, "WANDB_API_KEY": "secret-never-passed", "WANDB_DIR": "/home/me/wandb"},
+        {
+            **aws.env,
+            **TRACKING,
+            "WANDB_API_KEY": "secret-never-passed",
+            "WANDB_DIR": "/home/me/wandb",
+            "HF_TOKEN": HUB_TOKEN,
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (request,) = aws.calls("SageMaker.CreateTrainingJob")
+    # --hf-token env: this shell's HF_TOKEN in the job's environment (gated checkpoints), never printed
+    assert request["Environment"]["HF_TOKEN"] == HUB_TOKEN
+    assert HUB_TOKEN not in done.stdout + done.stderr and "the job gets $HF_TOKEN" in done.stderr
     assert request["TrainingJobName"] in done.stdout and "console.aws.amazon.com/sagemaker" in done.stdout
     # report_to's trackers: a SageMaker-managed MLflow ARN and W&B's mode pass through; no secret, no local path
     assert {k: v for k, v in request["Environment"].items() if k.startswith(("MLFLOW", "WANDB"))} == TRACKING
@@ -528,3 +581,30 @@ def test_the_plan_families_full_size_jobs_fit_a_p4d_before_any_upload(family, la
     described = check_job_layout(config, JobSettings(), None)
     tp = {"tp": 8, "lora": 8, "pp": 1, "tp_pp": 4}[layout]
     assert described.startswith("1 x ml.p4d.24xlarge = ") and described.endswith(f"x {tp} tensor-parallel"), described
+
+
+# ---------------------------------------------------------------- issue 54: sft and dpo jobs, gated checkpoints
+
+
+def test_sft_and_dpo_recipes_have_sagemaker_targets_and_the_shipped_sample_travels_in_the_code(cache_dir, tmp_path):
+    """make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-) submits the recipe as the -tp- targets do; without
+    DATA the job reads the sample its code channel carries, so only the sample's tokenized cache is staged."""
+    from conftest import make_commands
+
+    from parallel_finetune.resolve import load_config
+    from parallel_finetune.sagemaker_job import stage_data
+
+    for target, recipe in (
+        ("llama-sft-sagemaker", "recipes/llama/sft.yaml"),
+        ("qwen3-sft-lora-sagemaker", "recipes/qwen3/sft_lora.yaml"),
+        ("mistral-dpo-sagemaker", "recipes/mistral/dpo.yaml"),
+        ("llama-dpo-lora-sagemaker", "recipes/llama/dpo_lora.yaml"),
+    ):
+        (command,) = make_commands(target, "SM_ARGS=--hf-token env")
+        assert command[1:] == ["scripts/launch_sagemaker.py", recipe, "--hf-token", "env"], command
+    config = load_config("recipes/llama/dpo.yaml", ["size=tiny", f"cache_dir={cache_dir}"])
+    keys, cache = stage_data(config, tmp_path / "training")
+    assert keys == {} and "dpo-sample-" in cache
+    staged = sorted(str(p.relative_to(tmp_path / "training")) for p in (tmp_path / "training").rglob("*.json*"))
+    assert staged and all(name.startswith(f"cache/{cache}/") for name in staged if name.startswith("cache/")), staged
+    assert not [name for name in staged if name.endswith(".jsonl")]  # no rows: the job's package holds them

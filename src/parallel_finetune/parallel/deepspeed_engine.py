@@ -122,7 +122,10 @@ def preflight(
         raise UserError(FP16_ON_CPU)  # the very test DeepSpeed's CPU accelerator makes, asked before it does
     version = deepspeed_version()
     if version is None:
-        raise UserError("engine=deepspeed: the deepspeed package is not installed; pip install -r requirements.txt")
+        raise UserError(
+            "engine=deepspeed: the deepspeed package is not installed (the core setup leaves it out); make setup-all, "
+            "or pip install -r requirements-all.txt"
+        )
     generated = deepspeed_config(training=training, parallel=parallel, dp=dp, precision=precision)
     mics = generated["zero_optimization"].get("mics_shard_size")
     if mics is not None:

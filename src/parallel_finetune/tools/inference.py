@@ -12,24 +12,25 @@ loaded with a fresh random head (transformers would only log it, and predict.py 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..data.batch import padded_batch
-from ..data.prepare import joined_pair
-from ..errors import UserError, one_line
+from ..errors import OneLineArgumentParser, UserError, one_line
 from ..outputs.run_files import CONFIG_FILE
 from ..tasks.columns import PAIR_OF, TEXT_COLUMNS
 from ..tasks.files import Table, check_text, read_file
 from ..tasks.task import CAUSAL_LM, CLASSIFICATION, DPO, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
 
+if TYPE_CHECKING:
+    import torch
+
+# torch, transformers and data/ (which imports torch) are imported by the functions that use them: predict.py's
+# --help and a bad argument are answered in a second, not after the ~20 s torch and transformers take to import.
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -191,6 +192,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def _expected_shapes(hf_config) -> tuple[dict[str, list[int]], str]:
     """Parameter name -> the shape `hf_config` gives it, and the base model's prefix (bert., transformer.)."""
+    import torch
     from transformers import AutoModelForSequenceClassification
 
     with torch.device("meta"):  # shapes only: no memory, no initialization
@@ -339,9 +341,11 @@ def _check_adapter_head(folder: Path, settings: dict, fresh: list[str], hf_confi
 
 
 def load_classifier(model_dir: str | Path, max_length: int | None = None, device: str | None = None) -> Classifier:
+    kind, folder = find_model(model_dir)  # a wrong folder is said before torch is imported
+    import torch
+
     from ..model.pretrained import load_hf_config, load_hf_tokenizer
 
-    kind, folder = find_model(model_dir)
     task = _labels_beside(folder)
     tokenizer = load_hf_tokenizer(folder)
     if kind == "hf":
@@ -456,6 +460,8 @@ def _texts(table: Table, name: str) -> list[str]:
 
 def encode(classifier: Classifier, texts: list[str], pairs: list[str] | None) -> tuple[list, list | None]:
     """Token ids (and token type ids) as training made them (data.tokenize_classification)."""
+    from ..data.prepare import joined_pair
+
     tokenizer, limit = classifier.tokenizer, classifier.max_length
     if pairs is None:
         # an empty text is no token for GPT tokenizers: the EOS token (or [PAD]) in its place, as in training
@@ -470,11 +476,14 @@ def encode(classifier: Classifier, texts: list[str], pairs: list[str] | None) ->
     return [joined_pair(a, b, tokenizer.eos_token_id, limit) for a, b in zip(firsts, seconds)], None
 
 
-@torch.no_grad()
 def classify(
     classifier: Classifier, texts: list[str], pairs: list[str] | None = None, batch_size: int = 32
 ) -> list[tuple[str, float]]:
     """(label name, probability) per text, or for regression ("", value); batches of similar length."""
+    import torch
+
+    from ..data.batch import padded_batch
+
     ids, types = encode(classifier, texts, pairs)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     results: list = [None] * len(ids)
@@ -490,7 +499,8 @@ def classify(
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         if batch.token_type_ids is not None:
             inputs["token_type_ids"] = batch.token_type_ids
-        logits = classifier.model(**inputs).logits.float().cpu()
+        with torch.no_grad():
+            logits = classifier.model(**inputs).logits.float().cpu()
         if classifier.regression:
             values = [("", value) for value in logits[:, 0].tolist()]
         else:
@@ -518,14 +528,8 @@ def _check_output(out: Path, given: Path, overwrite: bool) -> None:
         raise UserError(f"--output {out}: no such folder {str(out.parent)!r}; create it or write elsewhere")
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print the usage too; every bad input here is one line
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineErrors(
+    parser = OneLineArgumentParser(
         prog="predict.py",
         description="Classify the texts of a file (CSV, TSV, JSON Lines, Parquet) with an exported model: prints "
         "index<TAB>label<TAB>score (regression: index<TAB>value), or writes it to --output.",
