@@ -338,8 +338,9 @@ gpu-check:
 # Memory per GPU and epoch time for every layout, from published configs (no download, no GPU):
 # make plan INSTANCE=ml.p4d.24xlarge | make plan MODEL=gpt2-xl GPUS=8 GPU_MEM_GB=24 NODES=2 ARGS="--all"
 # make plan RECIPE=recipes/llama/dpo.yaml INSTANCE=ml.p4d.24xlarge ARGS="max_length=2048": that recipe's run
+# (RECIPE=llama/dpo.yaml, as the recipes' headers write it, is the one under recipes/)
 plan: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/plan.py $(RECIPE) $(MODEL) $(if $(INSTANCE),--instance $(INSTANCE)) \
+	HF_HUB_OFFLINE=1 $(PY) scripts/plan.py $(if $(RECIPE),$(or $(wildcard $(RECIPE)),recipes/$(RECIPE))) $(MODEL) $(if $(INSTANCE),--instance $(INSTANCE)) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(GPU_MEM_GB),--gpu-mem-gb $(GPU_MEM_GB)) $(if $(NODES),--nodes $(NODES)) $(ARGS)
 
 # Every walkthrough notebook, top to bottom, LAUNCH=local at the size this machine runs (tiny without a GPU);

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from parallel_finetune.parallel.hardware import hardware_for
     from parallel_finetune.preflight import layout_refusal, planned_layout
     from parallel_finetune.resolve import choose_model, load_config, planner_workload
-    from parallel_finetune.tools.planner import model_config, plan
+    from parallel_finetune.tools.planner import Considered, model_config, plan
 
     try:
         hardware = hardware_for(args.gpus, args.gpu_mem_gb, args.instance, args.gpu, args.nodes)
@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             nodes=args.nodes,
             gpu=args.gpu,
             workload=workload,
-            runs_today=args.runs_today or recipe is not None,
-            current=current,
-            refuse=refuse,
+            considered=Considered(args.runs_today or recipe is not None, current, refuse),
         )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

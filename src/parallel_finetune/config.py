@@ -771,7 +771,6 @@ def check_keys(config: Config, where: str = "config") -> None:
     _check_generation(config, bad)
     _check_sft_keys(config, bad)
     _check_preference(config, bad)
-    _check_unread_keys(config, bad)
     _check_peft(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
@@ -864,22 +863,6 @@ def _check_sft_keys(config: Config, bad: BadKey) -> None:
             why = "is task=sft's (conversations rendered by a chat template)"
             raise bad(key, f"{why}, and task={config.task} reads none; drop it or set task=sft")
         raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it or set task=dpo")
-
-
-def _check_unread_keys(config: Config, bad: BadKey) -> None:
-    """Keys another task or engine reads, set (to other than their default) where they would change nothing:
-    refused, as another task's data keys are (_check_sft_keys)."""
-    if config.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
-        if config.task == "classification":
-            raise bad("loss_chunk_tokens", "chunks a language model's head, and task=classification has none; drop it")
-        if config.engine == "deepspeed":
-            why = "is engine=torch's (under engine=deepspeed the model computes its whole logits); drop it"
-            raise bad("loss_chunk_tokens", f"{why} or use engine=torch")
-    if config.task != "classification":
-        for key in ("num_labels", "problem_type"):
-            if getattr(config.model, key) != getattr(ModelSection, key):
-                why = "shapes a classification head"
-                raise bad(key, f"{why}, and task={config.task} trains the language-model head; drop it")
 
 
 def _check_preference(config: Config, bad: BadKey) -> None:

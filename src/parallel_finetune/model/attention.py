@@ -33,6 +33,11 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
+# transformers' names for a packed batch's sequences (its flash-attention keyword arguments), handed down by every
+# model whose attention goes through the interface
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def varlen_inputs(positions: torch.Tensor) -> dict:
     """The keyword arguments that carry a packed batch's sequences to `packed_varlen_attention`, from its
     positions (rows, length), which restart at 0 at every row and at the padding tail: the sequences' starts over
@@ -43,7 +48,7 @@ def varlen_inputs(positions: torch.Tensor) -> dict:
     starts = torch.nonzero(flat == 0).squeeze(1)
     cumulative = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
     length = positions.shape[-1]
-    return {"cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": length, "max_length_k": length}
+    return dict(zip(VARLEN_KEYS, (cumulative, cumulative, length, length)))
 
 
 _ACCEPTED: dict = {}
@@ -91,24 +96,12 @@ def kernel_dtype(query: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def packed_varlen_attention(
-    module: nn.Module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout: float = 0.0,
-    cu_seq_lens_q=None,
-    cu_seq_lens_k=None,
-    max_length_q=None,
-    max_length_k=None,
-    **kwargs,
-):
+def packed_varlen_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (batch, heads, length, head dim), key and value (batch, kv heads,
-    length, head dim) -> (batch, length, heads, head dim), None. A packed batch (`cu_seq_lens_q` given) runs
-    varlen; any other batch SDPA with its mask."""
-    if cu_seq_lens_q is None:
+    length, head dim) -> (batch, length, heads, head dim), None. A packed batch (`varlen_inputs` among the keyword
+    arguments) runs varlen; any other batch SDPA with its mask."""
+    rows = {name: kwargs.pop(name, None) for name in VARLEN_KEYS}
+    if rows["cu_seq_lens_q"] is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -123,7 +116,7 @@ def packed_varlen_attention(
         return tensor.transpose(1, 2).reshape(batch * length, tensor.shape[1], dim).to(dtype)
 
     causal = getattr(module, "is_causal", True)
-    out = _varlen(flat(query), flat(key), flat(value), cu_seq_lens_q, max_length_q, scaling, causal)
+    out = _varlen(flat(query), flat(key), flat(value), rows["cu_seq_lens_q"], rows["max_length_q"], scaling, causal)
     return out.reshape(batch, length, heads, dim), None
 
 

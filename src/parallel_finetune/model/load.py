@@ -138,19 +138,23 @@ def load_model(
         source, dtypes = weights.description, sorted(str(d).removeprefix("torch.") for d in weights.dtypes())
         weights.close()  # (an in-memory or .bin source forgets its tensors, dtypes included)
     keep_gradients_sharded(model)
-    # QLoRA on CUDA: its dequantization compiled now, not inside the first timed step (compiled blocks compile it
-    # into their own graphs instead)
-    if parallel.quantized and not parallel.compiled:
-        warmed = time.perf_counter()
-        if layouts := quantize.warm_up(model):
-            log.info(
-                "qlora: dequantization compiled for %d NF4 weight layouts in %.1f s (before the first step)",
-                layouts,
-                time.perf_counter() - warmed,
-            )
+    if parallel.quantized and not parallel.compiled:  # compiled blocks compile it into their own graphs instead
+        _compile_dequantization(model)
     loaded = Loaded(total, source, dtypes, sorted(new.templates), list(whole_plan.unused), adapters)
     seconds = time.perf_counter() - started
     return ReadyModel(model, parallel, shapes, flops, adamw, seconds, before, peak_memory_mib(device), loaded)
+
+
+def _compile_dequantization(model: nn.Module) -> None:
+    """QLoRA on CUDA: each layout of its NF4 weights' dequantization compiled now, not inside the first timed step;
+    said once."""
+    started = time.perf_counter()
+    if layouts := quantize.warm_up(model):
+        log.info(
+            "qlora: dequantization compiled for %d NF4 weight layouts in %.1f s (before the first step)",
+            layouts,
+            time.perf_counter() - started,
+        )
 
 
 def _plan_adapters(

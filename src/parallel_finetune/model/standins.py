@@ -115,18 +115,19 @@ def _standin_op(
     value: torch.Tensor,
     cu_seq_q: torch.Tensor,
     cu_seq_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    is_causal: bool,
+    max_lengths: list[int],
     scale: float,
-    enable_gqa: bool,
+    is_causal: bool,
 ) -> torch.Tensor:
-    check_varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enable_gqa)
+    """The kernel's forward: its contract checked where the kernel checks it, at run time (a compiled graph holds
+    the op opaque, as it holds flash's); grouped heads were allowed by the wrapper (enable_gqa)."""
+    max_q, max_k = max_lengths
+    check_varlen_call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enable_gqa=True)
     return _reference(query, key, value, cu_seq_q, scale, is_causal).to(query.dtype)
 
 
 @_standin_op.register_fake
-def _(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, enable_gqa):
+def _(query, key, value, cu_seq_q, cu_seq_k, max_lengths, scale, is_causal):
     return torch.empty_like(query)
 
 
@@ -169,7 +170,7 @@ def _(grad, query, key, value, cu_seq_q, is_causal, scale):
 
 
 def _setup(ctx, inputs, output):
-    query, key, value, cu_seq_q, _, _, _, is_causal, scale, _ = inputs
+    query, key, value, cu_seq_q, _, _, scale, is_causal = inputs
     ctx.save_for_backward(query, key, value, cu_seq_q)
     ctx.is_causal, ctx.scale = is_causal, scale
 
@@ -177,7 +178,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     query, key, value, cu_seq_q = ctx.saved_tensors
     grads = _standin_backward_op(grad, query, key, value, cu_seq_q, ctx.is_causal, ctx.scale)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 _standin_op.register_autograd(_backward, setup_context=_setup)
@@ -187,11 +188,7 @@ def varlen_attn_for(release: str):
     """A stand-in with `release`'s signature (SIGNATURES): what torch.nn.attention.varlen.varlen_attn is there."""
     accepted = SIGNATURES[release]
 
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *args, **options):
-        if args:  # 2.10 took is_causal positionally after max_k; later releases take keywords only
-            if "is_causal" not in accepted or len(args) > 1:
-                raise TypeError(f"varlen_attn() takes 7 positional arguments but {7 + len(args)} were given")
-            options = {"is_causal": args[0], **options}
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options):
         unknown = set(options) - accepted
         if unknown:
             name = sorted(unknown)[0]
@@ -202,15 +199,16 @@ def varlen_attn_for(release: str):
         if window not in ((-1, -1), (-1, 0)):
             raise KernelContractError(f"the stand-in takes full or causal windows, got {window}")
         causal = bool(options.get("is_causal", False)) or window == (-1, 0)
-        enable_gqa = bool(options.get("enable_gqa", False))
-        if query.shape[1] != key.shape[1] and not enable_gqa:  # the wrapper's own check, a ValueError
+        if query.shape[1] != key.shape[1] and not options.get(
+            "enable_gqa", False
+        ):  # the wrapper's own check, a ValueError
             raise ValueError(
                 f"Expect query and key/value to have the same number of heads but got Hq={query.shape[1]} and "
                 f"Hkv={key.shape[1]}. Try setting enable_gqa=True for GQA."
             )
         scale = options.get("scale")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        return _standin_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, enable_gqa)
+        return _standin_op(query, key, value, cu_seq_q, cu_seq_k, [max_q, max_k], scale, causal)
 
     positional = ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"]
     parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in positional]

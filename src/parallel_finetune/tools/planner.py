@@ -833,6 +833,49 @@ class MicroBatch:
     length: int
 
 
+@dataclass(frozen=True)
+class Considered:
+    """Which layouts a plan lists: with `runs_today` only those the trainer runs now; with a recipe, none its run's
+    own checks refuse (`refuse`: a reason against a layout, or None), and the one it starts (`current`) planned and
+    reported beside the recommendation."""
+
+    runs_today: bool = False
+    current: Candidate | None = None
+    refuse: Callable[[Candidate], str | None] | None = None
+
+
+def _checked(workload: Workload) -> None:
+    """The workload's numbers, each checked as the run checks its key (one line)."""
+    positive_int("seq_len", workload.seq_len), positive_int("batch_size", workload.batch_size)
+    positive_int("accumulation", workload.accumulation)
+    positive_number("tokens_per_sample", workload.tokens_per_sample, "13.4")
+    if workload.tokens_per_row is not None:
+        positive_number("tokens_per_row", workload.tokens_per_row, "512")
+    if workload.loss_chunk_tokens < 0 or isinstance(workload.loss_chunk_tokens, bool):
+        raise UserError(f"loss_chunk_tokens={workload.loss_chunk_tokens!r} must be >= 0 (0: the whole logits at once)")
+    if workload.compute_bytes not in (2, 4):
+        raise UserError(f"compute_bytes={workload.compute_bytes!r} is not valid; valid: 2 (bf16, fp16), 4 (fp32)")
+    if not 0 < workload.mfu <= 1:
+        raise UserError(f"mfu={workload.mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
+    if workload.base_quantization not in ("none", "nf4"):
+        raise UserError(f"base_quantization={workload.base_quantization!r} is not valid; valid: none, nf4")
+    if workload.base_quantization == "nf4" and not workload.lora_rank:
+        raise UserError("base_quantization=nf4 is QLoRA: it quantizes LoRA's frozen base; give a lora_rank > 0")
+
+
+def _adapted(shape: ModelShape, workload: Workload) -> ModelShape:
+    """The shape with the workload's LoRA adapters (and NF4 base) counted; as it is without them."""
+    if not workload.lora_rank:
+        return shape
+    nf4 = workload.base_quantization == "nf4"
+    rank = positive_int("lora_rank", workload.lora_rank)
+    head = tuple(shape.family.lora_head) if HeadKind(shape.task) is HeadKind.CLASSIFICATION else ()
+    lora = workload.lora or LoraSettings(rank, 2.0 * rank, 0.0, ALL_LINEAR, head)
+    if nf4 and lora.quantization is None:
+        lora = dataclasses.replace(lora, quantization=quantize.NF4Settings(NF4_BLOCK, NF4_SCALER_BLOCK))
+    return with_lora(shape, lora if nf4 else dataclasses.replace(lora, quantization=None))
+
+
 def plan(
     model: str,
     gpus: int | None = None,
@@ -842,47 +885,17 @@ def plan(
     nodes: int = 1,
     gpu: str | None = None,
     workload: Workload = Workload(),
-    runs_today: bool = False,
-    current: Candidate | None = None,
-    refuse: Callable[[Candidate], str | None] | None = None,
+    considered: Considered = Considered(),
 ) -> Plan:
-    """Every layout of `model` training `workload` on `nodes` x `gpus` GPUs (or an `instance`'s), best first; with
-    `runs_today` only those the trainer runs now, and none that `refuse` (a run's own checks) gives a reason
-    against. `current`: the layout a recipe starts there, planned and reported beside the recommendation. See the
-    module docstring for the assumptions."""
+    """Every layout of `model` training `workload` on `nodes` x `gpus` GPUs (or an `instance`'s) that is
+    `considered`, best first. See the module docstring for the assumptions."""
     hardware = hardware_for(gpus, gpu_mem_gb, instance, gpu, nodes)
-    seq_len, batch_size = positive_int("seq_len", workload.seq_len), positive_int("batch_size", workload.batch_size)
-    accumulation = positive_int("accumulation", workload.accumulation)
-    tokens_per_sample = positive_number("tokens_per_sample", workload.tokens_per_sample, "13.4")
-    if workload.tokens_per_row is not None:
-        positive_number("tokens_per_row", workload.tokens_per_row, "512")
-    if workload.loss_chunk_tokens < 0 or isinstance(workload.loss_chunk_tokens, bool):
-        raise UserError(f"loss_chunk_tokens={workload.loss_chunk_tokens!r} must be >= 0 (0: the whole logits at once)")
-    if workload.compute_bytes not in (2, 4):
-        raise UserError(f"compute_bytes={workload.compute_bytes!r} is not valid; valid: 2 (bf16, fp16), 4 (fp32)")
-    mfu, lora_rank = workload.mfu, workload.lora_rank
-    if not 0 < mfu <= 1:
-        raise UserError(f"mfu={mfu!r} is not valid; expected a fraction in (0, 1], e.g. 0.35")
-    shape = model_shape(model, workload.head)
-    if workload.base_quantization not in ("none", "nf4"):
-        raise UserError(f"base_quantization={workload.base_quantization!r} is not valid; valid: none, nf4")
-    nf4 = workload.base_quantization == "nf4"
-    if nf4 and not lora_rank:
-        raise UserError("base_quantization=nf4 is QLoRA: it quantizes LoRA's frozen base; give a lora_rank > 0")
-    if lora_rank:
-        rank = positive_int("lora_rank", lora_rank)
-        lora = workload.lora or LoraSettings(
-            rank,
-            2.0 * rank,
-            0.0,
-            ALL_LINEAR,
-            tuple(shape.family.lora_head) if HeadKind(shape.task) is HeadKind.CLASSIFICATION else (),
-        )
-        if nf4 and lora.quantization is None:
-            lora = dataclasses.replace(lora, quantization=quantize.NF4Settings(NF4_BLOCK, NF4_SCALER_BLOCK))
-        shape = with_lora(shape, lora if nf4 else dataclasses.replace(lora, quantization=None))
+    _checked(workload)
+    seq_len, batch_size, accumulation = workload.seq_len, workload.batch_size, workload.accumulation
+    mfu, refuse, runs_today = workload.mfu, considered.refuse, considered.runs_today
+    shape = _adapted(model_shape(model, workload.head), workload)
     # time: real tokens per sample (a chat row's planned mean for sft and dpo), or padded to seq_len
-    real = workload.tokens_per_row if workload.tokens_per_row is not None else tokens_per_sample
+    real = workload.tokens_per_row if workload.tokens_per_row is not None else workload.tokens_per_sample
     tokens = seq_len if workload.padded else min(real, seq_len)
     tokens *= 2 if workload.pairs else 1  # a preference pair is two rows: twice the compute of one
     steps = workload.steps
@@ -919,5 +932,5 @@ def plan(
         mfu,
         workload,
         steps,
-        current=row_of(current) if current is not None else None,
+        current=row_of(considered.current) if considered.current is not None else None,
     )
