@@ -7,7 +7,10 @@ and saved with save_pretrained, beside a byte-level BPE tokenizer learned from t
 (ChatML's control tokens special, ChatML as its chat template). Pairs: the sample's first 8 rows, conversational
 (prompt/chosen/rejected messages, rendered by the template) and the same rows as plain text (the user's content, the
 answers' contents; EOS appended to each answer). One batch of all 8 pairs, beta 0.1, max_length 128, one step, for
-dpo_loss sigmoid and ipo. Ours: scripts/train.py (recipes/llama/tp.yaml, model=<folder>, one process), its first
+dpo_loss sigmoid and ipo; and, on the conversational pairs, simpo against CPOTrainer (loss_type="simpo",
+cpo_alpha=0, simpo_gamma 0.5) and orpo against ORPOTrainer (also nll_loss, log_odds_ratio, log_odds_chosen), both
+fed DPOTrainer's token ids for the rows (the peer's docstring says how).
+Ours: scripts/train.py (recipes/llama/tp.yaml, model=<folder>, one process), its first
 metrics.jsonl record; TRL: bench/trl_dpo_peer.py in .venv-trl, what DPOTrainer logged for step 1.
 
 At step 1 the policy is the reference, so both report rewards 0 and a loss of ln 2 (sigmoid) or 1/(4 beta^2)
@@ -41,7 +44,10 @@ BETA = 0.1
 MAX_LENGTH = 128
 FORMATS = ("conversational", "text")
 LOSSES = ("sigmoid", "ipo")
-CASES = [(fmt, loss) for fmt in FORMATS for loss in LOSSES]
+# the reference-free losses (TRL's CPOTrainer loss_type=simpo, cpo_alpha=0, simpo_gamma 0.5, and ORPOTrainer), on
+# the conversational pairs' token ids (the peer feeds them DPOTrainer's, which the DPO cases check against ours)
+FREE_LOSSES = ("simpo", "orpo")
+CASES = [(fmt, loss) for fmt in FORMATS for loss in LOSSES] + [("conversational", loss) for loss in FREE_LOSSES]
 FIGURES = (
     "loss",
     "rewards/chosen",
@@ -53,6 +59,12 @@ FIGURES = (
     "grad_norm",
 )
 CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+ORPO_FIGURES = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # ORPO's own, besides FIGURES
+
+
+def figures_of(loss: str) -> tuple[str, ...]:
+    """The figures compared for a loss: FIGURES, and ORPO's own."""
+    return FIGURES + ORPO_FIGURES if loss == "orpo" else FIGURES
 
 
 def tolerance(figure: str, loss: str) -> dict[str, float]:
@@ -60,7 +72,7 @@ def tolerance(figure: str, loss: str) -> dict[str, float]:
     sums, ipo's loss of 1/(4 beta^2) = 25), relative 1e-4 for the gradient norm (a sum over every parameter)."""
     if figure == "grad_norm":
         return {"rel": 1e-4}
-    if figure.startswith("logps/") or (figure == "loss" and loss == "ipo"):
+    if figure.startswith("logps/") or figure == "nll_loss" or (figure == "loss" and loss in ("ipo", "orpo")):
         return {"rel": 1e-6}
     return {"abs": 1e-5}
 
@@ -142,11 +154,11 @@ def ours_overrides(folder: Path, fmt: str, loss: str, cache_dir: Path) -> list[s
     ]
 
 
-def read_ours(output_dir: Path) -> dict[str, float]:
-    """FIGURES from the run's first metrics.jsonl record (step 1, computed before the update)."""
+def read_ours(output_dir: Path, loss: str = "sigmoid") -> dict[str, float]:
+    """The loss's figures from the run's first metrics.jsonl record (step 1, computed before the update)."""
     first = json.loads((output_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1, first
-    return {figure: float(first[figure]) for figure in FIGURES}
+    return {figure: float(first[figure]) for figure in figures_of(loss)}
 
 
 def ours_tokens(folder: Path, fmt: str, loss: str, cache_dir: Path) -> list[dict]:
@@ -209,7 +221,7 @@ def read_trl(out: Path) -> dict:
         }
         for row in result["rows"]
     ]
-    figures = {figure: float(result["metrics"][figure]) for figure in FIGURES}
+    figures = {figure: float(result["metrics"][figure]) for figure in figures_of(result["loss_type"])}
     return {"version": result["trl_version"], "figures": figures, "rows": rows}
 
 
@@ -240,7 +252,7 @@ def token_differences(ours: list[dict], trl: list[dict], decode=None) -> list[st
 def compare(ours: dict[str, float], trl: dict[str, float], loss: str) -> list[dict]:
     """Per figure: both values, the difference (absolute, or relative where the tolerance is), the limit, ok."""
     rows = []
-    for figure in FIGURES:
+    for figure in figures_of(loss):
         a, b = ours[figure], trl[figure]
         limit = tolerance(figure, loss)
         if "rel" in limit:
@@ -324,7 +336,7 @@ def main() -> int:
     decode = AutoTokenizer.from_pretrained(folder / "model").decode
     results = []
     for fmt, loss in CASES:
-        ours = read_ours(out / f"ours-{fmt}-{loss}")
+        ours = read_ours(out / f"ours-{fmt}-{loss}", loss)
         our_rows = ours_tokens(folder, fmt, loss, cache_dir)
         results.append(result_of(fmt, loss, ours, our_rows, read_trl(trl_outs[fmt, loss]), decode))
         print(case_line(fmt, loss, results[-1]["rows"]), flush=True)

@@ -54,6 +54,16 @@ METRICS = [
     "grad_norm",  # the global L2 norm of the gradients before clipping (the Trainer's clip_grad_norm_)
 ]
 
+# The reference-free losses' trainers (trl.experimental in 1.16): --loss-type simpo runs CPOTrainer with
+# loss_type="simpo", cpo_alpha=0; orpo runs ORPOTrainer. Each is fed DPOTrainer's token ids for the same rows (its
+# own tokenize_row replaced by one that lays them out as it would: prompt + answer, the prompt's labels -100), so
+# the comparison is of the losses and metrics on the very tokens the DPO cases check against ours.
+REFERENCE_FREE = ("simpo", "orpo")
+FREE_METRICS = {
+    "simpo": METRICS,
+    "orpo": [*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"],
+}
+
 
 def load_model(path: str) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(path)
@@ -100,13 +110,72 @@ def by_hand(
     return {"loss": mean(losses), "rewards/chosen": mean(chosen_rewards), "rewards/rejected": mean(rejected_rewards)}
 
 
+def run_reference_free(args, tokenizer, model, prepared, capture, tmp: str) -> None:
+    """One step of CPOTrainer (simpo) or ORPOTrainer on `prepared`'s token ids (DPOTrainer's), logged to
+    `capture`."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    def tokenize_row(self, feature, model=None):
+        prompt = feature["prompt_ids"]
+        row = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
+        for side in ("chosen", "rejected"):
+            ids = (prompt + feature[f"{side}_ids"])[: args.max_length]
+            row[f"{side}_input_ids"], row[f"{side}_attention_mask"] = ids, [1] * len(ids)
+            row[f"{side}_labels"] = [-100] * len(prompt) + ids[len(prompt) :]
+        return row
+
+    ids = Dataset.from_list(
+        [
+            {
+                "prompt": "p",
+                "chosen": "c",
+                "rejected": "r",
+                **{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")},
+            }
+            for r in prepared
+        ]
+    )
+    common = dict(
+        output_dir=tmp,
+        beta=args.beta,
+        max_length=args.max_length,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=False,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=0,
+    )
+    if args.loss_type == "simpo":
+        trainer_class = CPOTrainer
+        config = CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, simpo_gamma=args.simpo_gamma)
+    else:
+        trainer_class, config = ORPOTrainer, ORPOConfig(**common)
+    trainer_class.tokenize_row = tokenize_row
+    trainer = trainer_class(
+        model=model, args=config, train_dataset=ids, processing_class=tokenizer, callbacks=[capture]
+    )
+    trainer.train()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="save_pretrained folder: causal LM + tokenizer")
     parser.add_argument("--pairs", required=True, help="JSONL with prompt/chosen/rejected (text or messages)")
     parser.add_argument("--ref-model", help="reference model folder (default: --model, TRL's own default)")
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--loss-type", choices=["sigmoid", "ipo"], default="sigmoid")
+    parser.add_argument("--loss-type", choices=["sigmoid", "ipo", *REFERENCE_FREE], default="sigmoid")
+    parser.add_argument("--simpo-gamma", type=float, default=0.5)
     parser.add_argument("--batch-size", type=int, required=True, help="the first N rows form the one batch")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--out", required=True)
@@ -123,11 +192,12 @@ def main() -> None:
     ref_dir = args.ref_model or args.model
     ref_model = load_model(ref_dir).eval().requires_grad_(False)
     capture = LogCapture()
+    free = args.loss_type in REFERENCE_FREE
     with tempfile.TemporaryDirectory() as tmp:
         config = DPOConfig(
             output_dir=tmp,
             beta=args.beta,
-            loss_type=[args.loss_type],
+            loss_type=["sigmoid" if free else args.loss_type],
             max_length=args.max_length,
             per_device_train_batch_size=args.batch_size,
             gradient_accumulation_steps=1,
@@ -155,8 +225,12 @@ def main() -> None:
         prepared = trainer.train_dataset  # tokenized; rows whose prompt alone fills max_length are dropped
         if len(prepared) != args.batch_size:
             raise SystemExit(f"TRL kept {len(prepared)} of {args.batch_size} rows (prompt >= --max-length?)")
-        trainer.train()
+        if free:
+            run_reference_free(args, tokenizer, model, prepared, capture, tmp)
+        else:
+            trainer.train()
     step1 = next(log for log in capture.logs if "rewards/chosen" in log)
+    metrics = FREE_METRICS[args.loss_type] if free else METRICS
     rows = [
         {
             "prompt_input_ids": r["prompt_ids"],
@@ -174,11 +248,11 @@ def main() -> None:
         "loss_type": args.loss_type,
         "batch_size": args.batch_size,
         "max_length": args.max_length,
-        "metrics": {k: step1[k] for k in METRICS},
+        "metrics": {k: step1[k] for k in metrics},
         "all_logged": step1,
         "rows": rows,
     }
-    if args.check:
+    if args.check and not free:
         hand = by_hand(args.model, ref_dir, rows, args.beta, args.loss_type, args.max_length)
         result["check"] = {"by_hand": hand, "max_abs_diff": max(abs(hand[k] - step1[k]) for k in hand)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

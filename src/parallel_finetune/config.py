@@ -250,12 +250,18 @@ class PeftSection:
 class PreferenceSection:
     """`preference:` task=dpo's loss: how the policy's preference for the chosen answer over the rejected one,
     measured against the reference model (the model before training; with LoRA the same model with its adapters
-    disabled), is turned into a loss (docs/preference.md)."""
+    disabled) or, for simpo and orpo, on its own, is turned into a loss (docs/preference.md)."""
 
     # sigmoid = DPO (Rafailov et al.); ipo = IPO's squared loss on length-normalised log-probabilities (Azar et
-    # al.); hinge = SLiC's; robust = robust DPO (Chowdhury et al.), unbiased under dpo_label_smoothing's label noise
-    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
-    dpo_beta: float = 0.1  # the reference's pull: rewards are beta x (policy - reference) log-probabilities
+    # al.); hinge = SLiC's; robust = robust DPO (Chowdhury et al.), unbiased under dpo_label_smoothing's label
+    # noise. Reference-free (no reference pass): simpo = SimPO (Meng et al., TRL's CPOTrainer loss_type=simpo);
+    # orpo = ORPO's odds ratio plus the chosen rows' NLL (Hong et al., TRL's ORPOTrainer)
+    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    # beta: DPO's reference pull (rewards are beta x (policy - reference) log-probabilities); simpo's reward scale;
+    # orpo's weight of the odds-ratio term (its lambda)
+    dpo_beta: float = 0.1
+    # simpo's target reward margin gamma: the loss asks beta x (average chosen - average rejected) to exceed it
+    simpo_gamma: float = 0.5
     # the share of pairs assumed to be labelled the wrong way round (cDPO with sigmoid, robust DPO); 0 = none
     dpo_label_smoothing: float = 0.0
     # RPO: + rpo_alpha x the chosen answer's negative log-likelihood per token, for each pair; 0 = off
@@ -873,14 +879,22 @@ def _check_preference(config: Config, bad: BadKey) -> None:
             if getattr(config.preference, key) != getattr(defaults, key):
                 raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it")
         return
+    loss, section = config.dpo_loss, config.preference
     if not config.dpo_beta > 0:
         raise bad("dpo_beta", "must be > 0 (DPO's beta, e.g. 0.1)")
     if not 0 <= config.dpo_label_smoothing < 0.5:
         raise bad("dpo_label_smoothing", "must be in [0, 0.5) (the share of pairs assumed flipped)")
-    if config.dpo_label_smoothing and config.dpo_loss in ("ipo", "hinge"):
-        raise bad("dpo_label_smoothing", f"is read by dpo_loss=sigmoid (cDPO) and robust, not {config.dpo_loss}")
+    if config.dpo_label_smoothing and loss in ("ipo", "hinge", "orpo"):
+        raise bad("dpo_label_smoothing", f"is read by dpo_loss=sigmoid (cDPO), robust and simpo, not {loss}")
     if config.rpo_alpha < 0:
         raise bad("rpo_alpha", "must be >= 0 (0: no SFT term)")
+    # keys of one pair loss set with another: refused, as another task's keys are
+    if section.simpo_gamma != defaults.simpo_gamma and loss != "simpo":
+        raise bad("simpo_gamma", f"is dpo_loss=simpo's target margin, and dpo_loss={loss} reads none; drop it")
+    if loss in ("simpo", "orpo"):
+        for key, why in (("rpo_alpha", "SFT term"), ("dpo_length_normalized", "averaging")):
+            if getattr(section, key) != getattr(defaults, key):
+                raise bad(key, f"is the DPO family's {why}, and dpo_loss={loss} reads none (it averages); drop it")
 
 
 def _check_generation(config: Config, bad: BadKey) -> None:

@@ -1,9 +1,11 @@
-"""The two interfaces the training loop is written against, so it has no engine or pipeline branches.
+"""The interfaces the training loop is written against, so it has no engine or pipeline branches.
 
     Runner    forward/backward of an accumulation slice: `runner.WholeModel` (the model this rank holds: whole,
               tensor-parallel or FSDP-sharded) | `parallel.pipeline.Pipeline` (this rank's stages under a schedule)
     Updates   gradients -> update: `updates.TorchUpdates` (our AdamW: every parameter, FSDP shards or ZeRO-1
               slices) | `parallel.deepspeed_engine.DeepSpeedUpdates` (DeepSpeed's ZeRO)
+    PairLoss  task=dpo's pair loss from the answers' log-probabilities: loop/pair_losses.py's DPOLoss | SimPOLoss
+              | ORPOLoss
 
 A leaf module: it imports nothing of the package, so every implementation imports it and none imports another's
 module (or the loop's) for a type.
@@ -20,6 +22,28 @@ from torch import nn
 
 # (a head's outputs, a Batch's labels) -> the loss summed over them, in fp32 (loop/loss.py: one per head)
 SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PairLoss(Protocol):
+    """task=dpo's nonlinear part (loop/pair_losses.py: one class per loss family): from each pair's answers'
+    summed log-probabilities and token counts (pairs x (chosen, rejected)), the reference's sums (None when it
+    needs none) and, when `chosen_sequence_nll`, each pair's share of the chosen rows' token-mean NLL, to each
+    pair's loss and its per-pair statistics named `metric_names` (their sums over pairs / the pair count are the
+    metrics)."""
+
+    needs_reference: bool  # a reference pass runs before training (else none does)
+    chosen_sequence_nll: bool  # the chosen rows' prompt tokens are scored too (ORPO's NLL term)
+    metric_names: tuple[str, ...]  # TRL's names, the keys of the statistics
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        tokens: torch.Tensor,
+        reference: torch.Tensor | None,
+        chosen_nll: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
 # (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
 SkipRule = Callable[[float, float, "float | None"], bool]
 

@@ -1,10 +1,12 @@
 """task=dpo against TRL's DPOTrainer (trl==1.16.0 from PyPI in .venv-trl, a test peer only, never a dependency):
 step 1 on the same tiny Llama, the same 8 pairs in one batch, the same beta, gives the same loss, rewards/*, logps/*
 and gradient norm (before clipping), for dpo_loss sigmoid and ipo, on conversational (ChatML) and plain-text pairs,
-from the same token ids row by row. While policy == reference (step 1) the rewards are 0 and the loss ln 2 or
+from the same token ids row by row; and SimPO (CPOTrainer, loss_type simpo) and ORPO (ORPOTrainer) step 1 on the
+same rows, where the rewards are not 0, so every figure tests the formulas.
+For DPO, while policy == reference (step 1) the rewards are 0 and the loss ln 2 or
 1/(4 beta^2) whatever the code does: logps/* (the answers' tokens and log-probabilities) and grad_norm (the loss's
 gradient through the whole model) are what this tests. The comparison is bench/dpo_vs_trl.py's (`make
-bench-dpo-trl` prints it as a table); .venv-trl is built here when missing (make), and TRL's four runs share one
+bench-dpo-trl` prints it as a table); .venv-trl is built here when missing (make), and TRL's six runs share one
 process, started by the module's fixture while ours run."""
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def test_dpo_step_one_equals_trls(peer, fmt, loss, cache_dir, tmp_path):
     folder, decode, trl = peer
     run = launch(1, bench.ours_overrides(folder, fmt, loss, cache_dir), tmp_path / "ours", recipe=bench.RECIPE)
     our_rows = bench.ours_tokens(folder, fmt, loss, cache_dir)
-    result = bench.result_of(fmt, loss, bench.read_ours(run.output_dir), our_rows, trl((fmt, loss)), decode)
+    result = bench.result_of(fmt, loss, bench.read_ours(run.output_dir, loss), our_rows, trl((fmt, loss)), decode)
     print("\n" + bench.case_line(fmt, loss, result["rows"]))
     assert not result["token_differences"], "our tokens differ from TRL's:\n" + "\n".join(result["token_differences"])
     assert bench.passed(result), [row for row in result["rows"] if not row["ok"]]

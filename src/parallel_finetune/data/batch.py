@@ -307,7 +307,9 @@ class PreferenceBatcher:
     2i) and its rejected one (2i + 1), each with the prompt, labelled on the answer's tokens only. Padded, the rows
     come in pairs (chosen, rejected, chosen, ...), so any split of the rows into micro-batches of an even count
     keeps pairs whole; packed (`shape`), both rows of a pair lie in one sequence (a sequence holds
-    `shape.capacity` tokens: twice max_length, so any pair fits), positions restarting at each row."""
+    `shape.capacity` tokens: twice max_length, so any pair fits), positions restarting at each row. With
+    `score_prompts` (ORPO's NLL over the chosen row's every token) a chosen row's prompt tokens are labelled too,
+    their answer number -(the chosen answer's + 2) (loop/loss.py's PROMPT_MARK)."""
 
     def __init__(
         self,
@@ -318,10 +320,11 @@ class PreferenceBatcher:
         pad_multiple: int,
         device,
         shape: PackedShape | None = None,
+        score_prompts: bool = False,
     ):
         self.split, self.pad_id, self.padding_side = split, pad_id, padding_side
         self.pad_multiple, self.device, self.shape = pad_multiple, device, shape
-        self.packed = shape is not None
+        self.packed, self.score_prompts = shape is not None, score_prompts
 
     def _rows(self, indices: list[int]) -> list[tuple[list[int], int, int, float]]:
         """(ids, prompt length, answer number, reference log-probability) of each row, pair by pair."""
@@ -336,7 +339,7 @@ class PreferenceBatcher:
         rows = self._rows(indices)
         if self.packed:
             batch, answer, reference = self._packed(rows)
-            trained = (answer >= 0).long()
+            trained = (answer != -1).long()
             labels = next_token_labels(batch.input_ids, batch.attention_mask, trained, batch.positions == 0)
         else:
             batch = padded_batch(
@@ -345,10 +348,14 @@ class PreferenceBatcher:
                 padding_side=self.padding_side,
                 pad_multiple=self.pad_multiple,
             )
-            trained = (batch.positions >= torch.tensor([prompt for _, prompt, *_ in rows])[:, None]) & (
-                batch.attention_mask == 1
-            )
-            answer = torch.where(trained, torch.tensor([number for *_, number, _ in rows])[:, None], -1)
+            real = batch.attention_mask == 1
+            numbers = torch.tensor([number for *_, number, _ in rows])[:, None]
+            in_answer = batch.positions >= torch.tensor([prompt for _, prompt, *_ in rows])[:, None]
+            trained = in_answer & real
+            answer = torch.where(trained, numbers, -1)
+            if self.score_prompts:  # the chosen rows' (even numbers') prompts too
+                prompts = real & ~in_answer & (numbers % 2 == 0)
+                trained, answer = trained | prompts, answer.masked_fill(prompts, 0) - (numbers + 2) * prompts
             reference = torch.tensor([value for *_, value in rows], dtype=torch.float64)[:, None].expand_as(answer)
             labels = next_token_labels(batch.input_ids, batch.attention_mask, trained.long())
         # the label at t is token t + 1's: so are its answer and reference
@@ -384,6 +391,8 @@ class PreferenceBatcher:
                 mask[sequence, span] = 1
                 positions[sequence, span] = torch.arange(len(ids))
                 answer[sequence, start + prompt : start + len(ids)] = number
+                if self.score_prompts and number % 2 == 0:  # a chosen row's prompt too
+                    answer[sequence, start : start + prompt] = -(number + 2)
                 reference[sequence, span] = value
                 start += len(ids)
             positions[sequence, start:] = torch.arange(length - start)  # the padding tail: a segment of its own

@@ -180,7 +180,7 @@ class RunBuilder:
         trainer = Trainer(
             steps=Steps(schedule.total_steps, len(sampler), config.gradient_accumulation_steps),
             sampler=sampler,
-            batcher=self._batcher(train, prepared, layout, resolved, built.runner),
+            batcher=self._batcher(train, prepared, layout, resolved, built.runner, built.preference),
             runner=built.runner,
             updates=built.updates,
             scheduler=built.scheduler,
@@ -322,6 +322,8 @@ class RunBuilder:
             return {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
+        if not built.preference.needs_reference:  # SimPO, ORPO: reference-free, no pass (and no reference time)
+            return {"validation": validation}
         trained = trained_pairs(sampler, schedule.total_steps)
         with self.timer("reference"):
             for split, pairs in ((train, trained), (validation, range(len(validation)))):
@@ -344,7 +346,15 @@ class RunBuilder:
                 )
         return {"validation": validation}
 
-    def _batcher(self, train: TokenizedSplit, prepared, layout: Layout, resolved: Resolved, runner: Runner):
+    def _batcher(
+        self,
+        train: TokenizedSplit,
+        prepared,
+        layout: Layout,
+        resolved: Resolved,
+        runner: Runner,
+        preference: PreferenceLoss | None,
+    ):
         """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
         pipeline's are of static shapes); task=dpo's keeps each pair's two rows together."""
         config, tokenizer = self.config, prepared.tokenizer
@@ -362,7 +372,9 @@ class RunBuilder:
             return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
         padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
         padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
-        return PreferenceBatcher(train, **padding, shape=shape) if pairs else PaddedBatcher(train, **padding)
+        if not pairs:
+            return PaddedBatcher(train, **padding)
+        return PreferenceBatcher(train, **padding, shape=shape, score_prompts=preference.scores_prompts)
 
     def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
         """generate_every's decoder over the run's runner, with the held-out prompts it answers."""

@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..interfaces import Runner
 from ..metrics import compute_metrics
 from ..tasks.task import HeadKind, Task
-from .loss import PreferenceLoss, pair_metrics, summed_loss_for
+from .loss import PreferenceLoss, summed_loss_for
 
 
 class Evaluator:
@@ -149,7 +149,8 @@ class Evaluator:
         return self._gathered(split, totals, predictions, with_loss)
 
     def _scored_pairs(self, split: TokenizedSplit) -> dict:
-        """Held-out pairs: eval_loss (the mean pair loss) and TRL's rewards/* and logps/* means."""
+        """Held-out pairs: eval_loss (the mean pair loss) and the pair loss's metrics (TRL's rewards/*, logps/*,
+        ...) means."""
         layout, runner, preference, tokenizer = self.layout, self.runner, self.preference, self.data.tokenizer
         batcher = PreferenceBatcher(
             split,
@@ -157,9 +158,11 @@ class Evaluator:
             padding_side=tokenizer.padding_side,
             pad_multiple=runner.pad_multiple,
             device=layout.device,
+            score_prompts=preference.scores_prompts,
         )
         totals = preference.sums(None, layout.device)
         preference.take()
+        preference.share_of(split, range(len(split)))  # ORPO's NLL: a token mean over every held-out pair
         with self._eval_mode():
             for chunk, counts in self._chunks(split):
                 runner.loss(batcher.batch(chunk))
@@ -170,7 +173,7 @@ class Evaluator:
             dist.all_reduce(totals, group=layout.dp_group)
         if layout.pp > 1:  # the last stage scored every pair
             dist.broadcast(totals, group=layout.pp_group, group_src=layout.pp - 1)
-        metrics = pair_metrics(totals)
+        metrics = preference.metrics(totals)
         return {"eval_loss": metrics.pop("loss"), **metrics}
 
     def _gathered(self, split: TokenizedSplit, totals: torch.Tensor, predictions: list, with_loss: bool):

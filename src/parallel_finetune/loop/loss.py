@@ -23,6 +23,7 @@ from ..data.batch import IGNORE
 from ..interfaces import SummedLoss
 from ..parallel.vocab import head_replaced, token_nll
 from ..tasks.task import HeadKind, Task
+from .pair_losses import DPOLoss, pair_loss_for
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -101,51 +102,58 @@ def hidden_loss_forward(model: nn.Module, inputs: dict, target: torch.Tensor, lo
 
 class PairRecord(NamedTuple):
     """What one call of a PreferenceLoss measured, per pair (rows: pairs; columns: chosen, rejected), detached:
-    the policy's log-probabilities summed over each answer's tokens, those tokens' count, the reference's sums,
-    and each pair's loss."""
+    the policy's log-probabilities summed over each answer's tokens, those tokens' count, each pair's loss and
+    its pair loss's statistics (name -> per-pair values)."""
 
     logps: torch.Tensor
     tokens: torch.Tensor
-    reference: torch.Tensor
     losses: torch.Tensor
+    stats: dict[str, torch.Tensor]
 
 
-# What PreferenceLoss.sums adds up over pairs, in this order; the metrics are these sums over the pair count.
-PAIR_METRICS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+# DPO's metrics (TRL's names): what PreferenceLoss.sums adds up over pairs, in this order, for the DPO family; each
+# pair loss names its own (PreferenceLoss.metric_names).
+PAIR_METRICS = ("loss", *DPOLoss.metric_names)
+
+# A chosen row's prompt token, scored for ORPO's NLL term (chosen_sequence_nll), carries -(its answer's number + 2)
+# in the answer column (-1: no answer, >= 0: an answer's token).
+PROMPT_MARK = -2
 
 
 class PreferenceLoss(HiddenTokenLoss):
-    """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): each
-    answer's log-probability is the sum over its tokens of -token_nll (parallel/vocab.py: chunked,
-    vocabulary-parallel, never the whole logits), and each pair's loss compares the policy's preference for the
-    chosen answer with the reference's (TRL's DPOTrainer formulas):
-
-        d = (policy chosen - policy rejected) - (reference chosen - reference rejected)
-        sigmoid: -log sigmoid(beta d) (1 - s) - log sigmoid(-beta d) s      (s: dpo_label_smoothing, cDPO)
-        robust:  (-log sigmoid(beta d) (1 - s) + log sigmoid(-beta d) s) / (1 - 2 s)
-        ipo:     (d - 1 / (2 beta))^2, on log-probabilities averaged over each answer's tokens
-        hinge:   max(0, 1 - beta d)
-        + rpo_alpha x the chosen answer's negative log-likelihood per token (RPO)
+    """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): the
+    linear part, each answer's log-probability as the sum over its tokens of -token_nll (parallel/vocab.py:
+    chunked, vocabulary-parallel, never the whole logits) and its token count, handed with the reference's sums to
+    the pair loss (loop/pair_losses.py: DPO's family, SimPO, ORPO), which makes each pair's loss and statistics.
 
     Summed over pairs (the Trainer divides by the global pair count). `target` is a preference Batch's
     loss_target: (label, answer, reference) at each position. Each call's per-pair figures are kept for the
-    metrics (`take`)."""
+    metrics (`take`). `token_share` (set by `share_of`): the pairs over the chosen rows' scored tokens of the batch
+    being scored, which ORPO's token-mean NLL needs."""
 
     def __init__(self, head: nn.Module | None, chunk_tokens: int, softcap: float | None = None, *, preference):
         super().__init__(head, chunk_tokens, softcap)
         self.takes_hidden = head is not None  # else the model's whole logits (engine=deepspeed)
-        self.kind, self.beta = preference.dpo_loss, preference.dpo_beta
-        self.smoothing, self.rpo_alpha = preference.dpo_label_smoothing, preference.rpo_alpha
-        self.normalized = preference.dpo_length_normalized or self.kind == "ipo"
+        self.pair_loss_of = pair_loss_for(preference)
+        self.beta = preference.dpo_beta
+        self.metric_names = ("loss", *self.pair_loss_of.metric_names)
+        self.token_share = 1.0
         self.records: list[PairRecord] = []
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.pair_loss_of.needs_reference
+
+    @property
+    def scores_prompts(self) -> bool:
+        """The chosen rows' prompt tokens are scored too (ORPO): the batchers label them."""
+        return self.pair_loss_of.chosen_sequence_nll
+
+    def share_of(self, split, indices) -> None:
+        """Before scoring these pairs of `split` (a step's global batch, or a whole held-out split): the pairs
+        over their chosen rows' scored tokens (every token but the first), ORPO's NLL's divisor as a share."""
+        if self.scores_prompts:
+            self.token_share = len(indices) / sum(len(split.ids[i]) - 1 for i in indices)
 
     def mask(self, target: torch.Tensor) -> torch.Tensor:
         return target[..., 0] != IGNORE
@@ -167,28 +175,28 @@ class PreferenceLoss(HiddenTokenLoss):
 
     def pair_loss(self, nll: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The pairs' summed loss from each scored token's NLL and its (label, answer, reference)."""
-        numbers, slot = torch.unique(target[:, 1].long(), return_inverse=True)  # 2p, 2p + 1 for each pair p here
+        answer = target[:, 1].long()
+        prompt = answer <= PROMPT_MARK  # ORPO: a chosen row's prompt token (only in its NLL)
+        chosen_nll = None
+        if self.scores_prompts:
+            nll, answer, target, prompt_nll, prompt_of = (
+                nll[~prompt],
+                answer[~prompt],
+                target[~prompt],
+                nll[prompt],
+                answer[prompt],
+            )
+        numbers, slot = torch.unique(answer, return_inverse=True)  # 2p, 2p + 1 for each pair p here
         logps = torch.zeros(len(numbers), device=nll.device).index_add(0, slot, -nll).view(-1, 2)
         tokens = torch.zeros(len(numbers), device=nll.device).index_add(0, slot, torch.ones_like(nll)).view(-1, 2)
         reference = target.new_zeros(len(numbers)).scatter(0, slot, target[:, 2]).float().view(-1, 2)
-        policy, measured = self._scaled(logps, tokens), self._scaled(reference, tokens)
-        d = (policy[:, 0] - policy[:, 1]) - (measured[:, 0] - measured[:, 1])
-        beta, s = self.beta, self.smoothing
-        if self.kind == "sigmoid":
-            losses = -F.logsigmoid(beta * d) * (1 - s) - F.logsigmoid(-beta * d) * s
-        elif self.kind == "robust":
-            losses = (-F.logsigmoid(beta * d) * (1 - s) + F.logsigmoid(-beta * d) * s) / (1 - 2 * s)
-        elif self.kind == "ipo":
-            losses = (d - 1 / (2 * beta)) ** 2
-        else:  # hinge
-            losses = torch.relu(1 - beta * d)
-        if self.rpo_alpha:
-            losses = losses - self.rpo_alpha * logps[:, 0] / tokens[:, 0]
-        self.records.append(PairRecord(logps.detach(), tokens, reference, losses.detach()))
+        if self.scores_prompts:
+            pair_of = torch.searchsorted(numbers, PROMPT_MARK - prompt_of) // 2
+            prompts = torch.zeros(len(numbers) // 2, device=nll.device).index_add(0, pair_of, prompt_nll)
+            chosen_nll = (prompts - logps[:, 0]) * self.token_share
+        losses, stats = self.pair_loss_of(logps, tokens, reference if self.needs_reference else None, chosen_nll)
+        self.records.append(PairRecord(logps.detach(), tokens, losses.detach(), stats))
         return losses.sum()
-
-    def _scaled(self, logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return logps / tokens if self.normalized else logps
 
     def take(self) -> PairRecord | None:
         """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
@@ -196,28 +204,29 @@ class PreferenceLoss(HiddenTokenLoss):
         records, self.records = self.records, []
         if not records:
             return None
-        return PairRecord(*(torch.cat(parts) for parts in zip(*records)))
+        stats = {name: torch.cat([record.stats[name] for record in records]) for name in records[0].stats}
+        return PairRecord(*(torch.cat(parts) for parts in zip(*(record[:3] for record in records))), stats)
 
     def sums(self, record: PairRecord | None, device) -> torch.Tensor:
-        """PAIR_METRICS summed over the record's pairs, and the pair count last (float64; zeros for None). As TRL
-        logs them, rewards and logps are of the summed log-probabilities, whichever the loss compares."""
-        totals = torch.zeros(len(PAIR_METRICS) + 1, dtype=torch.float64, device=device)
+        """The metrics (`metric_names`: the loss, then the pair loss's statistics) summed over the record's pairs,
+        and the pair count last (float64; zeros for None)."""
+        totals = torch.zeros(len(self.metric_names) + 1, dtype=torch.float64, device=device)
         if record is None:
             return totals
-        policy = record.logps
-        rewards = self.beta * (policy - record.reference)
-        chosen, rejected = rewards[:, 0], rewards[:, 1]
-        parts = (record.losses, chosen, rejected, (chosen > rejected).float(), chosen - rejected)
-        parts += (policy[:, 0], policy[:, 1])
+        parts = (record.losses, *(record.stats[name] for name in self.metric_names[1:]))
         totals[: len(parts)] = torch.stack([part.double().sum() for part in parts])
         totals[-1] = len(record.losses)
         return totals
 
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """`sums` (reduced over the ranks) as the metrics: each sum over the pair count."""
+        return pair_metrics(totals, self.metric_names)
 
-def pair_metrics(totals: torch.Tensor) -> dict[str, float]:
-    """PreferenceLoss.sums (reduced over the ranks) as the metrics: each sum over the pair count."""
+
+def pair_metrics(totals: torch.Tensor, names: tuple[str, ...] = PAIR_METRICS) -> dict[str, float]:
+    """PreferenceLoss.sums (reduced over the ranks) as the metrics `names`: each sum over the pair count."""
     values = (totals[:-1] / totals[-1]).tolist()
-    return dict(zip(PAIR_METRICS, values))
+    return dict(zip(names, values))
 
 
 def summed_loss_for(task: Task, hidden: HiddenTokenLoss | None = None) -> SummedLoss:

@@ -39,7 +39,7 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator
-from .loss import PreferenceLoss, pair_metrics
+from .loss import PreferenceLoss
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,8 @@ class Trainer:
         layout, split = self.layout, self.batcher.split
         started = time.perf_counter()
         count = split.loss_count(global_batch)
+        if self.preference is not None:  # ORPO's NLL is a token mean over the global batch's chosen rows
+            self.preference.share_of(split, global_batch)
         local_loss = torch.zeros((), device=layout.device)
         slices = accumulation_slices(global_batch, layout.dp_rank, layout.dp, self.steps.accumulation)
         for number, indices in enumerate(slices, start=1):
@@ -147,15 +149,15 @@ class Trainer:
         } | self._pair_metrics()
 
     def _pair_metrics(self) -> dict:
-        """task=dpo: the step's rewards/* and logps/* (TRL's names), means over the global batch's pairs: every
-        rank's sums (a pipeline's last stage holds them; tensor-parallel ranks hold copies, counted in the pair
-        count alike) over the pairs they count."""
+        """task=dpo: the step's pair metrics (TRL's names: rewards/*, logps/*, ...), means over the global batch's
+        pairs: every rank's sums (a pipeline's last stage holds them; tensor-parallel ranks hold copies, counted in
+        the pair count alike) over the pairs they count."""
         if self.preference is None:
             return {}
         totals = self.preference.sums(self.preference.take(), self.layout.device)
         if self.layout.world_size > 1:
             dist.all_reduce(totals)
-        metrics = pair_metrics(totals)
+        metrics = self.preference.metrics(totals)
         del metrics["loss"]  # the step's loss is `loss`
         return metrics
 

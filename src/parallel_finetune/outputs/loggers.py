@@ -40,6 +40,8 @@ from .runfolder import record_written
 DESTINATIONS = ("tensorboard", "mlflow", "wandb")
 # Per-step numbers sent to every tracker as "train/<key>" (metrics.jsonl keeps the whole record).
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu")
+# The pair metrics TRL names without a "/" (ORPO's, loop/pair_losses.py); the others are rewards/*, logps/*.
+PAIR_SCALARS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 GENERATIONS = "generations.jsonl"  # generate_every's answers: step, prompt, answer per line
 # Tracker run ids of this run folder, so that a resumed run continues the same MLflow / W&B run.
 TRACKING_IDS = "tracking.json"
@@ -82,8 +84,9 @@ def destinations(report_to) -> tuple[str, ...]:
 
 
 def _scalars(record: dict) -> dict[str, float]:
-    """A train record's tracked numbers: TRAIN_SCALARS and task=dpo's pair metrics (TRL's rewards/*, logps/*)."""
-    keys = [*TRAIN_SCALARS, *(key for key in record if "/" in key)]
+    """A train record's tracked numbers: TRAIN_SCALARS and task=dpo's pair metrics (TRL's rewards/*, logps/*,
+    PAIR_SCALARS)."""
+    keys = [*TRAIN_SCALARS, *PAIR_SCALARS, *(key for key in record if "/" in key)]
     return {
         f"train/{key}": float(record[key])
         for key in keys
