@@ -528,6 +528,25 @@ def peak_tflops() -> float | None:
     return gpu_peak_tflops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
+def speed_figures(steps: int, tokens: int, seconds: float, model_flops: float) -> dict:
+    """A speed row's figures, counted alike for every side: the counted steps (warm-up excluded), their real
+    tokens, seconds and model FLOPs (the MFU convention of model/throughput.py), and the GPU's peak memory."""
+    import torch
+
+    peak = peak_tflops()
+    tflops = model_flops / seconds / 1e12
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "step_seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_tflops": peak,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
 def timed_steps(step, batches, warmup: int, flops) -> dict:
     """Run `step(batch)` over `batches` (each: (inputs, real token count, sequence lengths)); count the steps after
     `warmup` as ours are counted: wall time of each step after a device sync, real tokens, model FLOPs."""
@@ -544,18 +563,7 @@ def timed_steps(step, batches, warmup: int, flops) -> dict:
             seconds += time.perf_counter() - started
             tokens += real
             model_flops += flops.batch(lengths)
-    peak = peak_tflops()
-    tflops = model_flops / seconds / 1e12
-    return {
-        "steps": len(batches) - warmup,
-        "tokens": round(tokens),
-        "step_seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "tflops": tflops,
-        "mfu": tflops / peak if peak else None,
-        "peak_tflops": peak,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
+    return speed_figures(len(batches) - warmup, round(tokens), seconds, model_flops)
 
 
 def row_trl(settings: dict) -> dict:
@@ -633,19 +641,12 @@ def row_trl(settings: dict) -> dict:
     kept = counted[warmup : settings["steps"]]  # the dataloader may collate one batch ahead
     seconds = sum(times[warmup:])
     tokens = sum(real for real, _ in kept)
-    tflops = sum(flops.batch(lengths) for _, lengths in kept) / seconds / 1e12
-    peak = peak_tflops()
-    return {
-        "steps": len(times) - warmup,
-        "tokens": tokens,
-        "step_seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "tflops": tflops,
-        "mfu": tflops / peak if peak else None,
-        "peak_tflops": peak,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "notes": f"TRL {trl.__version__}, packing, {settings['trl_batch']} x {settings['max_length']} slots a step",
-    }
+    model_flops = sum(flops.batch(lengths) for _, lengths in kept)
+    figures = speed_figures(len(times) - warmup, tokens, seconds, model_flops)
+    figures["notes"] = (
+        f"TRL {trl.__version__}, packing, {settings['trl_batch']} x {settings['max_length']} slots a step"
+    )
+    return figures
 
 
 def qlora_overrides(settings: dict, name: str) -> list[str]:

@@ -110,6 +110,29 @@ def by_hand(
     return {"loss": mean(losses), "rewards/chosen": mean(chosen_rewards), "rewards/rejected": mean(rejected_rewards)}
 
 
+def one_step_settings(args, tmp: str) -> dict:
+    """What every TRL trainer config here shares: one sequential fp32 CPU step of the first --batch-size rows."""
+    return dict(
+        output_dir=tmp,
+        beta=args.beta,
+        max_length=args.max_length,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
 def run_reference_free(args, tokenizer, model, prepared, capture, tmp: str) -> None:
     """One step of CPOTrainer (simpo) or ORPOTrainer on `prepared`'s token ids (DPOTrainer's), logged to
     `capture`."""
@@ -136,26 +159,7 @@ def run_reference_free(args, tokenizer, model, prepared, capture, tmp: str) -> N
             for r in prepared
         ]
     )
-    common = dict(
-        output_dir=tmp,
-        beta=args.beta,
-        max_length=args.max_length,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        train_sampling_strategy="sequential",
-        dataloader_drop_last=False,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        seed=0,
-    )
+    common = one_step_settings(args, tmp) | dict(remove_unused_columns=False)
     if args.loss_type == "simpo":
         trainer_class = CPOTrainer
         config = CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, simpo_gamma=args.simpo_gamma)
@@ -194,26 +198,8 @@ def main() -> None:
     capture = LogCapture()
     free = args.loss_type in REFERENCE_FREE
     with tempfile.TemporaryDirectory() as tmp:
-        config = DPOConfig(
-            output_dir=tmp,
-            beta=args.beta,
-            loss_type=["sigmoid" if free else args.loss_type],
-            max_length=args.max_length,
-            per_device_train_batch_size=args.batch_size,
-            gradient_accumulation_steps=1,
-            max_steps=1,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            gradient_checkpointing=False,
-            train_sampling_strategy="sequential",
-            dataloader_drop_last=False,
-            disable_tqdm=True,
-            seed=0,
-        )
+        loss_type = ["sigmoid" if free else args.loss_type]
+        config = DPOConfig(**one_step_settings(args, tmp), loss_type=loss_type)
         trainer = DPOTrainer(
             model=model,
             ref_model=ref_model,

@@ -246,6 +246,10 @@ class PeftSection:
     nf4_scaler_block_size: int = 256  # scalers per int8 group of the double quantization (QLoRA's 256)
 
 
+# the pair losses that compare the policy with nothing but itself: no reference pass runs for them
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
 @dataclass
 class PreferenceSection:
     """`preference:` task=dpo's loss: how the policy's preference for the chosen answer over the rejected one,

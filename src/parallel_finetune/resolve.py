@@ -16,6 +16,7 @@ import torch
 from .config import (
     COMPILE_AUTO_MIN_STEPS,
     COMPILE_WITH_TP,
+    REFERENCE_FREE_LOSSES,
     Config,
     MemorySection,
     ModelSection,
@@ -226,6 +227,7 @@ def planner_workload(config: Config, *, count_samples: bool = True):
         tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO) else None,
         loss_chunk_tokens=config.loss_chunk_tokens if Engine(config.engine) is Engine.TORCH else 0,
         pairs=config.task == DPO,
+        reference_pass=config.task == DPO and config.preference.dpo_loss not in REFERENCE_FREE_LOSSES,
         compute_bytes=4 if config.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
         task=config.task,
         samples=samples,

@@ -519,3 +519,14 @@ def test_a_header_names_the_plan_of_its_own_recipe(path):
     for command in commands:
         # the path under recipes/, as `make plan` takes it (a recipe names no path into the repository: it is copied)
         assert f"RECIPE={path.parent.name}/{path.name}" in command and "ARGS=" not in command, command
+
+
+def test_a_reference_free_pair_loss_is_planned_without_the_reference_pass():
+    """dpo_loss=simpo or orpo measures no reference (loop/pair_losses.py): the plan's time has no reference pass, and
+    its header says so; the same recipe under DPO has it."""
+    dpo = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge")
+    for loss in ("simpo", "orpo"):
+        free = plan_recipe(LLAMA / "dpo.yaml", "ml.p4d.24xlarge", f"dpo_loss={loss}")
+        assert not free.workload.reference_pass and dpo.workload.reference_pass
+        assert free.current.run_min < dpo.current.run_min and free.current.step_s == dpo.current.step_s
+        assert "no reference pass" in free.table() and "no reference pass" not in dpo.table()

@@ -696,9 +696,14 @@ class Plan:
             ),
             *(
                 [
-                    "dpo: each sample is a pair of rows (chosen, rejected), both in memory and time; the reference "
-                    "model costs no memory (its log-probabilities are measured once before training, in this "
-                    "layout: one forward per trained pair, about a third of a step's compute per pair, in the time)"
+                    "dpo: each sample is a pair of rows (chosen, rejected), both in memory and time; "
+                    + (
+                        "the reference model costs no memory (its log-probabilities are measured once before "
+                        "training, in this layout: one forward per trained pair, about a third of a step's compute "
+                        "per pair, in the time)"
+                        if self.workload.reference_pass
+                        else "no reference pass (a reference-free loss: simpo, orpo)"
+                    )
                 ]
                 if self.pairs
                 else []
@@ -799,6 +804,7 @@ class Workload:
     # sequences of twice seq_len; the reference model costs no memory (its log-probabilities are measured before
     # training: one forward of each trained pair, about a third of a step's compute, once)
     pairs: bool = False
+    reference_pass: bool = False  # dpo's reference log-probabilities measured before training (not simpo, orpo)
     accumulation: int = 1  # gradient_accumulation_steps: slices of batch_size / (dp x accumulation) rows per rank
     compute_bytes: int = 2  # the compute dtype's bytes: 2 (bf16/fp16 autocast, precision auto on GPUs), 4 (fp32)
     lora: LoraSettings | None = None  # the run's adapters and modules trained in full (None with lora_rank: all
@@ -900,7 +906,7 @@ def plan(
     tokens *= 2 if workload.pairs else 1  # a preference pair is two rows: twice the compute of one
     steps = workload.steps
     # dpo: the reference pass, once before training: one forward per pair, about a third of a step's compute
-    reference_steps = (workload.samples or SST2_TRAIN_SENTENCES) / batch_size / 3 if workload.pairs else 0
+    reference_steps = (workload.samples or SST2_TRAIN_SENTENCES) / batch_size / 3 if workload.reference_pass else 0
 
     def row_of(layout: Candidate) -> Row:
         memory = memory_per_gpu(shape, layout, seq_len, batch_size, workload=workload)
