@@ -2,7 +2,8 @@
 stand-in of flash's varlen_attn, model/standins.py), the way the sft and dpo recipes run on GPUs: bf16 autocast over
 fp32 weights, packed batches, activation checkpointing on every block, one process, TP=2 and FSDP DP=2, and packed
 DPO pairs. Each run is held to the dense-mask run of the same rows (the path CPUs take) within bf16's resolution
-(tests/model/test_attention.py says why 1e-2 relative), and says in one line which attention it took."""
+(tests/model/test_attention.py says why 1e-2 relative), and says in one line which attention it took (where the
+mask stays and why, fp32 among them, is test_attention.py's, in-process)."""
 
 from __future__ import annotations
 
@@ -58,14 +59,3 @@ def test_packed_dpo_pairs_on_varlen_train_like_the_dense_mask(sst2, cache_dir, t
     run = launch(1, overrides, tmp_path / "varlen", recipe=recipe("llama"), env=STANDINS)
     assert "packing: varlen attention over each packed row (no dense mask)" in run.output
     print(f"varlen dpo: largest relative loss difference to the dense mask {_close(run, dense):.2e}")
-
-
-def test_fp32_with_the_stand_ins_keeps_the_mask_and_says_why(sst2, cache_dir, tmp_path):
-    run = launch(
-        1,
-        sft_run_overrides(sst2, cache_dir, "llama", max_steps=1) + ["packing=true"],
-        tmp_path / "fp32",
-        recipe=recipe("llama"),
-        env=STANDINS,
-    )
-    assert "dense 4-D attention mask per packed sequence (the flash kernel computes in fp16 or bf16" in run.output

@@ -209,8 +209,8 @@ def test_the_varlen_branch_trains_like_the_dense_mask(family_name, head):
 
 
 def test_compiled_blocks_trace_varlen_once_for_every_packing():
-    """Compiled blocks (dynamic shapes, as compile_blocks makes them) take packed batches of other boundaries and
-    row counts without recompiling and without a graph break in our attention function."""
+    """Compiled blocks (dynamic shapes, as compile_blocks makes them) take a packed batch of other boundaries and
+    row count without recompiling and without a graph break in our attention function."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -222,7 +222,7 @@ def test_compiled_blocks_trace_varlen_once_for_every_packing():
             block.compile(dynamic=True, backend="aot_eager")
         runner = WholeModel(model, HeadKind.CAUSAL_LM, token_loss, bf16_autocast, None, False, CPU, packing=family)
         graphs = []
-        for rows in (ROWS, ROWS[1:], [r + r[:2] for r in ROWS]):
+        for rows in (ROWS, [r + r[:2] for r in ROWS[1:]]):  # other boundaries, another row count
             runner.summed_loss(packed_batch(family, HeadKind.CAUSAL_LM, rows)).backward()
             graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # traced once, never again
