@@ -641,33 +641,7 @@ class Plan:
         targets = "every linear layer"
         if work.lora is not None and work.lora.targets != ALL_LINEAR:
             targets = ", ".join(work.lora.targets)
-        unit = "pairs" if self.pairs else "samples"
-        if not self.timed_as_run:
-            timed = (
-                f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {self.steps:,} steps of {self.batch_size}; "
-                f"memory at {self.seq_len} tokens per sequence, time at {self.tokens_per_sample:g} tokens per sample, "
-                f"MFU {self.mfu:g}"
-            )
-        else:
-            if work.max_steps:
-                counted = f"max_steps={work.max_steps}"
-            elif work.samples is not None:
-                counted = f"{work.epochs:g} epoch(s) of {work.samples:,} {unit} ({work.data})"
-            else:
-                counted = f"{work.epochs:g} epoch(s) of {SST2_TRAIN_SENTENCES:,} {unit} assumed ({work.data})"
-            slices = f" ({work.accumulation} accumulation slices of {self.slice_size})" if work.accumulation > 1 else ""
-            layout_of = "packed into" if work.packing else "padded to"
-            timed = (
-                f"the run: {self.steps:,} steps of {self.batch_size} {unit}{slices}: {counted}; memory at "
-                f"{self.seq_len} tokens per row ({layout_of} max_length), time at {self.tokens_per_sample:g} "
-                f"tokens per sample, MFU {self.mfu:g}; {'fp32' if work.compute_bytes == 4 else '16-bit'} compute, "
-                + (
-                    f"the loss in chunks of {work.loss_chunk_tokens:,} tokens"
-                    if work.loss_chunk_tokens
-                    else "whole logits (loss_chunk_tokens=0)"
-                )
-                * (HeadKind(shape.task) is HeadKind.CAUSAL_LM)
-            ).rstrip(", ")
+        timed = self._timed()
         return [
             f"{shape.name} ({shape.family.name}, {task}): {shape.total:,} parameters, {shape.layers} blocks, "
             f"hidden {shape.hidden}, {shape.heads} heads; valid tp "
@@ -711,6 +685,36 @@ class Plan:
             timed,
             "",
         ]
+
+    def _timed(self) -> str:
+        """The header's line of what is timed: an SST-2 epoch (a model planned), or the run's own steps."""
+        work = self.workload
+        unit = "pairs" if self.pairs else "samples"
+        if not self.timed_as_run:
+            return (
+                f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {self.steps:,} steps of {self.batch_size}; "
+                f"memory at {self.seq_len} tokens per sequence, time at {self.tokens_per_sample:g} tokens per sample, "
+                f"MFU {self.mfu:g}"
+            )
+        if work.max_steps:
+            counted = f"max_steps={work.max_steps}"
+        elif work.samples is not None:
+            counted = f"{work.epochs:g} epoch(s) of {work.samples:,} {unit} ({work.data})"
+        else:
+            counted = f"{work.epochs:g} epoch(s) of {SST2_TRAIN_SENTENCES:,} {unit} assumed ({work.data})"
+        slices = f" ({work.accumulation} accumulation slices of {self.slice_size})" if work.accumulation > 1 else ""
+        layout_of = "packed into" if work.packing else "padded to"
+        return (
+            f"the run: {self.steps:,} steps of {self.batch_size} {unit}{slices}: {counted}; memory at "
+            f"{self.seq_len} tokens per row ({layout_of} max_length), time at {self.tokens_per_sample:g} "
+            f"tokens per sample, MFU {self.mfu:g}; {'fp32' if work.compute_bytes == 4 else '16-bit'} compute, "
+            + (
+                f"the loss in chunks of {work.loss_chunk_tokens:,} tokens"
+                if work.loss_chunk_tokens
+                else "whole logits (loss_chunk_tokens=0)"
+            )
+            * (HeadKind(self.shape.task) is HeadKind.CAUSAL_LM)
+        ).rstrip(", ")
 
     def _describe(self, row: Row) -> str:
         return (
