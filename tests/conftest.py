@@ -45,6 +45,16 @@ RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 FAMILIES = tuple(family_names())
 
 
+def load_bench(name: str):
+    """bench/NAME.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def recipe(family: str) -> Path:
     """The family's tp.yaml: in recipes/, or for a family registered from a file, in recipes/ beside that file."""
     ours = REPO / "recipes" / family / "tp.yaml"

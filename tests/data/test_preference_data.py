@@ -111,7 +111,6 @@ def test_a_cut_that_leaves_both_answers_the_same_tokens_is_refused_counting_such
     """Issue 54: two answers that differ only after what max_length keeps were cut to the same tokens and counted
     only as cut; such a pair ties, training on nothing. Refused as identical answers are in the data, with the
     count, by the run and by --check."""
-    from parallel_finetune.preflight import preflight
 
     shared = "a charming film, " * 30
     long = {"prompt": [USER], "chosen": [{**RIGHT, "content": shared + "Positive."}]}
@@ -126,10 +125,7 @@ def test_a_cut_that_leaves_both_answers_the_same_tokens_is_refused_counting_such
         "tokens (2 of 4 pair(s) of the train split); a pair needs two different answers (identical ones are "
         "refused in the data alike): raise max_length, or shorten the prompts of those pairs"
     )
-    for check in (lambda: preflight(config, 1), lambda: prepare_data(config)):
-        with pytest.raises(UserError) as caught:
-            check()
-        assert str(caught.value) == said
+    assert_refused_before_and_at_preparation(config, said)
     prepare_data(dpo_config(*files, "max_length=256", cache_dir=cache_dir))  # room for the answers' ends: trains
 
 
@@ -161,7 +157,6 @@ def test_a_tool_call_answer_the_template_does_not_render_is_refused_and_one_it_r
     """Issue 54: a chosen answer of only a tool call, through a template that does not write tool calls (a tiny
     model's chatml), would be an empty turn preferred to the rejected one: --check and the run refuse it in one line
     naming the row; through Qwen3's template, which writes them, the pair trains on the rendered call."""
-    from parallel_finetune.preflight import preflight
 
     called = {"role": "assistant", "content": "", "tool_calls": [CALL]}
     rows = [GOOD, {"prompt": [USER], "chosen": [called], "rejected": [WRONG]}]
@@ -171,10 +166,7 @@ def test_a_tool_call_answer_the_template_does_not_render_is_refused_and_one_it_r
         "it would train as an empty turn); use a chat_template that renders them (the checkpoint's own, e.g. "
         "Qwen3's), or leave them out of the row"
     )
-    for check in (lambda: preflight(config, 1), lambda: prepare_data(config)):
-        with pytest.raises(UserError) as caught:
-            check()
-        assert str(caught.value) == said
+    assert_refused_before_and_at_preparation(config, said)
 
     qwen3 = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen3-0.6b.jinja"
     overrides = [f"chat_template={qwen3}", "max_length=512"]  # the sample's held-out pairs are longer in Qwen3's
@@ -284,3 +276,13 @@ def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(c
                 assert len(set(torch.nonzero(batch.answers // 2 == pair)[:, 0].tolist())) == 1
         assert ((batch.labels != IGNORE) == (batch.answers >= 0)).all()
     assert padded.rows == 8 and [int(padded.answers[r].max()) for r in range(8)] == list(range(8))
+
+
+def assert_refused_before_and_at_preparation(config, said: str) -> None:
+    """`--check` (preflight) and the run's data preparation both refuse `config` with exactly the line `said`."""
+    from parallel_finetune.preflight import preflight
+
+    for check in (lambda: preflight(config, 1), lambda: prepare_data(config)):
+        with pytest.raises(UserError) as caught:
+            check()
+        assert str(caught.value) == said

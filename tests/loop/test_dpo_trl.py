@@ -11,21 +11,12 @@ process, started by the module's fixture while ours run."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 
 import pytest
-from conftest import REPO, launch, subprocess_env
+from conftest import REPO, launch, load_bench, subprocess_env
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("dpo_vs_trl", REPO / "bench" / "dpo_vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench("dpo_vs_trl")
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,12 @@ reason, the rows after it still run, and gpu.json/gpu.md are written after every
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 import pytest
-from conftest import REPO
+from conftest import load_bench
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("gpu_check_bench", REPO / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench("gpu")
 
 
 def _settings(tmp_path, work):
