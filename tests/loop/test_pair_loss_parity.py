@@ -6,8 +6,8 @@ test_preference.py, so that the test workers share the runs out."""
 from __future__ import annotations
 
 import pytest
-from conftest import assert_one_line_per_event, launch, recipe
-from test_preference import PP2, TOLERANCE, TP2, dpo_overrides
+from conftest import assert_one_line_per_event, launch
+from test_preference import PP2, TOLERANCE, TP2, dpo_overrides, kind_overrides, kind_recipe
 
 from parallel_finetune.loop.pair_losses import ORPOLoss, SimPOLoss
 
@@ -15,11 +15,16 @@ from parallel_finetune.loop.pair_losses import ORPOLoss, SimPOLoss
 # reports (TRL's names) at every step and held out, within TOLERANCE. Their rewards are beta x each answer's mean
 # log-probability, never 0, so rewards/accuracies has no ties and is compared too.
 FREE_LAYOUTS = [
-    ("tp2", 2, TP2),
-    ("fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"]),
-    ("pp2_1f1b", 2, PP2),
-    ("accumulation2", 1, ["gradient_accumulation_steps=2"]),
-    ("packed", 1, ["packing=true"]),
+    # (family, name, processes, overrides, kind: full | lora)
+    ("llama", "tp2", 2, TP2, "full"),
+    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], "full"),
+    ("llama", "pp2_1f1b", 2, PP2, "full"),
+    ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
+    ("llama", "packed", 1, ["packing=true"], "full"),
+    ("llama", "lora_tp2", 2, TP2, "lora"),
+    # one more family: its TP plan (q/k norms) under the pair losses, full and LoRA
+    ("qwen3", "tp2", 2, TP2, "full"),
+    ("qwen3", "lora_tp2", 2, TP2, "lora"),
 ]
 FREE_LOSSES = {
     "simpo": ["dpo_loss=simpo", "simpo_gamma=0.3"],
@@ -29,14 +34,16 @@ FREE_LOSSES = {
 
 @pytest.fixture(scope="module")
 def references(sst2, cache_dir, tmp_path_factory):
-    """The one-process run of each loss, made on first use and shared by the module."""
+    """The one-process run of each (loss, family, kind), made on first use and shared by the module."""
     runs = {}
 
-    def get(loss: str):
-        if loss not in runs:
-            overrides = dpo_overrides(sst2, cache_dir, "llama", *FREE_LOSSES[loss])
-            runs[loss] = launch(1, overrides, tmp_path_factory.mktemp(f"{loss}-llama"), recipe=recipe("llama"))
-        return runs[loss]
+    def get(loss: str, family: str, kind: str):
+        key = (loss, family, kind)
+        if key not in runs:
+            overrides = dpo_overrides(sst2, cache_dir, family, *FREE_LOSSES[loss], *kind_overrides(kind))
+            folder = tmp_path_factory.mktemp(f"{loss}-{family}-{kind}")
+            runs[key] = launch(1, overrides, folder, recipe=kind_recipe(family, kind))
+        return runs[key]
 
     return get
 
@@ -63,19 +70,23 @@ def assert_reference_free_like(run, reference, loss: str) -> float:
 
 
 @pytest.mark.parametrize("loss", list(FREE_LOSSES))
-@pytest.mark.parametrize("name,nproc,overrides", FREE_LAYOUTS, ids=[row[0] for row in FREE_LAYOUTS])
+@pytest.mark.parametrize(
+    "family,name,nproc,overrides,kind",
+    FREE_LAYOUTS,
+    ids=[name if family == "llama" else f"{family}-{name}" for family, name, *_ in FREE_LAYOUTS],  # llama's as before
+)
 def test_reference_free_losses_match_single_process(
-    loss, name, nproc, overrides, references, sst2, cache_dir, tmp_path
+    loss, family, name, nproc, overrides, kind, references, sst2, cache_dir, tmp_path
 ):
-    """SimPO and ORPO (llama) under TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2 and packed pairs: ORPO's
-    NLL, a token mean over the global batch's chosen rows, is the same whatever the split into ranks and
-    micro-batches."""
-    reference = references(loss)
+    """SimPO and ORPO under TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2, packed pairs and LoRA TP=2 (llama),
+    TP=2 and LoRA TP=2 (qwen3): ORPO's NLL, a token mean over the global batch's chosen rows, is the same whatever
+    the split into ranks and micro-batches."""
+    reference = references(loss, family, kind)
     run = launch(
         nproc,
-        dpo_overrides(sst2, cache_dir, "llama", *FREE_LOSSES[loss], *overrides),
+        dpo_overrides(sst2, cache_dir, family, *FREE_LOSSES[loss], *kind_overrides(kind), *overrides),
         tmp_path / name,
-        recipe=recipe("llama"),
+        recipe=kind_recipe(family, kind),
     )
     difference = assert_reference_free_like(run, reference, loss)
-    print(f"llama {name} {loss}: largest difference {difference:.2e} over {len(run.records)} steps")
+    print(f"{family} {name} {loss}: largest difference {difference:.2e} over {len(run.records)} steps")
