@@ -1,5 +1,6 @@
 """Writes docs/configuration.md from the `Config` dataclass: every recipe key by section, its type, its default
-and the comment written next to it in src/parallel_finetune/config.py, so the reference cannot drift from the code.
+and the comment written next to it in src/parallel_finetune/config/sections.py, so the reference cannot drift from
+the code.
 
     python scripts/config_reference.py           # rewrite docs/configuration.md (make docs)
     python scripts/config_reference.py --check   # exit 1 if the committed page differs (tests/test_docs.py)
@@ -12,8 +13,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from parallel_finetune import config as config_module
 from parallel_finetune.config import FIELDS, SECTION_CLASSES, SECTIONS
+from parallel_finetune.config import sections as sections_module
 from parallel_finetune.errors import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +22,9 @@ PAGE = REPO / "docs" / "configuration.md"
 
 INTRO = """# Configuration reference
 
-Generated from `Config` in `src/parallel_finetune/config.py` by `python scripts/config_reference.py` (`make docs`);
-`tests/test_docs.py` fails when this page is stale. Do not edit it by hand: change the field or its comment.
+Generated from `Config`'s sections in `src/parallel_finetune/config/sections.py` by `python scripts/config_reference.py`
+(`make docs`); `tests/test_docs.py` fails when this page is stale. Do not edit it by hand: change the field or its
+comment.
 
 A recipe is YAML. Keys go flat or under the section names below (`training: {lr: 1e-4}` equals `lr: 1e-4`);
 a `tiny:` section holds overrides used only with `size=tiny`; `extends: other.yaml` starts from another recipe.
@@ -93,7 +95,7 @@ def default_of(field: dataclasses.Field) -> str:
 
 
 def render() -> str:
-    source = Path(config_module.__file__).read_text(encoding="utf-8")
+    source = Path(sections_module.__file__).read_text(encoding="utf-8")
     comments = field_comments(source)
     annotations = {node.target.id: node.annotation for node in config_fields(source)}
     fields = FIELDS
