@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        # the recipe and its key=value checked by config.py first: a typo is one line before torch is imported
+        # the recipe and its key=value checked by the config package first: a typo is one line before torch is imported
         parse_config(argv[0], argv[1:])
         from parallel_finetune.loop.builder import prepare_data
         from parallel_finetune.resolve import load_config

@@ -272,7 +272,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def _check_unread_keys(config: Config, bad) -> None:
     """Keys another head or engine reads, set (to other than their default) where they would change nothing:
-    refused, as another task's data keys are (config._check_sft_keys)."""
+    refused, as another task's data keys are (config.checks._check_sft_keys)."""
     head = head_of(config.task)
     if config.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
         if head is not HeadKind.CAUSAL_LM:

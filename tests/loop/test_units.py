@@ -457,7 +457,7 @@ def test_no_function_in_src_is_over_80_lines():
 
 def test_the_sharding_mode_is_asked_by_name_not_compared_as_a_string():
     """No src module compares `sharding` with "none" | "optimizer" | "full" | "hybrid": they ask ParallelDims or
-    Sharding (config.py's Literal declares the values)."""
+    Sharding (config/sections.py's Literal declares the values)."""
     import ast
 
     modes = {"none", "optimizer", "full", "hybrid"}
@@ -513,7 +513,7 @@ def test_the_head_kind_is_asked_of_the_task_not_compared_as_a_string():
 def test_the_tasks_package_is_a_short_face_over_small_modules():
     """tasks/__init__.py is load_task and the names other modules import; no function in tasks/ runs past 80 lines;
     tasks/ imports nothing of the package but errors.py (the loop, data.py and predict.py import it, not back), and
-    config.py's sections for their types only (under TYPE_CHECKING: no edge at run time)."""
+    config/sections.py's sections for their types only (under TYPE_CHECKING: no edge at run time)."""
     import ast
 
     folder = PACKAGE / "tasks"

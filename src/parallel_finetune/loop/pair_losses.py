@@ -10,7 +10,7 @@ per-pair figures, so the metrics are the single-process ones whatever the layout
 A pair loss whose `chosen_sequence_nll` is set also gets, per pair, its chosen row's negative log-likelihood over
 every token (prompt and answer, as TRL's ORPOTrainer), already scaled to its share of the batch's token mean.
 
-A new pair loss is one class here, one name in `pair_loss_for` and config.py's `dpo_loss`."""
+A new pair loss is one class here, one name in `pair_loss_for` and config/sections.py's `dpo_loss`."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ PAIR_LOSSES = (*DPO_KINDS, "simpo", "orpo")
 
 
 def pair_loss_for(preference) -> DPOLoss | SimPOLoss | ORPOLoss:
-    """The pair loss the `preference:` section names (config.py has checked its keys)."""
+    """The pair loss the `preference:` section names (config/checks.py has checked its keys)."""
     kind, beta = preference.dpo_loss, preference.dpo_beta
     if kind == "simpo":
         return SimPOLoss(beta, preference.simpo_gamma, preference.dpo_label_smoothing)
