@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        # The recipe and every key=value read and checked by the config package alone first: a typo or a bad value is one
+        # The recipe and every key=value read and checked by the config package first: a typo or a bad value is one
         # line in a second, before torch and transformers are imported (resolve.py and what follows need them).
         parse_config(args.recipe, args.overrides)
         from .resolve import load_config
