@@ -955,3 +955,38 @@ def test_the_tools_column_is_named_by_tools_column_and_needs_conversations(tmp_p
         f"{text[0].removeprefix('train_file=')}: column 'tools' holds tools, and plain-text rows ('text') have no "
         "chat template to render them; give conversations (messages or prompt and completion) or drop the column"
     )
+
+
+FILMS = [("Heat", "8.3"), ("Alien", "8.5"), ("Up", "8.2"), ("Jaws", "8.1"), ("Fargo", "8.1"), ("Rocky", "8.1")]
+
+
+def test_a_tiny_run_trains_on_tool_calling_rows_end_to_end(single_process_run, cache_dir, tmp_path):
+    """A tiny Llama under Qwen3's template on rows with tools (JSON Lines, the tools a list of objects): the run
+    trains (the loss falls), and its own cache holds every row with its <tools> block untrained and its tool call
+    and final answer trained."""
+    rows = []
+    for film, rating in FILMS * 4:
+        called = deepcopy(CALLED)
+        called[0]["content"] = f"How is {film} rated?"
+        called[1]["tool_calls"][0]["function"]["arguments"] = {"film": film}
+        called[2]["content"], called[3]["content"] = rating, f"{film} is rated {rating}."
+        rows.append({"messages": called, "tools": [RATING]})
+    files = _jsonl(tmp_path, rows)
+    template = f"chat_template={REAL_TEMPLATES / 'qwen3-0.6b.jinja'}"
+    overrides = tiny_overrides("", cache_dir, "sft", "llama", data_dir="", max_length=1024, max_steps=4, batch_size=8)
+    run = single_process_run(recipe("llama"), [*overrides, *files, template])
+    assert "with the tool schemas of column 'tools'" in run.output
+    assert len(run.losses) == 4 and run.losses[-1] < run.losses[0]
+
+    from parallel_finetune.config import Config
+
+    config = Config.from_flat(yaml.safe_load((run.output_dir / "config.yaml").read_text()))
+    prepared = prepare_data(config)
+    train, tokenizer = prepared.splits["train"], prepared.tokenizer
+    assert len(train) == len(rows)
+    for ids, mask in zip(train["input_ids"], train["target_mask"]):
+        text = tokenizer.decode(ids)
+        assert text.startswith(QWEN3_TOOLS) and "<tool_response>" in text
+        trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        assert trained.startswith('<tool_call>\n{"name": "get_rating", "arguments": {"film": ')
+        assert "<tools>" not in trained and "<tool_response>" not in trained
