@@ -990,3 +990,14 @@ def test_a_tiny_run_trains_on_tool_calling_rows_end_to_end(single_process_run, c
         trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
         assert trained.startswith('<tool_call>\n{"name": "get_rating", "arguments": {"film": ')
         assert "<tools>" not in trained and "<tool_response>" not in trained
+
+
+def test_a_json_lines_key_the_first_row_lacks_is_refused(tmp_path):
+    """Keys come from the first row: a later row's `tools` the first lacks was read nowhere, dropped silently."""
+    files = _jsonl(tmp_path, [{"messages": CALLED}, {"messages": CALLED, "tools": [RATING]}])
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(*files))
+    assert str(caught.value) == (
+        f"{files[0].removeprefix('train_file=')}:2: has key(s) tools that the first row lacks; give every row the "
+        "same keys (null where a row has no value)"
+    )
