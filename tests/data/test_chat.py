@@ -1001,3 +1001,20 @@ def test_a_json_lines_key_the_first_row_lacks_is_refused(tmp_path):
         f"{files[0].removeprefix('train_file=')}:2: has key(s) tools that the first row lacks; give every row the "
         "same keys (null where a row has no value)"
     )
+
+
+def test_check_refuses_tools_the_template_ignores_naming_it(tmp_path, cache_dir):
+    """--check (preflight) renders the rows with their tools as the run does: a tiny model's default template
+    (chatml) ignores them, said naming the row and the template; Qwen3's renders them: ok."""
+    from parallel_finetune.preflight import preflight
+
+    files = _jsonl(tmp_path, [{"messages": CALLED, "tools": [RATING]}] * 2)
+    config = sft_config(*files, f"output_dir={tmp_path / 'run'}", "max_length=1024", cache_dir=cache_dir)
+    with pytest.raises(UserError) as caught:
+        preflight(config, 1)
+    assert str(caught.value).startswith(
+        f"{files[0].removeprefix('train_file=')}:1: the chat template (chatml) ignores `tools`, so the row's 1 tool "
+    )
+    qwen3 = f"chat_template={REAL_TEMPLATES / 'qwen3-0.6b.jinja'}"
+    config = sft_config(*files, f"output_dir={tmp_path / 'run'}", "max_length=1024", qwen3, cache_dir=cache_dir)
+    assert preflight(config, 1).startswith("ok: ")
