@@ -207,7 +207,7 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
         if task.problem_type == DPO:
             tokenize_pairs(rows, tokenizer, config.max_length, split)
         else:
-            tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split)
+            tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split, config.data.chat_template)
 
 
 def describe_sharding(config: Config, dims, precision: str) -> str:

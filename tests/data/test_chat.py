@@ -632,7 +632,9 @@ def test_check_renders_the_rows_and_the_template_as_the_run_does(tmp_path, cache
     ).startswith("ok: ")
 
 
-@pytest.mark.parametrize("key", ["chat_template=chatml", "train_on=all", "messages_column=chat", "prompt_column=q"])
+@pytest.mark.parametrize(
+    "key", ["chat_template=chatml", "train_on=all", "messages_column=chat", "prompt_column=q", "tools_column=tools"]
+)
 def test_sft_keys_with_another_task_are_refused(key):
     with pytest.raises(UserError) as caught:
         load_config(recipe("llama"), ["size=tiny", key])
@@ -823,3 +825,196 @@ def test_openai_content_parts_are_read_as_their_text(tmp_path):
         f"{files[0].removeprefix('train_file=')}:2: messages message 1: content part 1 is of type 'image_url'; a list "
         'of parts holds text parts {"type": "text", "text": "..."} only (the model reads text)'
     )
+
+
+# Issue 55: a row's tool schemas (TRL's `tools` column) reach the chat template, whose rendering trains the answers
+# that call them; a template that ignores them, and malformed schemas, are refused naming the row.
+RATING = {
+    "type": "function",
+    "function": {
+        "name": "get_rating",
+        "description": "A film's rating",
+        "parameters": {"type": "object", "properties": {"film": {"type": "string"}}, "required": ["film"]},
+    },
+}
+CALLED = [  # TRL's tool-calling row: the call's arguments an object, the tool's result a `tool` turn
+    {"role": "user", "content": "How is Heat rated?"},
+    {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_rating", "arguments": {"film": "Heat"}}}],
+    },
+    {"role": "tool", "name": "get_rating", "content": "8.3"},
+    {"role": "assistant", "content": "Heat is rated 8.3."},
+]
+QWEN3_TOOLS = (  # Qwen3's system turn for RATING, as its template writes it
+    "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + json.dumps(RATING) + "\n</tools>"
+)
+
+
+def _trained(tokenizer, row) -> str:
+    return tokenizer.decode([t for t, m in zip(row["input_ids"], row["target_mask"]) if m])
+
+
+def test_a_rows_tools_reach_qwen3s_template_and_its_tool_call_answer_is_trained(real_tokenizer, tmp_path):
+    """Qwen3's published template given a row's tools (a list of objects, or JSON text of one, as TRL reads them)
+    writes them in its <tools> block, in the prompt: untrained; the answer calling the tool is trained with its
+    end of turn, the tool's result (a <tool_response> user turn) is not; a row of the same file without tools, and
+    a file without the column, render and train exactly as before."""
+    rows = [
+        {"messages": CALLED, "tools": [RATING]},
+        {"messages": CALLED, "tools": json.dumps([RATING])},
+        {"messages": CONVERSATIONS[1], "tools": None},
+    ]
+    split = load_task_of(sft_config(*_jsonl(tmp_path, rows)))[0]["train"]
+    assert [json.loads(tools) for tools in split["tools"]] == [[RATING], [RATING], None]
+    tokenizer = deepcopy(real_tokenizer)
+    chat.apply_template(tokenizer, str(REAL_TEMPLATES / "qwen3-0.6b.jinja"), True, "tiny")
+    tokenized = chat.tokenize_sft(split, tokenizer, 1024, "answers", "train")
+    for row in tokenized.select(range(2)):
+        text = tokenizer.decode(row["input_ids"])
+        assert text.startswith(QWEN3_TOOLS)
+        assert "<|im_start|>user\n<tool_response>\n8.3\n</tool_response><|im_end|>\n" in text
+        assert _trained(tokenizer, row) == (
+            '<tool_call>\n{"name": "get_rating", "arguments": {"film": "Heat"}}\n</tool_call><|im_end|>\n'
+            "<think>\n\n</think>\n\nHeat is rated 8.3.<|im_end|>\n"
+        )
+        prompt = tokenizer.decode(row["input_ids"][: row["prompt_length"]])  # generate_every asks with the tools
+        assert prompt.startswith(QWEN3_TOOLS) and prompt.endswith("<|im_start|>assistant\n")
+    assert tokenized["input_ids"][0] == tokenized["input_ids"][1]
+
+    (tmp_path / "plain").mkdir()
+    without = load_task_of(sft_config(*_jsonl(tmp_path / "plain", [{"messages": CONVERSATIONS[1]}] * 2)))[0]["train"]
+    assert "tools" not in without.column_names
+    before = chat.tokenize_sft(without, tokenizer, 1024, "answers", "train")[0]
+    assert {k: tokenized[2][k] for k in before} == before
+
+
+def test_a_rows_tools_reach_llama_3_1s_template(real_tokenizer, tmp_path):
+    """Llama 3.1's template (3.3's is the same) writes the schemas into the first user turn: untrained; its JSON
+    call is the trained answer."""
+    split = load_task_of(sft_config(*_jsonl(tmp_path, [{"messages": CALLED, "tools": [RATING]}] * 2)))[0]["train"]
+    tokenizer = deepcopy(real_tokenizer)
+    chat.apply_template(tokenizer, str(REAL_TEMPLATES / "llama-3.3-70b-instruct.jinja"), True, "tiny")
+    row = chat.tokenize_sft(split, tokenizer, 1024, "answers", "train")[0]
+    assert json.dumps(RATING, indent=4) + "\n\nHow is Heat rated?<|eot_id|>" in tokenizer.decode(row["input_ids"])
+    assert _trained(tokenizer, row) == (
+        '{"name": "get_rating", "parameters": {"film": "Heat"}}<|eot_id|>Heat is rated 8.3.<|eot_id|>'
+    )
+
+
+@pytest.mark.parametrize("name", ["chatml", "smollm2-135m-instruct", "gemma-2-2b-it"])
+def test_a_template_that_ignores_tools_is_refused_naming_the_row_and_the_template(real_tokenizer, name, tmp_path):
+    """ChatML, SmolLM2's and Gemma 2's templates write nothing for `tools`: the row's schemas would be dropped."""
+    row = {"messages": CONVERSATIONS[1], "tools": [RATING, {**RATING, "function": {"name": "search"}}]}
+    files = _jsonl(tmp_path, [{"messages": CONVERSATIONS[1], "tools": None}, row])
+    split = load_task_of(sft_config(*files))[0]["train"]
+    tokenizer = deepcopy(real_tokenizer)
+    template = name if name == "chatml" else str(REAL_TEMPLATES / f"{name}.jinja")
+    chat.apply_template(tokenizer, template, True, "tiny")
+    with pytest.raises(UserError) as caught:
+        chat.tokenize_sft(split, tokenizer, 1024, "answers", "train", template)
+    assert str(caught.value) == (
+        f"{files[0].removeprefix('train_file=')}:2: the chat template ({template}) ignores `tools`, so the row's 2 "
+        "tool schema(s) would be dropped; use a chat_template that renders them (the checkpoint's own, e.g. "
+        "Qwen3's or Llama 3.1's), or leave the tools column out"
+    )
+
+
+@pytest.mark.parametrize(
+    "tools,said",
+    [
+        ('[{"name": "get_rating",', "column 'tools' is not valid JSON (Expecting property name enclosed in double"),
+        ({"name": "get_rating"}, "column 'tools' holds a dict, not a list of tool schemas (objects) [{"),
+        (["get_rating"], "column 'tools' holds a list holding something else, not a list of tool schemas"),
+        ([{"type": "function", "function": {"description": "A film's rating"}}], "column 'tools': tool 1 has no name"),
+        ([RATING, {"description": "bare"}], "column 'tools': tool 2 has no name"),
+    ],
+)
+def test_malformed_tools_are_one_line_naming_file_row_and_column(tools, said, tmp_path):
+    files = _jsonl(tmp_path, [{"messages": CALLED, "tools": [RATING]}, {"messages": CALLED, "tools": tools}])
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(*files))
+    assert str(caught.value).startswith(f"{files[0].removeprefix('train_file=')}:2: {said}")
+    assert "\n" not in str(caught.value)
+
+
+def test_the_tools_column_is_named_by_tools_column_and_needs_conversations(tmp_path):
+    """tools_column names another column (absent: one line); a Parquet struct's None fillers (Arrow gives every
+    tool every field of the others) are left out; plain-text rows, which no template renders, refuse tools."""
+    other = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    files = _parquet(tmp_path, {"messages": [CALLED, CALLED], "functions": [[RATING], [other]]})
+    split = load_task_of(sft_config(*files, "tools_column=functions"))[0]["train"]
+    assert [json.loads(tools) for tools in split["tools"]] == [[RATING], [other]]
+    with pytest.raises(UserError, match=r"^tools_column='tool': .*train\.parquet has no such column \(messages, funct"):
+        load_task_of(sft_config(*files, "tools_column=tool"))
+    text = _jsonl(tmp_path, [{"text": "a b", "tools": [RATING]}] * 2)
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(*text))
+    assert str(caught.value) == (
+        f"{text[0].removeprefix('train_file=')}: column 'tools' holds tools, and plain-text rows ('text') have no "
+        "chat template to render them; give conversations (messages or prompt and completion) or drop the column"
+    )
+
+
+FILMS = [("Heat", "8.3"), ("Alien", "8.5"), ("Up", "8.2"), ("Jaws", "8.1"), ("Fargo", "8.1"), ("Rocky", "8.1")]
+
+
+def test_a_tiny_run_trains_on_tool_calling_rows_end_to_end(single_process_run, cache_dir, tmp_path):
+    """A tiny Llama under Qwen3's template on rows with tools (JSON Lines, the tools a list of objects): the run
+    trains (the loss falls), and its own cache holds every row with its <tools> block untrained and its tool call
+    and final answer trained."""
+    rows = []
+    for film, rating in FILMS * 4:
+        called = deepcopy(CALLED)
+        called[0]["content"] = f"How is {film} rated?"
+        called[1]["tool_calls"][0]["function"]["arguments"] = {"film": film}
+        called[2]["content"], called[3]["content"] = rating, f"{film} is rated {rating}."
+        rows.append({"messages": called, "tools": [RATING]})
+    files = _jsonl(tmp_path, rows)
+    template = f"chat_template={REAL_TEMPLATES / 'qwen3-0.6b.jinja'}"
+    overrides = tiny_overrides("", cache_dir, "sft", "llama", data_dir="", max_length=1024, max_steps=4, batch_size=8)
+    run = single_process_run(recipe("llama"), [*overrides, *files, template])
+    assert "with the tool schemas of column 'tools'" in run.output
+    assert len(run.losses) == 4 and run.losses[-1] < run.losses[0]
+
+    from parallel_finetune.config import Config
+
+    config = Config.from_flat(yaml.safe_load((run.output_dir / "config.yaml").read_text()))
+    prepared = prepare_data(config)
+    train, tokenizer = prepared.splits["train"], prepared.tokenizer
+    assert len(train) == len(rows)
+    for ids, mask in zip(train["input_ids"], train["target_mask"]):
+        text = tokenizer.decode(ids)
+        assert text.startswith(QWEN3_TOOLS) and "<tool_response>" in text
+        trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        assert trained.startswith('<tool_call>\n{"name": "get_rating", "arguments": {"film": ')
+        assert "<tools>" not in trained and "<tool_response>" not in trained
+
+
+def test_a_json_lines_key_the_first_row_lacks_is_refused(tmp_path):
+    """Keys come from the first row: a later row's `tools` the first lacks was read nowhere, dropped silently."""
+    files = _jsonl(tmp_path, [{"messages": CALLED}, {"messages": CALLED, "tools": [RATING]}])
+    with pytest.raises(UserError) as caught:
+        load_task_of(sft_config(*files))
+    assert str(caught.value) == (
+        f"{files[0].removeprefix('train_file=')}:2: has key(s) tools that the first row lacks; give every row the "
+        "same keys (null where a row has no value)"
+    )
+
+
+def test_check_refuses_tools_the_template_ignores_naming_it(tmp_path, cache_dir):
+    """--check (preflight) renders the rows with their tools as the run does: a tiny model's default template
+    (chatml) ignores them, said naming the row and the template; Qwen3's renders them: ok."""
+    from parallel_finetune.preflight import preflight
+
+    files = _jsonl(tmp_path, [{"messages": CALLED, "tools": [RATING]}] * 2)
+    config = sft_config(*files, f"output_dir={tmp_path / 'run'}", "max_length=1024", cache_dir=cache_dir)
+    with pytest.raises(UserError) as caught:
+        preflight(config, 1)
+    assert str(caught.value).startswith(
+        f"{files[0].removeprefix('train_file=')}:1: the chat template (chatml) ignores `tools`, so the row's 1 tool "
+    )
+    qwen3 = f"chat_template={REAL_TEMPLATES / 'qwen3-0.6b.jinja'}"
+    config = sft_config(*files, f"output_dir={tmp_path / 'run'}", "max_length=1024", qwen3, cache_dir=cache_dir)
+    assert preflight(config, 1).startswith("ok: ")

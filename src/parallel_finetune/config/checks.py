@@ -120,7 +120,7 @@ def _check_training(config: Config, bad: BadKey) -> None:
 
 # keys that only instruction tuning (and preference tuning, which renders conversations too) reads: set with
 # another task they would change nothing, so they are refused
-SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column")
+SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column", "tools_column")
 DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_column")
 
 

@@ -74,6 +74,9 @@ class DataSection:
     # task=sft: a prompt/completion row's prompt; task=dpo: a pair's prompt (text or messages); None = prompt
     prompt_column: str | None = None
     completion_column: str | None = None  # task=sft: its completion (text or messages); None = completion
+    # task=sft: each row's tool schemas (TRL's: a list of function schemas, or JSON text of it) handed to the chat
+    # template; None = tools, if the data has it
+    tools_column: str | None = None
     chosen_column: str | None = None  # task=dpo: the preferred answer (text or messages); None = chosen
     rejected_column: str | None = None  # task=dpo: the other answer (text or messages); None = rejected
     # task=sft and dpo: the chat template rendering conversations: a built-in name (chatml) or a Jinja file; None =

@@ -8,7 +8,10 @@ to messages[:i]'s with the generation prompt (the answer and the template's end-
 read where the whole rendering holds them (`answer_spans`: templates that move the system message or drop
 earlier think blocks included); a token holding any of them is a target. No token string is ever searched for.
 An answer's `tool_calls` or `reasoning_content` that the template does not write (`check_rendered_fields`) is
-refused naming the row: the turn would train without them, a tool-call-only answer as an empty turn.
+refused naming the row: the turn would train without them, a tool-call-only answer as an empty turn. A row's
+`tools` (its function schemas, JSON text in the split) are handed to every rendering of it, as
+`apply_chat_template(..., tools=...)` takes them; a template that renders the row the same without them
+(`check_rendered_tools`) is refused the same way: the schemas would be dropped silently.
 `train_on: all` trains every token; plain-text rows are every token plus EOS.
 """
 
@@ -113,8 +116,28 @@ def check_turn_markers(name: str, rendered: str, asked: str, told: str) -> None:
         )
 
 
-def _render(tokenizer, messages: list[dict], generation: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+def _render(tokenizer, messages: list[dict], generation: bool, tools: list[dict] | None = None) -> str:
+    # tools=None renders as a call without it does: rows without tools are rendered as they always were
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+
+
+def template_label(tokenizer, key: str | None) -> str:
+    """What errors call the run's chat template: the recipe's `chat_template` (a built-in name or a Jinja file),
+    the built-in one a tiny model's tokenizer got, else the tokenizer's own."""
+    if key is not None:
+        return key
+    return next((name for name, text in BUILT_IN.items() if text == tokenizer.chat_template), template_name(None))
+
+
+def check_rendered_tools(tokenizer, messages: list[dict], tools: list[dict] | None, where: str, template: str):
+    """A row's tool schemas are in the template's rendering of it; else one line naming the row and the template:
+    a template that ignores `tools` (chatml, SmolLM2's, Gemma 2's) would drop them silently."""
+    if tools and _render(tokenizer, messages, False, tools) == _render(tokenizer, messages, False):
+        raise UserError(
+            f"{where}: the chat template ({template}) ignores `tools`, so the row's {len(tools)} tool schema(s) "
+            "would be dropped; use a chat_template that renders them (the checkpoint's own, e.g. Qwen3's or Llama "
+            "3.1's), or leave the tools column out"
+        )
 
 
 # An assistant message's fields that are its answer as much as its text: a template that writes nothing for them
@@ -123,7 +146,7 @@ def _render(tokenizer, messages: list[dict], generation: bool) -> str:
 ANSWER_FIELDS = ("tool_calls", "reasoning_content")
 
 
-def dropped_fields(tokenizer, messages: list[dict], i: int) -> list[str]:
+def dropped_fields(tokenizer, messages: list[dict], i: int, tools: list[dict] | None = None) -> list[str]:
     """The ANSWER_FIELDS assistant turn i holds that the chat template does not render: rendered as the last turn
     (where a template writes an answer whole; Qwen3's drops only earlier answers' reasoning), the conversation
     through it renders the same without them."""
@@ -131,12 +154,12 @@ def dropped_fields(tokenizer, messages: list[dict], i: int) -> list[str]:
     held = [name for name in ANSWER_FIELDS if message.get(name)]
     if not held:
         return []
-    rendered = _render(tokenizer, messages[: i + 1], False)
+    rendered = _render(tokenizer, messages[: i + 1], False, tools)
     dropped = []
     for name in held:
         without = {key: value for key, value in message.items() if key != name}
         try:
-            same = _render(tokenizer, [*messages[:i], without], False) == rendered
+            same = _render(tokenizer, [*messages[:i], without], False, tools) == rendered
         except Exception:  # a template that needs the field (raise_exception) reads it
             same = False
         if same:
@@ -144,11 +167,13 @@ def dropped_fields(tokenizer, messages: list[dict], i: int) -> list[str]:
     return dropped
 
 
-def check_rendered_fields(tokenizer, messages: list[dict], turns: list[int], where: str) -> None:
+def check_rendered_fields(
+    tokenizer, messages: list[dict], turns: list[int], where: str, tools: list[dict] | None = None
+) -> None:
     """Every trained assistant turn's tool calls and reasoning are in the template's rendering; else one line
     naming the turn and what the template dropped."""
     for i in turns:
-        dropped = dropped_fields(tokenizer, messages, i)
+        dropped = dropped_fields(tokenizer, messages, i, tools)
         if not dropped:
             continue
         empty = not messages[i]["content"].strip()
@@ -164,7 +189,9 @@ def trained_turns(messages: list[dict], answers_from: int, untrained: list[int])
     return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= answers_from and i not in untrained]
 
 
-def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, where: str) -> list[tuple]:
+def answer_spans(
+    tokenizer, messages: list[dict], turns: list[int], full: str, where: str, tools: list[dict] | None = None
+) -> list[tuple]:
     """(start, end, answer) character spans of `full` (the whole conversation's rendering) holding each trained
     assistant turn (`turns`): its answer (tool calls and reasoning included) and the template's end-of-turn text.
 
@@ -176,7 +203,8 @@ def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, w
     spans, cursor = [], 0
     for i in turns:
         message = messages[i]
-        prefix, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1], False)
+        prefix = _render(tokenizer, messages[:i], True, tools)
+        upto = _render(tokenizer, messages[: i + 1], False, tools)
         turn = upto[len(prefix) :] if upto.startswith(prefix) else None
         held = full.find(turn, cursor) if turn else -1
         if turn is not None and full.startswith(upto) and len(prefix) >= cursor:
@@ -184,35 +212,69 @@ def answer_spans(tokenizer, messages: list[dict], turns: list[int], full: str, w
         elif held >= 0:
             start, end = held, held + len(turn)
         else:
-            start, end = _located(tokenizer, messages, i, prefix, upto, full, cursor, where)
+            start, end = _located(tokenizer, messages, i, prefix, upto, full, cursor, where, tools)
         spans.append((start, end, message["content"]))
         cursor = end
     return spans
 
 
 def _located(
-    tokenizer, messages: list[dict], i: int, asked: str, upto: str, full: str, cursor: int, where: str
+    tokenizer,
+    messages: list[dict],
+    i: int,
+    asked: str,
+    upto: str,
+    full: str,
+    cursor: int,
+    where: str,
+    tools: list[dict] | None = None,
 ) -> tuple[int, int]:
     """Turn i's span in the whole rendering `full`, found after `cursor` by its answer's text and the closing text
     the template writes after it (`upto`: the rendering through turn i, which ends with them): back to the end of
     the generation prompt before it (`asked`: the rendering before turn i with it; a think block the template adds
-    is the answer's) or, without one, the whitespace before it; on to the end of that closing text."""
+    is the answer's) or, without one, the whitespace before it; on to the end of that closing text. An answer of
+    tool calls only (no text to find) is read by `_located_calls`."""
     said = messages[i]["content"].strip()
     closing = upto[upto.rfind(said) + len(said) :] if said and said in upto else ""
     found = full.find(said + closing, cursor) if said else -1
+    bare = _render(tokenizer, messages[:i], False, tools)
+    generation = asked[len(bare) :] if asked.startswith(bare) else ""
+    if not said:
+        span = _located_calls(
+            messages[i], upto[len(asked) :] if upto.startswith(asked) else "", generation, full, cursor
+        )
+        if span is not None:
+            return span
     if found < 0:
         raise UserError(
             f"{where}: the whole conversation's rendering does not hold turn {i + 1}'s answer "
             f"({said[:40] or 'tool calls only'!r}) as the chat template renders it alone, so its tokens cannot be "
             "found; use another chat_template (e.g. chatml) or train_on=all"
         )
-    bare = _render(tokenizer, messages[:i], False)
-    generation = asked[len(bare) :] if asked.startswith(bare) else ""
     opened = full.rfind(generation, cursor, found) if generation else -1
     start = opened + len(generation) if opened >= 0 else found
     while opened < 0 and start > cursor and full[start - 1] in " \n":  # the separator a template writes (Mistral's)
         start -= 1
     return start, found + len(said) + len(closing)
+
+
+def _located_calls(message: dict, turn: str, generation: str, full: str, cursor: int) -> tuple[int, int] | None:
+    """The span of an answer of tool calls only in `full`, after `cursor`: from the end of the next generation
+    prompt (the assistant's turn opening) on, the longest end of its rendering alone (`turn`) that `full` holds
+    there, holding every called function's name. Qwen3's template writes an empty think block before the last
+    answer only: a call answered by a tool, then by a last answer, is in the whole rendering without it."""
+    opened = full.find(generation, cursor) if generation and turn else -1
+    if opened < 0:
+        return None
+    start = opened + len(generation)
+    names = [(call.get("function") or call).get("name") or "" for call in message.get("tool_calls") or ()]
+    for cut in range(len(turn)):
+        tail = turn[cut:]
+        if not all(name in tail for name in names):
+            return None  # what is left no longer holds the calls: it is not this answer
+        if full.startswith(tail, start):
+            return start, start + len(tail)
+    return None
 
 
 def target_mask(tokenizer, full: str, offsets: list[tuple[int, int]], spans: list[tuple], ids: list[int], where: str):
@@ -245,22 +307,29 @@ def render_failure(where: str, what: str, exc: Exception) -> UserError:
     return UserError(f"{where}: the chat template does not render this {what} ({type(exc).__name__}: {said})")
 
 
-def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: str, desc: str) -> datasets.Dataset:
+def tokenize_sft(
+    split: datasets.Dataset, tokenizer, max_length: int, train_on: str, desc: str, template: str | None = None
+) -> datasets.Dataset:
     """Each row's tokens (`input_ids`, `length`), which are targets (`target_mask`, position 0 never) and how many
     (`targets`), cut to `max_length`; rows left with no target are dropped, counted in one log line.
     `prompt_length`: how many leading tokens are the prompt of the row's first trained answer (the conversation
     before it and the template's generation prompt), what generate_every answers; 0 where the row has none left
-    (plain text, or a prompt truncated to max_length)."""
+    (plain text, or a prompt truncated to max_length). `template`: the recipe's chat_template key, what a
+    refusal calls the template (`template_label`)."""
     columns: dict[str, list] = {"input_ids": [], "length": [], "target_mask": [], "targets": [], "prompt_length": []}
     conversational = "messages" in split.column_names
     rows = split["messages"][:] if conversational else split["text"][:]
     starts = split["answers_from"][:] if conversational else [0] * len(rows)
     untrained = split["untrained"][:] if conversational else [[]] * len(rows)
     places = split["where"][:] if "where" in split.column_names else [f"{desc} row {n + 1}" for n in range(len(rows))]
+    tools = split["tools"][:] if "tools" in split.column_names else ["null"] * len(rows)
+    label = template_label(tokenizer, template)
     dropped = cut = ends_lost = 0
-    for row, answers_from, skipped, where in zip(rows, starts, untrained, places):
+    for row, answers_from, skipped, where, schemas in zip(rows, starts, untrained, places, tools):
         try:
-            ids, mask, prompt = _tokenized_row(tokenizer, row, answers_from, skipped, train_on, where, conversational)
+            ids, mask, prompt = _tokenized_row(
+                tokenizer, row, answers_from, skipped, train_on, where, conversational, (json.loads(schemas), label)
+            )
         except UserError:
             raise
         except Exception as exc:  # jinja2's render errors, a template's raise_exception on this conversation
@@ -304,31 +373,43 @@ def tokenize_sft(split: datasets.Dataset, tokenizer, max_length: int, train_on: 
 
 
 def _tokenized_row(
-    tokenizer, row: str, answers_from: int, untrained: list[int], train_on: str, where: str, conversational: bool
+    tokenizer,
+    row: str,
+    answers_from: int,
+    untrained: list[int],
+    train_on: str,
+    where: str,
+    conversational: bool,
+    tooled: tuple[list[dict] | None, str] = (None, "chat template"),
 ):
-    """(ids, target mask, prompt length) of one row."""
+    """(ids, target mask, prompt length) of one row; `tooled`: its tool schemas (None: none) and what errors call
+    the template."""
     if not conversational:  # plain text: every token, and EOS to end it
         ids = tokenizer(row, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return ids, [0] + [1] * (len(ids) - 1), 0
     messages = json.loads(row)
     turns = trained_turns(messages, answers_from, untrained)
     every = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if train_on == "all" else turns
-    check_rendered_fields(tokenizer, messages, every, where)
-    full = _render(tokenizer, messages, False)
+    tools, template = tooled
+    check_rendered_tools(tokenizer, messages, tools, where, template)
+    check_rendered_fields(tokenizer, messages, every, where, tools)
+    full = _render(tokenizer, messages, False, tools)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    prompt = _prompt_length(tokenizer, messages, turns, full, offsets)
+    prompt = _prompt_length(tokenizer, messages, turns, full, offsets, tools)
     if train_on == "all":
         return ids, [0] + [1] * (len(ids) - 1), prompt
-    spans = answer_spans(tokenizer, messages, turns, full, where)
+    spans = answer_spans(tokenizer, messages, turns, full, where, tools)
     return ids, target_mask(tokenizer, full, offsets, spans, ids, where), prompt
 
 
-def _prompt_length(tokenizer, messages: list[dict], turns: list[int], full: str, offsets: list[tuple]) -> int:
+def _prompt_length(
+    tokenizer, messages: list[dict], turns: list[int], full: str, offsets: list[tuple], tools: list[dict] | None = None
+) -> int:
     """Tokens of `full` that lie wholly inside the rendering of the conversation before its first trained
     assistant turn, with the generation prompt (a prefix of `full`); 0 if the template renders no such prefix."""
     turn = turns[0] if turns else None
-    prefix = _render(tokenizer, messages[:turn], True) if turn else ""
+    prefix = _render(tokenizer, messages[:turn], True, tools) if turn else ""
     if not prefix or not full.startswith(prefix):
         return 0
     return next((t for t, (_, end) in enumerate(offsets) if end > len(prefix)), len(offsets))

@@ -349,7 +349,9 @@ def prepare(
         if pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
         elif instruction:
-            splits[split] = chat.tokenize_sft(raw[split], tokenizer, data.max_length, data.train_on, split)
+            splits[split] = chat.tokenize_sft(
+                raw[split], tokenizer, data.max_length, data.train_on, split, data.chat_template
+            )
         elif task.head is HeadKind.CAUSAL_LM:
             splits[split] = tokenize_causal_lm(raw[split], tokenizer, data.max_length, split)
         else:

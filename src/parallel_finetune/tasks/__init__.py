@@ -1,7 +1,7 @@
 """What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
-sft: `messages`, `answers_from`, `index`; dpo: `prompt`, `chosen`, `rejected`, `where`, `index`), a Task (task.py)
-and a Source. sources.py reads rows (files.py, glue.py), columns.py defines the Task, labels.py reads labels,
-conversations.py instruction rows, preferences.py preference pairs; errors name file and row.
+sft: `messages`, `answers_from`, `index`[, `tools`]; dpo: `prompt`, `chosen`, `rejected`, `where`, `index`), a
+Task (task.py) and a Source. sources.py reads rows (files.py, glue.py), columns.py defines the Task, labels.py
+reads labels, conversations.py instruction rows, preferences.py preference pairs; errors name file and row.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@
   few-shot assistant turns included, and the answer's turns);
 - `text`: plain text, every token trained, no template.
 
+A conversational row may carry a `tools` column (TRL's: the function schemas the model may call, a list of
+objects, OpenAI's {"type": "function", "function": {name, description, parameters}} or a bare {name, ...}; a
+string there is JSON text of that list, as TRL reads it, in any source), handed to the chat template as
+`apply_chat_template(..., tools=...)` does; a row without tools (empty, null, []) renders as it did before.
+
 Each conversational row becomes the same thing, a list of messages as the chat template receives them (every
 field kept: tool_calls, reasoning_content, name, ...), `answers_from` (the index of the first message whose
 assistant turns are trained: 0, or the prompt's length) and `untrained` (assistant turns whose `weight` is 0,
@@ -41,6 +46,9 @@ FORMATS = {
     "prompt_completion": "prompt + completion",
     "text": "plain text",
 }
+# how many columns hold each format; a tools column, when the table has one, follows them in the Task's columns
+FORMAT_COLUMNS = {"messages": 1, "sharegpt": 1, "prompt_completion": 2, "text": 1}
+TOOLS_FORMAT = '[{"type": "function", "function": {"name": "...", "description": "...", "parameters": {...}}}]'
 VALID = (
     "a column messages (a list of {role, content}), conversations (ShareGPT: {from, value}), prompt and "
     "completion, or text (or name yours with messages_column, prompt_column and completion_column, text_column)"
@@ -55,7 +63,23 @@ def _named(table: Table, key: str, name: str | None) -> str | None:
 
 def detect_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, ...]]:
     """The row format of `table` (a FORMATS key) and the columns that hold it, from the columns present (the
-    `*_column` keys name them when they have other names)."""
+    `*_column` keys name them when they have other names), then the tools column if the table has one
+    (`tools_column`, else `tools`)."""
+    form, columns = _format(table, data)
+    tools = _named(table, "tools_column", data.tools_column) or ("tools" if "tools" in table.columns else None)
+    if tools is None:
+        return form, columns
+    if form == "text":  # no template renders plain text: its tools would be dropped
+        raise UserError(
+            f"{table.where}: column {tools!r} holds tools, and plain-text rows ({columns[0]!r}) have no chat "
+            "template to render them; give conversations (messages or prompt and completion) or drop the column"
+        )
+    if tools in columns:
+        raise UserError(f"tools_column={tools!r} is also the rows' {FORMATS[form]} column; name the tools' own column")
+    return form, (*columns, tools)
+
+
+def _format(table: Table, data: DataSection) -> tuple[str, tuple[str, ...]]:
     messages = _named(table, "messages_column", data.messages_column)
     prompt = _named(table, "prompt_column", data.prompt_column)
     completion = _named(table, "completion_column", data.completion_column)
@@ -170,6 +194,47 @@ def read_messages(table: Table, row: int, column: str, value, needs_answer: bool
     return messages, trained
 
 
+def _without_nulls(value):
+    """A Parquet or datasets struct's value less the None fields Arrow gives every item of a column whose items
+    have different keys (one tool's parameters filled in with another's as null), as messages leave them out."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def read_tools(table: Table, row: int, column: str, value) -> list[dict] | None:
+    """One row's tool schemas as the template receives them: a list of objects, each with a name (OpenAI's
+    {"type": "function", "function": {"name": ...}} or a bare {"name": ...}); a string is JSON text of the list
+    (TRL reads it so in any source: a list of schemas that differ rarely survives Arrow's one type per column);
+    None where the row has none (empty, null or [])."""
+    where = f"{table.at(row)}: column {column!r}"
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{where} is not valid JSON ({exc.msg}); write a list of tool schemas {TOOLS_FORMAT}"
+            ) from None
+    else:
+        value = _without_nulls(value)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(tool, dict) for tool in value):
+        what = type(value).__name__ if not isinstance(value, (list, tuple)) else "list holding something else"
+        raise UserError(f"{where} holds a {what}, not a list of tool schemas (objects) {TOOLS_FORMAT}")
+    for number, tool in enumerate(value, 1):
+        function = tool.get("function", tool)
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise UserError(
+                f'{where}: tool {number} has no name (a function schema\'s "name", inside "function" when it '
+                f"is given); write {TOOLS_FORMAT}"
+            )
+    return list(value) or None
+
+
 # JSON text of a list of messages: "[" then "{" (the first message) or "]" (none), spaces allowed between
 MESSAGES_JSON = re.compile(r"\s*\[\s*[{\]]")
 
@@ -202,8 +267,8 @@ def _prompt_completion(table: Table, row: int, columns: tuple[str, ...]) -> tupl
 def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
     """`table`'s rows in format `form` as the columns the model side reads: `messages` (JSON text of the list of
     messages), `answers_from`, `untrained` (the assistant turns a `weight` of 0 leaves untrained), `where` (the
-    row's place) and `index` for conversations; `text` and `index` for plain text (an empty text is dropped and
-    counted)."""
+    row's place), `index` and, where `columns` ends with a tools column, `tools` (JSON text) for conversations;
+    `text` and `index` for plain text (an empty text is dropped and counted)."""
     missing = [name for name in columns if name not in table.columns]
     if missing:
         raise UserError(
@@ -212,8 +277,12 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
         )
     if form == "text":
         return _text_rows(table, split, columns[0])
-    conversations, starts, untrained = [], [], []
+    columns, tools_column = columns[: FORMAT_COLUMNS[form]], columns[FORMAT_COLUMNS[form] :]
+    conversations, starts, untrained, tools = [], [], [], []
     for row in range(len(table)):
+        if tools_column:  # JSON text (null: none) so that every row of the split has one column type
+            value = table.columns[tools_column[0]][row]
+            tools.append(json.dumps(read_tools(table, row, tools_column[0], value), ensure_ascii=False))
         if form == "prompt_completion":
             messages, trained, start = _prompt_completion(table, row, columns)
         else:
@@ -234,13 +303,14 @@ def conversation_rows(table: Table, split: str, form: str, columns: tuple[str, .
     if not conversations:
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
     places = [table.at(row) for row in range(len(table))]  # file:line, for the errors found when it is rendered
-    return {
+    rows = {
         "messages": conversations,
         "answers_from": starts,
         "untrained": untrained,
         "where": places,
         "index": list(range(len(table))),
     }
+    return {**rows, "tools": tools} if tools_column else rows  # rows without a tools column: as before
 
 
 def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:
@@ -262,5 +332,6 @@ def _text_rows(table: Table, split: str, column: str) -> dict[str, list]:
 def define_instruction_task(train: Table, *, data: DataSection) -> Task:
     """The Task of instruction rows: their format, found from the training table's columns and said in one line."""
     form, columns = detect_format(train, data=data)
-    log.info("task=sft: %s rows in the %s format", train.where, FORMATS[form])
+    tools = f", with the tool schemas of column {columns[-1]!r}" if len(columns) > FORMAT_COLUMNS[form] else ""
+    log.info("task=sft: %s rows in the %s format%s", train.where, FORMATS[form], tools)
     return Task.instruction(form, columns)

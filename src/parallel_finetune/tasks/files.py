@@ -182,6 +182,12 @@ def read_json(path: Path) -> Table:
         missing = [name for name in columns if name not in item]
         if missing:
             raise UserError(f"{place}: lacks key(s) {', '.join(missing)} that the first row has")
+        extra = [name for name in item if name not in columns]
+        if extra:  # its values would be read nowhere (a `tools` the first row lacks): dropped silently
+            raise UserError(
+                f"{place}: has key(s) {', '.join(extra)} that the first row lacks; give every row the same keys "
+                "(null where a row has no value)"
+            )
         for name in columns:
             columns[name].append(item[name])
         places.append(place)
