@@ -13,6 +13,7 @@ import datasets
 from .columns import define_task, held_out_validation, model_rows
 from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
+from .kinds import kind_of
 from .preferences import define_preference_task, preference_rows
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
@@ -35,9 +36,12 @@ def load_task(
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
-    rows = {DPO: (define_preference_task, preference_rows), SFT: (define_instruction_task, conversation_rows)}
-    if model.task in rows:  # rows of their own format (task.name), read from its columns
-        define, read = rows[model.task]
+    kind = kind_of(model.task)
+    own_rows = kind.pairs or kind.conversations  # rows of their own format (task.name), read from its columns
+    if own_rows:
+        define, read = (
+            (define_preference_task, preference_rows) if kind.pairs else (define_instruction_task, conversation_rows)
+        )
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
@@ -51,7 +55,7 @@ def load_task(
         table.teaches_tokenizer = learned
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):
             continue  # nothing evaluates a language model on a test split
-        if model.task in rows:
+        if own_rows:
             splits[split] = datasets.Dataset.from_dict(read(table, split, task.name, task.columns))
         else:
             splits[split] = datasets.Dataset.from_dict(model_rows(table, split, task, text, pair, label))
