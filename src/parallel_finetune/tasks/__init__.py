@@ -13,7 +13,6 @@ import datasets
 from .columns import define_task, held_out_validation, model_rows
 from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
-from .kinds import kind_of
 from .preferences import define_preference_task, preference_rows
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
@@ -24,7 +23,7 @@ from .sources import (  # noqa: F401
     data_fingerprint,
     read_sources,
 )
-from .task import DPO, LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
+from .task import LABEL_FILE, HeadKind, Task, head_of, kind_of, read_label_file, write_label_file  # noqa: F401
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
@@ -36,12 +35,10 @@ def load_task(
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
-    kind = kind_of(model.task)
-    own_rows = kind.pairs or kind.conversations  # rows of their own format (task.name), read from its columns
-    if own_rows:
-        define, read = (
-            (define_preference_task, preference_rows) if kind.pairs else (define_instruction_task, conversation_rows)
-        )
+    kind = kind_of(model.task)  # sft's conversations, dpo's pairs: rows of their own format, read from its columns
+    reader = (define_preference_task, preference_rows) if kind.pairs else (define_instruction_task, conversation_rows)
+    if own_rows := kind.pairs or kind.conversations:
+        define, read = reader
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)

@@ -5,8 +5,9 @@ which have no labels, write none (`Task.has_labels`).
 
 `problem_type` is the one field that decides the head: single_label_classification and regression are both a
 sequence-classification head (class logits, or one output), causal_lm and sft (instruction tuning: conversations,
-loss on the answers) are the language-model head. Components ask `task.head` and `task.regression`, never the
-strings; the recipe's `task:` key names its head through `head_of`.
+loss on the answers) are the language-model head. Each problem type belongs to a task kind (tasks/kinds/:
+classification serves single_label_classification and regression); components ask `task.head`, `task.regression`
+and `task.kind` (or `kind_of(task_key)` for the recipe's `task:` key), never compare the strings.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from pathlib import Path
 from ..errors import UserError
 from .glue import TASKS, GlueTask
 from .kinds import kind_of, kind_of_problem, problem_types
-from .kinds.base import HeadKind, TaskKind
+from .kinds.base import HeadKind, TaskKind  # HeadKind: most modules import it from here
+
+# the kinds' problem types, re-exported for the modules that make a Task of them (columns, labels, GLUE)
 from .kinds.causal_lm import CAUSAL_LM
 from .kinds.classification import CLASSIFICATION, REGRESSION
 from .kinds.dpo import DPO  # preference tuning: a causal LM trained to prefer each pair's chosen answer
 from .kinds.sft import SFT  # instruction tuning: a causal LM trained on conversations, scored on the answers
 
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
-__all__ = ["CAUSAL_LM", "CLASSIFICATION", "DPO", "REGRESSION", "SFT", "HeadKind", "Task", "TaskKind", "head_of"]
 
 
 def head_of(task_key: str) -> HeadKind:
