@@ -30,7 +30,7 @@ from .outputs.runfolder import (
 from .parallel.layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .resolve import choose_model, resolve
 from .tasks import HeadKind, check_hub_data
-from .tasks.task import DPO, SFT
+from .tasks.kinds import kind_of
 
 if TYPE_CHECKING:
     from .tasks.task import Task
@@ -188,7 +188,7 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
     model; a local one at full size: a Hub name's is checked by the run, once downloaded) with its chat template
     set and checked, and the first CHECKED_ROWS rows of each split rendered and masked; generate_every needs
     conversations in the validation split."""
-    if task.problem_type not in (SFT, DPO):
+    if not task.kind.chat:
         return
     if config.generate_every and "messages" not in raw["validation"].column_names:
         raise UserError(NO_PROMPTS)
@@ -204,7 +204,7 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
         if split == "test":
             continue
         rows = rows.select(range(min(len(rows), CHECKED_ROWS)))
-        if task.problem_type == DPO:
+        if task.kind.pairs:
             tokenize_pairs(rows, tokenizer, config.max_length, split)
         else:
             tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split, config.data.chat_template)
@@ -241,7 +241,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     family = get_family(config.family)
     resolve_device(config.device)
     task = None  # known before the launch for local rows only
-    sample = config.task in (SFT, DPO) and not config.dataset  # the shipped chat or preference sample, or files
+    # the shipped chat or preference sample (its kind's), or files
+    sample = kind_of(config.task).sample is not None and not config.dataset
     if (
         sample
         or config.data_dir
@@ -315,7 +316,7 @@ def describe_packing(config: Config) -> str:
     sequence, so its sequences hold twice max_length (loop/builder.py's PackedShape)."""
     if not config.packing:
         return ""
-    if config.task == DPO:
+    if kind_of(config.task).pairs:
         return (
             f" | packed into sequences of {2 * config.max_length} tokens (2 x max_length: both rows of a pair, "
             f"each up to {config.max_length})"

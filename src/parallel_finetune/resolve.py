@@ -36,7 +36,8 @@ from .model.quantize import NF4Settings
 from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .tasks.task import DPO, SFT, HeadKind, head_of
+from .tasks.kinds import all_kinds, kind_of
+from .tasks.task import HeadKind, head_of
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def planner_workload(config: Config, *, count_samples: bool = True):
     tokens each."""
     from .tools.planner import SFT_TOKENS_PER_ROW, Workload
 
-    chosen, peft = choose_model(config), config.peft
+    chosen, peft, kind = choose_model(config), config.peft, kind_of(config.task)
     samples, data = planner_samples(config) if count_samples else (None, "not counted")
     return Workload(
         head=chosen.head,
@@ -224,10 +225,10 @@ def planner_workload(config: Config, *, count_samples: bool = True):
         base_quantization=peft.lora_base_quantization if chosen.lora else "none",
         lora=chosen.lora,
         packing=config.packing,
-        tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO) else None,
+        tokens_per_row=SFT_TOKENS_PER_ROW if kind.chat else None,
         loss_chunk_tokens=config.loss_chunk_tokens if Engine(config.engine) is Engine.TORCH else 0,
-        pairs=config.task == DPO,
-        reference_pass=config.task == DPO and config.preference.dpo_loss not in REFERENCE_FREE_LOSSES,
+        pairs=kind.pairs,
+        reference_pass=kind.reference and config.preference.dpo_loss not in REFERENCE_FREE_LOSSES,
         compute_bytes=4 if config.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
         task=config.task,
         samples=samples,
@@ -324,7 +325,8 @@ def validate(config: Config, where: str = "config") -> None:
             f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
         )
     if head_of(config.task) not in family.tasks:
-        valid = (*family.tasks, *(["sft", "dpo"] if HeadKind.CAUSAL_LM in family.tasks else []))
+        # the heads it has, then the other kinds that train one of them (sft and dpo: the causal LM's)
+        valid = (*family.tasks, *(k.key for k in all_kinds() if k.key not in family.tasks and k.head in family.tasks))
         raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(valid)}")
     if config.size == "full" and config.model.source is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")

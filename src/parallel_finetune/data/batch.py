@@ -152,7 +152,7 @@ class TokenizedSplit:
         lengths = split["length"][:]
         labels = optional("label") if task.head is HeadKind.CLASSIFICATION else None
         counts = optional("targets")  # sft: trained tokens per row
-        if task.preference_pairs:  # the loss is averaged over pairs
+        if task.kind.pairs:  # the loss is averaged over pairs
             targets = [1] * len(lengths)
         elif task.head is HeadKind.CLASSIFICATION:
             targets = [1] * len(lengths)

@@ -25,7 +25,7 @@ from ..families.base import Family
 from ..model.hub import resolve_model_path
 from ..model.pretrained import load_hf_tokenizer
 from ..outputs.runfolder import check_writable
-from ..tasks import DPO, SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
+from ..tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
 from . import chat, preference
@@ -326,8 +326,7 @@ def prepare(
     cache_dir = Path(data.cache_dir)
     check_writable(cache_dir, "cache_dir")
     raw, task, source = load_raw(data=data, model=model, seed=seed, predict=predict)
-    instruction = task.problem_type == SFT
-    pairs = task.problem_type == DPO
+    kind = task.kind
     tokenizer = run_tokenizer(
         data=data, model=model, family=family, model_name=model_name, raw=raw, task=task, source=source
     )
@@ -337,18 +336,16 @@ def prepare(
     described = json.dumps([task.to_json(), token_types and task.pair], sort_keys=True)
     spec = hashlib.sha256(described.encode()).hexdigest()[:8]
     tokens = f"tok{tokenizer_identity(tokenizer)}-{model.task}-len{data.max_length}"
-    # the template is in the tokenizer's identity; -p: rows carry prompt_length (generate_every's prompts)
-    tokens += f"-{data.train_on}-p" if instruction else ""
-    tokens += "-pairs1" if pairs else ""  # the pairs' format version
+    tokens += kind.cache_key(data.train_on)  # what else its tokens depend on (sft: train_on; dpo: the pairs' format)
     path = cache_dir / f"{task.name}-{source.fingerprint}-{spec}-{tokens}"
     if path.is_dir():
         return load_prepared(path, source)
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if pairs:
+        if kind.pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
-        elif instruction:
+        elif kind.conversations:
             splits[split] = chat.tokenize_sft(
                 raw[split], tokenizer, data.max_length, data.train_on, split, data.chat_template
             )
@@ -374,7 +371,7 @@ def run_tokenizer(
     task=sft's chat template set on it and checked (chat.apply_template), so the cached and exported tokenizer
     renders conversations as training did. --check makes the same to render a sample of the rows."""
     learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
-    instruction = task.problem_type == SFT or (task.problem_type == DPO and conversational_pairs(raw["train"]))
+    instruction = task.kind.chat_template(raw["train"])  # sft's conversations, dpo's pairs of messages
     template = (
         chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
     )
@@ -393,16 +390,8 @@ def run_tokenizer(
     )
     if instruction:
         name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
-        if task.problem_type == SFT:
-            log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
-        else:
-            log.info("task=dpo: chat template %s, the loss on the answers' log-probabilities", name)
+        log.info("%s", task.kind.template_note(name, data.train_on))
     return tokenizer
-
-
-def conversational_pairs(train: datasets.Dataset) -> bool:
-    """Preference pairs of messages (rendered by a chat template), not of texts."""
-    return not isinstance(json.loads(train["chosen"][0]), str)
 
 
 def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:

@@ -107,7 +107,7 @@ def small_run_warnings(config: Config, prepared: PreparedData, total_steps: int,
     lines = []
     held = len(prepared.splits["validation"])
     if held < FEW_HELD_OUT:
-        unit = "pairs" if prepared.task.preference_pairs else "rows"
+        unit = prepared.task.kind.sample_unit
         percentage, seed = config.validation_split_percentage, config.seed
         if prepared.source.fingerprint.endswith(
             carved_fingerprint("", validation_split_percentage=percentage, seed=seed)
@@ -358,11 +358,11 @@ class RunBuilder:
         """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
         pipeline's are of static shapes); task=dpo's keeps each pair's two rows together."""
         config, tokenizer = self.config, prepared.tokenizer
-        pairs, pipeline = prepared.task.preference_pairs, layout.pp > 1
+        pairs, pipeline = prepared.task.kind.pairs, layout.pp > 1
         shape = None
         if config.packing:  # task=dpo: a sequence holds twice max_length, so any pair's two rows fit in one
             shape = PackedShape(
-                capacity=(2 if pairs else 1) * config.max_length,
+                capacity=prepared.task.kind.rows_per_sample * config.max_length,
                 pad_multiple=runner.pad_multiple,
                 fixed_length=pipeline,
                 rows_multiple=resolved.microbatches if pipeline else 1,
@@ -448,7 +448,7 @@ class RunBuilder:
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
         preference = None
-        if prepared.task.preference_pairs:
+        if prepared.task.kind.pairs:
             loss = preference = self._preference_loss(ready, resolved)
         else:
             loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))

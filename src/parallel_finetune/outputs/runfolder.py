@@ -44,7 +44,8 @@ import yaml
 from ..config import CheckpointSection, OutputSection
 from ..errors import UserError, one_line
 from ..parallel.layout import rank0_decides
-from ..tasks import DPO, LABEL_FILE, SFT, write_label_file
+from ..tasks import LABEL_FILE, write_label_file
+from ..tasks.kinds import find_kind
 from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
 from .run_files import EXPORT_STAGING as STAGING
 from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
@@ -423,15 +424,13 @@ def open_run_folder(
         write_json(output_dir / "deepspeed_config.json", deepspeed_config)
 
 
-# Keys a task never reads, left out of what its run writes as its settings (config.yaml in the run folder and in
-# each checkpoint, the trackers' parameters), so that they say what the run did: sft and dpo read no GLUE task,
-# whatever glue_task's default. A continued run compares only the keys its checkpoint holds.
-UNREAD_KEYS = {SFT: ("glue_task",), DPO: ("glue_task",)}
-
-
 def written_settings(settings: dict) -> dict:
-    """The run's settings (flat keys) as its files write them: without the keys its task never reads."""
-    unread = UNREAD_KEYS.get(settings.get("task"), ())
+    """The run's settings (flat keys) as its files write them: without the keys its task never reads (its kind's
+    `unread_keys`: sft and dpo read no GLUE task, whatever glue_task's default), so that they say what the run did
+    (config.yaml in the run folder and in each checkpoint, the trackers' parameters). A continued run compares
+    only the keys its checkpoint holds."""
+    kind = find_kind(settings.get("task"))
+    unread = kind.unread_keys if kind is not None else ()
     return {key: value for key, value in settings.items() if key not in unread}
 
 

@@ -23,7 +23,7 @@ from .sources import (  # noqa: F401
     data_fingerprint,
     read_sources,
 )
-from .task import DPO, LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
+from .task import LABEL_FILE, HeadKind, Task, head_of, kind_of, read_label_file, write_label_file  # noqa: F401
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
@@ -35,9 +35,10 @@ def load_task(
     """The run's splits, its Task and where the rows came from; every problem is one line naming file and row.
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
-    rows = {DPO: (define_preference_task, preference_rows), SFT: (define_instruction_task, conversation_rows)}
-    if model.task in rows:  # rows of their own format (task.name), read from its columns
-        define, read = rows[model.task]
+    kind = kind_of(model.task)  # sft's conversations, dpo's pairs: rows of their own format, read from its columns
+    reader = (define_preference_task, preference_rows) if kind.pairs else (define_instruction_task, conversation_rows)
+    if own_rows := kind.pairs or kind.conversations:
+        define, read = reader
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
@@ -51,7 +52,7 @@ def load_task(
         table.teaches_tokenizer = learned
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):
             continue  # nothing evaluates a language model on a test split
-        if model.task in rows:
+        if own_rows:
             splits[split] = datasets.Dataset.from_dict(read(table, split, task.name, task.columns))
         else:
             splits[split] = datasets.Dataset.from_dict(model_rows(table, split, task, text, pair, label))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from .files import Table, check_text
 from .glue import GlueTask
+from .kinds import kind_of_problem
 from .labels import check_label, infer_problem_type, label_ids, shown, user_labels
 from .sources import Source, carved_fingerprint
 from .task import REGRESSION, HeadKind, Task
@@ -119,12 +120,13 @@ def _user_task(
     for row, value in enumerate(train.columns[label]):  # before the labels decide the problem type
         check_label(train, row, label, value)
     problem = infer_problem_type(train, label, problem_type=problem_type)
-    names, values = ((), ()) if problem == REGRESSION else user_labels(train, label, num_labels=num_labels)
-    if problem != REGRESSION and len(names) < 2:
+    regression = kind_of_problem(problem).regression(problem)
+    names, values = ((), ()) if regression else user_labels(train, label, num_labels=num_labels)
+    if not regression and len(names) < 2:
         raise UserError(
             f"{train.where}: column {label!r} holds one label ({', '.join(names)}); classification needs two or more"
         )
-    metric = REGRESSION if problem == REGRESSION else "classification"
+    metric = REGRESSION if regression else "classification"
     columns = (text, *([pair] if pair else []), label)
     return Task("custom", problem, pair is not None, names, values, metric, columns, ("validation",), tests)
 

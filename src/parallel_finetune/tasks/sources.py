@@ -23,6 +23,7 @@ from ..errors import UserError
 from . import files
 from .files import Table, read_dataset, read_delimited, read_file
 from .glue import TASKS, GlueTask
+from .kinds import all_kinds
 
 if TYPE_CHECKING:  # the section's type only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection
@@ -331,16 +332,12 @@ def _dataset_tables(name: str, config_name: str | None) -> tuple[dict[str, Table
     return tables, source
 
 
-# task -> its shipped sample: folder, what the log calls it and its rows, what a run of it reads, fingerprint prefix
+# task -> its shipped sample (its kind's `sample`): folder, what the log calls it and its rows, what a run of it
+# reads, fingerprint prefix
 SHIPPED_SAMPLES = {
-    "sft": (CHAT_SAMPLE_DIR, "chat sample", "instructions over SST-2 sentences", "conversations", "chat-sample-"),
-    "dpo": (
-        PREFERENCE_SAMPLE_DIR,
-        "preference sample",
-        "right and wrong answers about SST-2 sentences",
-        "preference pairs",
-        "dpo-sample-",
-    ),
+    kind.key: (SAMPLE_DIR / s.folder, s.name, s.holds, s.reads, s.prefix)
+    for kind in all_kinds()
+    if (s := kind.sample) is not None
 }
 
 

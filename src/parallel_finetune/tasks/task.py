@@ -5,42 +5,35 @@ which have no labels, write none (`Task.has_labels`).
 
 `problem_type` is the one field that decides the head: single_label_classification and regression are both a
 sequence-classification head (class logits, or one output), causal_lm and sft (instruction tuning: conversations,
-loss on the answers) are the language-model head. Components ask `task.head` and `task.regression`, never the
-strings; the recipe's `task:` key names its head through `head_of`.
+loss on the answers) are the language-model head. Each problem type belongs to a task kind (tasks/kinds/:
+classification serves single_label_classification and regression); components ask `task.head`, `task.regression`
+and `task.kind` (or `kind_of(task_key)` for the recipe's `task:` key), never compare the strings.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from enum import Enum
 from pathlib import Path
 
 from ..errors import UserError
 from .glue import TASKS, GlueTask
+from .kinds import kind_of, kind_of_problem, problem_types
+from .kinds.base import HeadKind, TaskKind  # HeadKind: most modules import it from here
 
-REGRESSION = "regression"
-CLASSIFICATION = "single_label_classification"
-CAUSAL_LM = "causal_lm"
-SFT = "sft"  # instruction tuning: a causal LM trained on conversations, scored on the answers' tokens
-DPO = "dpo"  # preference tuning: a causal LM trained to prefer each pair's chosen answer to its rejected one
+# the kinds' problem types, re-exported for the modules that make a Task of them (columns, labels, GLUE)
+from .kinds.causal_lm import CAUSAL_LM
+from .kinds.classification import CLASSIFICATION, REGRESSION
+from .kinds.dpo import DPO  # preference tuning: a causal LM trained to prefer each pair's chosen answer
+from .kinds.sft import SFT  # instruction tuning: a causal LM trained on conversations, scored on the answers
+
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
 
 
-class HeadKind(str, Enum):
-    """The model's last layer. Its values are the recipe's `task:` key and the families' model_classes keys."""
-
-    CLASSIFICATION = "classification"  # a sequence-classification head: class logits, or one regression output
-    CAUSAL_LM = "causal_lm"  # the language-model head: each position's next-token logits
-
-    def __str__(self) -> str:  # as the recipe writes it (cache keys, messages)
-        return self.value
-
-
 def head_of(task_key: str) -> HeadKind:
-    """The head a recipe's `task:` value (classification | causal_lm | sft | dpo) trains: sft and dpo train the
-    causal LM's."""
-    return HeadKind.CAUSAL_LM if task_key in (SFT, DPO) else HeadKind(task_key)
+    """The head a recipe's `task:` value (classification | causal_lm | sft | dpo) trains: its kind's (sft and dpo
+    train the causal LM's)."""
+    return kind_of(task_key).head
 
 
 @dataclass(frozen=True)
@@ -97,18 +90,22 @@ class Task:
         return cls(name, DPO, False, metric="preference", columns=columns, validation_splits=validation_splits)
 
     @property
-    def head(self) -> HeadKind:
-        return HeadKind.CAUSAL_LM if self.problem_type in (CAUSAL_LM, SFT, DPO) else HeadKind.CLASSIFICATION
+    def kind(self) -> TaskKind:
+        """Its kind (tasks/kinds/): what every caller asks instead of comparing problem_type with a name."""
+        kind = kind_of_problem(self.problem_type)
+        if kind is None:
+            valid = ", ".join(problem_types())
+            raise UserError(f"problem_type={self.problem_type!r} is no task kind's; valid: {valid}")
+        return kind
 
     @property
-    def preference_pairs(self) -> bool:
-        """Rows are preference pairs (task=dpo): a chosen and a rejected answer to one prompt."""
-        return self.problem_type == DPO
+    def head(self) -> HeadKind:
+        return self.kind.head
 
     @property
     def regression(self) -> bool:
         """A classification head with one output, trained on real-valued targets (squared error)."""
-        return self.problem_type == REGRESSION
+        return self.kind.regression(self.problem_type)
 
     @property
     def has_labels(self) -> bool:
@@ -116,7 +113,7 @@ class Task:
         (classification, regression; causal_lm its text column, which predict.py reads to say what the model
         is). sft and dpo have no labels: their run folders and checkpoints hold none, and config.yaml's `task`
         says what they trained."""
-        return self.problem_type not in (SFT, DPO)
+        return self.kind.has_labels
 
     @property
     def num_labels(self) -> int:

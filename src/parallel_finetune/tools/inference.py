@@ -24,7 +24,8 @@ from ..errors import OneLineArgumentParser, UserError, one_line
 from ..outputs.run_files import CONFIG_FILE
 from ..tasks.columns import PAIR_OF, TEXT_COLUMNS
 from ..tasks.files import Table, check_text, read_file
-from ..tasks.task import CAUSAL_LM, CLASSIFICATION, DPO, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
+from ..tasks.kinds import find_kind, kind_of_problem
+from ..tasks.task import LABEL_FILE, HeadKind, Task, configure_head
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +74,7 @@ def _labels_beside(folder: Path) -> Task | None:
         if (place / LABEL_FILE).is_file():
             return _read_labels(place / LABEL_FILE)
         trained = _run_settings(place).get("task")
-        if trained in (SFT, DPO):
+        if (kind := find_kind(trained)) is not None and not kind.has_labels:
             raise UserError(_chat_model(place / CONFIG_FILE, trained))
     return None
 
@@ -117,17 +118,19 @@ def _read_labels(path: Path) -> Task:
     def strings(value) -> bool:
         return isinstance(value, list) and all(isinstance(item, str) and item for item in value)
 
-    if problem in (SFT, DPO):  # a run before sft and dpo wrote no labels.json
+    kind = kind_of_problem(problem) if isinstance(problem, str) else None
+    if kind is not None and not kind.has_labels:  # a run before sft and dpo wrote no labels.json
         raise UserError(_chat_model(path, problem))
-    if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
+    if kind is None:
         wrong = f"problem_type {problem!r}"
     elif not isinstance(pair, bool):
         wrong = f"pair {pair!r} is not true or false"
-    elif not strings(names) or (problem == CLASSIFICATION) != (len(names) >= 2):
+    elif not strings(names) or kind.named_labels(problem) != (len(names) >= 2):
         wrong = f"label_names {names!r} for problem_type {problem}"
-    elif not strings(columns) or len(columns) != texts + (problem != CAUSAL_LM):
+    elif not strings(columns) or len(columns) != texts + (kind.head is HeadKind.CLASSIFICATION):
         texts_named = "the text and pair column names" if pair else "the text column name"
-        wrong = f"columns {columns!r} ({texts_named}{', then the label column' if problem != CAUSAL_LM else ''})"
+        labelled = kind.head is HeadKind.CLASSIFICATION  # a label column after the texts
+        wrong = f"columns {columns!r} ({texts_named}{', then the label column' if labelled else ''})"
     else:
         try:
             return Task.from_json(values)
@@ -389,7 +392,8 @@ def load_classifier(model_dir: str | Path, max_length: int | None = None, device
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(chosen).eval()
     problem = getattr(hf_config, "problem_type", None)
-    regression = problem == REGRESSION or (problem is None and hf_config.num_labels == 1)
+    kind = kind_of_problem(problem) if isinstance(problem, str) else None
+    regression = (kind is not None and kind.regression(problem)) or (problem is None and hf_config.num_labels == 1)
     names = [] if regression else [hf_config.id2label[i] for i in range(hf_config.num_labels)]
     positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if max_length is not None and positions and max_length > positions:

@@ -70,6 +70,7 @@ from ..model.pretrained import load_hf_config
 from ..model.throughput import attention_width
 from ..parallel.hardware import Hardware, hardware_for, positive_int, positive_number
 from ..parallel.layout import ParallelDims, Sharding
+from ..tasks.kinds import find_kind
 from ..tasks.task import HeadKind
 
 GB = 1e9
@@ -582,7 +583,8 @@ class Plan:
     @property
     def timed_as_run(self) -> bool:
         """Time for the run's own steps (a recipe, or instruction and preference tuning), not an SST-2 epoch."""
-        return self.recipe is not None or self.workload.task in ("sft", "dpo")
+        kind = find_kind(self.workload.task)
+        return self.recipe is not None or (kind is not None and kind.chat)
 
     @property
     def slice_size(self) -> int:
