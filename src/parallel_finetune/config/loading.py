@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from .sections import _HINTS, SECTIONS, USER_KEYS, TrainingSection
-from .values import TEXT_KEYS, _coerce, _plain, _Refused, _yaml
+from .sections import SECTIONS, TYPE_HINTS, USER_KEYS, TrainingSection
+from .values import TEXT_KEYS, RecipeRefused, coerce, plain_value, read_recipe_yaml
 from .whole import Config
 
 
@@ -38,7 +38,7 @@ def _flatten_recipe(data: dict, where: str) -> tuple[dict, dict]:
         if key in set_at:
             raise UserError(f"{where}: {key} is set twice ({set_at[key]}, {here}); say it once")
         set_at[key] = here
-        flat[key] = _plain(value)
+        flat[key] = plain_value(value)
 
     for key, value in data.items():
         if key == "tiny":
@@ -76,13 +76,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     if len(parts) == 1 and parts[0] in TEXT_KEYS:
         return parts[0], raw if raw.strip() else None
     try:
-        value = _plain(_yaml(raw)) if raw.strip() else None
+        value = plain_value(read_recipe_yaml(raw)) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    except _Refused as exc:
+    except RecipeRefused as exc:
         raise UserError(f"override '{text}': {exc}") from None
     if len(parts) > 1:
-        if _HINTS[parts[0]] is not dict:
+        if TYPE_HINTS[parts[0]] is not dict:
             raise UserError(f"override '{text}': '{parts[0]}' is not a mapping, write {parts[0]}=VALUE")
         nested: Any = value
         for part in reversed(parts[1:]):
@@ -123,11 +123,11 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, dict]:
     if path.resolve() in chain:
         raise UserError(f"recipe {path}: extends itself through {' -> '.join(str(p) for p in chain)}")
     try:
-        data = _yaml(path.read_text(encoding="utf-8")) or {}
+        data = read_recipe_yaml(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0]
         raise UserError(f"recipe {path}: not valid YAML ({first})") from None
-    except _Refused as exc:
+    except RecipeRefused as exc:
         raise UserError(f"recipe {path} {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"recipe {path}: must be a mapping of keys to values")
@@ -185,15 +185,15 @@ def parse_config(recipe: str | Path | None, overrides: list[str] = ()) -> tuple[
         _merge(values, key, value)
     where = f"recipe {recipe}" if recipe is not None else "config"
     _refuse_model_at_tiny_size(values, parsed, where)
-    typed = {key: _coerce(key, value, where) for key, value in values.items()}
+    typed = {key: coerce(key, value, where) for key, value in values.items()}
     config = Config.from_flat(typed)
     config.recipe = name  # resolve.load_config prefixes the family, once family=auto is resolved
     if config.lr_scaling == "linear":
         _scale_lr(
             config,
             where,
-            _coerce("batch_size", recipe_batch, where),
-            _coerce("lr", recipe_lr, where),
+            coerce("batch_size", recipe_batch, where),
+            coerce("lr", recipe_lr, where),
             lr_overridden=any(key == "lr" for key, _ in parsed),
         )
     if config.engine == "deepspeed" and config.tensor_parallel_degree == "auto":

@@ -316,10 +316,10 @@ SECTION_CLASSES: dict[str, type] = {
 SECTIONS: dict[str, tuple[str, ...]] = {
     name: tuple(f.name for f in dataclasses.fields(section)) for name, section in SECTION_CLASSES.items()
 }
-_SECTION_OF = {key: name for name, keys in SECTIONS.items() for key in keys}
+SECTION_OF = {key: name for name, keys in SECTIONS.items() for key in keys}
 USER_KEYS = tuple(k for keys in SECTIONS.values() for k in keys)
 FIELDS = {f.name: f for section in SECTION_CLASSES.values() for f in dataclasses.fields(section)}  # flat
-_HINTS = {key: hint for section in SECTION_CLASSES.values() for key, hint in typing.get_type_hints(section).items()}
+TYPE_HINTS = {key: hint for section in SECTION_CLASSES.values() for key, hint in typing.get_type_hints(section).items()}
 # Continues[...] marks what may differ when a run continues from a checkpoint (see its definition).
 CONTINUATION_MAY_CHANGE = tuple(
     key

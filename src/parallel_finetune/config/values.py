@@ -10,12 +10,12 @@ from typing import Any, Literal
 import yaml
 
 from ..errors import UserError
-from .sections import _HINTS, USER_KEYS
+from .sections import TYPE_HINTS, USER_KEYS
 
 
 def _options(key: str) -> tuple:
     """The types a field accepts: `int | None` -> (int, NoneType)."""
-    hint = _HINTS[key]
+    hint = TYPE_HINTS[key]
     return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
 
 
@@ -24,7 +24,7 @@ def _options(key: str) -> tuple:
 TEXT_KEYS = tuple(k for k in USER_KEYS if str in _options(k) and set(_options(k)) <= {str, type(None)})
 
 
-def _coerce(key: str, value: Any, where: str) -> Any:
+def coerce(key: str, value: Any, where: str) -> Any:
     """Check `value` against the field's type; accept the spellings YAML and shells produce (e.g. '1e-5')."""
     options = _options(key)
     for option in options:
@@ -91,7 +91,7 @@ class _Lined(dict):
     lines: dict
 
 
-class _Refused(Exception):
+class RecipeRefused(Exception):
     """YAML the recipe loader refuses although YAML allows it; the message starts with the line."""
 
 
@@ -104,7 +104,7 @@ class _RecipeLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
-            raise _Refused(
+            raise RecipeRefused(
                 f"line {event.start_mark.line + 1}: YAML {'alias' if sign == '*' else 'anchor'} "
                 f"{sign}{event.anchor} is not accepted (recipes are plain data); write the value out, "
                 "or share settings with extends:"
@@ -120,7 +120,7 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> _Lined:
         line = key_node.start_mark.line + 1
         try:
             if key in lines:
-                raise _Refused(
+                raise RecipeRefused(
                     f"line {line}: key '{key}' is given twice (first at line {lines[key]}); YAML would silently "
                     "keep the last one, so say it once"
                 )
@@ -135,15 +135,15 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> _Lined:
 _RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _yaml(text: str):
-    """yaml.safe_load, refusing duplicate keys, anchors and aliases (raises yaml.YAMLError or _Refused)."""
+def read_recipe_yaml(text: str):
+    """yaml.safe_load, refusing duplicate keys, anchors and aliases (raises yaml.YAMLError or RecipeRefused)."""
     return yaml.load(text, Loader=_RecipeLoader)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """A parsed value without line bookkeeping (plain dicts: what yaml.safe_dump writes back)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_value(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     return value

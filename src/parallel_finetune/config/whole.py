@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .sections import (
-    _SECTION_OF,
     SECTION_CLASSES,
+    SECTION_OF,
     SECTIONS,
     CheckpointSection,
     DataSection,
@@ -48,13 +48,13 @@ class Config:
     lr_note: str = ""
 
     def __getattr__(self, key: str):  # only asked when `key` is no field: a flat key
-        section = _SECTION_OF.get(key)
+        section = SECTION_OF.get(key)
         if section is None or key.startswith("__"):
             raise AttributeError(f"Config has no key {key!r}")
         return getattr(self.__dict__[section], key)
 
     def __setattr__(self, key: str, value) -> None:
-        section = _SECTION_OF.get(key)
+        section = SECTION_OF.get(key)
         if section is None or key in SECTION_CLASSES:
             object.__setattr__(self, key, value)
         else:
@@ -63,7 +63,7 @@ class Config:
     @classmethod
     def from_flat(cls, values: dict) -> Config:
         """A Config from flat keys (a recipe's typed values, a checkpoint's config.yaml); unknown keys: TypeError."""
-        unknown = set(values) - set(_SECTION_OF) - set(BOOKKEEPING_DEFAULTS)
+        unknown = set(values) - set(SECTION_OF) - set(BOOKKEEPING_DEFAULTS)
         if unknown:
             raise TypeError(f"unknown config keys: {', '.join(sorted(unknown))}")
         sections = {
@@ -81,7 +81,7 @@ class Config:
 
     def value(self, key: str):
         """A key's value by its flat name (`model` is the model section's `model` key here, not the section)."""
-        return getattr(self.__dict__[_SECTION_OF[key]], key)
+        return getattr(self.__dict__[SECTION_OF[key]], key)
 
     def replace(self, **changes) -> Config:
         """A copy with flat keys changed (dataclasses.replace for the flat view)."""

@@ -212,42 +212,33 @@ def answer_spans(
         elif held >= 0:
             start, end = held, held + len(turn)
         else:
-            start, end = _located(tokenizer, messages, i, prefix, upto, full, cursor, where, tools)
+            bare = _render(tokenizer, messages[:i], False, tools)
+            generation = prefix[len(bare) :] if prefix.startswith(bare) else ""
+            start, end = _located(message, i + 1, generation, prefix, upto, full, cursor, where)
         spans.append((start, end, message["content"]))
         cursor = end
     return spans
 
 
 def _located(
-    tokenizer,
-    messages: list[dict],
-    i: int,
-    asked: str,
-    upto: str,
-    full: str,
-    cursor: int,
-    where: str,
-    tools: list[dict] | None = None,
+    message: dict, number: int, generation: str, asked: str, upto: str, full: str, cursor: int, where: str
 ) -> tuple[int, int]:
-    """Turn i's span in the whole rendering `full`, found after `cursor` by its answer's text and the closing text
-    the template writes after it (`upto`: the rendering through turn i, which ends with them): back to the end of
-    the generation prompt before it (`asked`: the rendering before turn i with it; a think block the template adds
-    is the answer's) or, without one, the whitespace before it; on to the end of that closing text. An answer of
-    tool calls only (no text to find) is read by `_located_calls`."""
-    said = messages[i]["content"].strip()
+    """Turn `number`'s span (its `message`) in the whole rendering `full`, found after `cursor` by its answer's
+    text and the closing text the template writes after it (`upto`: the rendering through the turn, which ends with
+    them): back to the end of the generation prompt before it (`generation`, which the rendering before the turn
+    with it, `asked`, ends with; a think block the template adds is the answer's) or, without one, the whitespace
+    before it; on to the end of that closing text. An answer of tool calls only (no text to find) is read by
+    `_located_calls`."""
+    said = message["content"].strip()
     closing = upto[upto.rfind(said) + len(said) :] if said and said in upto else ""
     found = full.find(said + closing, cursor) if said else -1
-    bare = _render(tokenizer, messages[:i], False, tools)
-    generation = asked[len(bare) :] if asked.startswith(bare) else ""
     if not said:
-        span = _located_calls(
-            messages[i], upto[len(asked) :] if upto.startswith(asked) else "", generation, full, cursor
-        )
+        span = _located_calls(message, upto[len(asked) :] if upto.startswith(asked) else "", generation, full, cursor)
         if span is not None:
             return span
     if found < 0:
         raise UserError(
-            f"{where}: the whole conversation's rendering does not hold turn {i + 1}'s answer "
+            f"{where}: the whole conversation's rendering does not hold turn {number}'s answer "
             f"({said[:40] or 'tool calls only'!r}) as the chat template renders it alone, so its tokens cannot be "
             "found; use another chat_template (e.g. chatml) or train_on=all"
         )

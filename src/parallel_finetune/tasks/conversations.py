@@ -65,7 +65,7 @@ def detect_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, .
     """The row format of `table` (a FORMATS key) and the columns that hold it, from the columns present (the
     `*_column` keys name them when they have other names), then the tools column if the table has one
     (`tools_column`, else `tools`)."""
-    form, columns = _format(table, data)
+    form, columns = _format(table, data=data)
     tools = _named(table, "tools_column", data.tools_column) or ("tools" if "tools" in table.columns else None)
     if tools is None:
         return form, columns
@@ -79,7 +79,7 @@ def detect_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, .
     return form, (*columns, tools)
 
 
-def _format(table: Table, data: DataSection) -> tuple[str, tuple[str, ...]]:
+def _format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, ...]]:
     messages = _named(table, "messages_column", data.messages_column)
     prompt = _named(table, "prompt_column", data.prompt_column)
     completion = _named(table, "completion_column", data.completion_column)
