@@ -5,6 +5,7 @@ padded or packed), and every bad row refused in one line naming file:line."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import load_task_of, prepare_data, recipe
 
-from parallel_finetune.data.batch import IGNORE, PreferenceBatcher, TokenizedSplit
+from parallel_finetune.data.batch import IGNORE, PairReference, PreferenceBatcher, TokenizedSplit
 from parallel_finetune.data.packing import PackedShape
 from parallel_finetune.errors import UserError
 from parallel_finetune.resolve import load_config
@@ -253,14 +254,17 @@ def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(c
         prompt = split.prompt_lengths[i]
         assert split.ids[i][:prompt] == split.rejected_ids[i][:prompt] and split.ids[i] != split.rejected_ids[i]
         assert split.lengths[i] == len(split.ids[i]) + len(split.rejected_ids[i])
-    split.reference = [(-float(i), -float(i) - 0.5) for i in range(len(split))]
     indices = [5, 17, 3, 40]
+    values = [(-float(i), -float(i) - 0.5) for i in range(len(split))]
+    reference = PairReference(values, [i in indices for i in range(len(split))])  # only the batch's pairs measured
     pad = prepared.tokenizer.pad_token_id
-    padded = PreferenceBatcher(split, pad_id=pad, padding_side="right", pad_multiple=1, device="cpu").batch(indices)
-    shape = PackedShape(capacity=256)
-    packed = PreferenceBatcher(
-        split, pad_id=pad, padding_side="right", pad_multiple=1, device="cpu", shape=shape
-    ).batch(indices)
+    padding = {"pad_id": pad, "padding_side": "right", "pad_multiple": 1, "device": "cpu", "reference": reference}
+    padded = PreferenceBatcher(split, **padding).batch(indices)
+    packed = PreferenceBatcher(split, **padding, shape=PackedShape(capacity=256)).batch(indices)
+    with pytest.raises(RuntimeError, match="pair 6's reference log-probabilities were not measured"):
+        PreferenceBatcher(split, **padding).batch([5, 6])  # never a silent 0
+    with pytest.raises(dataclasses.FrozenInstanceError):  # nothing is written into a split once it is read
+        split.ids = []
     for batch in (padded, packed):
         assert batch.scored() == 4
         target = batch.loss_target()
@@ -271,7 +275,7 @@ def test_pairs_share_the_prompts_tokens_and_batches_keep_a_pairs_rows_together(c
             row = (split.ids, split.rejected_ids)[side][index]
             assert int(at.sum()) == len(row) - split.prompt_lengths[index]  # every answer token, nothing else
             assert torch.equal(batch.labels[at], torch.tensor(row[split.prompt_lengths[index] :]))
-            assert set(target[..., 2][at].tolist()) == {split.reference[index][side]}
+            assert set(target[..., 2][at].tolist()) == {values[index][side]}
             if batch.packed:  # both rows of a pair in one sequence
                 assert len(set(torch.nonzero(batch.answers // 2 == pair)[:, 0].tolist())) == 1
         assert ((batch.labels != IGNORE) == (batch.answers >= 0)).all()

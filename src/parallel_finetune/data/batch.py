@@ -123,9 +123,11 @@ def next_token_labels(
     return labels
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizedSplit:
-    """A cached split's columns as lists (a `datasets` column costs ~10 us a row, a list ~50 ns)."""
+    """A cached split's columns as lists (a `datasets` column costs ~10 us a row, a list ~50 ns). Frozen: what is
+    learned about its rows later (task=dpo's reference log-probabilities) travels beside it (PairReference), never
+    written into it."""
 
     head: HeadKind
     ids: list[list[int]]
@@ -138,9 +140,6 @@ class TokenizedSplit:
     prompt_lengths: list[int] | None = None  # the tokens before a conversation's first trained answer (task=sft)
     index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
     rejected_ids: list[list[int]] | None = None  # task=dpo: a pair's second row (`ids` holds the chosen one)
-    # task=dpo: each pair's reference log-probabilities (chosen, rejected), summed over each answer's tokens; set
-    # by loop/reference.py before training
-    reference: list[tuple[float, float]] | None = None
 
     @classmethod
     def of(cls, split: datasets.Dataset, task: Task) -> TokenizedSplit:
@@ -302,6 +301,22 @@ class PackedBatcher:
         return packed_token_slots(global_batch, self.split.lengths, dp, accumulation, self.shape)
 
 
+@dataclass(frozen=True)
+class PairReference:
+    """task=dpo's reference log-probabilities of a split's pairs (chosen, rejected), each summed over its answer's
+    tokens, as loop/reference.py measured them before training: handed to the batchers that put them into each
+    batch (Batch.reference). Only the pairs the run trains on (and every held-out pair) are measured; a batch of
+    another pair is refused, not given a silent 0."""
+
+    values: list[tuple[float, float]]
+    measured: list[bool]
+
+    def of(self, pair: int) -> tuple[float, float]:
+        if not self.measured[pair]:
+            raise RuntimeError(f"pair {pair}'s reference log-probabilities were not measured before training")
+        return self.values[pair]
+
+
 class PreferenceBatcher:
     """Batches of preference pairs (task=dpo): pair i of a batch's `indices` is two rows, its chosen answer (answer
     2i) and its rejected one (2i + 1), each with the prompt, labelled on the answer's tokens only. Padded, the rows
@@ -321,16 +336,19 @@ class PreferenceBatcher:
         device,
         shape: PackedShape | None = None,
         score_prompts: bool = False,
+        reference: PairReference | None = None,
     ):
+        """`reference`: the pairs' reference log-probabilities (None: a reference-free loss, or while they are
+        being measured: 0 in the batch, which nothing reads then)."""
         self.split, self.pad_id, self.padding_side = split, pad_id, padding_side
         self.pad_multiple, self.device, self.shape = pad_multiple, device, shape
-        self.packed, self.score_prompts = shape is not None, score_prompts
+        self.packed, self.score_prompts, self.reference = shape is not None, score_prompts, reference
 
     def _rows(self, indices: list[int]) -> list[tuple[list[int], int, int, float]]:
         """(ids, prompt length, answer number, reference log-probability) of each row, pair by pair."""
         split, rows = self.split, []
         for number, index in enumerate(indices):
-            reference = split.reference[index] if split.reference is not None else (0.0, 0.0)
+            reference = self.reference.of(index) if self.reference is not None else (0.0, 0.0)
             for side, ids in enumerate((split.ids[index], split.rejected_ids[index])):
                 rows.append((ids, split.prompt_lengths[index], 2 * number + side, reference[side]))
         return rows

@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from ..config import Config
-from ..data.batch import PackedBatcher, PaddedBatcher, PreferenceBatcher, TokenizedSplit
+from ..data.batch import PackedBatcher, PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
 from ..data.packing import PackedShape
 from ..data.prepare import PreparedData, load_prepared, prepare, tokenizer_identity
 from ..data.sampling import GlobalBatches
@@ -165,7 +165,7 @@ class RunBuilder:
             built = self._build(layout, resolved, prepared, train, schedule)
         # before a resumed checkpoint replaces the weights
         saved_initial = self._saved_initial(resolved, built)
-        splits = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
+        splits, references = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
         checkpoints = CheckpointManager(
             checkpoint_root,
             checkpoint=config.checkpoint,
@@ -180,7 +180,7 @@ class RunBuilder:
         trainer = Trainer(
             steps=Steps(schedule.total_steps, len(sampler), config.gradient_accumulation_steps),
             sampler=sampler,
-            batcher=self._batcher(train, prepared, layout, resolved, built.runner, built.preference),
+            batcher=self._batcher(train, prepared, layout, resolved, built, references.get("train")),
             runner=built.runner,
             updates=built.updates,
             scheduler=built.scheduler,
@@ -194,6 +194,7 @@ class RunBuilder:
                 every=config.eval_every,
                 preference=built.preference,
                 splits=splits,
+                references=references,
             ),
             generator=self._generator(prepared, layout, built) if config.generate_every else None,
             checkpoints=checkpoints,
@@ -315,18 +316,19 @@ class RunBuilder:
         gathered = built.updates.full_state_dict(resolved.export_dtype, names)
         return {name: tensor.clone() for name, tensor in gathered.items()}  # on a CPU: the live parameter itself
 
-    def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> dict:
+    def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> tuple:
         """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs
-        (loop/reference.py); returns the validation split that holds them, for the evaluator ({}: another task)."""
+        (loop/reference.py): the validation split already read, and each split's PairReference by name (({}, {}):
+        another task; no references: a reference-free pair loss)."""
         if built.preference is None:
-            return {}
+            return {}, {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
         if not built.preference.needs_reference:  # SimPO, ORPO: reference-free, no pass (and no reference time)
-            return {"validation": validation}
-        trained = trained_pairs(sampler, schedule.total_steps)
+            return {"validation": validation}, {}
+        trained, references = trained_pairs(sampler, schedule.total_steps), {}
         with self.timer("reference"):
-            for split, pairs in ((train, trained), (validation, range(len(validation)))):
+            for name, split, pairs in (("train", train, trained), ("validation", validation, range(len(validation)))):
                 batcher = PreferenceBatcher(
                     split,
                     pad_id=tokenizer.pad_token_id,
@@ -334,7 +336,7 @@ class RunBuilder:
                     pad_multiple=built.runner.pad_multiple,
                     device=layout.device,
                 )
-                measure_reference(
+                references[name] = measure_reference(
                     batcher,
                     list(pairs),
                     runner=built.runner,
@@ -344,7 +346,7 @@ class RunBuilder:
                     layout=layout,
                     lora=resolved.lora is not None,
                 )
-        return {"validation": validation}
+        return {"validation": validation}, references
 
     def _batcher(
         self,
@@ -352,12 +354,12 @@ class RunBuilder:
         prepared,
         layout: Layout,
         resolved: Resolved,
-        runner: Runner,
-        preference: PreferenceLoss | None,
+        built: _Model,
+        reference: PairReference | None,
     ):
         """The training rows' batcher: padded, or packed (`packing: true`) as this runner wants its batches (a
-        pipeline's are of static shapes); task=dpo's keeps each pair's two rows together."""
-        config, tokenizer = self.config, prepared.tokenizer
+        pipeline's are of static shapes); task=dpo's keeps each pair's two rows together, with their `reference`."""
+        config, tokenizer, runner = self.config, prepared.tokenizer, built.runner
         pairs, pipeline = prepared.task.kind.pairs, layout.pp > 1
         shape = None
         if config.packing:  # task=dpo: a sequence holds twice max_length, so any pair's two rows fit in one
@@ -374,7 +376,8 @@ class RunBuilder:
         padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
         if not pairs:
             return PaddedBatcher(train, **padding)
-        return PreferenceBatcher(train, **padding, shape=shape, score_prompts=preference.scores_prompts)
+        score_prompts = built.preference.scores_prompts
+        return PreferenceBatcher(train, **padding, shape=shape, score_prompts=score_prompts, reference=reference)
 
     def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
         """generate_every's decoder over the run's runner, with the held-out prompts it answers."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PaddedBatcher, PreferenceBatcher, TokenizedSplit
+from ..data.batch import PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
 from ..data.prepare import PreparedData
 from ..data.sampling import scoring_chunks
 from ..errors import UserError
@@ -44,15 +44,17 @@ class Evaluator:
         every=None,
         preference: PreferenceLoss | None = None,
         splits: dict[str, TokenizedSplit] | None = None,
+        references: dict[str, PairReference] | None = None,
     ):
         """`preference`: task=dpo's loss (held-out pairs are scored by its metrics); `splits`: splits already read
-        (task=dpo's validation split, with its reference log-probabilities)."""
+        (task=dpo's validation split); `references`: their pairs' reference log-probabilities, by split name."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
         self.loss = summed_loss_for(data.task)  # a classifier's, from its logits
         self.preference = preference
         self._splits: dict[str, TokenizedSplit] = dict(splits or {})
+        self.references = dict(references or {})
 
     def due(self, step: int, total_steps: int) -> bool:
         """An evaluation after this step (not after the last one: the run's end evaluates every split)."""
@@ -63,7 +65,7 @@ class Evaluator:
         """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
         split = self._split(name)
         if self.preference is not None:
-            return self._scored_pairs(split)
+            return self._scored_pairs(split, self.references.get(name))
         loss, predictions = self._scored(split, with_loss=True)
         if self.task.head is HeadKind.CAUSAL_LM:
             return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
@@ -148,7 +150,7 @@ class Evaluator:
             dist.all_reduce(totals, group=layout.dp_group)
         return self._gathered(split, totals, predictions, with_loss)
 
-    def _scored_pairs(self, split: TokenizedSplit) -> dict:
+    def _scored_pairs(self, split: TokenizedSplit, reference: PairReference | None) -> dict:
         """Held-out pairs: eval_loss (the mean pair loss) and the pair loss's metrics (TRL's rewards/*, logps/*,
         ...) means."""
         layout, runner, preference, tokenizer = self.layout, self.runner, self.preference, self.data.tokenizer
@@ -159,6 +161,7 @@ class Evaluator:
             pad_multiple=runner.pad_multiple,
             device=layout.device,
             score_prompts=preference.scores_prompts,
+            reference=reference,
         )
         totals = preference.sums(None, layout.device)
         preference.take()

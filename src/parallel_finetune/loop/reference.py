@@ -1,5 +1,6 @@
 """task=dpo's reference model, measured once before training: each pair's reference log-probabilities (chosen,
-rejected), kept with the rows (TokenizedSplit.reference), so that no second model is held while training.
+rejected), handed to the batchers beside the rows (data.batch.PairReference), so that no second model is held
+while training.
 
 The reference is the model as training starts (the pretrained weights, or a tiny model's seeded ones), or with
 LoRA / QLoRA the same model with its adapters disabled (lora.adapters_disabled: the frozen base, exact whatever
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PreferenceBatcher
+from ..data.batch import PairReference, PreferenceBatcher
 from ..data.sampling import scoring_chunks
 from ..interfaces import Runner
 from ..model.lora import adapters_disabled
@@ -50,9 +51,9 @@ def measure_reference(
     batch_size: int,
     layout,
     lora: bool,
-) -> None:
-    """Set the reference log-probabilities of the batcher's split for `pairs` (the others stay 0: no step reads
-    them); `batcher` pads the pairs as the runner wants them."""
+) -> PairReference:
+    """The reference log-probabilities of the batcher's split's `pairs` (the others are not measured: no step
+    reads them); `batcher` pads the pairs as the runner wants them."""
     started = time.perf_counter()
     split = batcher.split
     values = torch.zeros(len(split), 2, dtype=torch.float64, device=layout.device)
@@ -70,10 +71,13 @@ def measure_reference(
         model.train(training)
     if layout.world_size > 1:
         dist.all_reduce(values)
-    split.reference = [tuple(pair) for pair in values.tolist()]
+    measured = [False] * len(split)
+    for pair in pairs:
+        measured[pair] = True
     log.info(
         "dpo: reference log-probabilities of %d pairs measured in %.1f s (%s)",
         len(pairs),
         time.perf_counter() - started,
         "the model with its adapters disabled" if lora else "the model before training",
     )
+    return PairReference([tuple(pair) for pair in values.tolist()], measured)
