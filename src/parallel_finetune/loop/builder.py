@@ -165,7 +165,7 @@ class RunBuilder:
             built = self._build(layout, resolved, prepared, train, schedule)
         # before a resumed checkpoint replaces the weights
         saved_initial = self._saved_initial(resolved, built)
-        splits, references = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
+        references = self._measure_reference(layout, resolved, prepared, built, train, sampler, schedule)
         checkpoints = CheckpointManager(
             checkpoint_root,
             checkpoint=config.checkpoint,
@@ -193,7 +193,6 @@ class RunBuilder:
                 layout=layout,
                 every=config.eval_every,
                 preference=built.preference,
-                splits=splits,
                 references=references,
             ),
             generator=self._generator(prepared, layout, built) if config.generate_every else None,
@@ -316,16 +315,14 @@ class RunBuilder:
         gathered = built.updates.full_state_dict(resolved.export_dtype, names)
         return {name: tensor.clone() for name, tensor in gathered.items()}  # on a CPU: the live parameter itself
 
-    def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> tuple:
+    def _measure_reference(self, layout, resolved, prepared, built: _Model, train, sampler, schedule) -> dict:
         """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs
-        (loop/reference.py): the validation split already read, and each split's PairReference by name (({}, {}):
-        another task; no references: a reference-free pair loss)."""
-        if built.preference is None:
-            return {}, {}
+        (loop/reference.py), each split's PairReference by name ({}: another task, or a reference-free pair
+        loss)."""
+        if built.preference is None or not built.preference.needs_reference:  # SimPO, ORPO: no pass, no time
+            return {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
-        if not built.preference.needs_reference:  # SimPO, ORPO: reference-free, no pass (and no reference time)
-            return {"validation": validation}, {}
         trained, references = trained_pairs(sampler, schedule.total_steps), {}
         with self.timer("reference"):
             for name, split, pairs in (("train", train, trained), ("validation", validation, range(len(validation)))):
@@ -346,7 +343,7 @@ class RunBuilder:
                     layout=layout,
                     lora=resolved.lora is not None,
                 )
-        return {"validation": validation}, references
+        return references
 
     def _batcher(
         self,

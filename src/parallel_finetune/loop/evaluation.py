@@ -43,17 +43,16 @@ class Evaluator:
         layout,
         every=None,
         preference: PreferenceLoss | None = None,
-        splits: dict[str, TokenizedSplit] | None = None,
         references: dict[str, PairReference] | None = None,
     ):
-        """`preference`: task=dpo's loss (held-out pairs are scored by its metrics); `splits`: splits already read
-        (task=dpo's validation split); `references`: their pairs' reference log-probabilities, by split name."""
+        """`preference`: task=dpo's loss (held-out pairs are scored by its metrics); `references`: the held-out
+        pairs' reference log-probabilities, by split name."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
         self.loss = summed_loss_for(data.task)  # a classifier's, from its logits
         self.preference = preference
-        self._splits: dict[str, TokenizedSplit] = dict(splits or {})
+        self._splits: dict[str, TokenizedSplit] = {}  # each read on first use
         self.references = dict(references or {})
 
     def due(self, step: int, total_steps: int) -> bool:
