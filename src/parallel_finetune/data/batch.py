@@ -138,6 +138,7 @@ class TokenizedSplit:
     prompt_lengths: list[int] | None = None  # the tokens before a conversation's first trained answer (task=sft)
     index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
     rejected_ids: list[list[int]] | None = None  # task=dpo: a pair's second row (`ids` holds the chosen one)
+    margins: list[float] | None = None  # task=reward: each pair's margin (its `margin` column)
     # task=dpo: each pair's reference log-probabilities (chosen, rejected), summed over each answer's tokens; set
     # by loop/reference.py before training
     reference: list[tuple[float, float]] | None = None
@@ -170,6 +171,7 @@ class TokenizedSplit:
             optional("prompt_length"),
             optional("index"),
             optional("rejected_ids"),
+            optional("margin"),
         )
 
     def __len__(self) -> int:

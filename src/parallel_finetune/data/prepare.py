@@ -25,10 +25,10 @@ from ..families.base import Family
 from ..model.hub import resolve_model_path
 from ..model.pretrained import load_hf_tokenizer
 from ..outputs.runfolder import check_writable
-from ..tasks import DPO, SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
+from ..tasks import DPO, REWARD, SFT, HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
-from . import chat, preference
+from . import chat, preference, reward
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,9 @@ def prepare(
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if pairs:
+        if task.problem_type == REWARD:
+            splits[split] = reward.tokenize_reward_pairs(raw[split], tokenizer, data.max_length, split)
+        elif pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
         elif instruction:
             splits[split] = chat.tokenize_sft(raw[split], tokenizer, data.max_length, data.train_on, split)
@@ -372,7 +374,7 @@ def run_tokenizer(
     task=sft's chat template set on it and checked (chat.apply_template), so the cached and exported tokenizer
     renders conversations as training did. --check makes the same to render a sample of the rows."""
     learned = model.tokenizer is None and model.size == "tiny"  # a tokenizer learned from the rows
-    instruction = task.problem_type == SFT or (task.problem_type == DPO and conversational_pairs(raw["train"]))
+    instruction = task.problem_type == SFT or (task.preference_pairs and conversational_pairs(raw["train"]))
     template = (
         chat.template_text(data.chat_template or (chat.TINY_DEFAULT if learned else None)) if instruction else None
     )

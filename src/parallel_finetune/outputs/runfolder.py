@@ -44,7 +44,7 @@ import yaml
 from ..config import CheckpointSection, OutputSection
 from ..errors import UserError, one_line
 from ..parallel.layout import rank0_decides
-from ..tasks import DPO, LABEL_FILE, SFT, write_label_file
+from ..tasks import DPO, LABEL_FILE, REWARD, SFT, write_label_file
 from .run_files import CHECKPOINT_NAME, LOCK, RECORD, RECORD_HEADER, RUN_OUTPUTS
 from .run_files import EXPORT_STAGING as STAGING
 from .run_files import EXPORT_STAGING_MARKER as STAGING_MARKER
@@ -426,7 +426,7 @@ def open_run_folder(
 # Keys a task never reads, left out of what its run writes as its settings (config.yaml in the run folder and in
 # each checkpoint, the trackers' parameters), so that they say what the run did: sft and dpo read no GLUE task,
 # whatever glue_task's default. A continued run compares only the keys its checkpoint holds.
-UNREAD_KEYS = {SFT: ("glue_task",), DPO: ("glue_task",)}
+UNREAD_KEYS = {SFT: ("glue_task",), DPO: ("glue_task",), REWARD: ("glue_task",)}
 
 
 def written_settings(settings: dict) -> dict:

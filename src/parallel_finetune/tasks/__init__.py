@@ -14,6 +14,7 @@ from .columns import define_task, held_out_validation, model_rows
 from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
 from .preferences import define_preference_task, preference_rows
+from .rewards import define_reward_task, reward_rows
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
     PREFERENCE_SAMPLE_DIR,
@@ -23,7 +24,7 @@ from .sources import (  # noqa: F401
     data_fingerprint,
     read_sources,
 )
-from .task import DPO, LABEL_FILE, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
+from .task import DPO, LABEL_FILE, REWARD, SFT, HeadKind, Task, head_of, read_label_file, write_label_file  # noqa: F401
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
@@ -36,6 +37,7 @@ def load_task(
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
     rows = {DPO: (define_preference_task, preference_rows), SFT: (define_instruction_task, conversation_rows)}
+    rows[REWARD] = (define_reward_task, reward_rows)
     if model.task in rows:  # rows of their own format (task.name), read from its columns
         define, read = rows[model.task]
         task = define(tables["train"], data=data)

@@ -342,6 +342,7 @@ SHIPPED_SAMPLES = {
         "dpo-sample-",
     ),
 }
+SHIPPED_SAMPLES["reward"] = SHIPPED_SAMPLES["dpo"]  # reward modelling reads the same preference pairs
 
 
 def read_shipped_sample(task_key: str, *, data: DataSection) -> tuple[dict[str, Table], Source]:

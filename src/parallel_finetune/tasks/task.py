@@ -24,6 +24,7 @@ CLASSIFICATION = "single_label_classification"
 CAUSAL_LM = "causal_lm"
 SFT = "sft"  # instruction tuning: a causal LM trained on conversations, scored on the answers' tokens
 DPO = "dpo"  # preference tuning: a causal LM trained to prefer each pair's chosen answer to its rejected one
+REWARD = "reward"  # reward modelling: a one-output sequence classifier scoring each pair's chosen answer higher
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
 
 
@@ -40,6 +41,8 @@ class HeadKind(str, Enum):
 def head_of(task_key: str) -> HeadKind:
     """The head a recipe's `task:` value (classification | causal_lm | sft | dpo) trains: sft and dpo train the
     causal LM's."""
+    if task_key == REWARD:  # pairs scored by a one-output classification head
+        return HeadKind.CLASSIFICATION
     return HeadKind.CAUSAL_LM if task_key in (SFT, DPO) else HeadKind(task_key)
 
 
@@ -96,14 +99,21 @@ class Task:
         scored on held-out pairs by rewards/accuracies and margins; no test split. `name`: the rows' format."""
         return cls(name, DPO, False, metric="preference", columns=columns, validation_splits=validation_splits)
 
+    @classmethod
+    def reward_model(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Reward modelling (task=reward): the preference pairs of task=dpo scored by a one-output
+        sequence-classification head (Bradley-Terry: the chosen answer's score above the rejected one's); scored on
+        held-out pairs by accuracy and margin; no test split. `name`: the rows' format."""
+        return cls(name, REWARD, False, metric="reward", columns=columns, validation_splits=validation_splits)
+
     @property
     def head(self) -> HeadKind:
         return HeadKind.CAUSAL_LM if self.problem_type in (CAUSAL_LM, SFT, DPO) else HeadKind.CLASSIFICATION
 
     @property
     def preference_pairs(self) -> bool:
-        """Rows are preference pairs (task=dpo): a chosen and a rejected answer to one prompt."""
-        return self.problem_type == DPO
+        """Rows are preference pairs (task=dpo, task=reward): a chosen and a rejected answer to one prompt."""
+        return self.problem_type in (DPO, REWARD)
 
     @property
     def regression(self) -> bool:
@@ -161,7 +171,8 @@ def configure_head(hf_config, task: Task) -> None:
     if task.label_names:
         hf_config.id2label = dict(enumerate(task.label_names))
         hf_config.label2id = {name: i for i, name in enumerate(task.label_names)}
-    hf_config.problem_type = task.problem_type
+    # a reward model's one output is a score, not a class: transformers' pipeline then returns it as it is
+    hf_config.problem_type = REGRESSION if task.problem_type == REWARD else task.problem_type
 
 
 def write_label_file(folder: Path, task: Task) -> None:
