@@ -54,7 +54,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
+	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -102,6 +102,7 @@ help:
 	@echo "make bench-minilm-lora   the same with LoRA (recipes/bert/minilm_lora.yaml)"
 	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
 	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
+	@echo "make bench-reward-trl  task=reward vs TRL's RewardTrainer: step-1 loss, accuracy, margin, rewards, grad_norm"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -307,6 +308,10 @@ bench-sft: setup $(TRL_VENV)/.installed
 # task=dpo vs TRL's DPOTrainer (.venv-trl): step 1 on the same tiny Llama, pairs, beta and batch; a markdown table.
 bench-dpo-trl: setup $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) bench/dpo_vs_trl.py $(ARGS)
+
+# task=reward vs TRL's RewardTrainer (.venv-trl): step 1 on the same tiny Llama classifier, pairs and batch.
+bench-reward-trl: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/reward_vs_trl.py $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
