@@ -158,15 +158,18 @@ def test_keys_of_another_task_are_refused(overrides, message):
 
 
 def test_reward_learns_the_preference_sample(sst2, cache_dir, tmp_path):
-    """A tiny Llama from scratch on the sample's 400 pairs for 100 steps (DPO's learning test's settings): held-out
-    accuracy above 0.9 at the end."""
+    """A tiny Llama from scratch on the sample's 400 pairs, 200 steps of 16 pairs at lr 1e-3 (no warm-up): held-out
+    accuracy 0.5 or so before (a random head), at least 0.9 at the end, the held-out margin grown."""
     run = launch(
         1,
-        reward_overrides(sst2, cache_dir, "llama", max_steps=100, eval_every=50, warmup_ratio=0, lr="2e-3"),
+        reward_overrides(sst2, cache_dir, "llama", max_steps=200, eval_every=100, warmup_ratio=0, lr="1e-3"),
         tmp_path / "learn",
         recipe=recipe("llama"),
     )
     halfway = json.loads((run.output_dir / "eval.jsonl").read_text().splitlines()[0])
-    after = run.summary["accuracy"]
-    print(f"held-out accuracy: {halfway['accuracy']:.3f} at step 50, {after:.3f} at 100")
-    assert after >= 0.9
+    after = run.summary
+    print(
+        f"held-out accuracy: {halfway['accuracy']:.3f} at step 100, {after['accuracy']:.3f} at 200 (margin "
+        f"{halfway['margin']:.3f}, {after['margin']:.3f}); step 1's batch: {run.records[0]['accuracy']:.3f}"
+    )
+    assert after["accuracy"] >= 0.9 and after["margin"] > 0
