@@ -45,12 +45,16 @@ SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/s
 # Preference tuning: recipes/<family>/dpo.yaml for -dpo, dpo_lora.yaml for -dpo-lora (pairs, docs/preference.md).
 DPO_FAMILIES := $(patsubst recipes/%/dpo.yaml,%,$(wildcard recipes/*/dpo.yaml))
 DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/dpo_lora.yaml))
+# Reward modelling: recipes/<family>/reward.yaml for -reward, reward_lora.yaml for -reward-lora (docs/reward.md).
+REWARD_FAMILIES := $(patsubst recipes/%/reward.yaml,%,$(wildcard recipes/*/reward.yaml))
+REWARD_LORA_FAMILIES := $(patsubst recipes/%/reward_lora.yaml,%,$(wildcard recipes/*/reward_lora.yaml))
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup setup-all data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
+	$(addsuffix -reward,$(REWARD_FAMILIES)) $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES)) \
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
@@ -75,6 +79,8 @@ help:
 	@echo "make FAMILY-dpo   preference tuning (task=dpo): pairs of a chosen and a rejected answer, TRL's metrics:"
 	@echo "               $(addsuffix -dpo,$(DPO_FAMILIES))"
 	@echo "make FAMILY-dpo-lora   the same with LoRA adapters (the reference: adapters disabled): $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES))"
+	@echo "make FAMILY-reward   reward modelling (task=reward, TRL's RewardTrainer): $(addsuffix -reward,$(REWARD_FAMILIES))"
+	@echo "make FAMILY-reward-lora   the same with LoRA adapters: $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -204,6 +210,19 @@ $(1)-dpo-lora: setup
 	$$(call run_recipe,recipes/$(1)/dpo_lora.yaml)
 endef
 $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family))))
+
+# Reward modelling (recipes/<family>/reward.yaml, reward_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's accuracy,
+# margin and min/mean/max_reward; hf/ a one-output sequence classifier.
+define reward_targets
+$(1)-reward: setup
+	$$(call run_recipe,recipes/$(1)/reward.yaml)
+endef
+$(foreach family,$(REWARD_FAMILIES),$(eval $(call reward_targets,$(family))))
+define reward_lora_targets
+$(1)-reward-lora: setup
+	$$(call run_recipe,recipes/$(1)/reward_lora.yaml)
+endef
+$(foreach family,$(REWARD_LORA_FAMILIES),$(eval $(call reward_lora_targets,$(family))))
 
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in

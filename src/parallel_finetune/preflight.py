@@ -11,6 +11,7 @@ from .config import Config, refuse_compile_with_tp
 from .data.chat import tokenize_sft
 from .data.preference import tokenize_pairs
 from .data.prepare import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
+from .data.reward import tokenize_reward_pairs
 from .errors import UserError
 from .families import get_family
 from .loop.generation import NO_PROMPTS
@@ -30,7 +31,7 @@ from .outputs.runfolder import (
 from .parallel.layout import Engine, check_batch_split, pipeline_microbatches, resolve_device, resolve_dims
 from .resolve import choose_model, resolve
 from .tasks import HeadKind, check_hub_data
-from .tasks.task import DPO, SFT
+from .tasks.task import DPO, REWARD, SFT
 
 if TYPE_CHECKING:
     from .tasks.task import Task
@@ -188,7 +189,7 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
     model; a local one at full size: a Hub name's is checked by the run, once downloaded) with its chat template
     set and checked, and the first CHECKED_ROWS rows of each split rendered and masked; generate_every needs
     conversations in the validation split."""
-    if task.problem_type not in (SFT, DPO):
+    if task.problem_type not in (SFT, DPO, REWARD):
         return
     if config.generate_every and "messages" not in raw["validation"].column_names:
         raise UserError(NO_PROMPTS)
@@ -204,7 +205,9 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
         if split == "test":
             continue
         rows = rows.select(range(min(len(rows), CHECKED_ROWS)))
-        if task.problem_type == DPO:
+        if task.problem_type == REWARD:
+            tokenize_reward_pairs(rows, tokenizer, config.max_length, split)
+        elif task.problem_type == DPO:
             tokenize_pairs(rows, tokenizer, config.max_length, split)
         else:
             tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split)
@@ -241,7 +244,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     family = get_family(config.family)
     resolve_device(config.device)
     task = None  # known before the launch for local rows only
-    sample = config.task in (SFT, DPO) and not config.dataset  # the shipped chat or preference sample, or files
+    sample = config.task in (SFT, DPO, REWARD) and not config.dataset  # the shipped chat or preference sample, or files
     if (
         sample
         or config.data_dir

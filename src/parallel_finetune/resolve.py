@@ -36,7 +36,7 @@ from .model.quantize import NF4Settings
 from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .tasks.task import DPO, SFT, HeadKind, head_of
+from .tasks.task import DPO, REWARD, SFT, HeadKind, head_of
 
 
 @dataclass(frozen=True)
@@ -224,9 +224,9 @@ def planner_workload(config: Config, *, count_samples: bool = True):
         base_quantization=peft.lora_base_quantization if chosen.lora else "none",
         lora=chosen.lora,
         packing=config.packing,
-        tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO) else None,
+        tokens_per_row=SFT_TOKENS_PER_ROW if config.task in (SFT, DPO, REWARD) else None,
         loss_chunk_tokens=config.loss_chunk_tokens if Engine(config.engine) is Engine.TORCH else 0,
-        pairs=config.task == DPO,
+        pairs=config.task in (DPO, REWARD),
         reference_pass=config.task == DPO and config.preference.dpo_loss not in REFERENCE_FREE_LOSSES,
         compute_bytes=4 if config.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
         task=config.task,

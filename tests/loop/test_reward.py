@@ -173,3 +173,17 @@ def test_reward_learns_the_preference_sample(sst2, cache_dir, tmp_path):
         f"{halfway['margin']:.3f}, {after['margin']:.3f}); step 1's batch: {run.records[0]['accuracy']:.3f}"
     )
     assert after["accuracy"] >= 0.9 and after["margin"] > 0
+
+
+def test_predict_scores_pairs_as_the_run_did(llama_run, tmp_path):
+    """scripts/predict.py on the run folder and the sample's held-out pairs: index, both scores and the preferred
+    answer per pair, whose share of "chosen" is the run's held-out accuracy."""
+    from parallel_finetune.tasks import PREFERENCE_SAMPLE_DIR
+    from parallel_finetune.tools.inference import main
+
+    out = tmp_path / "scores.tsv"
+    assert main([str(llama_run.output_dir), str(PREFERENCE_SAMPLE_DIR / "validation.jsonl"), "--output", str(out)]) == 0
+    header, *rows = out.read_text().splitlines()
+    assert header == "index\tchosen\trejected\tpreferred" and len(rows) == 64
+    preferred = [row.split("\t")[3] for row in rows]
+    assert preferred.count("chosen") / 64 == pytest.approx(llama_run.summary["accuracy"], abs=1e-6)

@@ -24,7 +24,18 @@ from ..errors import OneLineArgumentParser, UserError, one_line
 from ..outputs.run_files import CONFIG_FILE
 from ..tasks.columns import PAIR_OF, TEXT_COLUMNS
 from ..tasks.files import Table, check_text, read_file
-from ..tasks.task import CAUSAL_LM, CLASSIFICATION, DPO, LABEL_FILE, REGRESSION, SFT, HeadKind, Task, configure_head
+from ..tasks.task import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    DPO,
+    LABEL_FILE,
+    REGRESSION,
+    REWARD,
+    SFT,
+    HeadKind,
+    Task,
+    configure_head,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +130,8 @@ def _read_labels(path: Path) -> Task:
 
     if problem in (SFT, DPO):  # a run before sft and dpo wrote no labels.json
         raise UserError(_chat_model(path, problem))
+    if problem == REWARD and strings(columns) and not names:  # a reward model: its pairs' columns
+        return Task.from_json(values)
     if problem not in (CLASSIFICATION, REGRESSION, CAUSAL_LM):
         wrong = f"problem_type {problem!r}"
     elif not isinstance(pair, bool):
@@ -561,11 +574,17 @@ def main(argv: list[str] | None = None) -> int:
         if not len(table):
             raise UserError(f"{table.where}: no rows to classify")
         classifier = load_classifier(args.model_dir, args.max_length, args.device)
-        text, pair = choose_columns(classifier, table, args.text_column, args.text_pair_column)
-        results = classify(
-            classifier, _texts(table, text), _texts(table, pair) if pair else None, batch_size=args.batch_size
-        )
-        lines = format_rows(classifier, results)
+        if classifier.task is not None and classifier.task.problem_type == REWARD:  # pairs, scored
+            from .reward_scoring import pair_lines, score_pairs
+
+            results = score_pairs(classifier, table, args.batch_size)
+            lines = pair_lines(results)
+        else:
+            text, pair = choose_columns(classifier, table, args.text_column, args.text_pair_column)
+            results = classify(
+                classifier, _texts(table, text), _texts(table, pair) if pair else None, batch_size=args.batch_size
+            )
+            lines = format_rows(classifier, results)
         if out is None:
             print("\n".join(lines))
         else:
