@@ -44,6 +44,9 @@ def test_a_reward_run_trains_and_reports_trls_metrics(llama_run):
     settings = yaml.safe_load((llama_run.output_dir / "config.yaml").read_text())
     assert settings["task"] == "reward" and "glue_task" not in settings
     assert json.loads((llama_run.output_dir / "labels.json").read_text())["problem_type"] == "reward"
+    said = f"| accuracy {records[-1]['accuracy']:.3f} | margin {records[-1]['margin']:.4f}"
+    assert any(line.startswith("step 6/6 |") and line.endswith(said) for line in llama_run.output.splitlines())
+    assert "task=reward: " in llama_run.output and "task=dpo" not in llama_run.output
 
 
 def test_the_export_is_a_one_output_classifier_that_scores_as_the_run(llama_run, cache_dir):

@@ -395,6 +395,8 @@ def run_tokenizer(
         name = chat.apply_template(tokenizer, data.chat_template, learned, model.tokenizer or model_name or "tiny")
         if task.problem_type == SFT:
             log.info("task=sft: chat template %s, the loss on %s", name, data.train_on)
+        elif task.problem_type == REWARD:
+            log.info("task=reward: chat template %s, each row scored at its last token", name)
         else:
             log.info("task=dpo: chat template %s, the loss on the answers' log-probabilities", name)
     return tokenizer

@@ -25,7 +25,7 @@ MARGIN = "margin"  # TRL's column name
 def define_reward_task(train: Table, *, data: DataSection) -> Task:
     """The Task of reward-modelling rows: the pair format found from the training table's columns, and `margin`
     last among the columns when the training table has one."""
-    form, columns = detect_preference_format(train, data=data)
+    form, columns = detect_preference_format(train, data=data, task_key="reward")
     return Task.reward_model(form, columns + ((MARGIN,) if MARGIN in train.columns else ()))
 
 
@@ -60,7 +60,7 @@ def reward_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -
             f"{table.where}: column {MARGIN!r} is here but not in the training split, where the run would read none; "
             "give every split a margin, or none"
         )
-    rows = preference_rows(table, split, form, pairs)
+    rows = preference_rows(table, split, form, pairs, task_key="reward")
     if margins:
         rows[MARGIN] = [_margin(table, row, table.columns[MARGIN][row]) for row in rows["index"]]
     return rows
