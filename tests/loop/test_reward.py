@@ -131,11 +131,16 @@ def test_a_margin_that_is_not_a_number_names_its_line(tmp_path):
     assert "\n" not in str(error.value)
 
 
-def test_a_row_missing_an_answer_names_its_line(tmp_path):
-    rows = [PAIRS[0], {"prompt": "Is it good? fine", "chosen": " yes", "rejected": "", "margin": 0}]
+@pytest.mark.parametrize(
+    "missing,said",
+    [({"rejected": ""}, "column 'rejected' is empty"), ({}, "lacks key(s) rejected")],
+    ids=["empty", "absent"],
+)
+def test_a_row_missing_an_answer_names_its_line(tmp_path, missing, said):
+    rows = [PAIRS[0], {"prompt": "Is it good? fine", "chosen": " yes", "margin": 0} | missing]
     with pytest.raises(UserError) as error:
         _load(tmp_path, rows)
-    assert "train.jsonl:2" in str(error.value) and "'rejected' is empty" in str(error.value)
+    assert "train.jsonl:2: " in str(error.value) and said in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_margin_in_one_split_only_is_refused(tmp_path):
@@ -148,7 +153,7 @@ def test_a_margin_in_one_split_only_is_refused(tmp_path):
     "overrides,message",
     [
         (["task=reward", "dpo_beta=0.5"], "dpo_beta"),
-        (["task=dpo", "center_rewards_coefficient=0.01"], "center_rewards_coefficient"),
+        (["task=dpo", "center_rewards_coefficient=0.01"], "center_rewards_coefficient.*is task=reward's"),
         (["task=reward", "center_rewards_coefficient=-1"], "must be >= 0"),
         (["task=reward", "packing=true"], "packing"),
     ],
