@@ -5,8 +5,9 @@ which have no labels, write none (`Task.has_labels`).
 
 `problem_type` is the one field that decides the head: single_label_classification and regression are both a
 sequence-classification head (class logits, or one output), causal_lm and sft (instruction tuning: conversations,
-loss on the answers) are the language-model head. Components ask `task.head` and `task.regression`, never the
-strings; the recipe's `task:` key names its head through `head_of`.
+loss on the answers) are the language-model head; reward (preference pairs, each row scored by one output) is a
+sequence-classification head whose exported config says regression. Components ask `task.head` and
+`task.regression`, never the strings; the recipe's `task:` key names its head through `head_of`.
 """
 
 from __future__ import annotations
