@@ -58,6 +58,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
+	$(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES)) \
 	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
@@ -94,9 +95,10 @@ help:
 	@echo "make notebooks execute the walkthrough notebooks: four families and sft (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make FAMILY-tp-sagemaker (-pp-, -tp-pp-)   submit the recipe as a SageMaker job (docs/multi-node.md):"
 	@echo "               $(foreach f,$(FAMILIES),$(f)-tp-sagemaker $(f)-pp-sagemaker $(f)-tp-pp-sagemaker)"
-	@echo "make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-)   instruction and preference tuning as jobs:"
+	@echo "make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-, -reward-, -reward-lora-)   sft, preference tuning, reward models as jobs:"
 	@echo "               $(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES))"
 	@echo "               $(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES))"
+	@echo "               $(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES))"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\";"
 	@echo "               gated models: SM_ARGS=\"--hf-token env\" or \"--hf-token <Secrets Manager ARN>\")"
 	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
@@ -248,6 +250,8 @@ $(foreach family,$(SFT_FAMILIES),$(eval $(call task_sagemaker_target,$(family),s
 $(foreach family,$(SFT_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),sft-lora,sft_lora)))
 $(foreach family,$(DPO_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo,dpo)))
 $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo-lora,dpo_lora)))
+$(foreach family,$(REWARD_FAMILIES),$(eval $(call task_sagemaker_target,$(family),reward,reward)))
+$(foreach family,$(REWARD_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),reward-lora,reward_lora)))
 # 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
 ifeq ($(NGPU),0)
 $(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4

@@ -195,3 +195,25 @@ def test_predict_scores_pairs_as_the_run_did(llama_run, tmp_path):
     assert header == "index\tchosen\trejected\tpreferred" and len(rows) == 64
     preferred = [row.split("\t")[3] for row in rows]
     assert preferred.count("chosen") / 64 == pytest.approx(llama_run.summary["accuracy"], abs=1e-6)
+
+
+def test_reward_recipes_have_make_and_sagemaker_targets(cache_dir, tmp_path):
+    """make FAMILY-reward (-reward-lora, and their -sagemaker jobs) runs the recipe as the dpo targets do; a job
+    without DATA reads the preference sample its code channel carries (only its tokenized cache is staged)."""
+    from conftest import make_commands
+
+    from parallel_finetune.resolve import load_config
+    from parallel_finetune.sagemaker_job import stage_data
+
+    for target, recipe_path in (
+        ("llama-reward", "recipes/llama/reward.yaml"),
+        ("qwen3-reward-lora", "recipes/qwen3/reward_lora.yaml"),
+    ):
+        commands = make_commands(target)
+        assert any(recipe_path in command and "--check" in command for command in commands), commands
+        (job,) = make_commands(f"{target}-sagemaker")
+        assert job[1:3] == ["scripts/launch_sagemaker.py", recipe_path], job
+    config = load_config("recipes/llama/reward.yaml", ["size=tiny", f"cache_dir={cache_dir}"])
+    assert config.task == "reward" and config.family == "llama"
+    keys, cache = stage_data(config, tmp_path / "training")
+    assert keys == {} and "dpo-sample-" in cache and "-reward-" in cache
