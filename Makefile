@@ -45,16 +45,21 @@ SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/s
 # Preference tuning: recipes/<family>/dpo.yaml for -dpo, dpo_lora.yaml for -dpo-lora (pairs, docs/preference.md).
 DPO_FAMILIES := $(patsubst recipes/%/dpo.yaml,%,$(wildcard recipes/*/dpo.yaml))
 DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/dpo_lora.yaml))
+# Reward modelling: recipes/<family>/reward.yaml for -reward, reward_lora.yaml for -reward-lora (docs/reward.md).
+REWARD_FAMILIES := $(patsubst recipes/%/reward.yaml,%,$(wildcard recipes/*/reward.yaml))
+REWARD_LORA_FAMILIES := $(patsubst recipes/%/reward_lora.yaml,%,$(wildcard recipes/*/reward_lora.yaml))
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
 .PHONY: setup setup-all data $(foreach family,$(FAMILIES),$(family)-tp $(family)-pp $(family)-tp-pp) \
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
+	$(addsuffix -reward,$(REWARD_FAMILIES)) $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES)) \
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl \
+	$(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES)) \
+	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -75,6 +80,8 @@ help:
 	@echo "make FAMILY-dpo   preference tuning (task=dpo): pairs of a chosen and a rejected answer, TRL's metrics:"
 	@echo "               $(addsuffix -dpo,$(DPO_FAMILIES))"
 	@echo "make FAMILY-dpo-lora   the same with LoRA adapters (the reference: adapters disabled): $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES))"
+	@echo "make FAMILY-reward   reward modelling (task=reward, TRL's RewardTrainer): $(addsuffix -reward,$(REWARD_FAMILIES))"
+	@echo "make FAMILY-reward-lora   the same with LoRA adapters: $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -88,9 +95,10 @@ help:
 	@echo "make notebooks execute the walkthrough notebooks: four families and sft (LAUNCH=local; MAX_STEPS=, DATA=)"
 	@echo "make FAMILY-tp-sagemaker (-pp-, -tp-pp-)   submit the recipe as a SageMaker job (docs/multi-node.md):"
 	@echo "               $(foreach f,$(FAMILIES),$(f)-tp-sagemaker $(f)-pp-sagemaker $(f)-tp-pp-sagemaker)"
-	@echo "make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-)   instruction and preference tuning as jobs:"
+	@echo "make FAMILY-sft-sagemaker (-sft-lora-, -dpo-, -dpo-lora-, -reward-, -reward-lora-)   sft, preference tuning, reward models as jobs:"
 	@echo "               $(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES))"
 	@echo "               $(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES))"
+	@echo "               $(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES))"
 	@echo "               (SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET; SM_ARGS=\"--instance-count 2 --wait\";"
 	@echo "               gated models: SM_ARGS=\"--hf-token env\" or \"--hf-token <Secrets Manager ARN>\")"
 	@echo "make data      prepare and cache the tokenized data (DATA=, TASK= as for training; default SST-2)"
@@ -102,6 +110,7 @@ help:
 	@echo "make bench-minilm-lora   the same with LoRA (recipes/bert/minilm_lora.yaml)"
 	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
 	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
+	@echo "make bench-reward-trl  task=reward vs TRL's RewardTrainer: step-1 loss, accuracy, margin, rewards, grad_norm"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -204,6 +213,19 @@ $(1)-dpo-lora: setup
 endef
 $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family))))
 
+# Reward modelling (recipes/<family>/reward.yaml, reward_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's accuracy,
+# margin and min/mean/max_reward; hf/ a one-output sequence classifier.
+define reward_targets
+$(1)-reward: setup
+	$$(call run_recipe,recipes/$(1)/reward.yaml)
+endef
+$(foreach family,$(REWARD_FAMILIES),$(eval $(call reward_targets,$(family))))
+define reward_lora_targets
+$(1)-reward-lora: setup
+	$$(call run_recipe,recipes/$(1)/reward_lora.yaml)
+endef
+$(foreach family,$(REWARD_LORA_FAMILIES),$(eval $(call reward_lora_targets,$(family))))
+
 # The same recipes as SageMaker training jobs: data prepared here and uploaded, one process per GPU of each
 # instance. Needs AWS credentials, SAGEMAKER_ROLE, AWS_REGION, SAGEMAKER_BUCKET (or --role/--region/--bucket in
 # SM_ARGS). Defaults: ml.p4d.24xlarge, size=full, e.g. make gptj-tp-sagemaker DATA=../shared/data/sst2
@@ -228,6 +250,8 @@ $(foreach family,$(SFT_FAMILIES),$(eval $(call task_sagemaker_target,$(family),s
 $(foreach family,$(SFT_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),sft-lora,sft_lora)))
 $(foreach family,$(DPO_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo,dpo)))
 $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),dpo-lora,dpo_lora)))
+$(foreach family,$(REWARD_FAMILIES),$(eval $(call task_sagemaker_target,$(family),reward,reward)))
+$(foreach family,$(REWARD_LORA_FAMILIES),$(eval $(call task_sagemaker_target,$(family),reward-lora,reward_lora)))
 # 2 stages x TP 2 needs 4 processes on a CPU; on GPUs, every GPU of the node.
 ifeq ($(NGPU),0)
 $(addsuffix -tp-pp,$(FAMILIES)): NPROC = 4
@@ -307,6 +331,10 @@ bench-sft: setup $(TRL_VENV)/.installed
 # task=dpo vs TRL's DPOTrainer (.venv-trl): step 1 on the same tiny Llama, pairs, beta and batch; a markdown table.
 bench-dpo-trl: setup $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) bench/dpo_vs_trl.py $(ARGS)
+
+# task=reward vs TRL's RewardTrainer (.venv-trl): step 1 on the same tiny Llama classifier, pairs and batch.
+bench-reward-trl: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/reward_vs_trl.py $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

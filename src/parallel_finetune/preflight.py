@@ -11,6 +11,7 @@ from .config import Config, refuse_compile_with_tp
 from .data.chat import tokenize_sft
 from .data.preference import tokenize_pairs
 from .data.prepare import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
+from .data.reward import tokenize_reward_pairs
 from .errors import UserError
 from .families import get_family
 from .loop.generation import NO_PROMPTS
@@ -204,7 +205,9 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
         if split == "test":
             continue
         rows = rows.select(range(min(len(rows), CHECKED_ROWS)))
-        if task.kind.pairs:
+        if task.kind.reward_model:
+            tokenize_reward_pairs(rows, tokenizer, config.max_length, split)
+        elif task.kind.pairs:
             tokenize_pairs(rows, tokenizer, config.max_length, split)
         else:
             tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split, config.data.chat_template)

@@ -126,7 +126,7 @@ DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_co
 
 def _check_sft_keys(config: Config, bad: BadKey) -> None:
     defaults = DataSection()
-    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS}.get(config.task, ())
+    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS}.get(config.task, ())
     for key in dict.fromkeys(SFT_KEYS + DPO_DATA_KEYS):
         if key in keys or getattr(config.data, key) == getattr(defaults, key):
             continue
@@ -139,6 +139,11 @@ def _check_sft_keys(config: Config, bad: BadKey) -> None:
 def _check_preference(config: Config, bad: BadKey) -> None:
     """The preference section: read by task=dpo only; its values in range."""
     defaults = PreferenceSection()
+    if config.task == "reward":  # reads center_rewards_coefficient alone (loop/reward_loss.py)
+        _check_reward(config, bad, defaults)
+        return
+    if config.preference.center_rewards_coefficient is not None:
+        raise bad("center_rewards_coefficient", f"is task=reward's, and task={config.task} reads none; drop it")
     if config.task != "dpo":
         for key in vars(defaults):
             if getattr(config.preference, key) != getattr(defaults, key):
@@ -160,6 +165,17 @@ def _check_preference(config: Config, bad: BadKey) -> None:
         for key, why in (("rpo_alpha", "SFT term"), ("dpo_length_normalized", "averaging")):
             if getattr(section, key) != getattr(defaults, key):
                 raise bad(key, f"is the DPO family's {why}, and dpo_loss={loss} reads none (it averages); drop it")
+
+
+def _check_reward(config: Config, bad: BadKey, defaults: PreferenceSection) -> None:
+    """task=reward: the dpo keys refused, reward centring >= 0, no packing (a pair's rows are padded)."""
+    for key in vars(defaults):
+        if key != "center_rewards_coefficient" and getattr(config.preference, key) != getattr(defaults, key):
+            raise bad(key, "is task=dpo's pair loss, and task=reward reads none (its loss: docs/reward.md); drop it")
+    if (config.preference.center_rewards_coefficient or 0) < 0:
+        raise bad("center_rewards_coefficient", "must be >= 0 (e.g. 0.01; null: off)")
+    if config.packing:
+        raise bad("packing", "task=reward pads each pair's two rows (it packs none); drop packing")
 
 
 def _check_generation(config: Config, bad: BadKey) -> None:

@@ -33,8 +33,10 @@ class ModelSection:
     # the labels; causal_lm = next-token prediction on the text column; sft = instruction tuning: conversations
     # (messages, prompt/completion, ShareGPT or plain text rows) rendered by a chat template, the language-model
     # head trained on the answers' tokens (train_on); dpo = preference tuning: pairs of a prompt, a chosen and a
-    # rejected answer, the language-model head trained to prefer the chosen one (the `preference:` section)
-    task: Literal["classification", "causal_lm", "sft", "dpo"] = "classification"
+    # rejected answer, the language-model head trained to prefer the chosen one (the `preference:` section);
+    # reward = reward modelling on dpo's pairs (an optional `margin` column): a one-output sequence-classification
+    # head trained to score the chosen answer above the rejected one (TRL's RewardTrainer, docs/reward.md)
+    task: Literal["classification", "causal_lm", "sft", "dpo", "reward"] = "classification"
     # task=classification's head width; None = the number of distinct training labels (1: regression)
     num_labels: int | None = None
     # task=classification's (like num_labels, refused with another task); transformers' name; auto = regression
@@ -256,6 +258,9 @@ class PreferenceSection:
     rpo_alpha: float = 0.0
     # log-probabilities averaged over each answer's tokens instead of summed (ipo always averages)
     dpo_length_normalized: bool = False
+    # task=reward's reward centring (TRL's): + this x the mean of (r_chosen + r_rejected)^2, which pulls the scores
+    # towards 0 (e.g. 0.01); None = off
+    center_rewards_coefficient: float | None = None
 
 
 @dataclass

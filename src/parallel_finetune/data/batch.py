@@ -140,6 +140,7 @@ class TokenizedSplit:
     prompt_lengths: list[int] | None = None  # the tokens before a conversation's first trained answer (task=sft)
     index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
     rejected_ids: list[list[int]] | None = None  # task=dpo: a pair's second row (`ids` holds the chosen one)
+    margins: list[float] | None = None  # task=reward: each pair's margin (its `margin` column)
 
     @classmethod
     def of(cls, split: datasets.Dataset, task: Task) -> TokenizedSplit:
@@ -169,6 +170,7 @@ class TokenizedSplit:
             optional("prompt_length"),
             optional("index"),
             optional("rejected_ids"),
+            optional("margin"),
         )
 
     def __len__(self) -> int:

@@ -28,7 +28,7 @@ from ..outputs.runfolder import check_writable
 from ..tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
-from . import chat, preference
+from . import chat, preference, reward
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,9 @@ def prepare(
     log.info("tokenizing %s (%s) for %s -> %s", task.name, source.description, task.problem_type, path)
     splits = {}
     for split in raw:
-        if kind.pairs:
+        if kind.reward_model:
+            splits[split] = reward.tokenize_reward_pairs(raw[split], tokenizer, data.max_length, split)
+        elif kind.pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
         elif kind.conversations:
             splits[split] = chat.tokenize_sft(

@@ -22,6 +22,7 @@ from ..config import Config
 from ..data.batch import PackedBatcher, PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
 from ..data.packing import PackedShape
 from ..data.prepare import PreparedData, load_prepared, prepare, tokenizer_identity
+from ..data.reward import RewardBatcher
 from ..data.sampling import GlobalBatches
 from ..errors import UserError
 from ..families import get_family
@@ -49,6 +50,7 @@ from .evaluation import Evaluator
 from .generation import Generator, held_out_prompts
 from .loss import HiddenTokenLoss, PreferenceLoss, summed_loss_for
 from .reference import measure_reference, trained_pairs
+from .reward_loss import RewardLoss
 from .runner import WholeModel
 from .trainer import Steps, StopRequest, Trainer
 from .updates import TorchUpdates
@@ -79,7 +81,7 @@ class _Model:
     updates: Updates
     runner: Runner
     scheduler: object  # the lr schedule
-    preference: PreferenceLoss | None  # task=dpo's loss (its per-pair figures are the metrics)
+    preference: PreferenceLoss | RewardLoss | None  # task=dpo's or task=reward's loss (per-pair figures: metrics)
 
 
 def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
@@ -373,6 +375,8 @@ class RunBuilder:
         padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
         if not pairs:
             return PaddedBatcher(train, **padding)
+        if prepared.task.kind.reward_model:
+            return RewardBatcher(train, **padding)
         score_prompts = built.preference.scores_prompts
         return PreferenceBatcher(train, **padding, shape=shape, score_prompts=score_prompts, reference=reference)
 
@@ -448,7 +452,9 @@ class RunBuilder:
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
         preference = None
-        if prepared.task.kind.pairs:
+        if prepared.task.kind.reward_model:  # its pairs' scores from the classifier's logits
+            loss = preference = RewardLoss(config.preference.center_rewards_coefficient)
+        elif prepared.task.kind.pairs:
             loss = preference = self._preference_loss(ready, resolved)
         else:
             loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..data.batch import PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
 from ..data.prepare import PreparedData
+from ..data.reward import RewardBatcher
 from ..data.sampling import scoring_chunks
 from ..errors import UserError
 from ..interfaces import Runner
@@ -153,15 +154,12 @@ class Evaluator:
         """Held-out pairs: eval_loss (the mean pair loss) and the pair loss's metrics (TRL's rewards/*, logps/*,
         ...) means."""
         layout, runner, preference, tokenizer = self.layout, self.runner, self.preference, self.data.tokenizer
-        batcher = PreferenceBatcher(
-            split,
-            pad_id=tokenizer.pad_token_id,
-            padding_side=tokenizer.padding_side,
-            pad_multiple=runner.pad_multiple,
-            device=layout.device,
-            score_prompts=preference.scores_prompts,
-            reference=reference,
-        )
+        padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
+        padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
+        if self.task.kind.reward_model:  # a reward model's pairs: two rows scored by its classifier
+            batcher = RewardBatcher(split, **padding)
+        else:
+            batcher = PreferenceBatcher(split, **padding, score_prompts=preference.scores_prompts, reference=reference)
         totals = preference.sums(None, layout.device)
         preference.take()
         preference.share_of(split, range(len(split)))  # ORPO's NLL: a token mean over every held-out pair

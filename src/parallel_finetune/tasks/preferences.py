@@ -56,15 +56,16 @@ def _column(table: Table, key: str, given: str | None, default: str) -> str | No
     return name
 
 
-def detect_preference_format(table: Table, *, data: DataSection) -> tuple[str, tuple[str, ...]]:
-    """The pair format of `table` (a FORMATS key) and its columns: (prompt,) chosen, rejected."""
+def detect_preference_format(table: Table, *, data: DataSection, task_key: str = "dpo") -> tuple[str, tuple[str, ...]]:
+    """The pair format of `table` (a FORMATS key) and its columns: (prompt,) chosen, rejected. `task_key`: the task
+    reading them (dpo, reward), as errors name it."""
     chosen = _column(table, "chosen_column", data.chosen_column, "chosen")
     rejected = _column(table, "rejected_column", data.rejected_column, "rejected")
     prompt = _column(table, "prompt_column", data.prompt_column, "prompt")
     if chosen is None or rejected is None:
         missing = [name for name, found in (("chosen", chosen), ("rejected", rejected)) if found is None]
         raise UserError(
-            f"{table.where}: task=dpo needs {VALID}; no column {' or '.join(missing)} (found: "
+            f"{table.where}: task={task_key} needs {VALID}; no column {' or '.join(missing)} (found: "
             f"{', '.join(table.columns) or 'no column'})"
         )
     if prompt is None:
@@ -164,9 +165,12 @@ def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
     return prompt, chosen, rejected
 
 
-def preference_rows(table: Table, split: str, form: str, columns: tuple[str, ...]) -> dict[str, list]:
+def preference_rows(
+    table: Table, split: str, form: str, columns: tuple[str, ...], task_key: str = "dpo"
+) -> dict[str, list]:
     """`table`'s pairs as the columns data/preference.py reads: `prompt`, `chosen`, `rejected` (JSON texts),
-    `where` (the row's place, for errors found when it is rendered) and `index`."""
+    `where` (the row's place, for errors found when it is rendered) and `index`; `task_key` (dpo, reward): the
+    task reading them, as its log line names it."""
     missing = [name for name in columns if name not in table.columns]
     if missing:
         raise UserError(
@@ -194,7 +198,8 @@ def preference_rows(table: Table, split: str, form: str, columns: tuple[str, ...
         raise UserError(f"{table.where}: no data rows (the {split} split is empty)")
     if split == "train":  # said once the rows are read: whether they are texts or messages is known only then
         log.info(
-            "task=dpo: %s: %d pairs of %s, %s (columns %s)",
+            "task=%s: %s: %d pairs of %s, %s (columns %s)",
+            task_key,
             table.where,
             len(rows["index"]),
             KINDS[conversational],

@@ -8,6 +8,8 @@ sequence-classification head (class logits, or one output), causal_lm and sft (i
 loss on the answers) are the language-model head. Each problem type belongs to a task kind (tasks/kinds/:
 classification serves single_label_classification and regression); components ask `task.head`, `task.regression`
 and `task.kind` (or `kind_of(task_key)` for the recipe's `task:` key), never compare the strings.
+Reward modelling (task=reward: preference pairs, each row scored by one output) is a sequence-classification
+head whose exported config says regression.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .kinds.base import HeadKind, TaskKind  # HeadKind: most modules import it f
 from .kinds.causal_lm import CAUSAL_LM
 from .kinds.classification import CLASSIFICATION, REGRESSION
 from .kinds.dpo import DPO  # preference tuning: a causal LM trained to prefer each pair's chosen answer
+from .kinds.reward import REWARD  # reward modelling: a one-output classifier scoring a pair's chosen answer higher
 from .kinds.sft import SFT  # instruction tuning: a causal LM trained on conversations, scored on the answers
 
 LABEL_FILE = "labels.json"  # in the run folder and the data cache: the task, its labels and columns
@@ -88,6 +91,13 @@ class Task:
         chat template, or plain text), the loss on the answers' log-probabilities against the reference model's;
         scored on held-out pairs by rewards/accuracies and margins; no test split. `name`: the rows' format."""
         return cls(name, DPO, False, metric="preference", columns=columns, validation_splits=validation_splits)
+
+    @classmethod
+    def reward_model(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Reward modelling (task=reward): the preference pairs of task=dpo scored by a one-output
+        sequence-classification head (Bradley-Terry: the chosen answer's score above the rejected one's); scored on
+        held-out pairs by accuracy and margin; no test split. `name`: the rows' format."""
+        return cls(name, REWARD, False, metric="reward", columns=columns, validation_splits=validation_splits)
 
     @property
     def kind(self) -> TaskKind:
@@ -158,7 +168,8 @@ def configure_head(hf_config, task: Task) -> None:
     if task.label_names:
         hf_config.id2label = dict(enumerate(task.label_names))
         hf_config.label2id = {name: i for i, name in enumerate(task.label_names)}
-    hf_config.problem_type = task.problem_type
+    # a reward model's one output is a score, not a class: transformers' pipeline then returns it as it is
+    hf_config.problem_type = REGRESSION if task.kind.reward_model else task.problem_type
 
 
 def write_label_file(folder: Path, task: Task) -> None:

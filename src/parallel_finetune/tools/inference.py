@@ -121,6 +121,8 @@ def _read_labels(path: Path) -> Task:
     kind = kind_of_problem(problem) if isinstance(problem, str) else None
     if kind is not None and not kind.has_labels:  # a run before sft and dpo wrote no labels.json
         raise UserError(_chat_model(path, problem))
+    if kind is not None and kind.reward_model and strings(columns) and not names:  # a reward model: its pairs' columns
+        return Task.from_json(values)
     if kind is None:
         wrong = f"problem_type {problem!r}"
     elif not isinstance(pair, bool):
@@ -565,11 +567,17 @@ def main(argv: list[str] | None = None) -> int:
         if not len(table):
             raise UserError(f"{table.where}: no rows to classify")
         classifier = load_classifier(args.model_dir, args.max_length, args.device)
-        text, pair = choose_columns(classifier, table, args.text_column, args.text_pair_column)
-        results = classify(
-            classifier, _texts(table, text), _texts(table, pair) if pair else None, batch_size=args.batch_size
-        )
-        lines = format_rows(classifier, results)
+        if classifier.task is not None and classifier.task.kind.reward_model:  # pairs, scored
+            from .reward_scoring import pair_lines, score_pairs
+
+            results = score_pairs(classifier, table, args.batch_size)
+            lines = pair_lines(results)
+        else:
+            text, pair = choose_columns(classifier, table, args.text_column, args.text_pair_column)
+            results = classify(
+                classifier, _texts(table, text), _texts(table, pair) if pair else None, batch_size=args.batch_size
+            )
+            lines = format_rows(classifier, results)
         if out is None:
             print("\n".join(lines))
         else:

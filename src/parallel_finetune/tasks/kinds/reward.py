@@ -1,0 +1,36 @@
+"""task: reward (reward modelling, as TRL's RewardTrainer): dpo's preference pairs (an optional `margin` column)
+scored by a one-output sequence-classification head, trained to score each pair's chosen answer above its rejected
+one (Bradley-Terry); scored on held-out pairs by accuracy and margin; exported as a one-output classifier whose
+config says regression (transformers' pipeline returns the raw score)."""
+
+from __future__ import annotations
+
+from . import register
+from .base import HeadKind, TaskKind
+from .dpo import PreferenceTuning
+
+REWARD = "reward"
+
+
+class RewardModelling(TaskKind):
+    key = REWARD
+    problem_types = (REWARD,)
+    head = HeadKind.CLASSIFICATION
+    has_labels = True  # labels.json says what the one output is (predict.py reads it)
+    chat = True
+    pairs = True
+    reward_model = True
+    unread_keys = ("glue_task",)  # whatever glue_task's default, a reward run reads no GLUE task
+    sample = PreferenceTuning.sample  # the same preference pairs
+
+    def chat_template(self, train) -> bool:
+        return PreferenceTuning.chat_template(self, train)
+
+    def cache_key(self, train_on: str) -> str:
+        return "-pairs1"  # dpo's pair format version (the `task` in the cache name keeps the two apart)
+
+    def template_note(self, template: str, train_on: str) -> str:
+        return f"task=reward: chat template {template}, each row scored at its last token"
+
+
+register(RewardModelling())
