@@ -120,7 +120,22 @@ PAIR_METRICS = ("loss", *DPOLoss.metric_names)
 PROMPT_MARK = -2
 
 
-class PreferenceLoss(HiddenTokenLoss):
+class KeepsPairRecords:
+    """A pair objective's per-pair figures: each call appends a PairRecord to `records`; the metrics `take` them."""
+
+    records: list[PairRecord]
+
+    def take(self) -> PairRecord | None:
+        """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
+        that is not the last)."""
+        records, self.records = self.records, []
+        if not records:
+            return None
+        stats = {name: torch.cat([record.stats[name] for record in records]) for name in records[0].stats}
+        return PairRecord(*(torch.cat(parts) for parts in zip(*(record[:3] for record in records))), stats)
+
+
+class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
     """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): the
     linear part, each answer's log-probability as the sum over its tokens of -token_nll (parallel/vocab.py:
     chunked, vocabulary-parallel, never the whole logits) and its token count, handed with the reference's sums to
@@ -197,15 +212,6 @@ class PreferenceLoss(HiddenTokenLoss):
         losses, stats = self.pair_loss_of(logps, tokens, reference if self.needs_reference else None, chosen_nll)
         self.records.append(PairRecord(logps.detach(), tokens, losses.detach(), stats))
         return losses.sum()
-
-    def take(self) -> PairRecord | None:
-        """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
-        that is not the last)."""
-        records, self.records = self.records, []
-        if not records:
-            return None
-        stats = {name: torch.cat([record.stats[name] for record in records]) for name in records[0].stats}
-        return PairRecord(*(torch.cat(parts) for parts in zip(*(record[:3] for record in records))), stats)
 
     def sums(self, record: PairRecord | None, device) -> torch.Tensor:
         """The metrics (`metric_names`: the loss, then the pair loss's statistics) summed over the record's pairs,

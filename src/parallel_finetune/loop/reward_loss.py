@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .loss import PairRecord
+from .loss import KeepsPairRecords, PairRecord
 
 REWARD_METRICS = ("accuracy", "margin", "mean_reward")  # per-pair means; min_reward and max_reward besides
 
 
-class RewardLoss:
+class RewardLoss(KeepsPairRecords):
     """A reward model's pair loss from its scores (logits, not hidden states)."""
 
     takes_hidden = False
@@ -64,15 +64,6 @@ class RewardLoss:
         }
         self.records.append(PairRecord(scores, torch.ones_like(scores), losses.detach(), stats))
         return losses.sum()
-
-    def take(self) -> PairRecord | None:
-        """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
-        that is not the last)."""
-        records, self.records = self.records, []
-        if not records:
-            return None
-        stats = {name: torch.cat([record.stats[name] for record in records]) for name in records[0].stats}
-        return PairRecord(*(torch.cat(parts) for parts in zip(*(record[:3] for record in records))), stats)
 
     def sums(self, record: PairRecord | None, device) -> torch.Tensor:
         """The loss and REWARD_METRICS summed over the record's pairs, the pair count last (float64; zeros for
