@@ -18,9 +18,8 @@ import datasets
 import torch
 
 from ..errors import UserError
-from .batch import Batch, TokenizedSplit, padded_batch
+from .batch import Batch, PreferenceBatcher, TokenizedSplit, padded_batch
 from .preference import tokenize_pairs
-from .sampling import accumulation_slices
 
 
 def _stripped(ids: list[int], pad_id: int | None) -> list[int]:
@@ -53,15 +52,13 @@ def tokenize_reward_pairs(split: datasets.Dataset, tokenizer, max_length: int, d
     return datasets.Dataset.from_dict(columns)
 
 
-class RewardBatcher:
+class RewardBatcher(PreferenceBatcher):
     """Batches of preference pairs for a reward model: pair i of a batch's `indices` is rows 2i (chosen) and 2i + 1
-    (rejected), padded to the longest; labels: each row's pair's margin (float)."""
-
-    packed = False
+    (rejected), padded to the longest (never packed); labels: each row's pair's margin (float). Its rows' lengths
+    and token slots are the preference batcher's, unpacked."""
 
     def __init__(self, split: TokenizedSplit, *, pad_id: int, padding_side: str, pad_multiple: int, device):
-        self.split, self.pad_id, self.padding_side = split, pad_id, padding_side
-        self.pad_multiple, self.device = pad_multiple, device
+        super().__init__(split, pad_id=pad_id, padding_side=padding_side, pad_multiple=pad_multiple, device=device)
 
     def batch(self, indices: list[int], labelled: bool = True) -> Batch:
         split = self.split
@@ -70,17 +67,3 @@ class RewardBatcher:
         margins = [split.margins[i] if split.margins is not None else 0.0 for i in indices]
         batch.labels = torch.tensor(margins, dtype=torch.float32).repeat_interleave(2)
         return batch.to(self.device)
-
-    def sequence_lengths(self, indices: list[int]) -> list[int]:
-        """Both rows of each pair."""
-        return [len(ids[i]) for i in indices for ids in (self.split.ids, self.split.rejected_ids)]
-
-    def token_slots(self, global_batch: list[int], dp: int, accumulation: int) -> int:
-        """Token positions a global batch's rows occupy once padded (two rows a pair)."""
-        split, slots = self.split, 0
-        for replica in range(dp):
-            for indices in accumulation_slices(global_batch, replica, dp, accumulation):
-                if indices:
-                    longest = max(max(len(split.ids[i]), len(split.rejected_ids[i])) for i in indices)
-                    slots += 2 * len(indices) * -(-longest // self.pad_multiple) * self.pad_multiple
-        return slots
