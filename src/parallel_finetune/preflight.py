@@ -9,6 +9,7 @@ import torch
 
 from .config import Config, refuse_compile_with_tp
 from .data.chat import tokenize_sft
+from .data.kto import tokenize_kto
 from .data.preference import tokenize_pairs
 from .data.prepare import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
 from .data.reward import tokenize_reward_pairs
@@ -209,6 +210,8 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
             tokenize_reward_pairs(rows, tokenizer, config.max_length, split)
         elif task.kind.pairs:
             tokenize_pairs(rows, tokenizer, config.max_length, split)
+        elif task.kind.unpaired:
+            tokenize_kto(rows, tokenizer, config.max_length, split)
         else:
             tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split, config.data.chat_template)
 

@@ -122,11 +122,13 @@ def _check_training(config: Config, bad: BadKey) -> None:
 # another task they would change nothing, so they are refused
 SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column", "tools_column")
 DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_column")
+KTO_DATA_KEYS = (*DPO_DATA_KEYS, "completion_column")  # unpaired rows, or dpo's pairs unpaired
+KTO_KEYS = ("desirable_weight", "undesirable_weight")  # the preference section's keys only task=kto reads
 
 
 def _check_sft_keys(config: Config, bad: BadKey) -> None:
     defaults = DataSection()
-    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS}.get(config.task, ())
+    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS, "kto": KTO_DATA_KEYS}.get(config.task, ())
     for key in dict.fromkeys(SFT_KEYS + DPO_DATA_KEYS):
         if key in keys or getattr(config.data, key) == getattr(defaults, key):
             continue
@@ -139,6 +141,12 @@ def _check_sft_keys(config: Config, bad: BadKey) -> None:
 def _check_preference(config: Config, bad: BadKey) -> None:
     """The preference section: read by task=dpo only; its values in range."""
     defaults = PreferenceSection()
+    if config.task == "kto":  # reads dpo_beta and the weights (loop/kto.py)
+        _check_kto(config, bad, defaults)
+        return
+    for key in KTO_KEYS:
+        if getattr(config.preference, key) != getattr(defaults, key):
+            raise bad(key, f"is task=kto's, and task={config.task} reads none; drop it or set task=kto")
     if config.task == "reward":  # reads center_rewards_coefficient alone (loop/reward_loss.py)
         _check_reward(config, bad, defaults)
         return
@@ -165,6 +173,25 @@ def _check_preference(config: Config, bad: BadKey) -> None:
         for key, why in (("rpo_alpha", "SFT term"), ("dpo_length_normalized", "averaging")):
             if getattr(section, key) != getattr(defaults, key):
                 raise bad(key, f"is the DPO family's {why}, and dpo_loss={loss} reads none (it averages); drop it")
+
+
+def _check_kto(config: Config, bad: BadKey, defaults: PreferenceSection) -> None:
+    """task=kto: beta > 0, weights > 0, the pair losses' keys refused, a global batch of 2 rows or more (its KL rows
+    pair each prompt with another row's completion), no packing (its rows are padded)."""
+    for key in vars(defaults):
+        if key not in ("dpo_beta", *KTO_KEYS) and getattr(config.preference, key) != getattr(defaults, key):
+            raise bad(key, "is task=dpo's pair loss, and task=kto reads none (its loss: docs/kto.md); drop it")
+    if not config.dpo_beta > 0:
+        raise bad("dpo_beta", "must be > 0 (KTO's beta, e.g. 0.1)")
+    for key in KTO_KEYS:
+        if not getattr(config.preference, key) > 0:
+            raise bad(key, "must be > 0 (1.0: TRL's default)")
+    if config.batch_size < 2:
+        raise bad(
+            "batch_size", "must be >= 2 under task=kto: its KL estimate pairs each prompt with another row's answer"
+        )
+    if config.packing:
+        raise bad("packing", "task=kto pads its rows (it packs none); drop packing")
 
 
 def _check_reward(config: Config, bad: BadKey, defaults: PreferenceSection) -> None:

@@ -35,8 +35,9 @@ class ModelSection:
     # head trained on the answers' tokens (train_on); dpo = preference tuning: pairs of a prompt, a chosen and a
     # rejected answer, the language-model head trained to prefer the chosen one (the `preference:` section);
     # reward = reward modelling on dpo's pairs (an optional `margin` column): a one-output sequence-classification
-    # head trained to score the chosen answer above the rejected one (TRL's RewardTrainer, docs/reward.md)
-    task: Literal["classification", "causal_lm", "sft", "dpo", "reward"] = "classification"
+    # head trained to score the chosen answer above the rejected one (TRL's RewardTrainer, docs/reward.md); kto = KTO
+    # on unpaired rows (prompt, completion, a boolean label; or dpo's pairs, unpaired) as TRL's KTOTrainer (docs/kto.md)
+    task: Literal["classification", "causal_lm", "sft", "dpo", "reward", "kto"] = "classification"
     # task=classification's head width; None = the number of distinct training labels (1: regression)
     num_labels: int | None = None
     # task=classification's (like num_labels, refused with another task); transformers' name; auto = regression
@@ -261,6 +262,10 @@ class PreferenceSection:
     # task=reward's reward centring (TRL's): + this x the mean of (r_chosen + r_rejected)^2, which pulls the scores
     # towards 0 (e.g. 0.01); None = off
     center_rewards_coefficient: float | None = None
+    # task=kto (TRL's KTOTrainer names; its beta is dpo_beta): the weight of a desirable row's loss and of an
+    # undesirable row's (KTO's lambda_D and lambda_U), e.g. raised for the side with fewer rows
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
 
 @dataclass

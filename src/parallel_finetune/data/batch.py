@@ -141,6 +141,8 @@ class TokenizedSplit:
     index: list[int] | None = None  # the rows' own numbering (a test split's predictions)
     rejected_ids: list[list[int]] | None = None  # task=dpo: a pair's second row (`ids` holds the chosen one)
     margins: list[float] | None = None  # task=reward: each pair's margin (its `margin` column)
+    desirable: list[bool] | None = None  # task=kto: each row's label (a desirable completion or not)
+    completion_ids: list[list[int]] | None = None  # task=kto: each row's whole completion (KL rows: data/kto.py)
 
     @classmethod
     def of(cls, split: datasets.Dataset, task: Task) -> TokenizedSplit:
@@ -152,7 +154,7 @@ class TokenizedSplit:
         lengths = split["length"][:]
         labels = optional("label") if task.head is HeadKind.CLASSIFICATION else None
         counts = optional("targets")  # sft: trained tokens per row
-        if task.kind.pairs:  # the loss is averaged over pairs
+        if task.kind.pairs or task.kind.unpaired:  # the loss is averaged over pairs (kto: rows)
             targets = [1] * len(lengths)
         elif task.head is HeadKind.CLASSIFICATION:
             targets = [1] * len(lengths)
@@ -171,6 +173,8 @@ class TokenizedSplit:
             optional("index"),
             optional("rejected_ids"),
             optional("margin"),
+            optional("desirable"),
+            optional("completion_ids"),
         )
 
     def __len__(self) -> int:
@@ -356,7 +360,10 @@ class PreferenceBatcher:
         return rows
 
     def batch(self, indices: list[int], labelled: bool = True) -> Batch:
-        rows = self._rows(indices)
+        return self.rows_batch(self._rows(indices))
+
+    def rows_batch(self, rows: list[tuple[list[int], int, int, float]]) -> Batch:
+        """The Batch of `rows`: (ids, prompt length, answer number, reference log-probability) each."""
         if self.packed:
             batch, answer, reference = self._packed(rows)
             trained = (answer != -1).long()

@@ -37,23 +37,37 @@ def pair_texts(tokenizer, prompt, chosen, rejected, where: str) -> tuple[str, st
         eos = tokenizer.eos_token or ""
         return prompt, *(answer if answer.endswith(eos) else answer + eos for answer in (chosen, rejected))
     asked = _render(tokenizer, prompt, True)
-    answers = []
-    for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        whole = _render(tokenizer, prompt + answer, False)
-        said = next((m["content"].strip() for m in answer if m["role"] == "assistant" and m["content"].strip()), "")
-        if not whole.startswith(asked) or (said and said not in whole[len(asked) :]):
-            raise UserError(
-                f"{where}: the chat template renders no assistant turn for the {name} answer after the prompt (the "
-                "rendering of prompt and answer does not begin with the prompt's, with its generation prompt, and "
-                "then hold the answer); use another chat_template (e.g. chatml)"
-            )
-        turns = [len(prompt) + j for j, m in enumerate(answer) if m["role"] == "assistant"]
-        check_rendered_fields(tokenizer, prompt + answer, turns, f"{where}: the {name} answer")
-        answers.append(whole[len(asked) :])
-    return asked, answers[0], answers[1]
+    return asked, *(
+        answer_text(tokenizer, prompt, asked, a, where, n) for n, a in (("chosen", chosen), ("rejected", rejected))
+    )
 
 
-def _shared_length(first: list[int], second: list[int]) -> int:
+def answer_text(tokenizer, prompt, asked: str, answer, where: str, name: str) -> str:
+    """A text answer with EOS, or what the chat template renders for a conversational answer after `asked` (the
+    prompt's rendering with its generation prompt); `name`: what errors call it (chosen, rejected, completion)."""
+    if isinstance(answer, str):
+        eos = tokenizer.eos_token or ""
+        return answer if answer.endswith(eos) else answer + eos
+    whole = _render(tokenizer, prompt + answer, False)
+    said = next((m["content"].strip() for m in answer if m["role"] == "assistant" and m["content"].strip()), "")
+    if not whole.startswith(asked) or (said and said not in whole[len(asked) :]):
+        raise UserError(
+            f"{where}: the chat template renders no assistant turn for the {name} answer after the prompt (the "
+            "rendering of prompt and answer does not begin with the prompt's, with its generation prompt, and "
+            "then hold the answer); use another chat_template (e.g. chatml)"
+        )
+    turns = [len(prompt) + j for j, m in enumerate(answer) if m["role"] == "assistant"]
+    check_rendered_fields(tokenizer, prompt + answer, turns, f"{where}: the {name} answer")
+    return whole[len(asked) :]
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """The prompt's text as the tokens are made from it: a text prompt as it is, a conversation rendered with the
+    generation prompt."""
+    return prompt if isinstance(prompt, str) else _render(tokenizer, prompt, True)
+
+
+def shared_length(first: list[int], second: list[int]) -> int:
     """How many tokens `first` and `second` begin with alike."""
     return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
 
@@ -76,7 +90,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, desc: st
         specials = isinstance(chosen, str)  # a rendered conversation holds the template's own special tokens
         asked = tokenizer(texts[0], add_special_tokens=specials)["input_ids"]
         rows = [tokenizer(texts[0] + answer, add_special_tokens=specials)["input_ids"] for answer in texts[1:]]
-        prompt_length = min(_shared_length(asked, row) for row in rows)
+        prompt_length = min(shared_length(asked, row) for row in rows)
         if not prompt_length:
             raise UserError(f"{where}: the prompt is no token; a pair's answers follow a prompt")
         if prompt_length >= max_length:

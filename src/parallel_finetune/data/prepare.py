@@ -28,7 +28,7 @@ from ..outputs.runfolder import check_writable
 from ..tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
-from . import chat, preference, reward
+from . import chat, kto, preference, reward
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +347,8 @@ def prepare(
             splits[split] = reward.tokenize_reward_pairs(raw[split], tokenizer, data.max_length, split)
         elif kind.pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
+        elif kind.unpaired:
+            splits[split] = kto.tokenize_kto(raw[split], tokenizer, data.max_length, split)
         elif kind.conversations:
             splits[split] = chat.tokenize_sft(
                 raw[split], tokenizer, data.max_length, data.train_on, split, data.chat_template
@@ -400,9 +402,9 @@ def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:
     """What a tiny model's tokenizer learns from: the texts (and pairs), or every message of the conversations."""
     if "messages" in train.column_names:
         return [m["content"] for row in column(train, "messages") for m in json.loads(row)] + list(ROLES)
-    if "chosen" in train.column_names:  # preference pairs: every text, or every message's
+    if "chosen" in train.column_names or "completion" in train.column_names:  # preference rows: every text or message
         texts = []
-        for name in ("prompt", "chosen", "rejected"):
+        for name in [c for c in ("prompt", "chosen", "rejected", "completion") if c in train.column_names]:
             for cell in map(json.loads, column(train, name)):
                 texts += [cell] if isinstance(cell, str) else [m["content"] for m in cell]
         return texts + list(ROLES)

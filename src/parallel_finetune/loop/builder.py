@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import Config
 from ..data.batch import PackedBatcher, PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
+from ..data.kto import KTOBatcher
 from ..data.packing import PackedShape
 from ..data.prepare import PreparedData, load_prepared, prepare, tokenizer_identity
 from ..data.reward import RewardBatcher
@@ -48,6 +49,7 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator, held_out_prompts
+from .kto import KTOLoss, Scoring, kto_references
 from .loss import HiddenTokenLoss, PreferenceLoss, summed_loss_for
 from .reference import measure_reference, trained_pairs
 from .reward_loss import RewardLoss
@@ -81,7 +83,7 @@ class _Model:
     updates: Updates
     runner: Runner
     scheduler: object  # the lr schedule
-    preference: PreferenceLoss | RewardLoss | None  # task=dpo's or task=reward's loss (per-pair figures: metrics)
+    preference: PreferenceLoss | RewardLoss | KTOLoss | None  # task=dpo's, reward's or kto's loss (figures: metrics)
 
 
 def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
@@ -325,6 +327,13 @@ class RunBuilder:
             return {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
+        if prepared.task.kind.unpaired:  # task=kto: its rows' and KL rows' reference, then each step's KL estimate
+            padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
+            padding |= {"pad_multiple": built.runner.pad_multiple, "device": layout.device}
+            scoring = Scoring(built.runner, built.model, layout, padding, config.max_length, config.eval_batch_size)
+            splits, lora = {"train": train, "validation": validation}, resolved.lora is not None
+            with self.timer("reference"):
+                return kto_references(built.preference, scoring, splits, sampler, schedule.total_steps, lora)
         trained, references = trained_pairs(sampler, schedule.total_steps), {}
         with self.timer("reference"):
             for name, split, pairs in (("train", train, trained), ("validation", validation, range(len(validation)))):
@@ -373,6 +382,8 @@ class RunBuilder:
             return PackedBatcher(train, pad_id=tokenizer.pad_token_id, shape=shape, device=layout.device)
         padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
         padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
+        if prepared.task.kind.unpaired:  # task=kto's rows, each with its reference
+            return KTOBatcher(train, max_length=config.max_length, reference=reference, **padding)
         if not pairs:
             return PaddedBatcher(train, **padding)
         if prepared.task.kind.reward_model:
@@ -454,8 +465,8 @@ class RunBuilder:
         preference = None
         if prepared.task.kind.reward_model:  # its pairs' scores from the classifier's logits
             loss = preference = RewardLoss(config.preference.center_rewards_coefficient)
-        elif prepared.task.kind.pairs:
-            loss = preference = self._preference_loss(ready, resolved)
+        elif prepared.task.kind.pairs or prepared.task.kind.unpaired:
+            loss = preference = self._preference_loss(ready, resolved, prepared.task.kind.unpaired)
         else:
             loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
         if layout.pp > 1:
@@ -528,13 +539,15 @@ class RunBuilder:
         softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and 3
         return HiddenTokenLoss(head, resolved.loss_chunk_tokens, softcap)
 
-    def _preference_loss(self, ready: ReadyModel, resolved: Resolved) -> PreferenceLoss:
-        """task=dpo's loss: from the final hidden states and the head (chunked, vocabulary-parallel), or under
-        engine=deepspeed from the whole logits (ZeRO-3 gathers the head in its own forward)."""
+    def _preference_loss(self, ready: ReadyModel, resolved: Resolved, unpaired: bool) -> PreferenceLoss | KTOLoss:
+        """task=dpo's loss (`unpaired`: task=kto's): from the final hidden states and the head (chunked,
+        vocabulary-parallel), or under engine=deepspeed from the whole logits (ZeRO-3 gathers the head in its own
+        forward)."""
         model = ready.model
         head = None if resolved.engine is Engine.DEEPSPEED else model.get_output_embeddings()
         softcap = getattr(model.config, "final_logit_softcapping", None)
-        return PreferenceLoss(head, resolved.loss_chunk_tokens, softcap, preference=self.config.preference)
+        loss = KTOLoss if unpaired else PreferenceLoss
+        return loss(head, resolved.loss_chunk_tokens, softcap, preference=self.config.preference)
 
     def _load_model(self, layout: Layout, resolved: Resolved, prepared: PreparedData, schedule) -> ReadyModel:
         """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""

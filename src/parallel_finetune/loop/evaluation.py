@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data.batch import PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
+from ..data.kto import KTOBatcher
 from ..data.prepare import PreparedData
 from ..data.reward import RewardBatcher
 from ..data.sampling import scoring_chunks
@@ -158,12 +159,15 @@ class Evaluator:
         padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
         if self.task.kind.reward_model:  # a reward model's pairs: two rows scored by its classifier
             batcher = RewardBatcher(split, **padding)
+        elif self.task.kind.unpaired:  # task=kto's rows, each with its reference
+            batcher = KTOBatcher(split, reference=reference, **padding)
         else:
             batcher = PreferenceBatcher(split, **padding, score_prompts=preference.scores_prompts, reference=reference)
         totals = preference.sums(None, layout.device)
         preference.take()
-        preference.share_of(split, range(len(split)))  # ORPO's NLL: a token mean over every held-out pair
         with self._eval_mode():
+            # ORPO's NLL: a token mean over every held-out pair; KTO's KL estimate of the held-out rows (eval mode)
+            preference.share_of(split, range(len(split)))
             for chunk, counts in self._chunks(split):
                 runner.loss(batcher.batch(chunk))
                 record = preference.take()

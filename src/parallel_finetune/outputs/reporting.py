@@ -115,6 +115,8 @@ def format_step(record: dict, total_steps: int) -> str:
     if "rewards/accuracies" in record:  # task=dpo: how the step's pairs are preferred (every pair metric: trackers)
         accuracies, margins = record["rewards/accuracies"], record["rewards/margins"]
         line += f" | rewards/accuracies {accuracies:.3f} | rewards/margins {margins:.4f}"
+    if "kl" in record:  # task=kto: the step's KL estimate and margin (every metric: metrics.jsonl, trackers)
+        line += f" | kl {record['kl']:.4f} | rewards/margins {record.get('rewards/margins', float('nan')):.4f}"
     if "mean_reward" in record:  # task=reward: how the step's pairs are scored (min/max_reward: metrics.jsonl)
         line += f" | accuracy {record['accuracy']:.3f} | margin {record['margin']:.4f}"
     return line + (" | SKIPPED (non-finite gradients)" if record["skipped"] else "")

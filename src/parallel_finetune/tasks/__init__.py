@@ -1,7 +1,8 @@
 """What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
 sft: `messages`, `answers_from`, `index`[, `tools`]; dpo, reward: `prompt`, `chosen`, `rejected`[, `margin`],
-`where`, `index`), a Task and a Source; each kind's rows read by its module (columns, conversations, preferences,
-rewards; labels.py, sources.py, files.py, glue.py beneath them); errors name file and row."""
+`where`, `index`; kto: `prompt`, `completion`, `label`, `where`, `index`), a Task and a Source; each kind's
+rows read by its module (columns, conversations, preferences, rewards, unpaired; labels.py, sources.py, files.py,
+glue.py beneath them); errors name file and row."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .sources import (  # noqa: F401
     read_sources,
 )
 from .task import LABEL_FILE, HeadKind, Task, head_of, kind_of, read_label_file, write_label_file  # noqa: F401
+from .unpaired import define_kto_task, kto_rows
 
 if TYPE_CHECKING:  # the sections' types only: at run time tasks/ imports nothing of the package but errors.py
     from ..config import DataSection, ModelSection
@@ -36,9 +38,11 @@ def load_task(
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
     kind = kind_of(model.task)  # sft's conversations, dpo's pairs: rows of their own format, read from its columns
-    if own_rows := kind.pairs or kind.conversations:
+    if own_rows := kind.pairs or kind.conversations or kind.unpaired:
         pairs = (define_reward_task, reward_rows) if kind.reward_model else (define_preference_task, preference_rows)
         define, read = pairs if kind.pairs else (define_instruction_task, conversation_rows)
+        if kind.unpaired:  # KTO's rows: prompt, completion, label (or dpo's pairs, unpaired)
+            define, read = define_kto_task, kto_rows
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)

@@ -73,7 +73,7 @@ def detect_preference_format(table: Table, *, data: DataSection, task_key: str =
     return "explicit", (prompt, chosen, rejected)
 
 
-def _cell(table: Table, row: int, column: str, needs_answer: bool) -> tuple[str | list[dict], list[int]]:
+def answer_cell(table: Table, row: int, column: str, needs_answer: bool) -> tuple[str | list[dict], list[int]]:
     """A cell as a text or a list of messages (checked as task=sft checks them), and the indices of its assistant
     turns of `weight` 0 (which an answer may not hold: `_pair`)."""
     value = table.columns[column][row]
@@ -105,17 +105,45 @@ def _shared_prompt(chosen, rejected):
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
+def check_answer(where: str, name: str, answer, untrained: list[int], task_key: str = "dpo") -> None:
+    """An answer (a text, or the assistant turn(s) after the prompt) that can be scored whole: not empty, beginning
+    and ending with the assistant's turn, no turn of weight 0 (`untrained`: their indices); else one line naming
+    `where`. `name`: what the answer is called (chosen, rejected, the completion)."""
+    if isinstance(answer, str):
+        if not answer.strip():
+            raise UserError(f"{where}: the {name} answer is empty (after the prompt they share)")
+        return
+    if not answer or answer[0]["role"] != "assistant":
+        first = answer[0]["role"] if answer else "nothing"
+        raise UserError(
+            f"{where}: the {name} answer begins with {first!r}, not an assistant turn; an answer is the assistant "
+            "turn(s) that follow the prompt"
+        )
+    if not any(m["content"].strip() or m.get("tool_calls") for m in answer if m["role"] == "assistant"):
+        raise UserError(f"{where}: the {name} answer is empty; an answer has text to learn")
+    if answer[-1]["role"] != "assistant":
+        raise UserError(
+            f"{where}: the {name} answer ends with a {answer[-1]['role']!r} turn, which would be scored as the "
+            "model's; an answer ends with the assistant's turn (leave out what follows it)"
+        )
+    if untrained:
+        raise UserError(
+            f"{where}: the {name} answer's turn {untrained[0] + 1} has weight 0, and task={task_key} scores an "
+            "answer whole (a weight leaves a turn untrained under task=sft only); drop the weight, or the turn"
+        )
+
+
 def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
     """(prompt, chosen, rejected) of one row, each a text or a list of messages, checked."""
     where = table.at(row)
     if form == "explicit":
         (prompt, _), (chosen, chosen_unweighted), (rejected, rejected_unweighted) = (
-            _cell(table, row, c, needs_answer=i > 0) for i, c in enumerate(columns)
+            answer_cell(table, row, c, needs_answer=i > 0) for i, c in enumerate(columns)
         )
         untrained = {"chosen": chosen_unweighted, "rejected": rejected_unweighted}
     else:
         (whole_chosen, chosen_unweighted), (whole_rejected, rejected_unweighted) = (
-            _cell(table, row, c, needs_answer=True) for c in columns
+            answer_cell(table, row, c, needs_answer=True) for c in columns
         )
         if isinstance(whole_chosen, str) != isinstance(whole_rejected, str):
             raise UserError(f"{where}: chosen and rejected mix a text and a list of messages; give both one kind")
@@ -136,28 +164,7 @@ def _pair(table: Table, row: int, form: str, columns: tuple[str, ...]):
     if chosen == rejected:
         raise UserError(f"{where}: chosen and rejected are the same answer; a pair needs two different answers")
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        if isinstance(answer, str):
-            if not answer.strip():
-                raise UserError(f"{where}: the {name} answer is empty (after the prompt they share)")
-            continue
-        if not answer or answer[0]["role"] != "assistant":
-            first = answer[0]["role"] if answer else "nothing"
-            raise UserError(
-                f"{where}: the {name} answer begins with {first!r}, not an assistant turn; an answer is the assistant "
-                "turn(s) that follow the prompt"
-            )
-        if not any(m["content"].strip() or m.get("tool_calls") for m in answer if m["role"] == "assistant"):
-            raise UserError(f"{where}: the {name} answer is empty; an answer has text to learn")
-        if answer[-1]["role"] != "assistant":
-            raise UserError(
-                f"{where}: the {name} answer ends with a {answer[-1]['role']!r} turn, which would be scored as the "
-                "model's; an answer ends with the assistant's turn (leave out what follows it)"
-            )
-        if untrained[name]:
-            raise UserError(
-                f"{where}: the {name} answer's turn {untrained[name][0] + 1} has weight 0, and task=dpo scores an "
-                "answer whole (a weight leaves a turn untrained under task=sft only); drop the weight, or the turn"
-            )
+        check_answer(where, name, answer, untrained[name])
     if not isinstance(prompt, str) and prompt and prompt[-1]["role"] == "assistant":
         raise UserError(
             f"{where}: the prompt ends with an assistant turn; a pair's answers follow the turn they answer"

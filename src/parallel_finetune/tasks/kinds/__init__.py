@@ -1,7 +1,8 @@
 """The task-kind registry: the only place that knows which kinds of task exist (classification, which also
-serves regression, causal_lm, sft, dpo, reward). A kind is a module that defines a `TaskKind` (base.py documents every
-question it answers) and ends with `register(TheKind())`; every module of this folder is imported here. Callers
-ask `kind_of(task_key)` (the recipe's `task:`) or `task.kind`, never compare the key or problem type with a name.
+serves regression, causal_lm, sft, dpo, reward, kto). A kind is a module that defines a `TaskKind` (base.py
+documents every question it answers) and ends with `register(TheKind())`; every module of this folder is
+imported here. Callers ask `kind_of(task_key)` (the recipe's `task:`) or `task.kind`, never compare the key or
+problem type with a name.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ...errors import UserError
 from .base import TaskKind
 
 # The order listings show the kinds in; any other module of this folder follows, by name.
-LISTING_ORDER = ("classification", "causal_lm", "sft", "dpo", "reward")
+LISTING_ORDER = ("classification", "causal_lm", "sft", "dpo", "reward", "kto")
 
 _kinds: dict[str, TaskKind] = {}
 
