@@ -45,6 +45,9 @@ SFT_LORA_FAMILIES := $(patsubst recipes/%/sft_lora.yaml,%,$(wildcard recipes/*/s
 # Preference tuning: recipes/<family>/dpo.yaml for -dpo, dpo_lora.yaml for -dpo-lora (pairs, docs/preference.md).
 DPO_FAMILIES := $(patsubst recipes/%/dpo.yaml,%,$(wildcard recipes/*/dpo.yaml))
 DPO_LORA_FAMILIES := $(patsubst recipes/%/dpo_lora.yaml,%,$(wildcard recipes/*/dpo_lora.yaml))
+# KTO: recipes/<family>/kto.yaml for -kto, kto_lora.yaml for -kto-lora (unpaired rows, docs/kto.md).
+KTO_FAMILIES := $(patsubst recipes/%/kto.yaml,%,$(wildcard recipes/*/kto.yaml))
+KTO_LORA_FAMILIES := $(patsubst recipes/%/kto_lora.yaml,%,$(wildcard recipes/*/kto_lora.yaml))
 # Reward modelling: recipes/<family>/reward.yaml for -reward, reward_lora.yaml for -reward-lora (docs/reward.md).
 REWARD_FAMILIES := $(patsubst recipes/%/reward.yaml,%,$(wildcard recipes/*/reward.yaml))
 REWARD_LORA_FAMILIES := $(patsubst recipes/%/reward_lora.yaml,%,$(wildcard recipes/*/reward_lora.yaml))
@@ -55,11 +58,12 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(addsuffix -lora,$(LORA_FAMILIES)) $(addsuffix -qlora,$(QLORA_FAMILIES)) $(addsuffix -sft,$(SFT_FAMILIES)) $(addsuffix -sft-lora,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
 	$(addsuffix -reward,$(REWARD_FAMILIES)) $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES)) \
+	$(addsuffix -kto,$(KTO_FAMILIES)) $(addsuffix -kto-lora,$(KTO_LORA_FAMILIES)) \
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
 	$(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl \
+	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl bench-kto-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -82,6 +86,8 @@ help:
 	@echo "make FAMILY-dpo-lora   the same with LoRA adapters (the reference: adapters disabled): $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES))"
 	@echo "make FAMILY-reward   reward modelling (task=reward, TRL's RewardTrainer): $(addsuffix -reward,$(REWARD_FAMILIES))"
 	@echo "make FAMILY-reward-lora   the same with LoRA adapters: $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES))"
+	@echo "make FAMILY-kto   KTO (task=kto, TRL's KTOTrainer) on unpaired rows: $(addsuffix -kto,$(KTO_FAMILIES))"
+	@echo "make FAMILY-kto-lora   the same with LoRA adapters: $(addsuffix -kto-lora,$(KTO_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -111,6 +117,7 @@ help:
 	@echo "make bench-sft      packed vs padded: a small Llama on chat rows (ours, TRL's SFTTrainer), MiniLM on SST-2"
 	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
 	@echo "make bench-reward-trl  task=reward vs TRL's RewardTrainer: step-1 loss, accuracy, margin, rewards, grad_norm"
+	@echo "make bench-kto-trl  task=kto vs TRL's KTOTrainer: steps 1-2 loss, kl, rewards, logps, grad_norm"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -213,6 +220,17 @@ $(1)-dpo-lora: setup
 endef
 $(foreach family,$(DPO_LORA_FAMILIES),$(eval $(call dpo_lora_targets,$(family))))
 
+# KTO (recipes/<family>/kto.yaml, kto_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's kl, rewards/*, logps/*.
+define kto_targets
+$(1)-kto: setup
+	$$(call run_recipe,recipes/$(1)/kto.yaml)
+endef
+$(foreach family,$(KTO_FAMILIES),$(eval $(call kto_targets,$(family))))
+define kto_lora_targets
+$(1)-kto-lora: setup
+	$$(call run_recipe,recipes/$(1)/kto_lora.yaml)
+endef
+$(foreach family,$(KTO_LORA_FAMILIES),$(eval $(call kto_lora_targets,$(family))))
 # Reward modelling (recipes/<family>/reward.yaml, reward_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's accuracy,
 # margin and min/mean/max_reward; hf/ a one-output sequence classifier.
 define reward_targets
@@ -335,6 +353,9 @@ bench-dpo-trl: setup $(TRL_VENV)/.installed
 # task=reward vs TRL's RewardTrainer (.venv-trl): step 1 on the same tiny Llama classifier, pairs and batch.
 bench-reward-trl: setup $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) bench/reward_vs_trl.py $(ARGS)
+# task=kto vs TRL's KTOTrainer (.venv-trl): steps 1 and 2 on the same tiny Llama, rows, beta and batches.
+bench-kto-trl: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/kto_vs_trl.py $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)
