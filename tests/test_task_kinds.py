@@ -76,10 +76,10 @@ def test_the_rule_sees_each_way_of_comparing(tmp_path):
 
 
 def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
-    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward"]
+    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward", "kto"]
     assert kind_of("sft").head is HeadKind.CAUSAL_LM and kind_of("classification").head is HeadKind.CLASSIFICATION
-    with pytest.raises(UserError, match=r"^task='kto' is not a task kind; valid: classification, causal_lm, sft, dpo"):
-        kind_of("kto")
+    with pytest.raises(UserError, match=r"^task='orpo' is not a task kind; valid: classification, causal_lm, sft, dpo"):
+        kind_of("orpo")
     assert find_kind(None) is None and kind_of_problem("multi_label_classification") is None
 
 
@@ -92,6 +92,7 @@ def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
         ("sft", "sft", False, False, True, False),
         ("dpo", "dpo", False, True, True, False),
         ("reward", "reward", True, True, True, False),
+        ("kto", "kto", False, False, True, False),
     ],
 )
 def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regression):
@@ -99,6 +100,7 @@ def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regr
     assert task.kind is kind_of(key)
     assert (task.has_labels, task.kind.pairs, task.kind.chat, task.regression) == (labels, pairs, chat, regression)
     assert task.kind.rows_per_sample == (2 if pairs else 1)
-    # dpo's objective reads the reference (unless its pair loss is free of it); a reward model's pairs need none
-    assert task.kind.reference is (pairs and not task.kind.reward_model)
-    assert task.kind.cache_key("answers") == {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1"}.get(key, "")
+    # dpo's and kto's objectives read the reference (unless dpo's pair loss is free of it); a reward model's none
+    assert task.kind.reference is ((pairs and not task.kind.reward_model) or task.kind.unpaired)
+    keys = {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1", "kto": "-kto1"}
+    assert task.kind.cache_key("answers") == keys.get(key, "")
