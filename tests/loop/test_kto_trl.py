@@ -2,8 +2,9 @@
 on the same tiny Llama, the same 16 unpaired rows in global batches of 8 (TRL fed them in our sampler's order, so
 its KL rows are ours), beta 0.1, desirable_weight 3, give the same loss, kl, rewards/*, logps/* and gradient norm,
 from the same token ids row by row: on conversational (ChatML) rows and on plain-text rows. Step 1 is the policy
-against its reference (each row's loss 1/2 x its weight, kl 0); step 2's kl (0.2085 on the conversational rows) is TRL's KL estimate
-of mismatched rows after one identical update. The comparison is bench/kto_vs_trl.py's (`make bench-kto-trl`)."""
+against its reference (each row's loss 1/2 x its weight, kl 0); step 2's kl (0.2085 on the conversational rows)
+is TRL's KL estimate of mismatched rows after one identical update. The comparison is bench/kto_vs_trl.py's
+(`make bench-kto-trl`)."""
 
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ class PreferenceSection:
     # task=kto (TRL's KTOTrainer names; its beta is dpo_beta): the weight of a desirable row's loss and of an
     # undesirable row's (KTO's lambda_D and lambda_U), e.g. raised for the side with fewer rows
     desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
+    undesirable_weight: float = 1.0  # task=kto: the weight of an undesirable row's loss (TRL's name)
 
 
 @dataclass

@@ -1,8 +1,5 @@
-"""What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
-sft: `messages`, `answers_from`, `index`[, `tools`]; dpo, reward: `prompt`, `chosen`, `rejected`[, `margin`],
-`where`, `index`; kto: `prompt`, `completion`, `label`, `where`, `index`), a Task and a Source; each kind's
-rows read by its module (columns, conversations, preferences, rewards, unpaired; labels.py, sources.py, files.py,
-glue.py beneath them); errors name file and row."""
+"""What a run learns: `load_task(data=..., model=...)` -> the splits, a Task and a Source; each kind's rows read by its
+own module (columns, conversations, preferences, rewards, unpaired: each says its columns); errors name file:row."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def load_task(
     if own_rows := kind.pairs or kind.conversations or kind.unpaired:
         pairs = (define_reward_task, reward_rows) if kind.reward_model else (define_preference_task, preference_rows)
         define, read = pairs if kind.pairs else (define_instruction_task, conversation_rows)
-        if kind.unpaired:  # KTO's rows: prompt, completion, label (or dpo's pairs, unpaired)
-            define, read = define_kto_task, kto_rows
+        define, read = (define_kto_task, kto_rows) if kind.unpaired else (define, read)  # kto: unpaired rows
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
