@@ -27,7 +27,7 @@ from ..data.sampling import GlobalBatches
 from ..errors import UserError
 from ..families import get_family
 from ..families.base import Family
-from ..interfaces import Runner, Updates
+from ..interfaces import Objective, Runner, Updates
 from ..model import attention
 from ..model.hub import fetch_model
 from ..model.load import ReadyModel, load_model, log_loaded
@@ -48,7 +48,7 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator, held_out_prompts
-from .loss import HiddenTokenLoss, PreferenceLoss, summed_loss_for
+from .loss import HiddenTokenLoss, PreferenceLoss, objective_for
 from .reference import measure_reference, trained_pairs
 from .reward_loss import RewardLoss
 from .runner import WholeModel
@@ -81,7 +81,7 @@ class _Model:
     updates: Updates
     runner: Runner
     scheduler: object  # the lr schedule
-    preference: PreferenceLoss | RewardLoss | None  # task=dpo's or task=reward's loss (per-pair figures: metrics)
+    objective: Objective  # the runner's (task=dpo's or task=reward's: a pair objective whose statistics are metrics)
 
 
 def prepare_data(config: Config, model_path: str | None = None, resolved: Resolved | None = None):
@@ -184,6 +184,7 @@ class RunBuilder:
             sampler=sampler,
             batcher=self._batcher(train, prepared, layout, resolved, built, references.get("train")),
             runner=built.runner,
+            objective=built.objective,
             updates=built.updates,
             scheduler=built.scheduler,
             model=built.model,
@@ -194,7 +195,7 @@ class RunBuilder:
                 batch_size=config.eval_batch_size,
                 layout=layout,
                 every=config.eval_every,
-                preference=built.preference,
+                objective=built.objective,
                 references=references,
             ),
             generator=self._generator(prepared, layout, built) if config.generate_every else None,
@@ -207,7 +208,6 @@ class RunBuilder:
             peak=peak,
             step=step,
             stop=stop or StopRequest(),
-            preference=built.preference,
         )
         accumulation = config.gradient_accumulation_steps
         log.info(
@@ -321,7 +321,7 @@ class RunBuilder:
         """task=dpo: the reference log-probabilities of the pairs the run trains on and of the held-out pairs
         (loop/reference.py), each split's PairReference by name ({}: another task, or a reference-free pair
         loss)."""
-        if built.preference is None or not built.preference.needs_reference:  # SimPO, ORPO: no pass, no time
+        if not built.objective.needs_reference:  # SimPO, ORPO, another task: no pass, no time
             return {}
         config, tokenizer = self.config, prepared.tokenizer
         validation = TokenizedSplit.of(prepared.splits["validation"], prepared.task)
@@ -340,7 +340,6 @@ class RunBuilder:
                     list(pairs),
                     runner=built.runner,
                     model=built.model,
-                    loss=built.preference,
                     batch_size=config.eval_batch_size,
                     layout=layout,
                     lora=resolved.lora is not None,
@@ -377,7 +376,7 @@ class RunBuilder:
             return PaddedBatcher(train, **padding)
         if prepared.task.kind.reward_model:
             return RewardBatcher(train, **padding)
-        score_prompts = built.preference.scores_prompts
+        score_prompts = built.objective.scores_prompts
         return PreferenceBatcher(train, **padding, shape=shape, score_prompts=score_prompts, reference=reference)
 
     def _generator(self, prepared, layout: Layout, built: _Model) -> Generator:
@@ -451,13 +450,12 @@ class RunBuilder:
                 adamw=ready.zero_adamw,
             )
         autocast_context = functools.partial(autocast, precision, layout.device)
-        preference = None
         if prepared.task.kind.reward_model:  # its pairs' scores from the classifier's logits
-            loss = preference = RewardLoss(config.preference.center_rewards_coefficient)
+            loss = RewardLoss(config.preference.center_rewards_coefficient)
         elif prepared.task.kind.pairs:
-            loss = preference = self._preference_loss(ready, resolved)
+            loss = self._preference_loss(ready, resolved)
         else:
-            loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
+            loss = objective_for(prepared.task, self._hidden_loss(ready, resolved, layout))
         if layout.pp > 1:
             settings = PipelineSettings(
                 config.pipeline_schedule,
@@ -496,7 +494,7 @@ class RunBuilder:
             )
         except ValueError as exc:
             raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
-        return _Model(ready, model, updates, runner, scheduler, preference)
+        return _Model(ready, model, updates, runner, scheduler, loss)
 
     def _packed_attention(self, hf_config, layout: Layout, resolved: Resolved) -> None:
         """Packed batches' attention: varlen flash attention where its kernel's preconditions hold

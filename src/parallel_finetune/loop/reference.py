@@ -25,7 +25,6 @@ from ..data.batch import PairReference, PreferenceBatcher
 from ..data.sampling import scoring_chunks
 from ..interfaces import Runner
 from ..model.lora import adapters_disabled
-from .loss import PreferenceLoss
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +46,24 @@ def measure_reference(
     *,
     runner: Runner,
     model: nn.Module,
-    loss: PreferenceLoss,
     batch_size: int,
     layout,
     lora: bool,
 ) -> PairReference:
     """The reference log-probabilities of the batcher's split's `pairs` (the others are not measured: no step
-    reads them); `batcher` pads the pairs as the runner wants them."""
+    reads them): the "answer_logps" statistics of the runner's objective (loop/loss.py's PreferenceLoss) on them;
+    `batcher` pads the pairs as the runner wants them."""
     started = time.perf_counter()
     split = batcher.split
     values = torch.zeros(len(split), 2, dtype=torch.float64, device=layout.device)
     training = model.training
     model.eval()
-    loss.take()
     try:
         with adapters_disabled(model) if lora else contextlib.nullcontext():
             for chunk, counts in scoring_chunks(pairs, split.lengths, batch_size, layout.dp_rank, layout.dp):
-                runner.loss(batcher.batch(chunk))
-                record = loss.take()  # None on a pipeline stage that is not the last
-                if counts and record is not None and layout.tp_rank == 0:  # each pair counted once
-                    values[torch.tensor(chunk, device=layout.device)] = record.logps.double()
+                _, stats = runner.loss(batcher.batch(chunk))  # {} on a pipeline stage that is not the last
+                if counts and stats and layout.tp_rank == 0:  # each pair counted once
+                    values[torch.tensor(chunk, device=layout.device)] = stats["answer_logps"].double()
     finally:
         model.train(training)
     if layout.world_size > 1:
