@@ -90,7 +90,7 @@ def prepare_data(config: Config, model_path: str | None = None, resolved: Resolv
     return prepare(
         data=config.data,
         model=config.model,
-        family=resolved.family if resolved else get_family(config.family),
+        family=resolved.family if resolved else get_family(config.model.family),
         model_name=model_path or (resolved or choose_model(config)).model_name,
         seed=config.training.seed,
         predict=config.output.predict,
@@ -110,7 +110,7 @@ def small_run_warnings(config: Config, prepared: PreparedData, total_steps: int,
     held = len(prepared.splits["validation"])
     if held < FEW_HELD_OUT:
         unit = prepared.task.kind.sample_unit
-        percentage, seed = config.validation_split_percentage, config.seed
+        percentage, seed = config.data.validation_split_percentage, config.training.seed
         if prepared.source.fingerprint.endswith(
             carved_fingerprint("", validation_split_percentage=percentage, seed=seed)
         ):
@@ -122,10 +122,11 @@ def small_run_warnings(config: Config, prepared: PreparedData, total_steps: int,
             f"{change} for at least {FEW_HELD_OUT}"
         )
     if total_steps < FEW_STEPS:
-        if config.max_steps is not None:
-            why, change = f"max_steps={config.max_steps}", f"raise max_steps to {FEW_STEPS} or more"
+        if config.training.max_steps is not None:
+            why, change = f"max_steps={config.training.max_steps}", f"raise max_steps to {FEW_STEPS} or more"
         else:
-            why = f"epochs={config.epochs:g} of {steps_per_epoch} step(s) of batch_size {config.batch_size}"
+            training = config.training
+            why = f"epochs={training.epochs:g} of {steps_per_epoch} step(s) of batch_size {training.batch_size}"
             change = f"raise epochs (or give more training rows) for {FEW_STEPS} steps or more"
         lines.append(
             f"the run trains {total_steps} step(s) ({why}): too few for its loss or metrics to show a trend; {change}"
@@ -138,7 +139,7 @@ class RunBuilder:
 
     def __init__(self, config: Config):
         self.config = config
-        self.family = get_family(config.family)
+        self.family = get_family(config.model.family)
         self.timer = PhaseTimer()
         self.run_lock: RunLock | None = None  # rank 0's hold on the run folders
         self.model_path: str | None = None  # a full-size model's local folder (tiny: built from its config)
@@ -158,7 +159,9 @@ class RunBuilder:
         with self.timer("data"):
             prepared = self._prepare_data(layout, resolved)
             train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
-            sampler = GlobalBatches(train.lengths, config.batch_size, config.seed, config.group_by_length)
+            sampler = GlobalBatches(
+                train.lengths, config.training.batch_size, config.training.seed, config.data.group_by_length
+            )
             schedule = resolve_schedule(config, len(sampler), layout.device.type, layout.tp)
             if layout.is_main:  # rank 0 alone: the other ranks show WARNING lines too, and would repeat it
                 for line in small_run_warnings(config, prepared, schedule.total_steps, len(sampler)):
@@ -180,7 +183,7 @@ class RunBuilder:
             self._open_run_folder(output_dir, checkpoint_root, built.updates, prepared)
         log.info("run folder %s | %s", output_dir, layout.describe())
         trainer = Trainer(
-            steps=Steps(schedule.total_steps, len(sampler), config.gradient_accumulation_steps),
+            steps=Steps(schedule.total_steps, len(sampler), config.training.gradient_accumulation_steps),
             sampler=sampler,
             batcher=self._batcher(train, prepared, layout, resolved, built, references.get("train")),
             runner=built.runner,
@@ -191,16 +194,16 @@ class RunBuilder:
                 model=built.model,
                 runner=built.runner,
                 data=prepared,
-                batch_size=config.eval_batch_size,
+                batch_size=config.data.eval_batch_size,
                 layout=layout,
-                every=config.eval_every,
+                every=config.training.eval_every,
                 preference=built.preference,
                 references=references,
             ),
-            generator=self._generator(prepared, layout, built) if config.generate_every else None,
+            generator=self._generator(prepared, layout, built) if config.training.generate_every else None,
             checkpoints=checkpoints,
             reporter=self._reporter(output_dir, layout, resolved, schedule.total_steps, step),
-            guard=NonFiniteGuard(config.max_nonfinite_steps, config.lr),
+            guard=NonFiniteGuard(config.training.max_nonfinite_steps, config.training.lr),
             layout=layout,
             timer=self.timer,
             flops=built.ready.flops,
@@ -209,11 +212,11 @@ class RunBuilder:
             stop=stop or StopRequest(),
             preference=built.preference,
         )
-        accumulation = config.gradient_accumulation_steps
+        accumulation = config.training.gradient_accumulation_steps
         log.info(
             "training %d steps (%d per epoch), global batch %d = %d dp x %d accumulation x %d, precision %s",
-            *(schedule.total_steps, len(sampler), config.batch_size, layout.dp, accumulation),
-            *(config.batch_size // (layout.dp * accumulation), resolved.precision),
+            *(schedule.total_steps, len(sampler), config.training.batch_size, layout.dp, accumulation),
+            *(config.training.batch_size // (layout.dp * accumulation), resolved.precision),
         )
         return BuiltRun(
             trainer, resolved, self.family, built.ready, prepared, output_dir, checkpoints.resumed_from, saved_initial
@@ -224,12 +227,12 @@ class RunBuilder:
         full-size model's files fetched: (layout, resolved, peak, (output folder, checkpoint folder))."""
         config = self.config
         layout = init_distributed(
-            config.device,
-            config.tensor_parallel_degree,
-            config.sharding,
-            config.shard_group_size,
-            config.pipeline_parallel_degree,
-            config.collective_timeout_s,
+            config.parallel.device,
+            config.parallel.tensor_parallel_degree,
+            config.parallel.sharding,
+            config.parallel.shard_group_size,
+            config.parallel.pipeline_parallel_degree,
+            config.parallel.collective_timeout_s,
         )
         logging.basicConfig(level=logging.INFO if layout.is_main else logging.WARNING, format="%(message)s", force=True)
         transformers.logging.set_verbosity_error()
@@ -237,8 +240,10 @@ class RunBuilder:
         output_dir, checkpoint_root, self.run_lock = claim_run_folders(
             layout, recipe=config.recipe, checkpoint=config.checkpoint, output=config.output
         )
-        if config.size == "full":
-            self.model_path = fetch_model(resolved.model_name, config.revision, layout, config.collective_timeout_s)
+        if config.model.size == "full":
+            self.model_path = fetch_model(
+                resolved.model_name, config.model.revision, layout, config.parallel.collective_timeout_s
+            )
         return layout, resolved, peak, (output_dir, checkpoint_root)
 
     def _check_settings(self, layout: Layout) -> tuple[Resolved, Peak]:
@@ -248,14 +253,15 @@ class RunBuilder:
         resolved = resolve(config, layout.device, layout.dims)  # decided once; components receive these
         if config.lr_note:
             log.info("%s", config.lr_note)
-        peak = device_peak(layout.device, resolved.compute_dtype, config.peak_tflops)
+        peak = device_peak(layout.device, resolved.compute_dtype, config.training.peak_tflops)
         log.info("%s", peak.describe())
-        check_batch_split(config.batch_size, layout.dp, config.gradient_accumulation_steps)
-        if config.size == "tiny":  # (full size: once the model is fetched, in _build)
+        check_batch_split(config.training.batch_size, layout.dp, config.training.gradient_accumulation_steps)
+        if config.model.size == "tiny":  # (full size: once the model is fetched, in _build)
             check_heads(check_model_config(config))  # a bad model_config: one line, not a traceback per rank
         if layout.pp > 1:
             check_microbatches(
-                config.batch_size // (layout.dp * config.gradient_accumulation_steps), resolved.microbatches
+                config.training.batch_size // (layout.dp * config.training.gradient_accumulation_steps),
+                resolved.microbatches,
             )
         if resolved.engine is Engine.DEEPSPEED:  # one line (fp16 on a CPU, a conflicting JSON) before any work
             from ..parallel import deepspeed_engine
@@ -284,10 +290,10 @@ class RunBuilder:
     def _state_of(self, layout: Layout, resolved: Resolved, prepared, built: _Model):
         """step -> what a checkpoint of that step holds (checkpoint.TrainingState)."""
         config, ready = self.config, built.ready
-        if config.size == "tiny":
-            base = f"tiny {self.family.name} from config, initialised from seed {config.seed}"
+        if config.model.size == "tiny":
+            base = f"tiny {self.family.name} from config, initialised from seed {config.training.seed}"
         else:
-            base = f"{resolved.model_name}@{config.revision}" if config.revision else resolved.model_name
+            base = f"{resolved.model_name}@{config.model.revision}" if config.model.revision else resolved.model_name
         return functools.partial(
             TrainingState,
             model=built.model,
@@ -310,7 +316,7 @@ class RunBuilder:
         the frozen base, so it holds these, not the trained ones (which the adapter carries); a tiny base exists
         nowhere else to be read again. {}: not a tiny LoRA run with modules to save. A collective."""
         settings = resolved.lora
-        if self.config.size != "tiny" or settings is None or not settings.modules_to_save:
+        if self.config.model.size != "tiny" or settings is None or not settings.modules_to_save:
             return {}
         heads = tuple(f"{m}." for m in settings.modules_to_save)
         names = {n for n, p in built.updates.module.named_parameters() if p.requires_grad and n.startswith(heads)}
@@ -341,7 +347,7 @@ class RunBuilder:
                     runner=built.runner,
                     model=built.model,
                     loss=built.preference,
-                    batch_size=config.eval_batch_size,
+                    batch_size=config.data.eval_batch_size,
                     layout=layout,
                     lora=resolved.lora is not None,
                 )
@@ -361,9 +367,9 @@ class RunBuilder:
         config, tokenizer, runner = self.config, prepared.tokenizer, built.runner
         pairs, pipeline = prepared.task.kind.pairs, layout.pp > 1
         shape = None
-        if config.packing:  # task=dpo: a sequence holds twice max_length, so any pair's two rows fit in one
+        if config.data.packing:  # task=dpo: a sequence holds twice max_length, so any pair's two rows fit in one
             shape = PackedShape(
-                capacity=prepared.task.kind.rows_per_sample * config.max_length,
+                capacity=prepared.task.kind.rows_per_sample * config.data.max_length,
                 pad_multiple=runner.pad_multiple,
                 fixed_length=pipeline,
                 rows_multiple=resolved.microbatches if pipeline else 1,
@@ -388,22 +394,23 @@ class RunBuilder:
             runner=built.runner,
             model=built.model,
             tokenizer=prepared.tokenizer,
-            prompts=held_out_prompts(validation, config.generate_prompts),
-            max_new_tokens=config.generate_max_new_tokens,
-            max_length=config.max_length,
+            prompts=held_out_prompts(validation, config.training.generate_prompts),
+            max_new_tokens=config.training.generate_max_new_tokens,
+            max_length=config.data.max_length,
             layout=layout,
-            every=config.generate_every,
+            every=config.training.generate_every,
         )
 
     def _reporter(self, output_dir: Path, layout: Layout, resolved: Resolved, total_steps: int, step: int):
         """The progress bar, metrics files and the trackers `report_to` names, started by rank 0 (a failure is
         every rank's one line)."""
         config = self.config
-        reporter = Reporter(output_dir, total_steps, config.log_every, layout.is_main, resumed_at=step)
-        trackers = destinations(config.report_to)
+        reporter = Reporter(output_dir, total_steps, config.training.log_every, layout.is_main, resumed_at=step)
+        trackers = destinations(config.logging.report_to)
         params = written_settings(config.to_dict()) | resolved.as_params()  # as written, and what `auto` became
         reporter.started = rank0_decides(
-            layout, lambda: reporter.add_trackers(trackers, config.run_name, params, config.tracker_timeout_s)
+            layout,
+            lambda: reporter.add_trackers(trackers, config.logging.run_name, params, config.logging.tracker_timeout_s),
         )
         return reporter
 
@@ -460,12 +467,12 @@ class RunBuilder:
             loss = summed_loss_for(prepared.task, self._hidden_loss(ready, resolved, layout))
         if layout.pp > 1:
             settings = PipelineSettings(
-                config.pipeline_schedule,
+                config.parallel.pipeline_schedule,
                 resolved.microbatches,
                 resolved.head,
                 loss,
                 token_types=train.token_types is not None,
-                packing=config.packing,
+                packing=config.data.packing,
             )
             runner = Pipeline(
                 ready.model,
@@ -483,19 +490,19 @@ class RunBuilder:
                 loss,
                 autocast_context,
                 updates.backward,
-                config.offload_activations,
+                config.memory.offload_activations,
                 layout.device,
-                packing=family if config.packing else None,
+                packing=family if config.data.packing else None,
             )
         try:
             scheduler = transformers.get_scheduler(
-                config.lr_scheduler,
+                config.training.lr_scheduler,
                 updates.optimizer,
                 num_warmup_steps=schedule.warmup_steps,
                 num_training_steps=schedule.total_steps,
             )
         except ValueError as exc:
-            raise UserError(f"lr_scheduler={config.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"lr_scheduler={config.training.lr_scheduler!r}: {str(exc).splitlines()[0]}") from None
         return _Model(ready, model, updates, runner, scheduler, preference)
 
     def _packed_attention(self, hf_config, layout: Layout, resolved: Resolved) -> None:
@@ -539,22 +546,22 @@ class RunBuilder:
     def _load_model(self, layout: Layout, resolved: Resolved, prepared: PreparedData, schedule) -> ReadyModel:
         """The model's config from the checkpoint or the family, then this rank's shards loaded, and said."""
         config, family, tokenizer = self.config, self.family, prepared.tokenizer
-        if config.size == "full":
+        if config.model.size == "full":
             check_heads(check_model_config(config, self.model_path))
         hf_config = family.config_for(
             model=config.model,
             head=resolved.head,
-            max_length=config.max_length,
+            max_length=config.data.max_length,
             tokenizer_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             model_path=self.model_path,
             labels=prepared.task,
         )
         family.check_tp(hf_config, layout.tp)
-        if config.packing:
-            family.check_packing(hf_config, config.max_length)
+        if config.data.packing:
+            family.check_packing(hf_config, config.data.max_length)
             self._packed_attention(hf_config, layout, resolved)
-        if config.compile == "auto":
+        if config.training.compile == "auto":
             log.info("%s", schedule.compile_why)
         placement = Placement(
             layout=layout,
@@ -572,7 +579,7 @@ class RunBuilder:
             resolved.head,
             hf_config,
             self.model_path,
-            seed=config.seed,
+            seed=config.training.seed,
             adapters=resolved.lora,
             placement=placement,
         )
@@ -582,6 +589,6 @@ class RunBuilder:
             placement,
             adapters=resolved.lora,
             model_name=resolved.model_name,
-            seed=config.seed,
+            seed=config.training.seed,
         )
         return ready
