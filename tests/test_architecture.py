@@ -266,6 +266,25 @@ def test_the_trainer_receives_components_and_holds_no_config():
     assert "resume" in {n.name for n in class_of("loop.checkpointer", "CheckpointManager").body if hasattr(n, "name")}
 
 
+# The run's assembly in typed stages (issue 55): RunBuilder (the entry), the data stage, the model stage and the
+# loop's assembly, and the registries they ask a task's kind through; none of their classes is a new centre of
+# gravity (RunBuilder alone was ~450 lines).
+ASSEMBLY_MODULES = ("loop.builder", "loop.data_stage", "loop.model_stage", "loop.assembly", "loop.objectives")
+ASSEMBLY_MODULES += ("data.batchers",)
+
+
+def test_the_assemblys_largest_class_is_at_most_250_lines():
+    sizes = {
+        f"{module}.{node.name}": node.end_lineno - node.lineno + 1
+        for module in ASSEMBLY_MODULES
+        for node in ast.parse(MODULES[module].read_text()).body
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"loop.builder.RunBuilder", "loop.builder.BuiltRun", "loop.model_stage.ModelStage"} <= set(sizes)
+    largest = max(sizes, key=sizes.get)
+    assert sizes[largest] <= 250, f"{largest} is {sizes[largest]} lines; split it into stages"
+
+
 def test_a_batch_says_its_kind_and_the_loss_reads_no_shapes():
     """No module asks a batch whether a key is in it (`"position_ids" in batch`): a Batch's kind is a field. The
     loss picks its function by the task, not by the labels' ndim, dtype or shape."""
