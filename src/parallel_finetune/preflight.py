@@ -252,12 +252,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     task = None  # known before the launch for local rows only
     # the shipped chat or preference sample (its kind's), or files
     sample = kind_of(config.model.task).sample is not None and not config.data.dataset
-    if (
-        sample
-        or config.data.data_dir
-        or config.data.train_file
-        or (config.data.dataset and Path(config.data.dataset).expanduser().is_dir())
-    ):
+    local_dataset = config.data.dataset and Path(config.data.dataset).expanduser().is_dir()
+    if sample or config.data.data_dir or config.data.train_file or local_dataset:
         # local rows: columns, labels and splits checked now, not after the launch
         raw, task, source = load_raw(
             data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict
@@ -293,9 +289,8 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
     check_pretrained_tokenizer(config, family, pairs=task.pair if task else False)
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
-    resolved = resolve(
-        config, torch.device(resolve_device(config.parallel.device)), dims
-    )  # as the ranks will resolve it
+    device = torch.device(resolve_device(config.parallel.device))
+    resolved = resolve(config, device, dims)  # as the ranks will resolve it
     check_heads(hf_config)
     if config.data.packing:  # as the run checks once it has the model's config
         family.check_packing(hf_config, config.data.max_length)
