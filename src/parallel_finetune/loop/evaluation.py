@@ -18,15 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
+from ..data.batch import PairReference, TokenizedSplit
+from ..data.batchers import Padding, make_batcher
 from ..data.prepare import PreparedData
-from ..data.reward import RewardBatcher
 from ..data.sampling import scoring_chunks
 from ..errors import UserError
 from ..interfaces import Objective, Runner
 from ..metrics import compute_metrics
 from ..tasks.task import HeadKind, Task
-from .loss import objective_for
 
 
 class Evaluator:
@@ -43,17 +42,17 @@ class Evaluator:
         batch_size: int,
         layout,
         every=None,
-        objective: Objective | None = None,
+        objective: Objective,
         references: dict[str, PairReference] | None = None,
     ):
         """`objective`: the runner's; one with metrics beyond its loss (a pair objective's) scores the held-out
-        rows by them, any other by the task's (None: the same); `references`: the held-out pairs' reference
-        log-probabilities, by split name."""
+        rows by them, any other by the task's metrics (a classifier's held-out loss is the objective's, from its
+        logits); `references`: the held-out pairs' reference log-probabilities, by split name."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
-        self.loss = objective_for(data.task)  # a classifier's, from its logits
-        self.objective = objective if objective is not None and len(objective.metric_names) > 1 else None
+        self.loss = objective  # a classifier's takes its logits
+        self.objective = objective if len(objective.metric_names) > 1 else None
         self._splits: dict[str, TokenizedSplit] = {}  # each read on first use
         self.references = dict(references or {})
 
@@ -122,13 +121,8 @@ class Evaluator:
     def _score(self, split: TokenizedSplit, with_loss: bool):
         layout, runner = self.layout, self.runner
         tokenizer = self.data.tokenizer
-        batcher = PaddedBatcher(
-            split,
-            pad_id=tokenizer.pad_token_id,
-            padding_side=tokenizer.padding_side,
-            pad_multiple=runner.pad_multiple,
-            device=layout.device,
-        )
+        padding = Padding(tokenizer.pad_token_id, tokenizer.padding_side, runner.pad_multiple, layout.device)
+        batcher = make_batcher(self.task.kind.batcher, split, padding)  # held-out rows: padded, never packed
         classifies = self.task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss
         predictions: list[tuple[int, float | int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
@@ -155,12 +149,9 @@ class Evaluator:
         """Held-out pairs: eval_loss (the mean pair loss) and the objective's metrics (TRL's rewards/*, logps/*,
         ...): the sums of the statistics of every counted chunk's call, over the pairs."""
         layout, runner, objective, tokenizer = self.layout, self.runner, self.objective, self.data.tokenizer
-        padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
-        padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
-        if self.task.kind.reward_model:  # a reward model's pairs: two rows scored by its classifier
-            batcher = RewardBatcher(split, **padding)
-        else:
-            batcher = PreferenceBatcher(split, **padding, score_prompts=objective.scores_prompts, reference=reference)
+        padding = Padding(tokenizer.pad_token_id, tokenizer.padding_side, runner.pad_multiple, layout.device)
+        score_prompts = getattr(objective, "scores_prompts", False)  # ORPO's NLL over the chosen prompts too
+        batcher = make_batcher(self.task.kind.batcher, split, padding, None, reference, score_prompts=score_prompts)
         totals = objective.sums([], layout.device)
         objective.share_of(split, range(len(split)))  # ORPO's NLL: a token mean over every held-out pair
         with self._eval_mode():
