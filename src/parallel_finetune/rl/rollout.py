@@ -146,8 +146,15 @@ def any_left(running: torch.Tensor, group) -> bool:
     return bool(flag.item())
 
 
-def default_group():
-    """The whole world, when there is one: every rank must run the same number of forwards under FSDP."""
+WORLD = "world"  # sample's default group: every rank of torch.distributed's world, when there is one
+
+
+def lockstep_group(group):
+    """The process group whose ranks run as many forwards as this one: `WORLD` (the default) is torch.distributed's
+    whole world when there is one (every rank must run the same number of forwards under FSDP); None: this
+    process alone."""
+    if not (isinstance(group, str) and group == WORLD):
+        return group
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
@@ -159,16 +166,17 @@ def sample(
     settings: SamplingSettings,
     step: int,
     *,
-    group=None,
+    group=WORLD,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Rollout:
     """`settings.num_generations` completions of each prompt (token lists) by `model` (a causal LM, in any layout
     but a pipeline's), `prompt_indices` their places in the step's global batch (what seeds them with `step`).
-    `group`: the ranks that must run as many forwards as this one (default: the world under torch.distributed);
+    `group`: the ranks that must run as many forwards as this one (`lockstep_group`: the world by default, None
+    for this process alone);
     `autocast`: the run's mixed precision for the forwards."""
     if not prompts or len(prompts) != len(prompt_indices):
         raise ValueError(f"{len(prompts)} prompts and {len(prompt_indices)} indices; at least one prompt per rank")
-    group = default_group() if group is None else group
+    group = lockstep_group(group)
     count = settings.num_generations
     rows = [list(prompt) for prompt in prompts for _ in range(count)]
     keys = [index for index in prompt_indices for _ in range(count)]
