@@ -219,3 +219,15 @@ def test_tp2_and_fsdp_dp2_sample_what_one_process_samples():
     assert result["fsdp_forwards"][0] == result["fsdp_forwards"][1], result
     assert result["fsdp_own_steps"][0] < result["fsdp_own_steps"][1], result  # rank 0 was done first, and waited
     assert result["distinct"] > 4, result  # sampled, not one repeated answer
+
+
+def test_the_speed_bench_runs_both_sides_on_the_same_rows(tmp_path):
+    """bench/rollout_speed.py (its figures are the report's), shrunk to seconds: both sides make every token."""
+    from conftest import load_bench
+
+    result = load_bench("rollout_speed").main(
+        ["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "128", "--prompts", "2", "--generations", "2",
+         "--prompt-length", "10", "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path / "speed.json")]
+    )  # fmt: skip
+    assert result["rows"] == 4 and set(result["tokens_per_s"]) == {"rl/rollout.py sample", "transformers generate"}
+    assert json.loads((tmp_path / "speed.json").read_text())["ratio"] == pytest.approx(result["ratio"])
