@@ -341,11 +341,11 @@ def test_the_folders_show_the_floors():
     interfaces); every other module lives in a folder with a short face (its __init__ says what it holds)."""
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
-    for folder in ("config", "data", "model", "parallel", "loop", "outputs", "tools", "tasks", "families"):
+    for folder in ("config", "data", "model", "parallel", "loop", "outputs", "tools", "tasks", "families", "rl"):
         face = PACKAGE / folder / "__init__.py"
         assert face.is_file() and ast.get_docstring(ast.parse(face.read_text())), folder
     tests = REPO / "tests"
-    for folder in ("data", "model", "parallel", "loop", "outputs", "tools"):
+    for folder in ("data", "model", "parallel", "loop", "outputs", "tools", "rl"):
         assert list((tests / folder).glob("test_*.py")), f"tests/{folder}/ mirrors src/parallel_finetune/{folder}/"
     assert (tests / "test_parity.py").is_file()  # the front door stays where a reader looks first
 
