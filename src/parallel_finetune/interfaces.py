@@ -4,6 +4,10 @@
               tensor-parallel or FSDP-sharded) | `parallel.pipeline.Pipeline` (this rank's stages under a schedule)
     Updates   gradients -> update: `updates.TorchUpdates` (our AdamW: every parameter, FSDP shards or ZeRO-1
               slices) | `parallel.deepspeed_engine.DeepSpeedUpdates` (DeepSpeed's ZeRO)
+    Objective a head's outputs and a Batch's targets -> the summed loss and its per-unit Stats, returned
+              together (no side lists): loop/loss.py's TOKEN_OBJECTIVE | CLASS_OBJECTIVE | REGRESSION_OBJECTIVE
+              (no statistics) | HiddenTokenLoss | PreferenceLoss, loop/reward_loss.py's RewardLoss, loop/kto.py's
+              KTOObjective
     PairLoss  task=dpo's pair loss from the answers' log-probabilities: loop/pair_losses.py's DPOLoss | SimPOLoss
               | ORPOLoss
 
@@ -13,15 +17,63 @@ module (or the loop's) for a type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-# (a head's outputs, a Batch's labels) -> the loss summed over them, in fp32 (loop/loss.py: one per head)
-SummedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# An objective's statistics of one call: name -> per-unit values (a unit: a pair, a row...; the unit on the first
+# axis), detached, named as TRL logs them. Empty: an objective with none, or a pipeline stage that is not the last.
+Stats = dict[str, torch.Tensor]
+
+
+def joined(stats: Sequence[Stats]) -> Stats:
+    """The statistics of several calls (micro-batches, accumulation slices) as one call's: each name's values
+    concatenated over the units; the empty ones (no units here) add nothing."""
+    parts = [part for part in stats if part]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]} if parts else {}
+
+
+class Objective(Protocol):
+    """What a run minimises: from the model's outputs (`takes_hidden`: the final hidden states, the head being the
+    objective's, e.g. chunked and vocabulary-parallel; else the head's logits) and a Batch's loss_target, the loss
+    SUMMED over the batch in fp32 and its per-unit statistics, returned together by each call. `sums` adds up
+    the statistics of any number of calls (a step's slices, a held-out split's chunks) in float64, which the
+    caller all-reduces over ranks (a sum, whatever the layout) and hands to `metrics`. An objective whose
+    `metric_names` are only ("loss",) keeps no statistics (the step's loss and the task's held-out metrics say
+    all); the others' are the step's and the held-out split's metrics."""
+
+    takes_hidden: bool  # the outputs are the final hidden states (the head is the objective's), else logits
+    needs_reference: bool  # a reference pass runs before training (loop/reference.py), else none does (zero time)
+    metric_names: tuple[str, ...]  # its step and held-out metrics, "loss" first, as TRL names them
+
+    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        """The summed loss (fp32) of `outputs` against `target` (a Batch's loss_target) and its statistics."""
+        ...
+
+    def share_of(self, split, indices) -> None:
+        """The one declared input besides the batch: called before scoring these rows of `split` (a step's global
+        batch, or a whole held-out split), for what the loss needs of all of them at once (ORPO's token mean over
+        the global batch's chosen rows); most objectives need nothing."""
+        ...
+
+    def measured(self, references: dict, scorer) -> None:
+        """The one declared hook after the reference pass (the run's assembly calls it when `needs_reference`,
+        before training): every split's measured reference by name, and `scorer` (loop/reference.py's Scorer:
+        forwards without gradients through the run's runner, each rank its share) for an objective whose
+        `share_of` forwards rows of its own (KTO's KL estimate: the policy over the batch's mismatched rows);
+        most objectives keep nothing."""
+        ...
+
+    def sums(self, stats: Sequence[Stats], device) -> torch.Tensor:
+        """float64 sums over the units of `stats` in `metric_names` order, and the unit count last (zeros for none)."""
+        ...
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """`sums` reduced over the ranks -> the metrics by name (every rank calls it: it may hold a collective)."""
+        ...
 
 
 class PairLoss(Protocol):
@@ -41,7 +93,7 @@ class PairLoss(Protocol):
         tokens: torch.Tensor,
         reference: torch.Tensor | None,
         chosen_nll: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor, Stats]: ...
 
 
 # (step's global loss, global gradient norm, the fp16 scale it used or None) -> whether not to apply the step
@@ -61,17 +113,19 @@ class StepOutcome:
 class Runner(Protocol):
     pad_multiple: int  # sequence lengths are padded to a multiple of it
 
-    def train(self, batch, count: int, last: bool) -> torch.Tensor:
-        """This rank's share of the loss of `batch` (a batch.Batch), summed over the batch / the global `count`;
-        gradients accumulate in .grad. `last`: the step's last slice on this rank."""
+    def train(self, batch, count: int, last: bool) -> tuple[torch.Tensor, Stats]:
+        """This rank's share of the loss of `batch` (a batch.Batch), summed over the batch / the global `count`,
+        and the objective's statistics of the batch (empty on a pipeline stage that is not the last); gradients
+        accumulate in .grad. `last`: the step's last slice on this rank."""
         ...
 
     def forward(self, batch) -> torch.Tensor | None:
         """A classifier's logits for `batch` (a batch.Batch), or None on a pipeline stage that is not the last."""
         ...
 
-    def loss(self, batch) -> torch.Tensor | None:
-        """The batch's summed loss without gradients (evaluation), or None on a pipeline stage that is not the last."""
+    def loss(self, batch) -> tuple[torch.Tensor | None, Stats]:
+        """The batch's summed loss without gradients (evaluation) and the objective's statistics of it, or
+        (None, {}) on a pipeline stage that is not the last."""
         ...
 
     def last_logits(self, batch) -> torch.Tensor | None:

@@ -41,28 +41,32 @@ if TYPE_CHECKING:
 def check_layout(config: Config, hf_config, world_size: int, local_world_size: int):
     """Degrees and mode (`ParallelDims`) for `world_size` processes (`local_world_size` per node) that divide the
     model and the batch; returns them and a description of the pipeline part ("" without one)."""
-    family = get_family(config.family)
+    family = get_family(config.model.family)
     dims = resolve_dims(
         world_size,
         local_world_size,
-        config.tensor_parallel_degree,
-        config.sharding,
-        config.shard_group_size,
-        config.pipeline_parallel_degree,
+        config.parallel.tensor_parallel_degree,
+        config.parallel.sharding,
+        config.parallel.shard_group_size,
+        config.parallel.pipeline_parallel_degree,
     )
     family.check_tp(hf_config, dims.tp)
-    refuse_compile_with_tp(config.compile, dims.tp)  # the degree tensor_parallel_degree=auto gives, as every rank
-    check_batch_split(config.batch_size, dims.dp, config.gradient_accumulation_steps)
+    refuse_compile_with_tp(
+        config.training.compile, dims.tp
+    )  # the degree tensor_parallel_degree=auto gives, as every rank
+    check_batch_split(config.training.batch_size, dims.dp, config.training.gradient_accumulation_steps)
     pipeline = ""
     if dims.pp_enabled:
         from .parallel.pipeline import check_microbatches, check_stages
 
-        virtual = config.virtual_stages if config.pipeline_schedule == "interleaved" else 1
-        check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.partition)
+        virtual = config.parallel.virtual_stages if config.parallel.pipeline_schedule == "interleaved" else 1
+        check_stages(hf_config.num_hidden_layers, dims.pp, virtual, config.parallel.partition)
         family.check_pipeline(hf_config, choose_model(config).head)  # as every rank does before cutting (a shrunk copy)
-        microbatches = pipeline_microbatches(config.microbatches, dims.pp)
-        check_microbatches(config.batch_size // (dims.dp * config.gradient_accumulation_steps), microbatches)
-        pipeline = f"{dims.pp} pipeline stages ({config.pipeline_schedule}, {microbatches} micro-batches) x "
+        microbatches = pipeline_microbatches(config.parallel.microbatches, dims.pp)
+        check_microbatches(
+            config.training.batch_size // (dims.dp * config.training.gradient_accumulation_steps), microbatches
+        )
+        pipeline = f"{dims.pp} pipeline stages ({config.parallel.pipeline_schedule}, {microbatches} micro-batches) x "
     return dims, pipeline
 
 
@@ -73,8 +77,8 @@ def planned_layout(config: Config, hf_config, world_size: int, local_world_size:
     from .tools.planner import Candidate
 
     dims, _ = check_layout(config, hf_config, world_size, local_world_size)
-    microbatches = pipeline_microbatches(config.microbatches, dims.pp) if dims.pp_enabled else 1
-    every_block = config.activation_checkpointing is True or config.activation_checkpointing == 1
+    microbatches = pipeline_microbatches(config.parallel.microbatches, dims.pp) if dims.pp_enabled else 1
+    every_block = config.memory.activation_checkpointing is True or config.memory.activation_checkpointing == 1
     return Candidate(dims.tp, dims.pp, dims.dp, dims.sharding, every_block, microbatches, dims.optimizer_shards)
 
 
@@ -119,14 +123,14 @@ def check_model_config(config: Config, model_path: str | None = None):
         return family.config_for(
             model=config.replace(model_config=overrides).model,
             head=head,
-            max_length=config.max_length,
-            tokenizer_size=config.tokenizer_vocab_size,
+            max_length=config.data.max_length,
+            tokenizer_size=config.model.tokenizer_vocab_size,
             model_path=model_path,
         )
 
     defaults = build({})
     name = type(defaults).__name__
-    for key, value in config.model_config.items():
+    for key, value in config.model.model_config.items():
         expected = _expected(value, getattr(defaults, key, None))
         if expected:
             raise UserError(
@@ -134,25 +138,25 @@ def check_model_config(config: Config, model_path: str | None = None):
                 f"(default {getattr(defaults, key)!r})"
             )
     try:
-        hf_config = build(config.model_config)  # an unknown attribute is its own one-line error
+        hf_config = build(config.model.model_config)  # an unknown attribute is its own one-line error
     except UserError:
         raise
     except Exception as exc:  # transformers' typed configs refuse a value of another type
         raise UserError(
-            f"model_config {config.model_config}: {name} refuses it "
+            f"model_config {config.model.model_config}: {name} refuses it "
             f"({(str(exc).strip().splitlines() or [''])[-1].strip()})"
         ) from None
     try:
         sizes = {**family.tp_dimensions(hf_config), "num_hidden_layers": hf_config.num_hidden_layers}
     except TypeError as exc:
-        raise UserError(f"model_config {config.model_config}: not a model {name} can build ({exc})") from None
+        raise UserError(f"model_config {config.model.model_config}: not a model {name} can build ({exc})") from None
     for key, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise UserError(f"model_config: {family.name} {key}={size!r} must be a positive integer")
     positions = getattr(hf_config, "max_position_embeddings", None)
-    if isinstance(positions, int) and config.max_length > positions:  # a position table indexed past its end
+    if isinstance(positions, int) and config.data.max_length > positions:  # a position table indexed past its end
         raise UserError(
-            f"max_length={config.max_length} is more than the {positions} positions of this {family.name} model "
+            f"max_length={config.data.max_length} is more than the {positions} positions of this {family.name} model "
             f"(max_position_embeddings); use max_length <= {positions}"
         )
     return hf_config
@@ -170,10 +174,10 @@ def check_heads(hf_config) -> None:
 def check_pretrained_tokenizer(config: Config, family, pairs: bool) -> None:
     """A local pretrained tokenizer has the tokens the data code will insert (EOS, padding), as data.prepare checks
     after the launch; a Hub name's files are checked by the run, once downloaded."""
-    if config.size != "full" and not config.tokenizer:
+    if config.model.size != "full" and not config.model.tokenizer:
         return  # a tokenizer learned from the training rows has them all
     chosen = choose_model(config)
-    where = config.tokenizer or chosen.model_name
+    where = config.model.tokenizer or chosen.model_name
     if not Path(resolve_model_path(where)).is_dir():
         return
     tokenizer = load_tokenizer(
@@ -192,11 +196,11 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
     conversations in the validation split."""
     if not task.kind.chat:
         return
-    if config.generate_every and "messages" not in raw["validation"].column_names:
+    if config.training.generate_every and "messages" not in raw["validation"].column_names:
         raise UserError(NO_PROMPTS)
-    local = config.size == "tiny" and not config.tokenizer
+    local = config.model.size == "tiny" and not config.model.tokenizer
     model_name = choose_model(config).model_name  # None at size=tiny
-    where = config.tokenizer or model_name
+    where = config.model.tokenizer or model_name
     if not local and not (where and Path(resolve_model_path(where)).is_dir()):
         return
     tokenizer = run_tokenizer(
@@ -207,27 +211,29 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
             continue
         rows = rows.select(range(min(len(rows), CHECKED_ROWS)))
         if task.kind.reward_model:
-            tokenize_reward_pairs(rows, tokenizer, config.max_length, split)
+            tokenize_reward_pairs(rows, tokenizer, config.data.max_length, split)
         elif task.kind.pairs:
-            tokenize_pairs(rows, tokenizer, config.max_length, split)
+            tokenize_pairs(rows, tokenizer, config.data.max_length, split)
         elif task.kind.unpaired:
-            tokenize_kto(rows, tokenizer, config.max_length, split)
+            tokenize_kto(rows, tokenizer, config.data.max_length, split)
         else:
-            tokenize_sft(rows, tokenizer, config.max_length, config.train_on, split, config.data.chat_template)
+            tokenize_sft(
+                rows, tokenizer, config.data.max_length, config.data.train_on, split, config.data.chat_template
+            )
 
 
 def describe_sharding(config: Config, dims, precision: str) -> str:
     """The sharding part of --check's line; engine=deepspeed's config is generated (and its problems, fp16 on a
     CPU, MiCS, a JSON contradicting the recipe, said in one line) here."""
     sharding = f" | sharding {dims.sharding}" if dims.sharded else ""
-    if Engine(config.engine) is Engine.DEEPSPEED:
+    if Engine(config.parallel.engine) is Engine.DEEPSPEED:
         from .parallel import deepspeed_engine
 
         generated = deepspeed_engine.preflight(
             training=config.training,
             parallel=config.parallel,
             dp=dims.dp,
-            device_type=resolve_device(config.device),
+            device_type=resolve_device(config.parallel.device),
             precision=precision,
         )
         sharding += f" | deepspeed ZeRO-{generated['zero_optimization']['stage']}"
@@ -244,36 +250,32 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
             raise UserError(f"{flag} {count} is not a number of {what}; give 1 or more")
     if nproc % nnodes:
         raise UserError(f"--nproc {nproc} processes do not spread evenly over --nnodes {nnodes} nodes")
-    family = get_family(config.family)
-    resolve_device(config.device)
+    family = get_family(config.model.family)
+    resolve_device(config.parallel.device)
     task = None  # known before the launch for local rows only
     # the shipped chat or preference sample (its kind's), or files
-    sample = kind_of(config.task).sample is not None and not config.dataset
-    if (
-        sample
-        or config.data_dir
-        or config.train_file
-        or (config.dataset and Path(config.dataset).expanduser().is_dir())
-    ):
+    sample = kind_of(config.model.task).sample is not None and not config.data.dataset
+    local_dataset = config.data.dataset and Path(config.data.dataset).expanduser().is_dir()
+    if sample or config.data.data_dir or config.data.train_file or local_dataset:
         # local rows: columns, labels and splits checked now, not after the launch
         raw, task, source = load_raw(
             data=config.data, model=config.model, seed=config.training.seed, predict=config.output.predict
         )
         data = source.description
         check_chat_rows(config, family, raw, task, source)
-        if task.head is HeadKind.CLASSIFICATION and len(raw["train"]) < config.batch_size:
+        if task.head is HeadKind.CLASSIFICATION and len(raw["train"]) < config.training.batch_size:
             raise UserError(
-                f"batch_size={config.batch_size} is larger than the training split ({len(raw['train'])} rows)"
+                f"batch_size={config.training.batch_size} is larger than the training split ({len(raw['train'])} rows)"
             )
     else:  # rows from the Hub: whether the run can have them (nothing is downloaded here)
         data = check_hub_data(data=config.data)
-    check_writable(Path(config.cache_dir).expanduser(), "cache_dir")
+    check_writable(Path(config.data.cache_dir).expanduser(), "cache_dir")
     continuing = continuing_run(checkpoint=config.checkpoint, output=config.output)
-    output_dir = choose_output_dir(config.output_dir, config.recipe, config.overwrite, continuing)
+    output_dir = choose_output_dir(config.output.output_dir, config.recipe, config.output.overwrite, continuing)
     check_writable(output_dir, "output_dir")
-    root = checkpoint_root(config.checkpoint_dir, output_dir)
+    root = checkpoint_root(config.checkpoint.checkpoint_dir, output_dir)
     check_free(run_folders(output_dir, root))
-    check_run_folders(output_dir, root, config.overwrite)
+    check_run_folders(output_dir, root, config.output.overwrite)
     check_resume(  # the checkpoint it would continue: intact, and of compatible settings
         root,
         settings=config.to_dict(),
@@ -283,18 +285,19 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         seed=config.training.seed,
     )
     chosen = choose_model(config)
-    if config.size == "full":
+    if config.model.size == "full":
         check_model_source(chosen.model_name)
-    if config.tokenizer:
-        refuse_custom_code(resolve_model_path(config.tokenizer))
+    if config.model.tokenizer:
+        refuse_custom_code(resolve_model_path(config.model.tokenizer))
     check_pretrained_tokenizer(config, family, pairs=task.pair if task else False)
     hf_config = check_model_config(config)
     dims, pipeline = check_layout(config, hf_config, nproc, nproc // nnodes)
-    resolved = resolve(config, torch.device(resolve_device(config.device)), dims)  # as the ranks will resolve it
+    device = torch.device(resolve_device(config.parallel.device))
+    resolved = resolve(config, device, dims)  # as the ranks will resolve it
     check_heads(hf_config)
-    if config.packing:  # as the run checks once it has the model's config
-        family.check_packing(hf_config, config.max_length)
-    pretrained = resolve_model_path(resolved.model_name) if config.size == "full" else None
+    if config.data.packing:  # as the run checks once it has the model's config
+        family.check_packing(hf_config, config.data.max_length)
+    pretrained = resolve_model_path(resolved.model_name) if config.model.size == "full" else None
     lora.preflight(  # targets and heads that match nothing, a rank wider than a layer, a new weight left frozen
         resolved.lora,
         family=family,
@@ -304,14 +307,15 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
         tp=dims.tp,
         fsdp=dims.dp_shard if dims.fsdp else 1,
     )
-    if config.size == "full" and Path(folder := resolve_model_path(resolved.model_name)).is_dir():
+    if config.model.size == "full" and Path(folder := resolve_model_path(resolved.model_name)).is_dir():
         from .model.weights import check_fit  # a Hub name's files are checked by the run, once downloaded
 
         check_fit(family, resolved.head, hf_config, folder)
     sharding = describe_sharding(config, dims, resolved.precision)
     nodes = f" on {nnodes} nodes" if nnodes > 1 else ""
     return (
-        f"ok: {config.recipe} | {config.size} {family.name} | task {config.task} | {nproc} processes{nodes} = "
+        f"ok: {config.recipe} | {config.model.size} {family.name} | task {config.model.task} | "
+        f"{nproc} processes{nodes} = "
         f"{pipeline}{dims.dp} data-parallel x {dims.tp} tensor-parallel{sharding} | "
         f"data {data}{describe_packing(config)}"
     )
@@ -320,11 +324,11 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
 def describe_packing(config: Config) -> str:
     """The packing part of --check's line: task=dpo packs a pair's two rows (each up to max_length) into one
     sequence, so its sequences hold twice max_length (loop/builder.py's PackedShape)."""
-    if not config.packing:
+    if not config.data.packing:
         return ""
-    if kind_of(config.task).pairs:
+    if kind_of(config.model.task).pairs:
         return (
-            f" | packed into sequences of {2 * config.max_length} tokens (2 x max_length: both rows of a pair, "
-            f"each up to {config.max_length})"
+            f" | packed into sequences of {2 * config.data.max_length} tokens (2 x max_length: both rows of a pair, "
+            f"each up to {config.data.max_length})"
         )
-    return f" | packed into sequences of {config.max_length} tokens"
+    return f" | packed into sequences of {config.data.max_length} tokens"

@@ -53,9 +53,9 @@ class ModelChoice:
 
 
 def choose_model(config: Config) -> ModelChoice:
-    family = get_family(config.family)
-    head = head_of(config.task)
-    name = None if config.size == "tiny" else config.model.source or family.default_model
+    family = get_family(config.model.family)
+    head = head_of(config.model.task)
+    name = None if config.model.size == "tiny" else config.model.source or family.default_model
     return ModelChoice(family, name, head, _lora_settings(peft=config.peft, family=family, head=head))
 
 
@@ -109,8 +109,8 @@ class Resolved:
 
 def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolved:
     """The run's decided values; a one-line UserError where `auto` has no answer (fp16 under DeepSpeed on a CPU)."""
-    engine = Engine(config.engine)
-    precision = resolve_precision(config.precision, device, engine)
+    engine = Engine(config.parallel.engine)
+    precision = resolve_precision(config.training.precision, device, engine)
     chosen = choose_model(config)
     return Resolved(
         family=chosen.family,
@@ -121,10 +121,10 @@ def resolve(config: Config, device: torch.device, dims: ParallelDims) -> Resolve
         precision=precision,
         compute_dtype=DTYPES[precision],
         autocast_dtype=None if precision == "fp32" else DTYPES[precision],
-        export_dtype=DTYPES[config.export_dtype],
+        export_dtype=DTYPES[config.output.export_dtype],
         dims=dims,
-        microbatches=pipeline_microbatches(config.microbatches, dims.pp),
-        loss_chunk_tokens=config.loss_chunk_tokens if engine is Engine.TORCH else 0,
+        microbatches=pipeline_microbatches(config.parallel.microbatches, dims.pp),
+        loss_chunk_tokens=config.memory.loss_chunk_tokens if engine is Engine.TORCH else 0,
     )
 
 
@@ -139,9 +139,9 @@ class Schedule:
 
 
 def resolve_schedule(config: Config, batches_per_epoch: int, device_type: str, tensor_parallel: int) -> Schedule:
-    total = config.max_steps or max(1, math.ceil(config.epochs * batches_per_epoch))
+    total = config.training.max_steps or max(1, math.ceil(config.training.epochs * batches_per_epoch))
     compiled, why = compile_decision(config, total, device_type, tensor_parallel)
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
+    warmup = config.training.warmup_steps or math.ceil(config.training.warmup_ratio * total)
     return Schedule(total, warmup, compiled, why)
 
 
@@ -151,12 +151,12 @@ def compile_decision(config: Config, total_steps: int, device_type: str, tensor_
     error). Not on CPUs: there the compiled MiniLM blocks ran each SST-2 step 1.16x slower than eager (median over
     200 identical steps; with lengths padded to a multiple of 8 and static shapes, 1.17x), so no run length earns
     the compile time back (docs/speed.md)."""
-    refuse_compile_with_tp(config.compile, tensor_parallel)
-    if config.compile != "auto":
-        return bool(config.compile), f"compile={str(config.compile).lower()}"
+    refuse_compile_with_tp(config.training.compile, tensor_parallel)
+    if config.training.compile != "auto":
+        return bool(config.training.compile), f"compile={str(config.training.compile).lower()}"
     if tensor_parallel > 1:
         return False, f"compile=auto: off (tensor_parallel_degree={tensor_parallel}: torch.compile {COMPILE_WITH_TP})"
-    if config.engine != "torch":
+    if config.parallel.engine != "torch":
         return False, "compile=auto: off (engine=deepspeed)"
     if device_type == "cpu":
         return False, "compile=auto: off (CPU: compiled blocks are slower than eager here; compile=true forces it)"
@@ -187,17 +187,17 @@ def planner_samples(config: Config) -> tuple[int | None, str]:
     from .tasks.sources import SHIPPED_SAMPLES, read_sources
 
     data = config.data
-    shipped = config.task in SHIPPED_SAMPLES and not (data.train_file or data.dataset)
+    shipped = config.model.task in SHIPPED_SAMPLES and not (data.train_file or data.dataset)
     local_dataset = data.dataset is not None and Path(data.dataset).expanduser().is_dir()
     if not (shipped or data.train_file or local_dataset or (data.data_dir and not data.dataset)):
         if data.dataset:
             return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run"
         return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split"
-    tables, source, _ = read_sources(data=data, task_key=config.task)
+    tables, source, _ = read_sources(data=data, task_key=config.model.task)
     rows = len(tables["train"])
     where = source.description
     if shipped:  # named, not by this machine's path: the sample the package ships
-        where = f"the shipped {SHIPPED_SAMPLES[config.task][1]}; train_file= for yours"
+        where = f"the shipped {SHIPPED_SAMPLES[config.model.task][1]}; train_file= for yours"
     if "validation" not in tables:
         held = round(rows * data.validation_split_percentage / 100)
         rows -= held
@@ -214,26 +214,26 @@ def planner_workload(config: Config, *, count_samples: bool = True):
     tokens each."""
     from .tools.planner import SFT_TOKENS_PER_ROW, Workload
 
-    chosen, peft, kind = choose_model(config), config.peft, kind_of(config.task)
+    chosen, peft, kind = choose_model(config), config.peft, kind_of(config.model.task)
     samples, data = planner_samples(config) if count_samples else (None, "not counted")
     return Workload(
         head=chosen.head,
-        seq_len=config.max_length,
-        batch_size=config.batch_size,
-        accumulation=config.gradient_accumulation_steps,
+        seq_len=config.data.max_length,
+        batch_size=config.training.batch_size,
+        accumulation=config.training.gradient_accumulation_steps,
         lora_rank=peft.lora_rank if chosen.lora else 0,
         base_quantization=peft.lora_base_quantization if chosen.lora else "none",
         lora=chosen.lora,
-        packing=config.packing,
+        packing=config.data.packing,
         tokens_per_row=SFT_TOKENS_PER_ROW if kind.chat else None,
-        loss_chunk_tokens=config.loss_chunk_tokens if Engine(config.engine) is Engine.TORCH else 0,
+        loss_chunk_tokens=config.memory.loss_chunk_tokens if Engine(config.parallel.engine) is Engine.TORCH else 0,
         pairs=kind.pairs,
         reference_pass=kind.reference and config.preference.dpo_loss not in REFERENCE_FREE_LOSSES,
-        compute_bytes=4 if config.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
-        task=config.task,
+        compute_bytes=4 if config.training.precision == "fp32" else 2,  # auto: bf16 or fp16 on GPUs
+        task=config.model.task,
         samples=samples,
-        epochs=config.epochs,
-        max_steps=config.max_steps,
+        epochs=config.training.epochs,
+        max_steps=config.training.max_steps,
         data=data,
     )
 
@@ -241,9 +241,9 @@ def planner_workload(config: Config, *, count_samples: bool = True):
 def _resolve_auto_family(config: Config, where: str) -> None:
     """family: auto -> the family of the checkpoint's config.json `model_type` (a registered one, or one made from
     the model type's parallel plans), decided once, here: config.yaml and every rank then name it."""
-    if config.family != AUTO:
+    if config.model.family != AUTO:
         return
-    if config.size == "tiny" or not config.model.source:
+    if config.model.size == "tiny" or not config.model.source:
         raise UserError(
             f"{where}: family=auto reads model_type from a checkpoint's config.json: name it with model=FOLDER or "
             f"a Hub name (size=full), or name the family of a tiny model (e.g. family=llama)"
@@ -257,7 +257,7 @@ def _resolve_auto_family(config: Config, where: str) -> None:
             f"{where}: family=auto cannot read the config.json of model={config.model.source!r} ({type(exc).__name__}: "
             f"{(str(exc).splitlines() or [''])[0][:160]}); pass a local folder or name the family"
         ) from None
-    config.family = family_for_model_type(hf_config.model_type, f"model={config.model.source!r} (config.json)")
+    config.model.family = family_for_model_type(hf_config.model_type, f"model={config.model.source!r} (config.json)")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -265,7 +265,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     check the keys, alone and against the family, trackers and engine; every error names the file or key."""
     config, where = parse_config(recipe, overrides)
     _resolve_auto_family(config, where)
-    family = config.family or "unknown"
+    family = config.model.family or "unknown"
     config.recipe = f"{family}-{config.recipe}" if config.recipe else family
     validate(config, where)
     return config
@@ -274,18 +274,20 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
 def _check_unread_keys(config: Config, bad) -> None:
     """Keys another head or engine reads, set (to other than their default) where they would change nothing:
     refused, as another task's data keys are (config.checks._check_sft_keys)."""
-    head = head_of(config.task)
-    if config.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
+    head = head_of(config.model.task)
+    if config.memory.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
         if head is not HeadKind.CAUSAL_LM:
-            raise bad("loss_chunk_tokens", f"chunks a language model's head, and task={config.task} has none; drop it")
-        if Engine(config.engine) is Engine.DEEPSPEED:
+            raise bad(
+                "loss_chunk_tokens", f"chunks a language model's head, and task={config.model.task} has none; drop it"
+            )
+        if Engine(config.parallel.engine) is Engine.DEEPSPEED:
             why = "is engine=torch's (under engine=deepspeed the model computes its whole logits); drop it"
             raise bad("loss_chunk_tokens", f"{why} or use engine=torch")
     if head is HeadKind.CAUSAL_LM:
         for key in ("num_labels", "problem_type"):
             if getattr(config.model, key) != getattr(ModelSection, key):
                 why = "shapes a classification head"
-                raise bad(key, f"{why}, and task={config.task} trains the language-model head; drop it")
+                raise bad(key, f"{why}, and task={config.model.task} trains the language-model head; drop it")
 
 
 def validate(config: Config, where: str = "config") -> None:
@@ -296,20 +298,20 @@ def validate(config: Config, where: str = "config") -> None:
         return UserError(f"{where}: {key}={config.value(key)!r} {why}")
 
     try:
-        family = get_family(config.family)
+        family = get_family(config.model.family)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     check_keys(config, where)
     _check_unread_keys(config, bad)
     _check_parallel(config, bad)
-    if config.packing and Engine(config.engine) is Engine.DEEPSPEED:
+    if config.data.packing and Engine(config.parallel.engine) is Engine.DEEPSPEED:
         raise bad(
             "packing",
             "is engine=torch's (one process, tensor, pipeline and sharded data parallelism); use "
             "engine=torch or packing=false",
         )
     try:
-        trackers = destinations(config.report_to)
+        trackers = destinations(config.logging.report_to)
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     # mlflow and wandb are not in the core setup (requirements.txt): a run that reports to one says so here, in one
@@ -318,63 +320,65 @@ def validate(config: Config, where: str = "config") -> None:
     if missing:
         raise bad("report_to", f"needs {' and '.join(missing)}: make setup-all, or pip install -r requirements-all.txt")
     waiting = set(trackers) & set(TIMED_TRACKERS)
-    if waiting and config.tracker_timeout_s + TRACKER_GRACE_S >= config.collective_timeout_s:
+    if waiting and config.logging.tracker_timeout_s + TRACKER_GRACE_S >= config.parallel.collective_timeout_s:
         raise bad(
             "tracker_timeout_s",
-            f"must be more than {TRACKER_GRACE_S:g} s below collective_timeout_s={config.collective_timeout_s:g}: "
+            f"must be more than {TRACKER_GRACE_S:g} s below "
+            f"collective_timeout_s={config.parallel.collective_timeout_s:g}: "
             f"the other ranks wait that long in a collective while rank 0 starts {' and '.join(sorted(waiting))}",
         )
-    if head_of(config.task) not in family.tasks:
+    if head_of(config.model.task) not in family.tasks:
         # the heads it has, then the other kinds that train one of them (sft and dpo: the causal LM's)
         valid = (*family.tasks, *(k.key for k in all_kinds() if k.key not in family.tasks and k.head in family.tasks))
-        raise bad("task", f"is not supported by family {config.family}; valid: {', '.join(valid)}")
-    if config.size == "full" and config.model.source is None and not family.default_model:
+        raise bad("task", f"is not supported by family {config.model.family}; valid: {', '.join(valid)}")
+    if config.model.size == "full" and config.model.source is None and not family.default_model:
         raise bad("model", "must name a Hub model or a local folder")
     deepspeed_engine.validate(parallel=config.parallel, training=config.training, where=where)
 
 
 def _check_parallel(config: Config, bad) -> None:
     """Degrees, sharding, micro-batches, partitions, and what does not combine with a pipeline."""
-    tp = config.tensor_parallel_degree
+    tp = config.parallel.tensor_parallel_degree
     if tp != "auto" and tp < 1:
         raise bad("tensor_parallel_degree", "must be a positive integer or 'auto'")
-    if config.shard_group_size is not None and config.shard_group_size < 1:
+    if config.parallel.shard_group_size is not None and config.parallel.shard_group_size < 1:
         raise bad("shard_group_size", "must be a positive integer (or null: the data-parallel ranks of one node)")
-    if config.shard_group_size is not None and not Sharding(config.sharding).hybrid:
-        raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.sharding}")
-    if config.peak_tflops is not None and config.peak_tflops <= 0:
+    if config.parallel.shard_group_size is not None and not Sharding(config.parallel.sharding).hybrid:
+        raise bad("shard_group_size", f"only applies to sharding=hybrid, not sharding={config.parallel.sharding}")
+    if config.training.peak_tflops is not None and config.training.peak_tflops <= 0:
         raise bad("peak_tflops", "must be a positive number of TFLOP/s per device (or null: known GPU or measured)")
-    if config.compile is True and tp != "auto" and tp > 1:
+    if config.training.compile is True and tp != "auto" and tp > 1:
         raise bad("compile", f"with tensor_parallel_degree={tp} {COMPILE_WITH_TP}")
-    if config.compile is True and Engine(config.engine) is Engine.DEEPSPEED:
+    if config.training.compile is True and Engine(config.parallel.engine) is Engine.DEEPSPEED:
         raise bad(
             "compile", "is engine=torch's (regional compilation of each block); use engine=torch or compile=false"
         )
-    if config.gradient_bucket_mib <= 0:
+    if config.parallel.gradient_bucket_mib <= 0:
         raise bad("gradient_bucket_mib", "must be a positive number of MiB")
-    if config.pipeline_parallel_degree < 1:
+    if config.parallel.pipeline_parallel_degree < 1:
         raise bad("pipeline_parallel_degree", "must be a positive integer")
-    if config.microbatches is not None and config.microbatches < 1:
+    if config.parallel.microbatches is not None and config.parallel.microbatches < 1:
         raise bad("microbatches", "must be a positive integer (or null: 2 x the number of stages)")
-    if config.virtual_stages < 1:
+    if config.parallel.virtual_stages < 1:
         raise bad("virtual_stages", "must be a positive integer")
-    if config.partition != "auto" and not (
-        config.partition and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.partition)
+    if config.parallel.partition != "auto" and not (
+        config.parallel.partition
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in config.parallel.partition)
     ):
         raise bad("partition", "must be 'auto' or a list of block counts >= 1, one per stage, e.g. [3, 2]")
-    if config.pipeline_parallel_degree > 1:
-        if Engine(config.engine) is Engine.DEEPSPEED:
+    if config.parallel.pipeline_parallel_degree > 1:
+        if Engine(config.parallel.engine) is Engine.DEEPSPEED:
             raise bad(
                 "pipeline_parallel_degree",
                 "does not combine with engine=deepspeed (its pipeline engine needs a PipelineModule); use engine=torch",
             )
-        if Sharding(config.sharding).fsdp:
+        if Sharding(config.parallel.sharding).fsdp:
             raise bad(
                 "pipeline_parallel_degree",
-                f"does not combine with sharding={config.sharding} yet; use "
+                f"does not combine with sharding={config.parallel.sharding} yet; use "
                 "sharding=optimizer (ZeRO-1) or none with pipeline parallelism",
             )
-        if config.offload_activations:
+        if config.memory.offload_activations:
             raise bad(
                 "pipeline_parallel_degree",
                 "does not combine with offload_activations=true (activations "

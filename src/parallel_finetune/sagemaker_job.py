@@ -415,7 +415,9 @@ def stage_code(recipe: Path, config, folder: Path) -> str:
         log.warning("not uploading from %s: %s; the job gets the rest of the folder", recipe.parent, ", ".join(skipped))
     shipped = sorted(str(p.relative_to(folder)) for p in (folder / "recipe").rglob("*") if p.is_file())
     log.info("code channel: the parallel_finetune package, requirements.txt, train.py, %s", ", ".join(shipped))
-    (folder / "requirements.txt").write_text("\n".join(job_requirements(config.engine, config.model.source)) + "\n")
+    (folder / "requirements.txt").write_text(
+        "\n".join(job_requirements(config.parallel.engine, config.model.source)) + "\n"
+    )
     (folder / "train.py").write_text(ENTRY_SCRIPT)
     return f"recipe/{recipe.name}"
 
@@ -431,16 +433,19 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     from .tasks.glue import TASKS
     from .tasks.sources import SHIPPED_SAMPLES, glue_folder_files
 
-    local_dataset = bool(config.dataset) and Path(config.dataset).expanduser().is_dir()
+    local_dataset = bool(config.data.dataset) and Path(config.data.dataset).expanduser().is_dir()
     # task=sft or dpo without rows of the user's: the sample shipped in the package, which the code channel carries,
     # so only its tokenized cache is staged (the job's copy of the sample has the same bytes, so the same cache key)
-    shipped_sample = config.task in SHIPPED_SAMPLES and not (config.train_file or config.dataset)
-    if not (shipped_sample or config.train_file or local_dataset or (config.data_dir and not config.dataset)):
+    shipped_sample = config.model.task in SHIPPED_SAMPLES and not (config.data.train_file or config.data.dataset)
+    if not (
+        shipped_sample or config.data.train_file or local_dataset or (config.data.data_dir and not config.data.dataset)
+    ):
         wanted = (
-            f"dataset={config.dataset!r} is a Hub data set: save it with datasets' save_to_disk and pass dataset=FOLDER"
-            if config.dataset
-            else f"glue_task={config.glue_task} from the Hub: pass data_dir=PATH, a folder with GLUE's "
-            f"{', '.join(TASKS[config.glue_task].split_files().values())}"
+            f"dataset={config.data.dataset!r} is a Hub data set: save it with datasets' save_to_disk and pass "
+            "dataset=FOLDER"
+            if config.data.dataset
+            else f"glue_task={config.data.glue_task} from the Hub: pass data_dir=PATH, a folder with GLUE's "
+            f"{', '.join(TASKS[config.data.glue_task].split_files().values())}"
         )
         raise UserError(f"a SageMaker job trains on rows shipped from this machine; {wanted}, or train_file=PATH")
     # read and tokenized from the user's paths (a bad row names the user's file); the cache made by an earlier run
@@ -448,7 +453,7 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
     prepared = prepare_data(config)
     folder.mkdir(parents=True)
     staged: dict[str, str] = {}
-    if config.train_file:
+    if config.data.train_file:
         for key in ("train_file", "validation_file", "test_file"):
             if getattr(config, key):
                 path = Path(getattr(config, key)).expanduser()
@@ -456,17 +461,17 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
                 (folder / name).parent.mkdir(exist_ok=True)
                 shutil.copy(path, folder / name)
                 staged[key] = name
-    elif config.dataset:
-        shutil.copytree(Path(config.dataset).expanduser(), folder / "dataset")
+    elif config.data.dataset:
+        shutil.copytree(Path(config.data.dataset).expanduser(), folder / "dataset")
         staged["dataset"] = "dataset"
     elif not shipped_sample:
-        for path in glue_folder_files(TASKS[config.glue_task], Path(config.data_dir).expanduser()).values():
+        for path in glue_folder_files(TASKS[config.data.glue_task], Path(config.data.data_dir).expanduser()).values():
             if path.is_file():
                 shutil.copy(path, folder / path.name)
         staged["data_dir"] = ""
     cache = folder / "cache"
     shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
-    for tokenizer in (Path(config.cache_dir).expanduser() / "tokenizers").glob(f"*-{prepared.source.fingerprint}"):
+    for tokenizer in (Path(config.data.cache_dir).expanduser() / "tokenizers").glob(f"*-{prepared.source.fingerprint}"):
         shutil.copytree(tokenizer, cache / "tokenizers" / tokenizer.name)
     log.info("data for the job: %s (%s)", prepared.cache_path.name, prepared.source.description)
     channel = CHANNELS / DATA_CHANNEL
@@ -563,8 +568,8 @@ def check_job_layout(config, settings: JobSettings, model_folder: Path | None) -
         hf_config = family.config_for(
             model=config.model,
             head=chosen.head,
-            max_length=config.max_length,
-            tokenizer_size=config.tokenizer_vocab_size,
+            max_length=config.data.max_length,
+            tokenizer_size=config.model.tokenizer_vocab_size,
             model_path=name,
             published=True,
         )

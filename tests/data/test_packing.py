@@ -16,7 +16,7 @@ from parallel_finetune.data.packing import PackedShape, first_fit_decreasing, pa
 from parallel_finetune.errors import UserError
 from parallel_finetune.families import get_family
 from parallel_finetune.families.plans import PlanFamily, mask_kind
-from parallel_finetune.loop.loss import class_loss, token_loss
+from parallel_finetune.loop.loss import CLASS_OBJECTIVE, TOKEN_OBJECTIVE
 from parallel_finetune.loop.runner import WholeModel
 from parallel_finetune.parallel.pipeline import Stage, StageForward, cut_model
 from parallel_finetune.resolve import load_config
@@ -124,7 +124,7 @@ MODELS = [
 def test_packed_forward_equals_unpacked_and_rows_stay_apart(family_name, task, attention):
     family, model = tiny_model(family_name, task, attention)
     head = head_of_test(task)
-    loss = class_loss if head is HeadKind.CLASSIFICATION else token_loss
+    loss = CLASS_OBJECTIVE if head is HeadKind.CLASSIFICATION else TOKEN_OBJECTIVE
     runner = WholeModel(model, head, loss, contextlib.nullcontext, None, False, CPU, packing=family)
     labels = LABELS if task == "classification" else None
     split = rows_split(ROWS, labels, head)
@@ -132,9 +132,9 @@ def test_packed_forward_equals_unpacked_and_rows_stay_apart(family_name, task, a
     batch = packed(ROWS, family, labels, task)
     assert batch.rows < len(ROWS)  # rows did share sequences
     with torch.no_grad():
-        expected = loss(runner.forward(unpacked), unpacked.labels)
+        expected, _ = loss(runner.forward(unpacked), unpacked.labels)
         logits = runner.forward(batch)
-        got = loss(logits, batch.labels)
+        got, _ = loss(logits, batch.labels)
         assert got.item() == pytest.approx(expected.item(), abs=TOLERANCE)
         # another row 4 (2 tokens, packed beside others): every other row's logits stay as they were
         changed = [list(row) for row in ROWS]
@@ -169,7 +169,7 @@ def test_pipeline_stage_packed_equals_the_whole_model(family_name):
     family, model = tiny_model(family_name, "classification", "sdpa")
     batch = packed(ROWS, family, LABELS)
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, None, False, CPU, packing=family
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, None, False, CPU, packing=family
     )
     whole = Stage(0, (0, 1), True, True)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from conftest import assert_trains_like, recipe, tiny_overrides
 from torch import nn
 
 from parallel_finetune.data.batch import IGNORE, padded_batch
-from parallel_finetune.loop.loss import HiddenTokenLoss, token_loss
+from parallel_finetune.loop.loss import TOKEN_OBJECTIVE, HiddenTokenLoss
 from parallel_finetune.loop.runner import WholeModel
 from parallel_finetune.parallel.vocab import token_nll
 from parallel_finetune.tasks.task import HeadKind
@@ -62,7 +62,7 @@ def test_the_hidden_loss_never_allocates_tokens_times_vocabulary():
     labels = torch.randint(0, vocab, (rows,))
     loss = HiddenTokenLoss(head, chunk)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss(hidden, labels).backward()
+        loss(hidden, labels)[0].backward()
     largest = max(event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0)
     whole = rows * vocab * 4
     assert largest <= chunk * vocab * 4 * 1.01, (largest, whole)
@@ -92,9 +92,10 @@ def test_the_runner_hidden_path_equals_the_models_logits():
     for chunked in (False, True):
         model = tiny_llama()
         head = model.get_output_embeddings()
-        loss = HiddenTokenLoss(head, 2) if chunked else token_loss
+        loss = HiddenTokenLoss(head, 2) if chunked else TOKEN_OBJECTIVE
         runner = WholeModel(model, HeadKind.CAUSAL_LM, loss, contextlib.nullcontext, None, False, torch.device("cpu"))
-        value = runner.summed_loss(batch)
+        value, stats = runner.summed_loss(batch)
+        assert stats == {}  # a language model's loss keeps no statistics
         value.backward()
         assert model.get_output_embeddings() is head
         results.append((value.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

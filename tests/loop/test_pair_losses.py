@@ -92,14 +92,19 @@ def test_preference_loss_orpo_nll_is_the_batch_token_mean_of_the_chosen_rows():
     target = torch.stack([labels.double(), torch.tensor(answers).double(), torch.zeros(len(answers))], -1)
     # the split's chosen rows: 6 and 3 tokens (5 and 2 scored: every token but the first)
     loss.share_of(SimpleNamespace(ids=[[0] * 6, [0] * 3]), [0, 1])
-    total = loss(logits, target)
+    total, stats = loss(logits, target)  # the loss and its per-pair statistics, from the one call
     nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     chosen = torch.tensor([a in (-2, 0, -4, 2) for a in answers])
-    record = loss.take()
-    assert record.stats["nll_loss"].sum().item() / 2 == pytest.approx(nll[chosen].mean().item(), abs=1e-6)
-    assert record.tokens.tolist() == [[3.0, 2.0], [1.0, 3.0]]
-    assert torch.allclose(record.logps[:, 0], -torch.stack([nll[2:5].sum(), nll[8:9].sum()]))
-    assert total.item() == pytest.approx(record.losses.sum().item())
+    assert stats["nll_loss"].sum().item() / 2 == pytest.approx(nll[chosen].mean().item(), abs=1e-6)
+    assert stats["answer_tokens"].tolist() == [[3.0, 2.0], [1.0, 3.0]]
+    assert torch.allclose(stats["answer_logps"][:, 0], -torch.stack([nll[2:5].sum(), nll[8:9].sum()]))
+    assert total.item() == pytest.approx(stats["loss"].sum().item())
+    # the metrics are the statistics' means over the pairs, in metric_names order, whatever calls they came from
+    halves = [{name: values[pair : pair + 1] for name, values in stats.items()} for pair in (0, 1)]
+    totals = loss.sums(halves, "cpu")
+    assert totals[-1].item() == 2 and torch.equal(totals, loss.sums([stats], "cpu"))
+    metrics = loss.metrics(totals)
+    assert list(metrics) == list(loss.metric_names) and metrics["loss"] == pytest.approx(total.item() / 2)
 
 
 @pytest.mark.parametrize(

@@ -86,11 +86,11 @@ def test_the_loss_is_trls_formula_with_margin_and_centring():
     logits = torch.tensor([[1.0], [0.5], [-0.2], [0.3], [2.0], [-1.0]])
     margins = torch.tensor([0.25, 0.25, 0.0, 0.0, 1.0, 1.0])
     loss = RewardLoss(0.01)
-    total = loss(logits, margins)
+    total, stats = loss(logits, margins)
     chosen, rejected, m = torch.tensor([1.0, -0.2, 2.0]), torch.tensor([0.5, 0.3, -1.0]), torch.tensor([0.25, 0, 1])
     expected = (-torch.nn.functional.logsigmoid(chosen - rejected - m) + 0.01 * (chosen + rejected) ** 2).sum()
     assert total.item() == pytest.approx(expected.item(), abs=1e-6)
-    metrics = loss.metrics(loss.sums(loss.take(), "cpu"))
+    metrics = loss.metrics(loss.sums([stats], "cpu"))
     assert metrics["loss"] == pytest.approx(expected.item() / 3, abs=1e-6)
     assert metrics["accuracy"] == pytest.approx(2 / 3) and metrics["margin"] == pytest.approx((0.5 - 0.5 + 3) / 3)
     assert metrics["mean_reward"] == pytest.approx(2.6 / 6) and (metrics["min_reward"], metrics["max_reward"]) == (

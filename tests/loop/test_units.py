@@ -20,7 +20,13 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 
 from parallel_finetune.config import Config
 from parallel_finetune.data.batch import IGNORE, Batch, TokenizedSplit, next_token_labels
-from parallel_finetune.loop.loss import class_loss, regression_loss, summed_loss_for, token_loss
+from parallel_finetune.loop.loss import (
+    CLASS_OBJECTIVE,
+    REGRESSION_OBJECTIVE,
+    TOKEN_OBJECTIVE,
+    objective_for,
+    token_loss,
+)
 from parallel_finetune.loop.runner import WholeModel
 from parallel_finetune.loop.updates import TorchUpdates
 from parallel_finetune.model.load import parameter_shapes
@@ -133,9 +139,10 @@ def test_causal_lm_labels_are_the_next_real_tokens_and_the_count_is_predicted_to
     expected = F.cross_entropy(logits[0, :2], torch.tensor([6, 7]), reduction="sum")
     assert torch.allclose(token_loss(logits, labels), expected)
     # the loss is the head's, chosen by the task: no shapes are read
-    assert summed_loss_for(Task.language_model("custom", "text")) is token_loss
-    assert summed_loss_for(Task.of_glue(TASKS["stsb"])) is regression_loss
-    assert summed_loss_for(Task.of_glue(TASKS["sst2"])) is class_loss
+    assert objective_for(Task.language_model("custom", "text")) is TOKEN_OBJECTIVE
+    assert objective_for(Task.of_glue(TASKS["stsb"])) is REGRESSION_OBJECTIVE
+    assert objective_for(Task.of_glue(TASKS["sst2"])) is CLASS_OBJECTIVE
+    assert TOKEN_OBJECTIVE(logits, labels)[0] == token_loss(logits, labels) and TOKEN_OBJECTIVE(logits, labels)[1] == {}
 
 
 def test_reduce_norm_and_loss_in_a_world_of_one(world_of_one):
@@ -151,13 +158,13 @@ def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of
     model = tiny_classifier()
     backward = lambda loss, last: loss.backward()  # noqa: E731
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, backward, False, world_of_one.device
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, backward, False, world_of_one.device
     )
     halves = [
         Batch(batch.input_ids[rows], batch.attention_mask[rows], batch.positions[rows], batch.labels[rows])
         for rows in (slice(0, 3), slice(3, 4))
     ]
-    total = sum(runner.train(half, count=4, last=True).item() for half in halves)
+    total = sum(runner.train(half, count=4, last=True)[0].item() for half in halves)
     sliced = {name: param.grad.clone() for name, param in model.named_parameters()}
 
     reference = tiny_classifier()
@@ -173,7 +180,7 @@ def test_whole_model_slices_give_the_whole_batch_mean_loss_and_gradient(world_of
 def train(model, updates, runner) -> list[float]:
     losses = []
     for batch in batches():
-        local = runner.train(batch, count=len(batch.labels), last=True)
+        local, _ = runner.train(batch, count=len(batch.labels), last=True)
         losses.append(updates.step(local, False, NO_SKIP).loss)
     return losses
 
@@ -181,8 +188,9 @@ def train(model, updates, runner) -> list[float]:
 def test_torch_updates_equal_plain_adamw_with_clipping(world_of_one):
     model = tiny_classifier()
     updates = torch_updates(model, world_of_one, config())
+    device = world_of_one.device
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, world_of_one.device
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, updates.backward, False, device
     )
     losses = train(model, updates, runner)
     reference, reference_losses = reference_training()
@@ -220,11 +228,11 @@ def training_state(layout, folder_config: Config, step: int):
     model = tiny_classifier()
     updates = torch_updates(model, layout, folder_config)
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, layout.device
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, updates.backward, False, layout.device
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(updates.optimizer, lambda s: 1.0 / (1 + s))
     for batch in batches()[:step]:
-        updates.step(runner.train(batch, count=4, last=True), False, NO_SKIP)
+        updates.step(runner.train(batch, count=4, last=True)[0], False, NO_SKIP)
         scheduler.step()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
     return checkpoint.TrainingState(
@@ -665,8 +673,9 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
 
     model = tiny_classifier()
     updates = torch_updates(model, world_of_one, config())
+    device = world_of_one.device
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, world_of_one.device
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, updates.backward, False, device
     )
     assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)
 

@@ -21,7 +21,7 @@ from parallel_finetune.data.batch import PackedBatcher, TokenizedSplit
 from parallel_finetune.data.packing import PackedShape
 from parallel_finetune.families import get_family
 from parallel_finetune.families.plans import PlanFamily, mask_kind
-from parallel_finetune.loop.loss import class_loss, token_loss
+from parallel_finetune.loop.loss import CLASS_OBJECTIVE, TOKEN_OBJECTIVE
 from parallel_finetune.loop.runner import WholeModel, model_inputs
 from parallel_finetune.model import attention, standins
 from parallel_finetune.parallel.memory import apply_activation_checkpointing
@@ -147,12 +147,12 @@ def train_step(family_name: str, head: HeadKind, implementation: str):
     (loss, gradients by name)."""
     family, model = tiny(family_name, head, implementation, dropout=0.1)
     apply_activation_checkpointing(family.blocks(model), True)
-    loss_function = class_loss if head is HeadKind.CLASSIFICATION else token_loss
+    loss_function = CLASS_OBJECTIVE if head is HeadKind.CLASSIFICATION else TOKEN_OBJECTIVE
     runner = WholeModel(model, head, loss_function, bf16_autocast, None, False, CPU, packing=family)
     batch = packed_batch(family, head)
     assert batch.rows < len(ROWS)  # rows share sequences
     torch.manual_seed(1)
-    loss = runner.summed_loss(batch)
+    loss, _ = runner.summed_loss(batch)
     failures = []
 
     def backward():
@@ -220,10 +220,10 @@ def test_compiled_blocks_trace_varlen_once_for_every_packing():
         apply_activation_checkpointing(family.blocks(model), True)
         for block in family.blocks(model):
             block.compile(dynamic=True, backend="aot_eager")
-        runner = WholeModel(model, HeadKind.CAUSAL_LM, token_loss, bf16_autocast, None, False, CPU, packing=family)
+        runner = WholeModel(model, HeadKind.CAUSAL_LM, TOKEN_OBJECTIVE, bf16_autocast, None, False, CPU, packing=family)
         graphs = []
         for rows in (ROWS, [r + r[:2] for r in ROWS[1:]]):  # other boundaries, another row count
-            runner.summed_loss(packed_batch(family, HeadKind.CAUSAL_LM, rows)).backward()
+            runner.summed_loss(packed_batch(family, HeadKind.CAUSAL_LM, rows))[0].backward()
             graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # traced once, never again
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -15,7 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from test_units import STEPS, batches, config, reference_training, tiny_classifier, torch_updates  # noqa: E402
 
 from parallel_finetune.data.batch import Batch  # noqa: E402
-from parallel_finetune.loop.loss import class_loss  # noqa: E402
+from parallel_finetune.loop.loss import CLASS_OBJECTIVE  # noqa: E402
 from parallel_finetune.loop.runner import WholeModel  # noqa: E402
 from parallel_finetune.parallel.gradients import reduce_norm_and_loss  # noqa: E402
 from parallel_finetune.parallel.layout import init_distributed  # noqa: E402
@@ -28,14 +28,14 @@ def main() -> None:
     model = tiny_classifier()
     updates = torch_updates(model, layout, config())
     runner = WholeModel(
-        model, HeadKind.CLASSIFICATION, class_loss, contextlib.nullcontext, updates.backward, False, layout.device
+        model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, updates.backward, False, layout.device
     )
     losses = []
     for batch in batches():
         half = Batch(
             *(getattr(batch, name).chunk(2)[rank] for name in ("input_ids", "attention_mask", "positions", "labels"))
         )
-        local = runner.train(half, count=len(batch.labels), last=True)
+        local, _ = runner.train(half, count=len(batch.labels), last=True)
         losses.append(updates.step(local, False, lambda *_: False).loss)
 
     # A piece every rank holds (2 copies) counts once; a piece only this rank holds counts fully.

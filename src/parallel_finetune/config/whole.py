@@ -1,5 +1,5 @@
-"""`Config`: a whole run's configuration, one field per section, with the flat view (`config.lr`) the entry points,
-`resolve` and `preflight` read."""
+"""`Config`: a whole run's configuration, one field per section, with the flat view (`config.lr`) for the entry points
+(train.py, launch.py, sagemaker_job.py, the tools' CLIs, scripts/); everything else reads the sections."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ BOOKKEEPING_DEFAULTS = {"recipe": "", "lr_note": ""}
 class Config:
     """A whole run's configuration: one field per recipe section (`config.training`, `config.parallel`, ...), each
     its section's dataclass, as one typed value. Components receive the sections they use, never this; only the
-    entry points, `resolve` and `preflight` read the whole of it. For them a key also reads (and the loader
-    writes) flat, `config.lr` being `config.training.lr`, except where a key has its section's name: `model`
-    (`config.model.source`) and `peft` (`config.peft.method`)."""
+    entry points, `resolve` and `preflight` read the whole of it, by section (`config.training.lr`). For the entry
+    points and the loader a key also reads and writes flat, `config.lr` being `config.training.lr`, except where a
+    key has its section's name: `model` (`config.model.source`) and `peft` (`config.peft.method`); nothing else
+    reads flat (tests/test_architecture.py)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)

@@ -7,6 +7,7 @@
     batch.py      the data contract: TokenizedSplit, Batch (labels shifted and masked, its kind), the padded and
                   packed batchers
     packing.py    first-fit-decreasing bins of rows for packed batches
+    batchers.py   the batcher registry: a task kind's `batcher` name -> its batcher (rows, pairs, reward_pairs)
 
 What a run learns (the Task, its sources and columns) is tasks/, one floor below.
 """

@@ -362,6 +362,27 @@ class PreferenceBatcher:
     def batch(self, indices: list[int], labelled: bool = True) -> Batch:
         return self.rows_batch(self._rows(indices))
 
+    # The reference pass's units (loop/reference.py): the pairs of the global batches it is given, each measured as
+    # its two answers' summed log-probabilities (the objective's "answer_logps" statistics).
+    reference_width = 2
+
+    def reference_units(self, batches: list[list[int]]) -> list[int]:
+        """The pairs the global batches `batches` draw (a run's steps', or a held-out split whole as one)."""
+        return sorted({i for batch in batches for i in batch})
+
+    def unit_lengths(self, units: list[int]) -> list[int]:
+        return [self.split.lengths[i] for i in units]
+
+    def units_batch(self, units: list[int]) -> Batch:
+        return self.batch(units)
+
+    def reference_of(self, units: list[int], values: list[list[float]]) -> PairReference:
+        """The PairReference of the measured `units` (`values`: each pair's (chosen, rejected))."""
+        measured, pairs = [False] * len(self.split), [(0.0, 0.0)] * len(self.split)
+        for pair, value in zip(units, values):
+            measured[pair], pairs[pair] = True, tuple(value)
+        return PairReference(pairs, measured)
+
     def rows_batch(self, rows: list[tuple[list[int], int, int, float]]) -> Batch:
         """The Batch of `rows`: (ids, prompt length, answer number, reference log-probability) each."""
         if self.packed:

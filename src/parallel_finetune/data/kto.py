@@ -14,7 +14,8 @@ The held-out split's KL rows are its rows in order, rotated alike.
 
 Batches (KTOBatcher): the preference batcher's padded rows (data/batch.py), one row per index, its answer number
 2r for a desirable row r of the batch and 2r + 1 for an undesirable one (so the loss tells them apart), with the
-row's reference log-probability (KTOReference, measured before training: loop/kto.py). Never packed.
+row's reference log-probability (KTOReference, measured before training: loop/reference.py over the units the
+batcher names, rows and KL rows). Never packed.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def kl_key(ids: list[int]) -> int:
 
 @dataclass(frozen=True)
 class KTOReference:
-    """A split's reference log-probabilities, measured before training (loop/kto.py): each measured row's summed
+    """A split's reference log-probabilities, measured before training (loop/reference.py): each measured row's summed
     over its completion, and each measured KL row's by kl_key. A row or KL row not measured is refused, not 0."""
 
     rows: list[float]
@@ -104,17 +105,16 @@ class KTOReference:
             raise RuntimeError(f"row {row}'s reference log-probability was not measured before training")
         return self.rows[row]
 
-    def of_kl(self, ids: list[int]) -> float:
-        key = kl_key(ids)
-        if key not in self.kl:
-            raise RuntimeError("a KL row's reference log-probability was not measured before training")
-        return self.kl[key]
-
 
 class KTOBatcher(PreferenceBatcher):
     """Batches of KTO rows, padded (never packed): row r of a batch's `indices` labelled on its completion's tokens,
-    answer number 2r (desirable) or 2r + 1 (undesirable), with its reference log-probability; `kl_batch` makes the
-    KL rows of `kl_pairs` alike (their answer numbers 2r, their reference 0: the KL estimate reads neither)."""
+    answer number 2r (desirable) or 2r + 1 (undesirable), with its reference log-probability.
+
+    The reference pass's and the KL estimate's units (loop/reference.py): a row (its index) or a KL row (a pair of
+    indices from `kl_pairs`: one row's prompt, another's completion, cut to `max_length`), one value each; a batch
+    of units (`units_batch`) numbers them 2r, their reference 0 (neither pass reads the loss)."""
+
+    reference_width = 1  # one answer a unit
 
     def __init__(self, split: TokenizedSplit, *, reference: KTOReference | None = None, max_length: int = 0, **padding):
         """`max_length`: what KL rows are cut to (0: this batcher makes none)."""
@@ -135,13 +135,51 @@ class KTOBatcher(PreferenceBatcher):
 
     def kl_ids(self, prompt_row: int, completion_row: int) -> tuple[list[int], int]:
         """A KL row's tokens (one row's prompt, another's completion, cut to max_length) and its prompt length."""
+        if not self.max_length:
+            raise RuntimeError("this KTOBatcher makes no KL rows (max_length=0)")
         split = self.split
         prompt = split.ids[prompt_row][: split.prompt_lengths[prompt_row]]
         return (prompt + split.completion_ids[completion_row])[: self.max_length], len(prompt)
 
-    def kl_batch(self, pairs: list[tuple[int, int]]) -> Batch:
-        rows = [self.kl_ids(*pair) for pair in pairs]
-        return self.rows_batch([(ids, prompt, 2 * n, 0.0) for n, (ids, prompt) in enumerate(rows)])
+    def _unit(self, unit) -> tuple[list[int], int]:
+        """A unit's tokens and prompt length: a row's own, or a KL row's."""
+        if isinstance(unit, tuple):
+            return self.kl_ids(*unit)
+        return self.split.ids[unit], self.split.prompt_lengths[unit]
+
+    def reference_units(self, batches: list[list[int]]) -> list:
+        """What the reference pass measures of the global batches `batches` (a run's steps', or a held-out split
+        whole as one): their rows, then each batch's KL rows (one of the same tokens once)."""
+        rows = sorted({i for batch in batches for i in batch})
+        kl: dict[int, tuple[int, int]] = {}
+        for batch in batches:
+            for pair in self.kl_units(batch):
+                kl.setdefault(kl_key(self.kl_ids(*pair)[0]), pair)
+        return rows + list(kl.values())
+
+    def kl_units(self, rows) -> list[tuple[int, int]]:
+        """The KL rows of a global batch `rows` (TRL's rotation: kl_pairs)."""
+        return kl_pairs(rows)
+
+    def unit_keys(self, units: list) -> list[int]:
+        """The KL rows' keys (kl_key) in a KTOReference."""
+        return [kl_key(self.kl_ids(*unit)[0]) for unit in units]
+
+    def unit_lengths(self, units: list) -> list[int]:
+        return [len(self._unit(unit)[0]) for unit in units]
+
+    def units_batch(self, units: list) -> Batch:
+        return self.rows_batch([(*self._unit(unit), 2 * n, 0.0) for n, unit in enumerate(units)])
+
+    def reference_of(self, units: list, values: list[list[float]]) -> KTOReference:
+        """The KTOReference of the measured `units` (`values`: one list of reference_width values each)."""
+        measured, per_row, kl = [False] * len(self.split), [0.0] * len(self.split), {}
+        for unit, (value,) in zip(units, values):
+            if isinstance(unit, tuple):
+                kl[kl_key(self.kl_ids(*unit)[0])] = value
+            else:
+                measured[unit], per_row[unit] = True, value
+        return KTOReference(per_row, measured, kl)
 
     def sequence_lengths(self, indices: list[int]) -> list[int]:
         return [self.split.lengths[i] for i in indices]

@@ -18,16 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batch import PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
-from ..data.kto import KTOBatcher
+from ..data.batch import PairReference, TokenizedSplit
+from ..data.batchers import Padding, make_batcher
 from ..data.prepare import PreparedData
-from ..data.reward import RewardBatcher
 from ..data.sampling import scoring_chunks
 from ..errors import UserError
-from ..interfaces import Runner
+from ..interfaces import Objective, Runner
 from ..metrics import compute_metrics
 from ..tasks.task import HeadKind, Task
-from .loss import PreferenceLoss, summed_loss_for
 
 
 class Evaluator:
@@ -44,16 +42,17 @@ class Evaluator:
         batch_size: int,
         layout,
         every=None,
-        preference: PreferenceLoss | None = None,
+        objective: Objective,
         references: dict[str, PairReference] | None = None,
     ):
-        """`preference`: task=dpo's loss (held-out pairs are scored by its metrics); `references`: the held-out
-        pairs' reference log-probabilities, by split name."""
+        """`objective`: the runner's; one with metrics beyond its loss (a pair objective's) scores the held-out
+        rows by them, any other by the task's metrics (a classifier's held-out loss is the objective's, from its
+        logits); `references`: the held-out pairs' reference log-probabilities, by split name."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
-        self.loss = summed_loss_for(data.task)  # a classifier's, from its logits
-        self.preference = preference
+        self.loss = objective  # a classifier's takes its logits
+        self.objective = objective if len(objective.metric_names) > 1 else None
         self._splits: dict[str, TokenizedSplit] = {}  # each read on first use
         self.references = dict(references or {})
 
@@ -65,8 +64,8 @@ class Evaluator:
     def evaluate(self, name: str = "validation") -> dict:
         """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
         split = self._split(name)
-        if self.preference is not None:
-            return self._scored_pairs(split, self.references.get(name))
+        if self.objective is not None:
+            return self._scored_units(split, self.references.get(name))
         loss, predictions = self._scored(split, with_loss=True)
         if self.task.head is HeadKind.CAUSAL_LM:
             return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
@@ -122,20 +121,15 @@ class Evaluator:
     def _score(self, split: TokenizedSplit, with_loss: bool):
         layout, runner = self.layout, self.runner
         tokenizer = self.data.tokenizer
-        batcher = PaddedBatcher(
-            split,
-            pad_id=tokenizer.pad_token_id,
-            padding_side=tokenizer.padding_side,
-            pad_multiple=runner.pad_multiple,
-            device=layout.device,
-        )
+        padding = Padding(tokenizer.pad_token_id, tokenizer.padding_side, runner.pad_multiple, layout.device)
+        batcher = make_batcher(self.task.kind.batcher, split, padding)  # held-out rows: padded, never packed
         classifies = self.task.head is HeadKind.CLASSIFICATION  # a language model's rows are scored by their loss
         predictions: list[tuple[int, float | int]] = []
         totals = torch.zeros(2, dtype=torch.float64, device=layout.device)  # loss sum, count
         for chunk, counts in self._chunks(split):
             batch = batcher.batch(chunk, labelled=with_loss)
             if not classifies:  # a language model: its loss only, from hidden states (no logits held)
-                loss = runner.loss(batch)
+                loss, _ = runner.loss(batch)
                 if counts and loss is not None:  # not a repeat, not a pipeline's earlier stage
                     totals[0] += loss.double()
                     totals[1] += batch.scored()
@@ -144,40 +138,33 @@ class Evaluator:
             if not counts or logits is None:  # a repeat, or a pipeline stage that is not the last
                 continue
             if with_loss:
-                totals[0] += self.loss(logits, batch.labels).double()
+                totals[0] += self.loss(logits, batch.labels)[0].double()
                 totals[1] += batch.scored()
             predictions.extend(zip(chunk, self.task.predicted(logits).tolist()))
         if with_loss and layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
         return self._gathered(split, totals, predictions, with_loss)
 
-    def _scored_pairs(self, split: TokenizedSplit, reference: PairReference | None) -> dict:
-        """Held-out pairs: eval_loss (the mean pair loss) and the pair loss's metrics (TRL's rewards/*, logps/*,
-        ...) means."""
-        layout, runner, preference, tokenizer = self.layout, self.runner, self.preference, self.data.tokenizer
-        padding = {"pad_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side}
-        padding |= {"pad_multiple": runner.pad_multiple, "device": layout.device}
-        if self.task.kind.reward_model:  # a reward model's pairs: two rows scored by its classifier
-            batcher = RewardBatcher(split, **padding)
-        elif self.task.kind.unpaired:  # task=kto's rows, each with its reference
-            batcher = KTOBatcher(split, reference=reference, **padding)
-        else:
-            batcher = PreferenceBatcher(split, **padding, score_prompts=preference.scores_prompts, reference=reference)
-        totals = preference.sums(None, layout.device)
-        preference.take()
+    def _scored_units(self, split: TokenizedSplit, reference: PairReference | None) -> dict:
+        """Held-out pairs: eval_loss (the mean pair loss) and the objective's metrics (TRL's rewards/*, logps/*,
+        ...): the sums of the statistics of every counted chunk's call, over the pairs."""
+        layout, runner, objective, tokenizer = self.layout, self.runner, self.objective, self.data.tokenizer
+        padding = Padding(tokenizer.pad_token_id, tokenizer.padding_side, runner.pad_multiple, layout.device)
+        score_prompts = getattr(objective, "scores_prompts", False)  # ORPO's NLL over the chosen prompts too
+        batcher = make_batcher(self.task.kind.batcher, split, padding, None, reference, score_prompts=score_prompts)
+        totals = objective.sums([], layout.device)
         with self._eval_mode():
             # ORPO's NLL: a token mean over every held-out pair; KTO's KL estimate of the held-out rows (eval mode)
-            preference.share_of(split, range(len(split)))
+            objective.share_of(split, range(len(split)))
             for chunk, counts in self._chunks(split):
-                runner.loss(batcher.batch(chunk))
-                record = preference.take()
+                _, stats = runner.loss(batcher.batch(chunk))  # {} on a pipeline stage that is not the last
                 if counts:
-                    totals += preference.sums(record, layout.device)
+                    totals += objective.sums([stats], layout.device)
         if layout.dp > 1:
             dist.all_reduce(totals, group=layout.dp_group)
         if layout.pp > 1:  # the last stage scored every pair
             dist.broadcast(totals, group=layout.pp_group, group_src=layout.pp - 1)
-        metrics = preference.metrics(totals)
+        metrics = objective.metrics(totals)
         return {"eval_loss": metrics.pop("loss"), **metrics}
 
     def _gathered(self, split: TokenizedSplit, totals: torch.Tensor, predictions: list, with_loss: bool):

@@ -23,48 +23,41 @@ and logps/rejected (over the undesirable ones), rewards/margins (rewards/chosen 
 no row in the batch has none, as in TRL's log. TRL's logits/chosen, logits/rejected and entropy are not reported
 (the chunked, vocabulary-parallel head makes no whole logits), nor its token count.
 
-The reference pass (`measure_kto_reference`): the model as training starts (with LoRA / QLoRA: its adapters
-disabled), in eval mode, before a checkpoint is resumed: each row a step trains on and each of the steps' KL rows,
-and every held-out row and KL row, one forward each (as loop/reference.py measures dpo's pairs).
+The reference pass is loop/reference.py's (the model as training starts, with LoRA / QLoRA its adapters disabled,
+in eval mode, before a checkpoint is resumed), over the units data/kto.py's KTOBatcher names: each row a step
+trains on and each of the steps' KL rows, and every held-out row and KL row, one forward each; each call's
+"answer_logps" statistics are what it keeps.
 
-`KTOObjective` has the objective protocol's shape (`__call__(outputs, target) -> (summed loss, stats)`, `sums`,
-`metrics`); `KTOLoss` is its adapter to today's Trainer, Evaluator and runners (the loss alone, its stats kept for
-`take()`, as loop/loss.py's PreferenceLoss)."""
+`KTOObjective` is an `interfaces.Objective`: each call returns the summed loss and its per-row statistics; `measured`
+(the declared hook after the reference pass) hands it the KL rows' reference log-probabilities and the scorer its
+KL estimate forwards with, and `share_of` (the declared pre-step input) measures the estimate of the rows about to
+be scored."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.batch import IGNORE, TokenizedSplit
-from ..data.kto import KTOBatcher, KTOReference, kl_key, kl_pairs
-from ..data.sampling import scoring_chunks
-from ..interfaces import Runner
-from ..model.lora import adapters_disabled
+from ..data.batch import IGNORE
+from ..interfaces import Stats, joined
 from ..parallel.vocab import token_nll
-from .loss import HiddenTokenLoss, KeepsPairRecords, PairRecord
-
-log = logging.getLogger(__name__)
+from .loss import HiddenTokenLoss
 
 KTO_METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 # what `sums` adds up, in this order (each over the rows; the desirable and undesirable counts, then all rows)
 _SUMS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "chosen", "rejected")
 
-Stats = dict[str, torch.Tensor]
-
 
 class KTOObjective(HiddenTokenLoss):
     """KTO's loss from the final hidden states (the chunked, vocabulary-parallel head) or, with no head given,
     whole logits (engine=deepspeed). `target`: a KTO batch's loss_target, (label, answer, reference) at each
-    position; an answer number's parity says the row's label (even: desirable). `kl`: the KL estimate of the rows
-    being scored, set before them (`KTOLoss.share_of`)."""
+    position; an answer number's parity says the row's label (even: desirable). Each call's statistics, per row:
+    the metrics' terms, each side's count ("chosen", "rejected") and "answer_logps" (the row's summed
+    log-probability: what the reference pass and the KL estimate read). `kl`: the KL estimate of the rows being
+    scored, set by `share_of` before them."""
 
     needs_reference = True
     scores_prompts = False  # (the batchers' question: only ORPO's chosen prompts are scored)
@@ -76,6 +69,31 @@ class KTOObjective(HiddenTokenLoss):
         self.beta = preference.dpo_beta
         self.weights = (preference.desirable_weight, preference.undesirable_weight)
         self.kl = 0.0
+        self.scorer = None  # set by `measured`; None while the reference is measured (z = 0, read by nothing)
+        self.kl_reference: dict[int, float] = {}
+
+    def measured(self, references: dict, scorer) -> None:
+        """After the reference pass: every split's KL rows' reference log-probabilities (data/kto.py's
+        KTOReference.kl, by the rows' tokens) and the scorer the KL estimate's forwards go through."""
+        self.scorer, self.kl_reference = scorer, {}
+        for reference in references.values():
+            self.kl_reference |= reference.kl
+
+    def share_of(self, split, indices) -> None:
+        """Before these rows of `split` are scored (a step's global batch, or a whole held-out split): their KL
+        estimate z, the clamped mean (policy - reference) log-probability of their KL rows (data/kto.py's
+        kl_pairs), the policy's measured now without gradients, in the model's mode, on every rank alike."""
+        if self.scorer is None:
+            self.kl = 0.0
+            return
+        batcher = self.scorer.batcher(split)
+        units = batcher.kl_units(indices)
+        policy = self.scorer.answer_logps(batcher, units)[:, 0].cpu()
+        keys = batcher.unit_keys(units)
+        if any(key not in self.kl_reference for key in keys):
+            raise RuntimeError("a KL row's reference log-probability was not measured before training")
+        reference = torch.tensor([self.kl_reference[key] for key in keys], dtype=torch.float64)
+        self.kl = max((policy - reference).mean().item(), 0.0)
 
     def mask(self, target: torch.Tensor) -> torch.Tensor:
         return target[..., 0] != IGNORE
@@ -83,11 +101,11 @@ class KTOObjective(HiddenTokenLoss):
     def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         scored = self.mask(target)
         if self.takes_hidden:
-            return self.score(outputs[scored], target[scored])
+            return self.scored(outputs[scored], target[scored])
         nll = F.cross_entropy(outputs[scored].float(), target[scored][:, 0].long(), reduction="none")
         return self.row_loss(nll, target[scored])
 
-    def score(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         """The rows' loss and stats from the scored positions' hidden states and targets."""
         labels = target[:, 0].long()
         if self.chunk_tokens:
@@ -121,16 +139,17 @@ class KTOObjective(HiddenTokenLoss):
             "logps/rejected": logps * rejected,
             "chosen": chosen,
             "rejected": rejected,
-            "logps": logps,
+            "answer_logps": logps[:, None],  # (rows, 1): one answer a unit
         }
         return losses.sum(), stats
 
-    def sums(self, stats: list[Stats], device) -> torch.Tensor:
-        """_SUMS over the rows of `stats`, then the row count (float64)."""
+    def sums(self, stats: Sequence[Stats], device) -> torch.Tensor:
+        """_SUMS over the rows of `stats`, then the row count (float64; zeros for none)."""
         totals = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=device)
-        for part in stats:
-            totals[:-1] += torch.stack([part[name].double().sum() for name in _SUMS])
-            totals[-1] += len(part["loss"])
+        rows = joined(stats)
+        if rows:
+            totals[:-1] = torch.stack([rows[name].double().sum() for name in _SUMS])
+            totals[-1] = len(rows["loss"])
         return totals
 
     def metrics(self, totals: torch.Tensor) -> dict[str, float]:
@@ -144,137 +163,3 @@ class KTOObjective(HiddenTokenLoss):
         if sums["chosen"] and sums["rejected"]:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return {name: metrics[name] for name in KTO_METRICS if name in metrics}
-
-
-class KTOLoss(KTOObjective, KeepsPairRecords):
-    """KTOObjective driven as today's Trainer, Evaluator and runners drive a pair loss: each call returns the summed
-    loss and keeps its stats (`take`), `sums(record)`, and `share_of(split, rows)` before a step's or a held-out
-    split's rows are scored, which measures their KL estimate (`estimate`, set by the reference pass)."""
-
-    def __init__(self, head: nn.Module | None, chunk_tokens: int, softcap: float | None = None, *, preference):
-        super().__init__(head, chunk_tokens, softcap, preference=preference)
-        self.records: list[PairRecord] = []
-        self.estimate: KLEstimate | None = None  # None while the reference is measured (z = 0, read by nothing)
-
-    def _kept(self, result: tuple[torch.Tensor, Stats]) -> torch.Tensor:
-        loss, stats = result
-        self.records.append(PairRecord(stats["logps"], torch.ones_like(stats["logps"]), stats["loss"], stats))
-        return loss
-
-    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._kept(super().__call__(outputs, target))
-
-    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._kept(self.score(hidden, target))
-
-    def share_of(self, split: TokenizedSplit, rows) -> None:
-        self.kl = self.estimate(split, rows) if self.estimate is not None else 0.0
-
-    def sums(self, record: PairRecord | None, device) -> torch.Tensor:
-        return super().sums([record.stats] if record is not None else [], device)
-
-
-@dataclass
-class Scoring:
-    """What a pass of forwards without gradients runs on: the runner (and the model it drives), the layout, the
-    batches' padding (pad_id, padding_side, pad_multiple, device), max_length (KL rows are cut to it) and rows per
-    forward on each data-parallel rank."""
-
-    runner: Runner
-    model: nn.Module
-    layout: object
-    padding: dict
-    max_length: int
-    batch_size: int
-
-    def batcher(self, split: TokenizedSplit, reference: KTOReference | None = None) -> KTOBatcher:
-        return KTOBatcher(split, max_length=self.max_length, reference=reference, **self.padding)
-
-    def logps(self, loss: KTOLoss, items: list, lengths: list[int], batch) -> torch.Tensor:
-        """Each item's summed completion log-probability (float64, on every rank): `batch(chunk)` makes a chunk's
-        Batch; each data-parallel rank scores its chunks, the last pipeline stage's first tensor-parallel rank
-        counts them, and a sum over every rank hands them to all."""
-        layout = self.layout
-        values = torch.zeros(len(items), dtype=torch.float64, device=layout.device)
-        loss.take()
-        with torch.no_grad():
-            for chunk, counts in scoring_chunks(range(len(items)), lengths, self.batch_size, layout.dp_rank, layout.dp):
-                self.runner.loss(batch([items[i] for i in chunk]))
-                record = loss.take()  # None on a pipeline stage that is not the last
-                if counts and record is not None and layout.tp_rank == 0:
-                    values[torch.tensor(chunk, device=layout.device)] = record.logps.double()
-        if layout.world_size > 1:
-            dist.all_reduce(values)
-        return values
-
-
-class KLEstimate:
-    """The KL estimate of some rows of a split (`__call__(split, rows)`): the clamped mean (policy - reference)
-    log-probability of their KL rows (kl_pairs), the policy's measured now without gradients."""
-
-    def __init__(self, loss: KTOLoss, scoring: Scoring, reference: dict[int, float]):
-        self.loss, self.scoring, self.reference = loss, scoring, reference
-
-    def __call__(self, split: TokenizedSplit, rows) -> float:
-        batcher = self.scoring.batcher(split)
-        pairs = kl_pairs(rows)
-        ids = [batcher.kl_ids(*pair)[0] for pair in pairs]
-        policy = self.scoring.logps(self.loss, pairs, [len(row) for row in ids], batcher.kl_batch)
-        reference = torch.tensor([self.reference[kl_key(row)] for row in ids], dtype=torch.float64)
-        return max((policy.cpu() - reference).mean().item(), 0.0)
-
-
-def step_batches(sampler, total_steps: int) -> list[list[int]]:
-    """The global batches of the run's steps (every rank draws the same)."""
-    batches, per_epoch = [], len(sampler)
-    for epoch in range(-(-total_steps // per_epoch)):
-        batches += sampler.epoch(epoch)[: total_steps - epoch * per_epoch]
-    return batches
-
-
-def measure_kto_reference(
-    loss: KTOLoss, scoring: Scoring, split: TokenizedSplit, batches: list[list[int]], lora: bool
-) -> KTOReference:
-    """The reference log-probabilities of the rows of `batches` (a run's steps' global batches, or a held-out
-    split whole as one) and of their KL rows, the model in eval mode (its adapters disabled under LoRA)."""
-    rows = sorted({i for batch in batches for i in batch})
-    batcher = scoring.batcher(split)
-    kl = {}
-    for batch in batches:
-        for pair in kl_pairs(batch):
-            ids = batcher.kl_ids(*pair)[0]
-            kl.setdefault(kl_key(ids), (pair, len(ids)))
-    model, training = scoring.model, scoring.model.training
-    model.eval()
-    try:
-        with adapters_disabled(model) if lora else contextlib.nullcontext():
-            values = scoring.logps(loss, rows, [split.lengths[i] for i in rows], batcher.batch)
-            pairs = [pair for pair, _ in kl.values()]
-            kl_values = scoring.logps(loss, pairs, [length for _, length in kl.values()], batcher.kl_batch)
-    finally:
-        model.train(training)
-    measured, per_row = [False] * len(split), [0.0] * len(split)
-    for row, value in zip(rows, values.tolist()):
-        measured[row], per_row[row] = True, value
-    return KTOReference(per_row, measured, dict(zip(kl, kl_values.tolist())))
-
-
-def kto_references(loss: KTOLoss, scoring: Scoring, splits: dict, sampler, total_steps: int, lora: bool) -> dict:
-    """Each split's KTOReference by name (`splits`: train and validation, TokenizedSplits): the training rows and KL
-    rows the run's steps draw, every held-out row and its KL rows; then `loss.estimate` measures each step's KL
-    estimate against their reference."""
-    started = time.perf_counter()
-    validation = splits["validation"]
-    references = {
-        "train": measure_kto_reference(loss, scoring, splits["train"], step_batches(sampler, total_steps), lora),
-        "validation": measure_kto_reference(loss, scoring, validation, [list(range(len(validation)))], lora),
-    }
-    loss.estimate = KLEstimate(loss, scoring, references["train"].kl | references["validation"].kl)
-    log.info(
-        "kto: reference log-probabilities of %d rows and %d KL rows measured in %.1f s (%s)",
-        sum(sum(r.measured) for r in references.values()),
-        sum(len(r.kl) for r in references.values()),
-        time.perf_counter() - started,
-        "the model with its adapters disabled" if lora else "the model before training",
-    )
-    return references

@@ -9,18 +9,22 @@ are flattened to one loss term per label.
 
 A language model's loss takes the final hidden states and the head instead of logits (HiddenTokenLoss): only the
 positions with a label reach the head, and with `loss_chunk_tokens` the head and the cross-entropy run together in
-chunks (parallel/vocab.py), never holding every token's logits over the whole vocabulary."""
+chunks (parallel/vocab.py), never holding every token's logits over the whole vocabulary.
+
+Each is an `interfaces.Objective`: a call returns the summed loss and its per-unit statistics together (none for
+the plain losses; per pair for PreferenceLoss and loop/reward_loss.py's RewardLoss), which the Trainer and the
+Evaluator add up with `sums` and turn into metrics with `metrics`; `objective_for` picks a head's."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..data.batch import IGNORE
-from ..interfaces import SummedLoss
+from ..interfaces import Objective, Stats, joined
 from ..parallel.vocab import head_replaced, token_nll
 from ..tasks.task import HeadKind, Task
 from .pair_losses import DPOLoss, pair_loss_for
@@ -43,18 +47,63 @@ def regression_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.mse_loss(predicted[scored], labels[scored], reduction="sum")
 
 
-class HiddenTokenLoss:
+class PerUnitObjective:
+    """What the objectives here share: no reference pass, no pre-step input, and metrics that are means over units
+    (a pair, ...) of the statistics their calls return, one value per unit for each of `metric_names` ("loss"
+    first). The plain losses return none: their only metric is the loss, which the Trainer and Evaluator count."""
+
+    takes_hidden = False
+    needs_reference = False
+    metric_names: tuple[str, ...] = ("loss",)
+
+    def share_of(self, split, indices) -> None:
+        """Nothing: each unit's loss is its own (PreferenceLoss's ORPO needs the global batch's token count)."""
+
+    def measured(self, references: dict, scorer) -> None:
+        """Nothing: no pre-step forwards of its own (loop/kto.py's KTOObjective keeps the KL rows' reference)."""
+
+    def sums(self, stats: Sequence[Stats], device) -> torch.Tensor:
+        """Each metric's sum over the units of `stats` and the unit count last (float64; zeros for no units)."""
+        totals = torch.zeros(len(self.metric_names) + 1, dtype=torch.float64, device=device)
+        units = joined(stats)
+        if not units:
+            return totals
+        totals[:-1] = torch.stack([units[name].double().sum() for name in self.metric_names])
+        totals[-1] = len(units[self.metric_names[0]])
+        return totals
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """`sums` (reduced over the ranks) as the metrics: each sum over the unit count."""
+        return dict(zip(self.metric_names, (totals[:-1] / totals[-1]).tolist()))
+
+
+class HeadLoss(PerUnitObjective):
+    """A head's loss from its logits by one of the formulas above, with no statistics."""
+
+    def __init__(self, formula):
+        self.formula = formula  # (outputs, labels) -> the summed loss
+
+    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        return self.formula(outputs, target), {}
+
+
+TOKEN_OBJECTIVE = HeadLoss(token_loss)
+CLASS_OBJECTIVE = HeadLoss(class_loss)
+REGRESSION_OBJECTIVE = HeadLoss(regression_loss)
+
+
+class HiddenTokenLoss(PerUnitObjective):
     """A language model's loss from its final hidden states and its head (the model's output embeddings): the
     positions with a label go through the head and the cross-entropy together, `chunk_tokens` at a time
     (parallel/vocab.token_nll: vocabulary-parallel under tensor parallelism), or, with chunk_tokens=0, as whole
-    logits of those positions. Summed in fp32, like every loss here."""
+    logits of those positions. Summed in fp32, like every loss here; no statistics."""
 
     takes_hidden = True
 
     def __init__(self, head: nn.Module, chunk_tokens: int, softcap: float | None = None):
         self.head, self.chunk_tokens, self.softcap = head, chunk_tokens, softcap  # softcap: Gemma's logit capping
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         """`hidden` (..., hidden size) and `labels` (...) aligned, IGNORE where no loss."""
         scored = self.mask(labels)
         return self.scored(hidden[scored], labels[scored])
@@ -63,11 +112,12 @@ class HiddenTokenLoss:
         """The positions of `target` (a Batch's loss_target) that have a loss term."""
         return target != IGNORE
 
-    def scored(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss of rows that all have a label: `hidden` (rows, hidden size), `labels` (rows,)."""
+    def scored(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        """The loss of rows that all have a label, and its statistics: `hidden` (rows, hidden size), `labels`
+        (rows,)."""
         if self.chunk_tokens:
-            return token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap).sum()
-        return token_loss(self.logits(hidden), labels)
+            return token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap).sum(), {}
+        return token_loss(self.logits(hidden), labels), {}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's whole logits of `hidden` (capped as the model caps them)."""
@@ -77,8 +127,8 @@ class HiddenTokenLoss:
 
 class _ScoredHead(nn.Module):
     """Stands in for a model's output embeddings during one forward: the hidden states of the positions the
-    model kept (`logits_to_keep`: those with a label) go to `loss` with their labels; the loss is kept in
-    `result` (and returned as the model's "logits", which nothing reads)."""
+    model kept (`logits_to_keep`: those with a label) go to `loss` with their labels; the loss and its statistics
+    are kept in `result` (the loss is returned as the model's "logits", which nothing reads)."""
 
     def __init__(self, loss: HiddenTokenLoss, labels: torch.Tensor):
         super().__init__()
@@ -86,29 +136,20 @@ class _ScoredHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.result = self.loss.scored(hidden, self.labels)
-        return self.result
+        return self.result[0]
 
 
-def hidden_loss_forward(model: nn.Module, inputs: dict, target: torch.Tensor, loss: HiddenTokenLoss) -> torch.Tensor:
+def hidden_loss_forward(
+    model: nn.Module, inputs: dict, target: torch.Tensor, loss: HiddenTokenLoss
+) -> tuple[torch.Tensor, Stats]:
     """The model's own forward (so FSDP gathers and tensor-parallel layers work as always) with only the labelled
-    positions kept for the head, and the head replaced by `loss`: the summed loss, no logits. `target`: the
-    Batch's loss_target."""
+    positions kept for the head, and the head replaced by `loss`: the summed loss and its statistics, no logits.
+    `target`: the Batch's loss_target."""
     scored = loss.mask(target)
     head = _ScoredHead(loss, target[scored])
     with head_replaced(model, head):
         model(**inputs, logits_to_keep=scored)
     return head.result
-
-
-class PairRecord(NamedTuple):
-    """What one call of a PreferenceLoss measured, per pair (rows: pairs; columns: chosen, rejected), detached:
-    the policy's log-probabilities summed over each answer's tokens, those tokens' count, each pair's loss and
-    its pair loss's statistics (name -> per-pair values)."""
-
-    logps: torch.Tensor
-    tokens: torch.Tensor
-    losses: torch.Tensor
-    stats: dict[str, torch.Tensor]
 
 
 # DPO's metrics (TRL's names): what PreferenceLoss.sums adds up over pairs, in this order, for the DPO family; each
@@ -120,31 +161,18 @@ PAIR_METRICS = ("loss", *DPOLoss.metric_names)
 PROMPT_MARK = -2
 
 
-class KeepsPairRecords:
-    """A pair objective's per-pair figures: each call appends a PairRecord to `records`; the metrics `take` them."""
-
-    records: list[PairRecord]
-
-    def take(self) -> PairRecord | None:
-        """The per-pair figures of every call since the last take, joined (None: no call, e.g. a pipeline stage
-        that is not the last)."""
-        records, self.records = self.records, []
-        if not records:
-            return None
-        stats = {name: torch.cat([record.stats[name] for record in records]) for name in records[0].stats}
-        return PairRecord(*(torch.cat(parts) for parts in zip(*(record[:3] for record in records))), stats)
-
-
-class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
+class PreferenceLoss(HiddenTokenLoss):
     """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): the
     linear part, each answer's log-probability as the sum over its tokens of -token_nll (parallel/vocab.py:
     chunked, vocabulary-parallel, never the whole logits) and its token count, handed with the reference's sums to
     the pair loss (loop/pair_losses.py: DPO's family, SimPO, ORPO), which makes each pair's loss and statistics.
 
     Summed over pairs (the Trainer divides by the global pair count). `target` is a preference Batch's
-    loss_target: (label, answer, reference) at each position. Each call's per-pair figures are kept for the
-    metrics (`take`). `token_share` (set by `share_of`): the pairs over the chosen rows' scored tokens of the batch
-    being scored, which ORPO's token-mean NLL needs."""
+    loss_target: (label, answer, reference) at each position. Each call's statistics, per pair: "loss", the pair
+    loss's (`metric_names`), and beside the metrics "answer_logps" and "answer_tokens" (pairs x (chosen,
+    rejected): each answer's summed log-probability, which the reference pass keeps, and its token count).
+    `token_share` (set by `share_of`, the declared pre-step input): the pairs over the chosen rows' scored tokens
+    of the batch being scored, which ORPO's token-mean NLL needs."""
 
     def __init__(self, head: nn.Module | None, chunk_tokens: int, softcap: float | None = None, *, preference):
         super().__init__(head, chunk_tokens, softcap)
@@ -153,7 +181,6 @@ class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
         self.beta = preference.dpo_beta
         self.metric_names = ("loss", *self.pair_loss_of.metric_names)
         self.token_share = 1.0
-        self.records: list[PairRecord] = []
 
     @property
     def needs_reference(self) -> bool:
@@ -173,14 +200,14 @@ class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
     def mask(self, target: torch.Tensor) -> torch.Tensor:
         return target[..., 0] != IGNORE
 
-    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         scored = self.mask(target)
         if self.takes_hidden:
             return self.scored(outputs[scored], target[scored])
         logits, target = outputs[scored], target[scored]
         return self.pair_loss(F.cross_entropy(logits.float(), target[:, 0].long(), reduction="none"), target)
 
-    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         labels = target[:, 0].long()
         if self.chunk_tokens:
             nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
@@ -188,8 +215,9 @@ class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
             nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
         return self.pair_loss(nll, target)
 
-    def pair_loss(self, nll: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The pairs' summed loss from each scored token's NLL and its (label, answer, reference)."""
+    def pair_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        """The pairs' summed loss and per-pair statistics from each scored token's NLL and its (label, answer,
+        reference)."""
         answer = target[:, 1].long()
         prompt = answer <= PROMPT_MARK  # ORPO: a chosen row's prompt token (only in its NLL)
         chosen_nll = None
@@ -210,34 +238,13 @@ class PreferenceLoss(HiddenTokenLoss, KeepsPairRecords):
             prompts = torch.zeros(len(numbers) // 2, device=nll.device).index_add(0, pair_of, prompt_nll)
             chosen_nll = (prompts - logps[:, 0]) * self.token_share
         losses, stats = self.pair_loss_of(logps, tokens, reference if self.needs_reference else None, chosen_nll)
-        self.records.append(PairRecord(logps.detach(), tokens, losses.detach(), stats))
-        return losses.sum()
-
-    def sums(self, record: PairRecord | None, device) -> torch.Tensor:
-        """The metrics (`metric_names`: the loss, then the pair loss's statistics) summed over the record's pairs,
-        and the pair count last (float64; zeros for None)."""
-        totals = torch.zeros(len(self.metric_names) + 1, dtype=torch.float64, device=device)
-        if record is None:
-            return totals
-        parts = (record.losses, *(record.stats[name] for name in self.metric_names[1:]))
-        totals[: len(parts)] = torch.stack([part.double().sum() for part in parts])
-        totals[-1] = len(record.losses)
-        return totals
-
-    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
-        """`sums` (reduced over the ranks) as the metrics: each sum over the pair count."""
-        return pair_metrics(totals, self.metric_names)
+        stats = {"loss": losses.detach(), **stats, "answer_logps": logps.detach(), "answer_tokens": tokens}
+        return losses.sum(), stats
 
 
-def pair_metrics(totals: torch.Tensor, names: tuple[str, ...] = PAIR_METRICS) -> dict[str, float]:
-    """PreferenceLoss.sums (reduced over the ranks) as the metrics `names`: each sum over the pair count."""
-    values = (totals[:-1] / totals[-1]).tolist()
-    return dict(zip(names, values))
-
-
-def summed_loss_for(task: Task, hidden: HiddenTokenLoss | None = None) -> SummedLoss:
-    """The loss of a task's head: a language model's from hidden states when `hidden` says how, else from
+def objective_for(task: Task, hidden: HiddenTokenLoss | None = None) -> Objective:
+    """The objective of a task's head: a language model's from hidden states when `hidden` says how, else from
     logits."""
     if task.head is HeadKind.CAUSAL_LM:
-        return hidden or token_loss
-    return regression_loss if task.regression else class_loss
+        return hidden or TOKEN_OBJECTIVE
+    return REGRESSION_OBJECTIVE if task.regression else CLASS_OBJECTIVE

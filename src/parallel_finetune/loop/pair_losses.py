@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-Stats = dict[str, torch.Tensor]
+from ..interfaces import Stats
 
 
 def _rewards(logps: torch.Tensor, rewards: torch.Tensor) -> Stats:

@@ -51,7 +51,7 @@ def run(config: Config, after_backward: Callable | None = None) -> dict:
         if dist.is_initialized():
             dist.destroy_process_group()
         step = built.trainer.step if built is not None else builder.resumed_step
-        timeout = timed_out(exc, config.collective_timeout_s)
+        timeout = timed_out(exc, config.parallel.collective_timeout_s)
         if timeout:  # one line naming the key, not a traceback from the collective
             raise RankError(f"after step {step}: {timeout}") from None
         if isinstance(exc, KeyboardInterrupt):
@@ -72,14 +72,14 @@ def finish(config: Config, built: BuiltRun) -> dict:
     trainer.reporter.evaluation(trainer.step, results)
     if built.ready.parallel.compiled:
         report_compiled(compiled_graphs())
-    if config.predict:
+    if config.output.predict:
         with trainer.timer("predict"):
             predictions = trainer.evaluator.predict_tests()
         if layout.is_main:
             write_all_predictions(built, predictions)
-    if config.export:
+    if config.output.export:
         with trainer.timer("export"):
-            place = ExportPlace.of_run(config.output_dir, built.output_dir)
+            place = ExportPlace.of_run(config.output.output_dir, built.output_dir)
             export_model(
                 trainer.updates,
                 built.data.tokenizer,
@@ -120,16 +120,16 @@ def summary_record(config: Config, built: BuiltRun, results: dict) -> RunRecord:
     trainer, family, updates = built.trainer, built.family, built.trainer.updates
     return RunRecord(
         results=results,
-        task=config.task,
+        task=config.model.task,
         family=family.name,
-        model=f"tiny {family.name} (from config)" if config.size == "tiny" else built.resolved.model_name,
-        engine=config.engine,
-        batch_size=config.batch_size,
+        model=f"tiny {family.name} (from config)" if config.model.size == "tiny" else built.resolved.model_name,
+        engine=config.parallel.engine,
+        batch_size=config.training.batch_size,
         data=built.data.source.description,
         steps=trainer.step,
         history=trainer.history,
         padding=trainer.padding,
-        packing=config.packing,
+        packing=config.data.packing,
         peak=trainer.peak,
         precision=built.resolved.precision,
         resumed_from=built.resumed_from,

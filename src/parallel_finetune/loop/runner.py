@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..data.batch import Batch
 from ..families.base import Family
-from ..interfaces import SummedLoss
+from ..interfaces import Objective, Stats
 from ..model import attention
 from ..parallel.memory import offload_context
 from ..tasks.task import HeadKind
@@ -46,7 +46,7 @@ class WholeModel:
         self,
         model: nn.Module,
         head: HeadKind,  # the head (resolve.Resolved.head): a packed classifier reads every position's logits
-        loss: SummedLoss,  # the head's loss (loss.summed_loss_for)
+        objective: Objective,  # the head's (loss.objective_for), or a pair objective
         autocast: Callable,
         backward: Callable[[torch.Tensor, bool], None],
         offload_activations: bool,
@@ -54,32 +54,33 @@ class WholeModel:
         packing: Family | None = None,
     ):
         """`packing`: the family, when training batches are packed (its masks and per-position logits)."""
-        self.model, self.head, self.head_loss, self.autocast, self.backward = model, head, loss, autocast, backward
+        self.model, self.head, self.objective, self.autocast, self.backward = model, head, objective, autocast, backward
         self.offload_activations, self.device, self.family = offload_activations, device, packing
         if packing is not None:
             packing.prepare_packing(model)
 
-    def train(self, batch: Batch, count: int, last: bool) -> torch.Tensor:
+    def train(self, batch: Batch, count: int, last: bool) -> tuple[torch.Tensor, Stats]:
         if isinstance(self.model, FSDPModule):  # FSDP reduce-scatters in every backward unless told not to
             self.model.set_requires_gradient_sync(last)
         with offload_context(self.offload_activations, self.device):
-            loss = self.summed_loss(batch) / count
+            loss, stats = self.summed_loss(batch)
+            loss = loss / count
         self.backward(loss, last)
-        return loss.detach()
+        return loss.detach(), stats
 
-    def summed_loss(self, batch: Batch) -> torch.Tensor:
-        """The batch's loss, summed: a language model's from its hidden states and head (no logits; see
-        loss.hidden_loss_forward), any other from its logits."""
-        if getattr(self.head_loss, "takes_hidden", False):
+    def summed_loss(self, batch: Batch) -> tuple[torch.Tensor, Stats]:
+        """The batch's loss, summed, and the objective's statistics: a language model's from its hidden states
+        and head (no logits; see loss.hidden_loss_forward), any other from its logits."""
+        if self.objective.takes_hidden:
             with self.autocast():
                 return hidden_loss_forward(
-                    self.model, model_inputs(batch, self.family, self.model), batch.loss_target(), self.head_loss
+                    self.model, model_inputs(batch, self.family, self.model), batch.loss_target(), self.objective
                 )
-        return self.head_loss(self.forward(batch), batch.loss_target())
+        return self.objective(self.forward(batch), batch.loss_target())
 
     @torch.no_grad()
-    def loss(self, batch: Batch) -> torch.Tensor:
-        """The summed loss without gradients (evaluation)."""
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, Stats]:
+        """The summed loss without gradients (evaluation), and its statistics."""
         return self.summed_loss(batch)
 
     @torch.no_grad()

@@ -8,7 +8,10 @@ The Trainer receives built components (builder.py makes them) and no Config:
 
     sampler     the global batches of each epoch (data.GlobalBatches)
     batcher     an accumulation slice's rows as a Batch, padded or packed (batch.py); it owns the training columns
-    runner      a slice's forward and backward (`runner.WholeModel`, or the `parallel.pipeline.Pipeline`)
+    runner      a slice's forward and backward (`runner.WholeModel`, or the `parallel.pipeline.Pipeline`): its loss
+                and the objective's statistics, together
+    objective   the runner's loss (interfaces.Objective): its statistics beyond the loss (a pair objective's)
+                are the step's metrics too
     updates     gradients -> an update (`updates.TorchUpdates`, or DeepSpeed's ZeRO)
     evaluator, generator, checkpoints
                 each says whether it is `due(step)` after a step, the same way (torchtitan's validator and
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data.sampling import GlobalBatches, accumulation_slices
-from ..interfaces import Runner, Updates
+from ..interfaces import Objective, Runner, Stats, Updates
 from ..model.throughput import ModelFlops, Peak, achieved
 from ..outputs.checkpoint import TrainingState
 from ..outputs.reporting import PhaseTimer, Reporter
@@ -39,7 +42,6 @@ from .checkpointer import CheckpointManager
 from .divergence import NonFiniteGuard
 from .evaluation import Evaluator
 from .generation import Generator
-from .loss import PreferenceLoss
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Trainer:
     sampler: GlobalBatches
     batcher: object  # batch.PaddedBatcher | batch.PackedBatcher
     runner: Runner
+    objective: Objective  # the runner's: its statistics beyond the loss (a pair objective's) are the step's metrics
     updates: Updates
     scheduler: object  # the lr schedule
     model: nn.Module  # what the runner drives (DeepSpeed's engine under engine=deepspeed)
@@ -88,7 +91,6 @@ class Trainer:
     step: int = 0  # the step reached (a resumed checkpoint's)
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM: finish the step, checkpoint, exit 0
     after_backward: Callable[[Trainer, int], None] | None = None  # test hook: after a step's backward
-    preference: PreferenceLoss | None = None  # task=dpo: the loss whose per-pair figures each step reports
     history: list[dict] = field(default_factory=list, init=False)
     stop_agreed: bool = field(default=False, init=False)  # some rank was asked to stop (the step's all-reduce)
     padding: dict[int, list[int]] = field(default_factory=dict, init=False)  # epoch -> [real tokens, token slots]
@@ -111,12 +113,14 @@ class Trainer:
         layout, split = self.layout, self.batcher.split
         started = time.perf_counter()
         count = split.loss_count(global_batch)
-        if self.preference is not None:  # ORPO's NLL is a token mean over the global batch's chosen rows
-            self.preference.share_of(split, global_batch)
+        self.objective.share_of(split, global_batch)  # e.g. ORPO's NLL: a token mean over the global batch
         local_loss = torch.zeros((), device=layout.device)
+        stats: list[Stats] = []
         slices = accumulation_slices(global_batch, layout.dp_rank, layout.dp, self.steps.accumulation)
         for number, indices in enumerate(slices, start=1):
-            local_loss += self.runner.train(self.batcher.batch(indices), count, last=number == len(slices))
+            loss, slice_stats = self.runner.train(self.batcher.batch(indices), count, last=number == len(slices))
+            local_loss += loss
+            stats.append(slice_stats)
         if self.after_backward is not None:
             self.after_backward(self, self.step + 1)
         lr = self.scheduler.get_last_lr()[0]
@@ -146,18 +150,19 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": mfu,
             "step_time_s": elapsed,
-        } | self._pair_metrics()
+        } | self._objective_metrics(stats)
 
-    def _pair_metrics(self) -> dict:
-        """task=dpo: the step's pair metrics (TRL's names: rewards/*, logps/*, ...), means over the global batch's
-        pairs: every rank's sums (a pipeline's last stage holds them; tensor-parallel ranks hold copies, counted in
-        the pair count alike) over the pairs they count."""
-        if self.preference is None:
+    def _objective_metrics(self, stats: list[Stats]) -> dict:
+        """The objective's step metrics beyond the loss (a pair objective's, TRL's names: rewards/*, logps/*,
+        ...), means over the global batch's units: every rank's sums of its slices' statistics (a pipeline's last
+        stage holds them; tensor-parallel ranks hold copies, counted in the unit count alike) over the units they
+        count. None (and no collective) for an objective whose only metric is its loss."""
+        if len(self.objective.metric_names) <= 1:
             return {}
-        totals = self.preference.sums(self.preference.take(), self.layout.device)
+        totals = self.objective.sums(stats, self.layout.device)
         if self.layout.world_size > 1:
             dist.all_reduce(totals)
-        metrics = self.preference.metrics(totals)
+        metrics = self.objective.metrics(totals)
         del metrics["loss"]  # the step's loss is `loss`
         return metrics
 

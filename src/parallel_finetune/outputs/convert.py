@@ -53,12 +53,12 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     family = chosen.family
     tokenizer = load_hf_tokenizer(folder / "tokenizer")
     model_path = None
-    if config.size == "full":  # its config.json gives the architecture
-        model_path = download_model(chosen.model_name, config.revision, local_only=True)
+    if config.model.size == "full":  # its config.json gives the architecture
+        model_path = download_model(chosen.model_name, config.model.revision, local_only=True)
     labels = read_label_file(folder) if (folder / LABEL_FILE).is_file() else None  # older checkpoints: SST-2's
     hf_config = family.config_for(
         model=config.model,
-        max_length=config.max_length,
+        max_length=config.data.max_length,
         tokenizer_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         model_path=model_path,
@@ -68,7 +68,13 @@ def export_checkpoint(folder: Path, out: Path, dtype: str = "float32") -> Path:
     # A world of one, made as the run made its model; a LoRA checkpoint holds adapters and head only: the base is
     # loaded again from its source (a tiny one from the seed, as the run made it) and B·A merged in after.
     ready = load_model(
-        family, chosen.head, hf_config, model_path, seed=config.seed, adapters=chosen.lora, from_checkpoint=True
+        family,
+        chosen.head,
+        hf_config,
+        model_path,
+        seed=config.training.seed,
+        adapters=chosen.lora,
+        from_checkpoint=True,
     )
     state = {**ready.model.state_dict(), **dict(quantize.dequantized_weights(ready.model))}  # QLoRA: NF4 base
     trainable = ready.parallel.trainable

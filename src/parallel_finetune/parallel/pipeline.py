@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..data.batch import Batch
 from ..errors import UserError
 from ..families.base import Family, has_module
-from ..interfaces import SummedLoss
+from ..interfaces import Objective, Stats, joined
 from ..tasks.task import HeadKind
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class PipelineSettings:
     schedule: str
     microbatches: int
     head: HeadKind  # the head (resolve.Resolved.head)
-    loss: SummedLoss  # the head's loss (loss.summed_loss_for): a language model's takes the final hidden states
+    objective: Objective  # the head's (loss.objective_for) or a pair objective; a language model's takes hidden states
     token_types: bool = False
     packing: bool = False
 
@@ -221,7 +221,8 @@ class Pipeline:
     ):
         self.layout, self.schedule_name, self.microbatches = layout, settings.schedule, settings.microbatches
         self.autocast = autocast  # () -> the precision's autocast context
-        self.summed_loss, self.loss_scale = settings.loss, loss_scale  # loss_scale: () -> the fp16 scale of this step
+        self.objective = settings.objective
+        self.loss_scale = loss_scale  # () -> the fp16 scale of this step
         self.token_types = settings.token_types  # the first stage also takes token type ids (sentence pairs, BERT)
         self.n_stages = len(stages)
         self.mine = [s for s in stages if s.index % layout.pp == layout.pp_rank]
@@ -232,10 +233,15 @@ class Pipeline:
         self.is_first = any(s.first for s in self.mine)
         self.is_last = any(s.last for s in self.mine)
         self.loss_factor = 1.0  # loss scale / global count, set before every step
+        # the statistics of the objective's calls in the schedule's step under way (last stage): the schedule's
+        # loss_fn must return a tensor, so the runner keeps them itself and train() hands them back
+        self._step_stats: list[Stats] = []
         self._schedules: dict[tuple, object] = {}
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.summed_loss(logits, target) * self.loss_factor
+        loss, stats = self.objective(logits, target)
+        self._step_stats.append(stats)
+        return loss * self.loss_factor
 
     def _schedule(self, rows: int, length: int, training: bool, packed: bool = False):
         for module in self.modules:
@@ -303,15 +309,17 @@ class Pipeline:
         inputs = batch.input_ids, batch.attention_mask, batch.positions
         return (*inputs, batch.token_type_ids) if self.token_types else inputs
 
-    def train(self, batch: Batch, count: int, last: bool) -> torch.Tensor:
+    def train(self, batch: Batch, count: int, last: bool) -> tuple[torch.Tensor, Stats]:
         """Forward and backward of one batch over all stages; returns this rank's share of the loss (summed over
-        the batch, divided by the global `count`), nonzero on the last stage only. Gradients accumulate in the
-        parameters' .grad (every micro-batch of the pipeline; `last` changes nothing here)."""
+        the batch, divided by the global `count`), nonzero on the last stage only, and the objective's statistics
+        of the batch's micro-batches (empty on the other stages). Gradients accumulate in the parameters' .grad
+        (every micro-batch of the pipeline; `last` changes nothing here)."""
         schedule = self._schedule(batch.rows, batch.length, training=True, packed=batch.packed)
         scale = self.loss_scale()
         self.loss_factor = scale / count
         target = batch.loss_target()
         losses: list[torch.Tensor] = []
+        self._step_stats = []
         with self.autocast():
             if self.is_first:
                 schedule.step(*self.inputs(batch), target=target if self.is_last else None, losses=losses)
@@ -319,8 +327,9 @@ class Pipeline:
                 schedule.step(target=target, losses=losses)
             else:
                 schedule.step()
+        stats, self._step_stats = joined(self._step_stats), []
         total = float(sum(loss.detach().double() for loss in losses)) if losses else 0.0
-        return torch.tensor(total / scale, device=self.layout.device)
+        return torch.tensor(total / scale, device=self.layout.device), stats
 
     @torch.no_grad()
     def output(self, batch: Batch) -> torch.Tensor | None:
@@ -336,19 +345,20 @@ class Pipeline:
         """Logits on the last stage (None elsewhere): a language model's at every position (its head applied to
         the final hidden states: what an export is compared with, not what training or evaluation need)."""
         out = self.output(batch)
-        if out is None or not getattr(self.summed_loss, "takes_hidden", False):
+        if out is None or not self.objective.takes_hidden:
             return out
         with self.autocast():
-            return self.summed_loss.logits(out)
+            return self.objective.logits(out)
 
     @torch.no_grad()
-    def loss(self, batch: Batch) -> torch.Tensor | None:
-        """The summed loss on the last stage (None elsewhere), without gradients (evaluation)."""
+    def loss(self, batch: Batch) -> tuple[torch.Tensor | None, Stats]:
+        """The summed loss and its statistics on the last stage ((None, {}) elsewhere), without gradients
+        (evaluation)."""
         out = self.output(batch)
         if out is None:
-            return None
+            return None, {}
         with self.autocast():
-            return self.summed_loss(out, batch.loss_target())
+            return self.objective(out, batch.loss_target())
 
     @torch.no_grad()
     def last_logits(self, batch: Batch) -> torch.Tensor | None:
@@ -359,7 +369,7 @@ class Pipeline:
             return None
         last = batch.last_positions()
         with self.autocast():
-            return self.summed_loss.logits(hidden[torch.arange(batch.rows, device=hidden.device), last])
+            return self.objective.logits(hidden[torch.arange(batch.rows, device=hidden.device), last])
 
 
 def sync_tied_gradients(model: nn.Module, tied: list[tuple[str, ...]], shapes: dict[str, torch.Size], layout) -> None:

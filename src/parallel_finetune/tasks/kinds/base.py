@@ -47,6 +47,10 @@ class TaskKind:
     # rows, the Bradley-Terry objective, exported as a one-output classifier; else pairs are the language model's
     reference: bool = False  # its objective reads a reference model's log-probabilities, measured before training,
     # unless the pair loss is reference-free (config.REFERENCE_FREE_LOSSES)
+    # the names of its batcher (data/batchers.py: rows, pairs, reward_pairs) and of its objective (loop/objectives.py:
+    # classifier, tokens, pairs, reward), which the run's assembly makes; the kind, a floor below, only names them
+    batcher: str = "rows"
+    objective: str = "classifier"
     unread_keys: tuple[str, ...] = ()  # recipe keys a run of this kind never reads, left out of what it writes
     sample: Sample | None = None  # the shipped sample it trains on without train_file or dataset
 

@@ -12,6 +12,7 @@ class CausalLM(TaskKind):
     key = CAUSAL_LM
     problem_types = (CAUSAL_LM,)
     head = HeadKind.CAUSAL_LM
+    objective = "tokens"
 
 
 register(CausalLM())

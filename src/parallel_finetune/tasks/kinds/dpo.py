@@ -20,6 +20,8 @@ class PreferenceTuning(TaskKind):
     chat = True
     pairs = True
     reference = True
+    batcher = "pairs"
+    objective = "pairs"
     unread_keys = ("glue_task",)  # whatever glue_task's default, a dpo run reads no GLUE task
     sample = Sample(
         "preference",

@@ -22,6 +22,8 @@ class UnpairedPreferenceTuning(TaskKind):
     chat = True
     unpaired = True
     reference = True
+    batcher = "kto"  # its rows and KL rows (data/kto.py's KTOBatcher)
+    objective = "kto"  # loop/kto.py's KTOObjective
     unread_keys = ("glue_task",)  # whatever glue_task's default, a kto run reads no GLUE task
     sample = PreferenceTuning.sample  # dpo's pairs, unpaired
 

@@ -20,6 +20,8 @@ class RewardModelling(TaskKind):
     chat = True
     pairs = True
     reward_model = True
+    batcher = "reward_pairs"
+    objective = "reward"
     unread_keys = ("glue_task",)  # whatever glue_task's default, a reward run reads no GLUE task
     sample = PreferenceTuning.sample  # the same preference pairs
 

@@ -16,6 +16,7 @@ class InstructionTuning(TaskKind):
     has_labels = False
     chat = True
     conversations = True
+    objective = "tokens"
     unread_keys = ("glue_task",)  # whatever glue_task's default, an sft run reads no GLUE task
     sample = Sample("chat", "chat sample", "instructions over SST-2 sentences", "conversations", "chat-sample-")
 
