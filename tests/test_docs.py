@@ -8,9 +8,9 @@ import dataclasses
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
+import harness
 import pytest
 from conftest import REPO, assert_trains_like, launch, python, subprocess_env, tiny_overrides
 
@@ -200,15 +200,17 @@ def test_the_parity_table_takes_in_a_family_registered_from_one_file(registered,
     """tests/test_parity.py, collected with the page's OPT registered, has its TP=2 row, and the row passes: losses
     within 1e-5 of one process at every step, the same dev accuracy. Collected by a fresh pytest (the table is
     made at import, so the environment must name the file before); the row is then run here, by the parity
-    module's own test function with that row's values (a second pytest with its own harness cost ~20 s more)."""
+    module's own test function with that row's values (a second pytest with its own harness cost ~20 s more).
+    The collecting pytest is forked from the harness's zygote (`python -m pytest`): a fresh pytest session and a
+    fresh import of the parity module, without ~8 s of torch's imports."""
     import test_parity
 
     env = {k: v for k, v in subprocess_env().items() if not k.startswith(("PYTEST_", "COV_"))}
     env.update(registered, SST2_DIR=str(sst2))
     row = "tests/test_parity.py::test_layout_matches_single_process[opt-tp2-classification]"
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "--collect-only"]
+    command = ["-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "--collect-only"]
     command += ["tests/test_parity.py", "-k", "opt-tp2", f"--basetemp={tmp_path / 'inner'}"]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = harness.python(command, env, REPO, 900)  # env as given: no PYTEST_ variable of this session
     assert done.returncode == 0 and row in done.stdout.splitlines(), done.stdout[-4000:] + done.stderr[-2000:]
     values = ("opt", "tp2", 2, ["tensor_parallel_degree=2"], "classification", ())
     single_process = request.getfixturevalue("single_process")
