@@ -303,3 +303,22 @@ def test_a_tokenizer_without_eos_is_refused_up_front_or_takes_the_model_configs(
     assert main(["--check", str(REPO / "recipes/gpt2/tp.yaml"), *check, f"output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {message}"), err
+
+
+def test_a_tiny_tokenizer_is_cached_by_what_it_learned_from_not_only_by_its_source(tmp_path):
+    """Two tasks reading one source (a reward model's pairs, kto's unpaired rows) learn from other texts or orders:
+    each gets the tokenizer of its own sentences, whichever ran first (the cache once handed the first one's over)."""
+    from parallel_finetune.tasks.sources import Source
+
+    source = Source("sample", "the preference sample", "dpo-sample-0123")
+    tiny = data.TinyTokenizer("bpe", 300, ())
+    sentences = [f"row {n}: the quick brown fox {'jumps' * (n % 3)} over {n * 7} lazy dogs" for n in range(60)]
+
+    def learned(texts):
+        tokenizer = data.load_tokenizer(None, "tiny", "", tiny, texts, source, tmp_path)
+        return tokenizer.get_vocab()
+
+    first = learned(sentences)
+    assert learned(list(reversed(sentences))[:30]) != first  # other sentences: their own tokenizer
+    assert learned(sentences) == first  # the same sentences: the cached one
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 2

@@ -152,8 +152,12 @@ def load_tokenizer(
     cache_dir: Path,
 ) -> PreTrainedTokenizerFast:
     if name is None and size == "tiny":
-        # "-pairs": the WordPiece template encodes sentence pairs too (folders without it predate pair tasks)
-        folder = cache_dir / "tokenizers" / f"{tiny.kind}{tiny.vocab_size}-pairs-{source.fingerprint}"
+        # "-pairs": the WordPiece template encodes sentence pairs too (folders without it predate pair tasks). The
+        # sentences' digest: tasks reading one source learn from different texts or orders (kto's unpaired rows, a
+        # reward model's pairs), and a learned vocabulary depends on both; one folder per source let whichever
+        # task ran first decide the other's tokenizer.
+        learned = hashlib.sha256("\0".join(train_sentences).encode()).hexdigest()[:8]
+        folder = cache_dir / "tokenizers" / f"{tiny.kind}{tiny.vocab_size}-pairs-{source.fingerprint}-{learned}"
         if tiny.specials:  # a chat template's control tokens
             folder = folder.with_name(
                 folder.name + "-" + hashlib.sha256("|".join(tiny.specials).encode()).hexdigest()[:8]
