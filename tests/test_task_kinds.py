@@ -76,7 +76,7 @@ def test_the_rule_sees_each_way_of_comparing(tmp_path):
 
 
 def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
-    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward"]
+    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward", "grpo"]
     assert kind_of("sft").head is HeadKind.CAUSAL_LM and kind_of("classification").head is HeadKind.CLASSIFICATION
     with pytest.raises(UserError, match=r"^task='kto' is not a task kind; valid: classification, causal_lm, sft, dpo"):
         kind_of("kto")
@@ -92,6 +92,7 @@ def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
         ("sft", "sft", False, False, True, False),
         ("dpo", "dpo", False, True, True, False),
         ("reward", "reward", True, True, True, False),
+        ("grpo", "grpo", False, False, True, False),
     ],
 )
 def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regression):
@@ -101,7 +102,8 @@ def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regr
     assert task.kind.rows_per_sample == (2 if pairs else 1)
     # dpo's objective reads the reference (unless its pair loss is free of it); a reward model's pairs need none
     assert task.kind.reference is (pairs and not task.kind.reward_model)
-    assert task.kind.cache_key("answers") == {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1"}.get(key, "")
+    keys = {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1", "grpo": "-prompts1"}
+    assert task.kind.cache_key("answers") == keys.get(key, "")
 
 
 # ------------------------------------------------- a kind owns its batcher and objective (issue 55)
@@ -142,12 +144,14 @@ def test_each_kind_names_a_registered_batcher_and_objective():
         "sft": ("rows", "tokens"),
         "dpo": ("pairs", "pairs"),
         "reward": ("reward_pairs", "reward"),
+        "grpo": ("grpo", "grpo"),
     }
     assert {batcher for batcher, _ in named.values()} == set(BATCHERS)
     assert {objective for _, objective in named.values()} == set(OBJECTIVES)
-    with pytest.raises(UserError, match="no batcher named 'triples'; registered .*: rows, pairs, reward_pairs"):
+    with pytest.raises(UserError, match="no batcher named 'triples'; registered .*: rows, pairs, reward_pairs, grpo"):
         make_batcher("triples", None, None)
-    with pytest.raises(UserError, match="no objective named 'kto'; registered .*: classifier, tokens, pairs, reward"):
+    registered = "registered .*: classifier, tokens, pairs, reward, grpo"
+    with pytest.raises(UserError, match=f"no objective named 'kto'; {registered}"):
         make_objective("kto", None)
 
 

@@ -6,6 +6,8 @@ kind whose batches differ adds its batcher here under a new name; a kind whose b
     pairs         PreferenceBatcher: each pair's chosen and rejected rows together, padded or packed, with the
                   pairs' reference log-probabilities (task=dpo)
     reward_pairs  RewardBatcher: each pair's two rows, padded (never packed), labelled with their margin (task=reward)
+    grpo          GRPOBatcher: a step's sampled completions after their prompts, padded, labelled on the completion
+                  tokens with each one's advantage and kept log-probabilities (task=grpo; data/grpo.py)
 
 Every maker is called as make(split, padding, shape, reference, score_prompts=...): `shape` None is padded batches;
 `reference` and `score_prompts` are read by the pair batcher alone.
@@ -20,6 +22,7 @@ import torch
 
 from ..errors import UserError
 from .batch import PackedBatcher, PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
+from .grpo import GRPOBatcher
 from .packing import PackedShape
 from .reward import RewardBatcher
 
@@ -49,7 +52,11 @@ def _reward_pairs(split, padding: Padding, shape: PackedShape | None, reference,
     return RewardBatcher(split, **vars(padding))  # a reward model's pairs are padded, whatever `packing` says
 
 
-BATCHERS: dict[str, Callable] = {"rows": _rows, "pairs": _pairs, "reward_pairs": _reward_pairs}
+def _grpo(split, padding: Padding, shape: PackedShape | None, reference, score_prompts: bool):
+    return GRPOBatcher(split, **vars(padding))  # `split`: a step's RolloutSplit, made by the rollout stage
+
+
+BATCHERS: dict[str, Callable] = {"rows": _rows, "pairs": _pairs, "reward_pairs": _reward_pairs, "grpo": _grpo}
 
 
 def make_batcher(

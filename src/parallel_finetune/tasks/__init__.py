@@ -1,7 +1,8 @@
-"""What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`;
-sft: `messages`, `answers_from`, `index`[, `tools`]; dpo, reward: `prompt`, `chosen`, `rejected`[, `margin`],
-`where`, `index`), a Task and a Source; each kind's rows read by its module (columns, conversations, preferences,
-rewards; labels.py, sources.py, files.py, glue.py beneath them); errors name file and row."""
+"""What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`; sft:
+`messages`, `answers_from`, `index`[, `tools`]; dpo, reward: `prompt`, `chosen`, `rejected`[, `margin`], `where`,
+`index`; grpo: `prompt`, `columns`, `where`, `index`), a Task and a Source; each kind's rows read by its module
+(columns, conversations, preferences, rewards, prompts; labels.py, sources.py, files.py, glue.py beneath them);
+errors name file and row."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .columns import define_task, held_out_validation, model_rows
 from .conversations import conversation_rows, define_instruction_task
 from .glue import TASKS  # noqa: F401  (the face: what other modules import)
 from .preferences import define_preference_task, preference_rows
+from .prompts import define_prompt_task, prompt_rows
 from .rewards import define_reward_task, reward_rows
 from .sources import (  # noqa: F401
     CHAT_SAMPLE_DIR,
@@ -36,9 +38,10 @@ def load_task(
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
     kind = kind_of(model.task)  # sft's conversations, dpo's pairs: rows of their own format, read from its columns
-    if own_rows := kind.pairs or kind.conversations:
+    if own_rows := kind.pairs or kind.conversations or kind.prompts:
         pairs = (define_reward_task, reward_rows) if kind.reward_model else (define_preference_task, preference_rows)
         define, read = pairs if kind.pairs else (define_instruction_task, conversation_rows)
+        define, read = (define_prompt_task, prompt_rows) if kind.prompts else (define, read)
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)

@@ -27,6 +27,7 @@ from .kinds.base import HeadKind, TaskKind  # HeadKind: most modules import it f
 from .kinds.causal_lm import CAUSAL_LM
 from .kinds.classification import CLASSIFICATION, REGRESSION
 from .kinds.dpo import DPO  # preference tuning: a causal LM trained to prefer each pair's chosen answer
+from .kinds.grpo import GRPO  # online RL: a causal LM trained on its own completions' rewards
 from .kinds.reward import REWARD  # reward modelling: a one-output classifier scoring a pair's chosen answer higher
 from .kinds.sft import SFT  # instruction tuning: a causal LM trained on conversations, scored on the answers
 
@@ -98,6 +99,13 @@ class Task:
         sequence-classification head (Bradley-Terry: the chosen answer's score above the rejected one's); scored on
         held-out pairs by accuracy and margin; no test split. `name`: the rows' format."""
         return cls(name, REWARD, False, metric="reward", columns=columns, validation_splits=validation_splits)
+
+    @classmethod
+    def prompts(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Online RL (task=grpo): prompts whose sampled completions are rewarded; `columns`: the prompt column,
+        then the columns the reward functions read; scored on held-out prompts by their mean reward; no test
+        split. `name`: the prompts' format (text or messages)."""
+        return cls(name, GRPO, False, metric="reward", columns=columns, validation_splits=validation_splits)
 
     @property
     def kind(self) -> TaskKind:

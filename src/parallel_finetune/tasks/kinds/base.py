@@ -41,6 +41,7 @@ class TaskKind:
     # pair's text), checked by --check on a sample; the planner times its rows as the run's own
     conversations: bool = False  # each row is a conversation whose answers are trained (sft)
     pairs: bool = False  # each row is a preference pair: a chosen and a rejected answer to one prompt (dpo)
+    prompts: bool = False  # each row is a prompt whose completions the run samples and rewards (grpo)
     reward_model: bool = False  # its pairs are scored by a one-output head (reward modelling): padded pairs of
     # rows, the Bradley-Terry objective, exported as a one-output classifier; else pairs are the language model's
     reference: bool = False  # its objective reads a reference model's log-probabilities, measured before training,
