@@ -6,6 +6,7 @@ over slices and divided by the global completion count as the Trainer does."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,26 @@ def test_the_loss_and_its_metrics_are_trls_in_any_slicing(section):
         assert metrics == pytest.approx(expected_metrics, abs=1e-6)
     if section.num_iterations == 1 and not section.beta:  # ratio 1: the loss is minus the mean advantage
         assert expected_metrics["clip_ratio/region_mean"] == 0
+
+
+# ------------------------------------------------------------------------------------------- a run
+def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp_path):
+    """One process on the shipped sample, completions sampled: each step's TRL metrics and time split, the
+    completions with their rewards and advantage in generations.jsonl, the held-out reward at the end."""
+    from conftest import launch, tiny_overrides
+
+    keys = {"data_dir": "", "max_length": 96, "max_steps": 2, "batch_size": 8, "export": "false"}
+    grpo = ["num_generations=4", "max_completion_length=8", "reward_functions=[accuracy, length]"]
+    overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["length_limit=3"]
+    run = launch(1, [*overrides, "tensor_parallel_degree=1"], tmp_path / "run")
+    records = run.records
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        for key in ("reward", "reward_std", "rewards/accuracy/mean", "rewards/length/mean", "completions/mean_length"):
+            assert math.isfinite(record[key]), (key, record)
+        assert 1 <= record["completions/mean_length"] <= 8 and 0 <= record["completions/clipped_ratio"] <= 1
+        assert record["rollout_s"] > 0 and record["scoring_s"] > 0 and record["update_s"] > 0
+    written = [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(written) == 2 * 8 and set(written[0]) == {"step", "prompt", "answer", "rewards", "advantage"}
+    assert set(written[0]["rewards"]) == {"accuracy", "length"}
+    assert math.isfinite(run.summary["eval_reward"]) and "eval_rewards/length/mean" in run.summary

@@ -44,10 +44,12 @@ class Evaluator:
         every=None,
         objective: Objective,
         references: dict[str, PairReference] | None = None,
+        rollouts=None,
     ):
         """`objective`: the runner's; one with metrics beyond its loss (a pair objective's) scores the held-out
         rows by them, any other by the task's metrics (a classifier's held-out loss is the objective's, from its
-        logits); `references`: the held-out pairs' reference log-probabilities, by split name."""
+        logits); `references`: the held-out pairs' reference log-probabilities, by split name; `rollouts`:
+        task=grpo's step source, which scores held-out prompts by their completions' rewards instead."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
@@ -55,6 +57,7 @@ class Evaluator:
         self.objective = objective if len(objective.metric_names) > 1 else None
         self._splits: dict[str, TokenizedSplit] = {}  # each read on first use
         self.references = dict(references or {})
+        self.rollouts = rollouts  # task=grpo's step source: held-out prompts are scored by their rewards
 
     def due(self, step: int, total_steps: int) -> bool:
         """An evaluation after this step (not after the last one: the run's end evaluates every split)."""
@@ -63,6 +66,9 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, name: str = "validation") -> dict:
         """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
+        if self.rollouts is not None:  # the held-out prompts' completions, sampled and rewarded
+            with self._eval_mode():
+                return self.rollouts.held_out(self.data.splits[name])
         split = self._split(name)
         if self.objective is not None:
             return self._scored_units(split, self.references.get(name))

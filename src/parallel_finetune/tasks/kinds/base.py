@@ -50,6 +50,7 @@ class TaskKind:
     # classifier, tokens, pairs, reward), which the run's assembly makes; the kind, a floor below, only names them
     batcher: str = "rows"
     objective: str = "classifier"
+    step_source: str = ""  # what makes each step's rows instead of the sampled split (rl/steps.py: rollouts), or none
     unread_keys: tuple[str, ...] = ()  # recipe keys a run of this kind never reads, left out of what it writes
     sample: Sample | None = None  # the shipped sample it trains on without train_file or dataset
 
@@ -57,6 +58,10 @@ class TaskKind:
     def rows_per_sample(self) -> int:
         """Rows of tokens one sample holds (a pair: its chosen and its rejected row; the planner and packing)."""
         return 2 if self.pairs else 1
+
+    def samples_per_step(self, batch_size: int, grpo) -> int:
+        """The training split's rows a step draws: batch_size (grpo: its prompts, batch_size / num_generations)."""
+        return batch_size
 
     @property
     def sample_unit(self) -> str:

@@ -22,6 +22,7 @@ class ReinforcementLearning(TaskKind):
     prompts = True
     batcher = "grpo"
     objective = "grpo"
+    step_source = "rollouts"
     unread_keys = ("glue_task",)  # whatever glue_task's default, a grpo run reads no GLUE task
     sample = Sample(
         "grpo",
@@ -30,6 +31,9 @@ class ReinforcementLearning(TaskKind):
         "prompts",
         "grpo-sample-",
     )
+
+    def samples_per_step(self, batch_size: int, grpo) -> int:
+        return batch_size // grpo.num_generations  # batch_size counts completions
 
     def chat_template(self, train) -> bool:
         """Prompts of messages (rendered by a chat template with its generation prompt), not texts."""
