@@ -1,7 +1,8 @@
 """task=grpo under every layout against one process, in the fixed-rollouts mode (tests/workers/grpo_fixed.py: the
 completions given, so the update is deterministic), fp32, dropout off: the loss and every reported metric at every
 step within 1e-5. The length reward (its penalty over 4 tokens) makes the advantages differ from 0. Llama: DP=2,
-TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2. Each row's one-process reference is made once and shared."""
+TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2. Each row's
+one-process reference is made once and shared."""
 
 from __future__ import annotations
 
@@ -35,42 +36,49 @@ def grpo_overrides(sst2, cache_dir, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def references(sst2, cache_dir, tmp_path_factory):
+    """One-process runs by their settings (what each layout row adds besides the layout), made once."""
     runs = {}
 
-    def get(kind: str):
-        if kind not in runs:
-            extra = LORA if kind == "lora" else []
-            folder = tmp_path_factory.mktemp(f"grpo-{kind}")
-            runs[kind] = launch(
-                1, grpo_overrides(sst2, cache_dir, "tensor_parallel_degree=1", *extra), folder, script=WORKER
-            )
-        return runs[kind]
+    def get(settings: tuple[str, ...]):
+        if settings not in runs:
+            folder = tmp_path_factory.mktemp("grpo-reference")
+            overrides = grpo_overrides(sst2, cache_dir, "tensor_parallel_degree=1", *settings)
+            runs[settings] = launch(1, overrides, folder, script=WORKER)
+        return runs[settings]
 
     return get
 
 
+ITERATIONS = ("num_iterations=2",)  # each rollout trained on twice: the old policy's log-probabilities kept
+BETA = (*LORA, "beta=0.04")  # the KL to the reference, the base with its adapters disabled
 LAYOUTS = [
-    ("dp2", 2, ["tensor_parallel_degree=1"], "full"),
-    ("tp2", 2, ["tensor_parallel_degree=2"], "full"),
-    ("fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], "full"),
-    ("accumulation2", 1, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], "full"),
-    ("lora_tp2", 2, ["tensor_parallel_degree=2", *LORA], "lora"),
+    # (name, processes, layout, settings: what the one-process reference runs with too)
+    ("dp2", 2, ["tensor_parallel_degree=1"], ()),
+    ("tp2", 2, ["tensor_parallel_degree=2"], ()),
+    ("fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], ()),
+    ("accumulation2", 1, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ()),
+    ("lora_tp2", 2, ["tensor_parallel_degree=2"], tuple(LORA)),
+    ("iterations2_dp2", 2, ["tensor_parallel_degree=1"], ITERATIONS),
+    ("lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
 ]
 
 
 @pytest.mark.parametrize(
-    "name,nproc,overrides,kind", LAYOUTS, ids=[f"llama-{r[0]}-grpo-matches_single_process" for r in LAYOUTS]
+    "name,nproc,layout,settings", LAYOUTS, ids=[f"llama-{row[0]}-grpo-matches_single_process" for row in LAYOUTS]
 )
-def test_grpo_matches_single_process(name, nproc, overrides, kind, references, sst2, cache_dir, tmp_path):
-    reference = references(kind)
-    run = launch(nproc, grpo_overrides(sst2, cache_dir, *overrides), tmp_path / name, script=WORKER)
+def test_grpo_matches_single_process(name, nproc, layout, settings, references, sst2, cache_dir, tmp_path):
+    reference = references(settings)
+    run = launch(nproc, grpo_overrides(sst2, cache_dir, *layout, *settings), tmp_path / name, script=WORKER)
     assert run.summary["layout"]["world_size"] == nproc
     records, expected = run.records, reference.records
     assert len(records) == len(expected) == 4
     assert len({round(r["loss"], 6) for r in expected}) > 1, "the loss must move"
+    keys = STEP_METRICS + (("kl",) if "beta=0.04" in settings else ())
+    if "num_iterations=2" in settings:  # the second iteration's ratio moves off 1
+        assert any(r["clip_ratio/region_mean"] > 0 for r in expected[1::2])
     differences = []
     for mine, theirs in zip(records, expected):
-        for key in STEP_METRICS:
+        for key in keys:
             assert math.isfinite(theirs[key]), (key, theirs)
             differences.append(abs(mine[key] - theirs[key]))
             assert mine[key] == pytest.approx(theirs[key], abs=TOLERANCE, rel=1e-6), (mine["step"], key)

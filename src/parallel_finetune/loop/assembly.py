@@ -149,6 +149,8 @@ class LoopAssembly:
             layout=self.layout,
             padding=self.padding(stage.prepared, built),
             autocast=getattr(built.runner, "autocast", None),
+            objective=built.objective,
+            lora=self.resolved.lora is not None,
         )
 
     def reporter(self, output_dir: Path, total_steps: int, step: int) -> Reporter:

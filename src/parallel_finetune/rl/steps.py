@@ -18,18 +18,23 @@ trackers; the metrics (TRL's names: reward, reward_std, rewards/<function>/mean 
 completions/mean_length, min_length, max_length, clipped_ratio) and the time split (rollout_s, scoring_s) join the
 step's record.
 
-Not yet here: num_iterations > 1 (the old policy's log-probabilities kept from the rollout) and beta > 0 (the
-reference's, the base with its adapters disabled): the objective reads both from the batch (loop/grpo_loss.py), and
-this stage refuses them in one line until it measures them.
+num_iterations > 1: a rollout is trained on for num_iterations steps (TRL's), its old policy's per-token
+log-probabilities measured right after it (no gradients, eval mode), the steps in between reusing it (the prompts
+the sampler drew for them are not read). beta > 0 (LoRA only: config/checks.py refuses it with full fine-tuning):
+the reference's per-token log-probabilities, the same model with its adapters disabled. Both measured on every rank
+for the step's whole global batch (the same forwards everywhere, as FSDP needs), through the objective's head
+(chunked, vocabulary-parallel: parallel/vocab.token_nll), and handed to the batcher as the split's columns. A run
+resumed between a rollout's iterations samples a new rollout at once (the kept one is not checkpointed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,7 +45,11 @@ from ..data.batchers import Padding, make_batcher
 from ..data.chat import stop_ids
 from ..data.grpo import RolloutSplit
 from ..errors import UserError
+from ..loop.loss import HiddenTokenLoss, hidden_loss_forward
+from ..loop.runner import model_inputs
+from ..model.lora import adapters_disabled
 from ..parallel.layout import Layout
+from ..parallel.vocab import token_nll
 from .rewards import Rewards, RewardSettings, group_advantages, reward_metrics, weighted_rewards
 from .rollout import SamplingSettings, sample
 
@@ -80,13 +89,34 @@ class RolloutStage:
     autocast: Callable = contextlib.nullcontext  # the run's mixed precision for the sampling forwards
     fixed: FixedRollouts | None = None  # completions given instead of sampled
 
+    objective: object = None  # the run's GRPOLoss: its head, chunking and softcap score the kept log-probabilities
+    lora: bool = False  # the reference is the model with its adapters disabled
+    kept: tuple | None = field(default=None, init=False)  # num_iterations > 1: (step sampled, what step() returned)
+
     def __post_init__(self):
-        if self.grpo.num_iterations > 1 or self.grpo.beta:
-            key = "num_iterations" if self.grpo.num_iterations > 1 else "beta"
-            raise UserError(
-                f"{key}={getattr(self.grpo, key)}: the rollout stage keeps no old or reference log-probabilities "
-                "yet (rl/steps.py); use num_iterations=1 and beta=0"
-            )
+        if self.grpo.beta and not self.lora:
+            raise UserError("beta > 0 needs peft=lora here (the reference: the base with its adapters disabled)")
+
+    @torch.no_grad()
+    def token_logps(self, split: RolloutSplit, reference: bool) -> list[list[float]]:
+        """Each completion's scored tokens' log-probabilities under the model as it is (eval mode), or under the
+        reference (its adapters disabled), through the objective's head."""
+        batcher = make_batcher("grpo", split, self.padding)
+        batch = batcher.batch(list(range(len(split))))
+        scorer = _TokenLogps(self.objective.head, self.objective.chunk_tokens, self.objective.softcap)
+        disabled = adapters_disabled(self.model) if reference else contextlib.nullcontext()
+        training = self.model.training
+        self.model.eval()
+        try:
+            with disabled, self.autocast():
+                _, stats = hidden_loss_forward(self.model, model_inputs(batch), batch.labels, scorer)
+        finally:
+            self.model.train(training)
+        values = stats["logps"].tolist() if stats else []
+        bounds = [0]
+        for count in split.scored:
+            bounds.append(bounds[-1] + count)
+        return [values[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def mine(self, prompts: int) -> list[int]:
         """This data-parallel rank's positions among a step's `prompts` (contiguous)."""
@@ -156,7 +186,17 @@ class RolloutStage:
         return results
 
     def step(self, global_batch: list[int], step: int) -> tuple[object, list[int], dict, list[dict]]:
-        """The step's batcher, its completion indices (the Trainer's global batch), its metrics and its records."""
+        """The step's batcher, its completion indices (the Trainer's global batch), its metrics and its records:
+        a new rollout, or (num_iterations > 1, between a rollout's iterations) the kept one again."""
+        iterations = self.grpo.num_iterations
+        if self.kept is not None and (step - 1) // iterations == (self.kept[0] - 1) // iterations:
+            batcher, indices, metrics, _ = self.kept[1]
+            return batcher, indices, metrics | {"rollout_s": 0.0, "scoring_s": 0.0}, []
+        made = self.rollout(global_batch, step)
+        self.kept = (step, made) if iterations > 1 else None
+        return made
+
+    def rollout(self, global_batch: list[int], step: int) -> tuple[object, list[int], dict, list[dict]]:
         started = time.perf_counter()
         completions, truncated = self.completions(global_batch, step)
         sampled = time.perf_counter()
@@ -175,6 +215,10 @@ class RolloutStage:
             scored=[0 if masked and cut else len(c) for c, cut in zip(completions, truncated)],
             advantages=advantages.advantages.tolist(),
         )
+        if self.grpo.num_iterations > 1 or self.grpo.beta:  # what the loss reads of the policy as it sampled
+            old = self.token_logps(split, reference=False) if self.grpo.num_iterations > 1 else None
+            reference = self.token_logps(split, reference=True) if self.grpo.beta else None
+            split = dataclasses.replace(split, old_logps=old, reference_logps=reference)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         metrics = reward_metrics(per_function, self.rewards.weights, self.rewards.names, advantages.zero_std)
         metrics |= {
@@ -200,7 +244,20 @@ class RolloutStage:
         return batcher, list(range(len(split))), metrics, records
 
 
-def make_rollouts(*, model, prepared, grpo: GRPOSection, seed: int, layout: Layout, padding: Padding, autocast):
+class _TokenLogps(HiddenTokenLoss):
+    """Stands in for the head in one no-gradient forward: each labelled position's log-probability, in order."""
+
+    def scored(self, hidden: torch.Tensor, labels: torch.Tensor):
+        if self.chunk_tokens:
+            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
+        else:
+            nll = torch.nn.functional.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
+        return nll.sum(), {"logps": -nll}
+
+
+def make_rollouts(
+    *, model, prepared, grpo: GRPOSection, seed: int, layout: Layout, padding: Padding, autocast, objective, lora
+):
     """A grpo run's RolloutStage: its prompts (the prepared train split), its tokenizer's stop tokens (EOS and the
     chat template's end of turn) and the recipe's sampling and reward keys."""
     tokenizer = prepared.tokenizer
@@ -236,6 +293,8 @@ def make_rollouts(*, model, prepared, grpo: GRPOSection, seed: int, layout: Layo
         layout,
         padding,
         autocast or contextlib.nullcontext,
+        objective=objective,
+        lora=lora,
     )
 
 
