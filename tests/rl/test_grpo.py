@@ -265,7 +265,7 @@ def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp
     keys = {"data_dir": "", "max_length": 96, "max_steps": 2, "batch_size": 8, "export": "false"}
     grpo = ["num_generations=4", "max_completion_length=8", "reward_functions=[accuracy, length]"]
     overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["length_limit=3"]
-    run = launch(1, [*overrides, "tensor_parallel_degree=1"], tmp_path / "run")
+    run = launch(1, [*overrides, "tensor_parallel_degree=1"], tmp_path / "run", recipe=recipe("llama"))
     records = run.records
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -276,4 +276,8 @@ def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp
     written = [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
     assert len(written) == 2 * 8 and set(written[0]) == {"step", "prompt", "answer", "rewards", "advantage"}
     assert set(written[0]["rewards"]) == {"accuracy", "length"}
-    assert math.isfinite(run.summary["eval_reward"]) and "eval_rewards/length/mean" in run.summary
+    assert (
+        run.summary["family"] == "llama"
+        and math.isfinite(run.summary["eval_reward"])
+        and "eval_rewards/length/mean" in run.summary
+    )
