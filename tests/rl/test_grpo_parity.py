@@ -1,8 +1,8 @@
 """task=grpo under every layout against one process, in the fixed-rollouts mode (tests/workers/grpo_fixed.py: the
 completions given, so the update is deterministic), fp32, dropout off: the loss and every reported metric at every
 step within 1e-5. The length reward (its penalty over 4 tokens) makes the advantages differ from 0. Llama: DP=2,
-TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2; Qwen 3: TP=2.
-Each row's one-process reference is made once and shared."""
+TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2, QLoRA TP=2;
+Qwen 3: TP=2. Each row's one-process reference is made once and shared."""
 
 from __future__ import annotations
 
@@ -50,7 +50,14 @@ def references(sst2, cache_dir, tmp_path_factory):
 
 
 ITERATIONS = ("num_iterations=2",)  # each rollout trained on twice: the old policy's log-probabilities kept
-BETA = (*LORA, "beta=0.04")  # the KL to the reference, the base with its adapters disabled
+BETA = (*LORA, "beta=0.04")
+# tiny NF4 blocks (recipes' qlora.yaml tiny section): each tensor-parallel shard holds whole scaler groups
+QLORA = (
+    *LORA,
+    "lora_base_quantization=nf4",
+    "nf4_block_size=16",
+    "nf4_scaler_block_size=8",
+)  # the KL to the reference, the base with its adapters disabled
 LAYOUTS = [
     # (family, name, processes, layout, settings: what the one-process reference runs with too)
     ("llama", "dp2", 2, ["tensor_parallel_degree=1"], ()),
@@ -60,6 +67,7 @@ LAYOUTS = [
     ("llama", "lora_tp2", 2, ["tensor_parallel_degree=2"], tuple(LORA)),
     ("llama", "iterations2_dp2", 2, ["tensor_parallel_degree=1"], ITERATIONS),
     ("llama", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
+    ("llama", "qlora_tp2", 2, ["tensor_parallel_degree=2"], QLORA),
     ("qwen3", "tp2", 2, ["tensor_parallel_degree=2"], ()),
 ]
 
