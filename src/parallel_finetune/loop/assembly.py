@@ -142,14 +142,12 @@ class LoopAssembly:
             return None
         return make_step_source(
             name,
-            model=built.model,
+            built=built,
             prepared=stage.prepared,
             grpo=self.grpo,
             seed=self.training.seed,
             layout=self.layout,
             padding=self.padding(stage.prepared, built),
-            autocast=getattr(built.runner, "autocast", None),
-            objective=built.objective,
             lora=self.resolved.lora is not None,
         )
 
@@ -196,8 +194,7 @@ class LoopAssembly:
                 every=training.eval_every,
                 objective=built.objective,
                 references=references,
-                rollouts=rollouts,
-            ),
+            ).scoring_by(rollouts),
             generator=self.generator(stage, built),
             checkpoints=checkpoints,
             reporter=self.reporter(output_dir, schedule.total_steps, step),

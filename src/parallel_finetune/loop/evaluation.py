@@ -33,6 +33,15 @@ class Evaluator:
     evaluates), `evaluate` a validation split, `evaluate_all` every one, `predict` a test split's rows. Every rank
     calls them and gets the same result; `model` (what the runner drives) is in eval mode meanwhile."""
 
+    # task=grpo's step source (rl/steps.py), which the assembly hands over with `scoring_by`: held-out prompts are
+    # scored by their sampled completions' rewards instead of a loss
+    rollouts = None
+
+    def scoring_by(self, rollouts) -> Evaluator:
+        """Held-out splits scored by `rollouts` (task=grpo's step source, or None: by the objective)."""
+        self.rollouts = rollouts
+        return self
+
     def __init__(
         self,
         *,
@@ -44,12 +53,10 @@ class Evaluator:
         every=None,
         objective: Objective,
         references: dict[str, PairReference] | None = None,
-        rollouts=None,
     ):
         """`objective`: the runner's; one with metrics beyond its loss (a pair objective's) scores the held-out
         rows by them, any other by the task's metrics (a classifier's held-out loss is the objective's, from its
-        logits); `references`: the held-out pairs' reference log-probabilities, by split name; `rollouts`:
-        task=grpo's step source, which scores held-out prompts by their completions' rewards instead."""
+        logits); `references`: the held-out pairs' reference log-probabilities, by split name."""
         self.model, self.runner, self.data, self.batch_size, self.layout = model, runner, data, batch_size, layout
         self.every = every  # eval_every: steps between evaluations (None: at the end only)
         self.task = data.task
@@ -57,7 +64,6 @@ class Evaluator:
         self.objective = objective if len(objective.metric_names) > 1 else None
         self._splits: dict[str, TokenizedSplit] = {}  # each read on first use
         self.references = dict(references or {})
-        self.rollouts = rollouts  # task=grpo's step source: held-out prompts are scored by their rewards
 
     def due(self, step: int, total_steps: int) -> bool:
         """An evaluation after this step (not after the last one: the run's end evaluates every split)."""

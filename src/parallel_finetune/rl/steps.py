@@ -255,10 +255,9 @@ class _TokenLogps(HiddenTokenLoss):
         return nll.sum(), {"logps": -nll}
 
 
-def make_rollouts(
-    *, model, prepared, grpo: GRPOSection, seed: int, layout: Layout, padding: Padding, autocast, objective, lora
-):
-    """A grpo run's RolloutStage: its prompts (the prepared train split), its tokenizer's stop tokens (EOS and the
+def make_rollouts(*, built, prepared, grpo: GRPOSection, seed: int, layout: Layout, padding: Padding, lora: bool):
+    """A grpo run's RolloutStage: the built model (loop/model_stage.BuiltModel: the model, its objective's head,
+    its runner's mixed precision), its prompts (the prepared train split), its tokenizer's stop tokens (EOS and the
     chat template's end of turn) and the recipe's sampling and reward keys."""
     tokenizer = prepared.tokenizer
     settings = SamplingSettings(
@@ -284,7 +283,7 @@ def make_rollouts(
     train = prepared.splits["train"]
     rewards.check_columns(prepared.task.columns[1:], f"the training rows ({prepared.source.description})")
     return RolloutStage(
-        model,
+        built.model,
         tokenizer,
         PromptRows.of(train),
         settings,
@@ -292,8 +291,8 @@ def make_rollouts(
         grpo,
         layout,
         padding,
-        autocast or contextlib.nullcontext,
-        objective=objective,
+        getattr(built.runner, "autocast", contextlib.nullcontext),
+        objective=built.objective,
         lora=lora,
     )
 

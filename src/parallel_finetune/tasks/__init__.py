@@ -1,8 +1,7 @@
 """What a run learns: `load_task(data=..., model=...)` -> the splits (`text`[, `text_pair`][, `label`], `index`; sft:
 `messages`, `answers_from`, `index`[, `tools`]; dpo, reward: `prompt`, `chosen`, `rejected`[, `margin`], `where`,
 `index`; grpo: `prompt`, `columns`, `where`, `index`), a Task and a Source; each kind's rows read by its module
-(columns, conversations, preferences, rewards, prompts; labels.py, sources.py, files.py, glue.py beneath them);
-errors name file and row."""
+(columns, conversations, preferences, rewards, prompts; labels, sources, files, glue beneath); errors name file, row."""
 
 from __future__ import annotations
 
@@ -38,13 +37,14 @@ def load_task(
     `seed` draws a held-out validation split; `predict`: the run predicts the test split, which must exist."""
     tables, source, glue = read_sources(data=data, task_key=model.task)
     kind = kind_of(model.task)  # sft's conversations, dpo's pairs: rows of their own format, read from its columns
-    if own_rows := kind.pairs or kind.conversations or kind.prompts:
+    if kind.pairs or kind.conversations or kind.prompts:
         pairs = (define_reward_task, reward_rows) if kind.reward_model else (define_preference_task, preference_rows)
-        define, read = pairs if kind.pairs else (define_instruction_task, conversation_rows)
-        define, read = (define_prompt_task, prompt_rows) if kind.prompts else (define, read)
+        others = (define_prompt_task, prompt_rows) if kind.prompts else (define_instruction_task, conversation_rows)
+        define, read = pairs if kind.pairs else others
         task = define(tables["train"], data=data)
     else:
         task, text, pair, label = define_task(tables, glue, data=data, model=model)
+        read = lambda table, split, *_: model_rows(table, split, task, text, pair, label)  # noqa: E731
     if predict:
         task.check_predictable(model.task)
     if "validation" not in tables:
@@ -55,8 +55,5 @@ def load_task(
         table.teaches_tokenizer = learned
         if task.head is HeadKind.CAUSAL_LM and split.startswith("test"):
             continue  # nothing evaluates a language model on a test split
-        if own_rows:
-            splits[split] = datasets.Dataset.from_dict(read(table, split, task.name, task.columns))
-        else:
-            splits[split] = datasets.Dataset.from_dict(model_rows(table, split, task, text, pair, label))
+        splits[split] = datasets.Dataset.from_dict(read(table, split, task.name, task.columns))
     return datasets.DatasetDict(splits), task, source
