@@ -281,3 +281,14 @@ def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp
         and math.isfinite(run.summary["eval_reward"])
         and "eval_rewards/length/mean" in run.summary
     )
+
+
+def test_check_renders_the_prompts_and_refuses_a_pipeline(tmp_path):
+    """--check (preflight) renders a sample of the prompts as the run does, and says the pipeline line."""
+    from conftest import REPO, check
+
+    grpo_recipe = REPO / "recipes" / "llama" / "grpo.yaml"
+    ok = check("size=tiny", f"cache_dir={tmp_path}", recipe=grpo_recipe)
+    assert ok.returncode == 0 and "task grpo" in ok.stdout, ok.stdout + ok.stderr
+    refused = check("size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", recipe=grpo_recipe)
+    assert refused.returncode != 0 and "use tensor_parallel_degree (TP) or sharding=full (FSDP)" in refused.stderr
