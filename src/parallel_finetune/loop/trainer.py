@@ -147,24 +147,21 @@ class Trainer:
         flops = self.flops.batch(batcher.sequence_lengths(global_batch))
         tflops, mfu = achieved(flops, elapsed, layout.world_size, self.peak)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
-        return (
-            {
-                "step": self.step,
-                "epoch": self.step / self.steps.per_epoch,
-                "loss": outcome.loss,
-                "lr": lr,
-                "grad_norm": outcome.grad_norm,
-                "loss_scale": outcome.loss_scale,
-                "skipped": outcome.skipped,
-                "samples_per_s": len(global_batch) / elapsed,
-                "tokens_per_s": tokens / elapsed,
-                "tflops_per_device": tflops,
-                "mfu": mfu,
-                "step_time_s": elapsed,
-            }
-            | self._objective_metrics(stats)
-            | rollout
-        )
+        beyond = self._objective_metrics(stats) | rollout  # the objective's metrics, a grpo step's rollout's
+        return {
+            "step": self.step,
+            "epoch": self.step / self.steps.per_epoch,
+            "loss": outcome.loss,
+            "lr": lr,
+            "grad_norm": outcome.grad_norm,
+            "loss_scale": outcome.loss_scale,
+            "skipped": outcome.skipped,
+            "samples_per_s": len(global_batch) / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "tflops_per_device": tflops,
+            "mfu": mfu,
+            "step_time_s": elapsed,
+        } | beyond
 
     def _objective_metrics(self, stats: list[Stats]) -> dict:
         """The objective's step metrics beyond the loss (a pair objective's, TRL's names: rewards/*, logps/*,
