@@ -51,6 +51,9 @@ KTO_LORA_FAMILIES := $(patsubst recipes/%/kto_lora.yaml,%,$(wildcard recipes/*/k
 # Reward modelling: recipes/<family>/reward.yaml for -reward, reward_lora.yaml for -reward-lora (docs/reward.md).
 REWARD_FAMILIES := $(patsubst recipes/%/reward.yaml,%,$(wildcard recipes/*/reward.yaml))
 REWARD_LORA_FAMILIES := $(patsubst recipes/%/reward_lora.yaml,%,$(wildcard recipes/*/reward_lora.yaml))
+# Online RL (GRPO): recipes/<family>/grpo.yaml for -grpo, grpo_lora.yaml for -grpo-lora (docs/grpo.md).
+GRPO_FAMILIES := $(patsubst recipes/%/grpo.yaml,%,$(wildcard recipes/*/grpo.yaml))
+GRPO_LORA_FAMILIES := $(patsubst recipes/%/grpo_lora.yaml,%,$(wildcard recipes/*/grpo_lora.yaml))
 # The real all-MiniLM-L6-v2 checkpoint (recipes/bert/minilm*.yaml): SST-2, LoRA, any GLUE task.
 MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 
@@ -59,6 +62,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(addsuffix -dpo,$(DPO_FAMILIES)) $(addsuffix -dpo-lora,$(DPO_LORA_FAMILIES)) \
 	$(addsuffix -reward,$(REWARD_FAMILIES)) $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES)) \
 	$(addsuffix -kto,$(KTO_FAMILIES)) $(addsuffix -kto-lora,$(KTO_LORA_FAMILIES)) \
+	$(addsuffix -grpo,$(GRPO_FAMILIES)) $(addsuffix -grpo-lora,$(GRPO_LORA_FAMILIES)) \
 	$(foreach family,$(FAMILIES),$(family)-tp-sagemaker $(family)-pp-sagemaker $(family)-tp-pp-sagemaker) \
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
@@ -88,6 +92,8 @@ help:
 	@echo "make FAMILY-reward-lora   the same with LoRA adapters: $(addsuffix -reward-lora,$(REWARD_LORA_FAMILIES))"
 	@echo "make FAMILY-kto   KTO (task=kto, TRL's KTOTrainer) on unpaired rows: $(addsuffix -kto,$(KTO_FAMILIES))"
 	@echo "make FAMILY-kto-lora   the same with LoRA adapters: $(addsuffix -kto-lora,$(KTO_LORA_FAMILIES))"
+	@echo "make FAMILY-grpo   online RL (task=grpo, TRL's GRPOTrainer): $(addsuffix -grpo,$(GRPO_FAMILIES))"
+	@echo "make FAMILY-grpo-lora   the same with LoRA adapters (beta > 0: adapters disabled): $(addsuffix -grpo-lora,$(GRPO_LORA_FAMILIES))"
 	@echo "make bert-minilm-lora   LoRA on the real all-MiniLM-L6-v2 checkpoint, offline"
 	@echo "make bert-minilm   fine-tune the real pretrained all-MiniLM-L6-v2 (BERT) checkpoint, offline"
 	@echo "make bert-minilm-glue TASK=rte DATA=path/to/RTE   the same checkpoint on any GLUE task (or DATA=my.csv)"
@@ -231,6 +237,19 @@ $(1)-kto-lora: setup
 	$$(call run_recipe,recipes/$(1)/kto_lora.yaml)
 endef
 $(foreach family,$(KTO_LORA_FAMILIES),$(eval $(call kto_lora_targets,$(family))))
+# Online RL (recipes/<family>/grpo.yaml, grpo_lora.yaml): metrics.jsonl holds TRL's reward, rewards/*, completions/*,
+# clip_ratio/*; generations.jsonl each step's completions with their rewards and advantage.
+define grpo_targets
+$(1)-grpo: setup
+	$$(call run_recipe,recipes/$(1)/grpo.yaml)
+endef
+$(foreach family,$(GRPO_FAMILIES),$(eval $(call grpo_targets,$(family))))
+define grpo_lora_targets
+$(1)-grpo-lora: setup
+	$$(call run_recipe,recipes/$(1)/grpo_lora.yaml)
+endef
+$(foreach family,$(GRPO_LORA_FAMILIES),$(eval $(call grpo_lora_targets,$(family))))
+
 # Reward modelling (recipes/<family>/reward.yaml, reward_lora.yaml): metrics.jsonl and eval.jsonl hold TRL's accuracy,
 # margin and min/mean/max_reward; hf/ a one-output sequence classifier.
 define reward_targets

@@ -200,8 +200,10 @@ def test_every_objective_answers_the_protocol():
 
     import torch
 
+    from parallel_finetune.config import GRPOSection
     from parallel_finetune.interfaces import Objective
     from parallel_finetune.loop import loss as losses
+    from parallel_finetune.loop.grpo_loss import GRPOLoss
     from parallel_finetune.loop.kto import KTOObjective
     from parallel_finetune.loop.reward_loss import RewardLoss
 
@@ -213,6 +215,8 @@ def test_every_objective_answers_the_protocol():
     # two pairs' answer tokens: (label, answer number, reference) at each scored position
     kto = SimpleNamespace(dpo_beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)
     target = torch.tensor([[1, 0, -3.0], [2, 0, -3.0], [3, 1, -4.0], [0, 2, -1.0], [4, 3, -2.0], [5, 3, -2.0]])
+    # two completions' tokens: (label, completion, advantage, old, reference) at each scored position
+    grpo_target = torch.tensor([[1, 0, 0.5, -1.0, -2.0], [2, 0, 0.5, -1.0, -2.0], [3, 1, -0.5, -1.0, -2.0]])
     cases = [
         (losses.TOKEN_OBJECTIVE, torch.randn(4, 7), labels, 0),
         (losses.CLASS_OBJECTIVE, torch.randn(4, 3), labels, 0),
@@ -221,6 +225,7 @@ def test_every_objective_answers_the_protocol():
         (losses.PreferenceLoss(None, 0, preference=dpo), None, target, 2),
         (RewardLoss(0.01), torch.randn(4, 1), torch.zeros(4), 2),
         (KTOObjective(None, 0, preference=kto), None, target, 4),  # the same targets as four rows: answers 0 to 3
+        (GRPOLoss(torch.nn.Linear(5, 7), 2, grpo=GRPOSection(beta=0.04)), torch.randn(3, 5), grpo_target, 2),
     ]
     protocol = {
         name: list(inspect.signature(member).parameters)

@@ -76,7 +76,7 @@ def test_the_rule_sees_each_way_of_comparing(tmp_path):
 
 
 def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
-    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward", "kto"]
+    assert kind_names() == ["classification", "causal_lm", "sft", "dpo", "reward", "kto", "grpo"]
     assert kind_of("sft").head is HeadKind.CAUSAL_LM and kind_of("classification").head is HeadKind.CLASSIFICATION
     with pytest.raises(UserError, match=r"^task='orpo' is not a task kind; valid: classification, causal_lm, sft, dpo"):
         kind_of("orpo")
@@ -93,6 +93,7 @@ def test_each_recipe_key_has_a_kind_and_an_unknown_one_is_one_line():
         ("dpo", "dpo", False, True, True, False),
         ("reward", "reward", True, True, True, False),
         ("kto", "kto", False, False, True, False),
+        ("grpo", "grpo", False, False, True, False),
     ],
 )
 def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regression):
@@ -102,7 +103,7 @@ def test_a_task_answers_through_its_kind(problem, key, labels, pairs, chat, regr
     assert task.kind.rows_per_sample == (2 if pairs else 1)
     # dpo's and kto's objectives read the reference (unless dpo's pair loss is free of it); a reward model's none
     assert task.kind.reference is ((pairs and not task.kind.reward_model) or task.kind.unpaired)
-    keys = {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1", "kto": "-kto1"}
+    keys = {"sft": "-answers-p", "dpo": "-pairs1", "reward": "-pairs1", "kto": "-kto1", "grpo": "-prompts1"}
     assert task.kind.cache_key("answers") == keys.get(key, "")
 
 
@@ -145,15 +146,16 @@ def test_each_kind_names_a_registered_batcher_and_objective():
         "dpo": ("pairs", "pairs"),
         "reward": ("reward_pairs", "reward"),
         "kto": ("kto", "kto"),
+        "grpo": ("grpo", "grpo"),
     }
     assert {batcher for batcher, _ in named.values()} == set(BATCHERS)
     assert {objective for _, objective in named.values()} == set(OBJECTIVES)
-    with pytest.raises(UserError, match="no batcher named 'triples'; registered .*: rows, pairs, reward_pairs, kto"):
+    registered = "registered .*: rows, pairs, reward_pairs, kto, grpo"
+    with pytest.raises(UserError, match=f"no batcher named 'triples'; {registered}"):
         make_batcher("triples", None, None)
-    with pytest.raises(
-        UserError, match="no objective named 'grpo'; registered .*: classifier, tokens, pairs, reward, kto"
-    ):
-        make_objective("grpo", None)
+    registered = "registered .*: classifier, tokens, pairs, reward, kto, grpo"
+    with pytest.raises(UserError, match=f"no objective named 'ppo'; {registered}"):
+        make_objective("ppo", None)
 
 
 def test_the_registries_make_what_the_kinds_batches_and_losses_are():

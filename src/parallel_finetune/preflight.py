@@ -12,6 +12,7 @@ from .data.chat import tokenize_sft
 from .data.kto import tokenize_kto
 from .data.preference import tokenize_pairs
 from .data.prepare import TinyTokenizer, check_inserted_tokens, load_raw, load_tokenizer, run_tokenizer
+from .data.prompts import tokenize_prompts
 from .data.reward import tokenize_reward_pairs
 from .errors import UserError
 from .families import get_family
@@ -212,6 +213,8 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
         rows = rows.select(range(min(len(rows), CHECKED_ROWS)))
         if task.kind.reward_model:
             tokenize_reward_pairs(rows, tokenizer, config.data.max_length, split)
+        elif task.kind.prompts:  # grpo: each prompt rendered with the generation prompt, within the budget
+            tokenize_prompts(rows, tokenizer, config.data.max_length, split)
         elif task.kind.pairs:
             tokenize_pairs(rows, tokenizer, config.data.max_length, split)
         elif task.kind.unpaired:

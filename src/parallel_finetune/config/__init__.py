@@ -1,10 +1,11 @@
 """The run configuration, read from a recipe YAML plus `key=value` overrides.
 
-Each recipe section (`model:`, `data:`, `training:`, `parallel:`, `memory:`, `peft:`, `checkpoint:`, `output:`,
-`logging:`) is a typed dataclass in sections.py, the one place its keys, types, defaults and meanings are written
-(the comments become docs/configuration.md; `Continues[...]` marks what may change when a run continues); `Config`
-(whole.py) holds every section's keys, flat. A recipe may nest its keys under their section or write them flat; both
-mean the same. A `tiny:` section holds overrides applied only when `size=tiny` (a from-scratch tiny model wants
+Each recipe section (`model:`, `data:`, `training:`, `parallel:`, `memory:`, `peft:`, `preference:`, `grpo:`,
+`checkpoint:`, `output:`, `logging:`) is a typed dataclass in sections.py, the one place its keys, types, defaults and
+meanings are written (the comments become docs/configuration.md; `Continues[...]` marks what may change when a run
+continues); `Config` (whole.py) holds every section's keys, flat. A recipe may nest its keys under their section or
+write them flat; both mean the same.
+A `tiny:` section holds overrides applied only when `size=tiny` (a from-scratch tiny model wants
 other hyperparameters than a pretrained 6B one).
 `extends: tp.yaml` starts from another recipe (a path relative to this one) and changes only what it lists.
 Overrides on the command line win over everything and use the flat key (`lr=1e-4`) or the dotted one
@@ -34,6 +35,7 @@ from .sections import (
     CONTINUATION_MAY_CHANGE,
     CONTINUES,
     FIELDS,
+    GRPO_LOSS_TYPES,
     REFERENCE_FREE_LOSSES,
     SECTION_CLASSES,
     SECTIONS,
@@ -41,6 +43,7 @@ from .sections import (
     CheckpointSection,
     Continues,
     DataSection,
+    GRPOSection,
     LoggingSection,
     MemorySection,
     ModelSection,
@@ -62,6 +65,7 @@ __all__ = [
     "CONTINUES",
     "DPO_DATA_KEYS",
     "FIELDS",
+    "GRPO_LOSS_TYPES",
     "REFERENCE_FREE_LOSSES",
     "SECTIONS",
     "SECTION_CLASSES",
@@ -74,6 +78,7 @@ __all__ = [
     "Config",
     "Continues",
     "DataSection",
+    "GRPOSection",
     "LoggingSection",
     "MemorySection",
     "ModelSection",

@@ -4,10 +4,11 @@ and the limits resolve and preflight share (compile, timeouts)."""
 from __future__ import annotations
 
 import math
+import re
 import typing
 
 from ..errors import UserError
-from .sections import USER_KEYS, DataSection, PreferenceSection
+from .sections import USER_KEYS, DataSection, GRPOSection, PreferenceSection
 from .whole import Config
 
 COMPILE_AUTO_MIN_STEPS = 1000
@@ -43,6 +44,7 @@ def check_keys(config: Config, where: str = "config") -> None:
     _check_sft_keys(config, bad)
     _check_preference(config, bad)
     _check_peft(config, bad)
+    _check_grpo(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
@@ -124,11 +126,13 @@ SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "co
 DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_column")
 KTO_DATA_KEYS = (*DPO_DATA_KEYS, "completion_column")  # unpaired rows, or dpo's pairs unpaired
 KTO_KEYS = ("desirable_weight", "undesirable_weight")  # the preference section's keys only task=kto reads
+GRPO_DATA_KEYS = ("chat_template", "prompt_column")
 
 
 def _check_sft_keys(config: Config, bad: BadKey) -> None:
     defaults = DataSection()
-    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS, "kto": KTO_DATA_KEYS}.get(config.task, ())
+    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS, "kto": KTO_DATA_KEYS}
+    keys = (keys | {"grpo": GRPO_DATA_KEYS}).get(config.task, ())
     for key in dict.fromkeys(SFT_KEYS + DPO_DATA_KEYS):
         if key in keys or getattr(config.data, key) == getattr(defaults, key):
             continue
@@ -255,3 +259,84 @@ def _check_qlora(config: Config, bad: BadKey) -> None:
         raise bad("nf4_block_size", "must be even and at least 2 (two 4-bit codes per byte), e.g. 64")
     if config.nf4_scaler_block_size < 1:
         raise bad("nf4_scaler_block_size", "must be at least 1, e.g. 256")
+
+
+# rl/rewards.py's BUILTINS (tests/rl/test_grpo.py keeps the two equal): config/ is a floor below rl/
+GRPO_BUILTIN_REWARDS = ("accuracy", "format", "length")
+# Why task=grpo refuses pipeline stages: a rollout decodes one token at a time, and through stages each token would
+# cross every stage boundary twice with the other stages idle; TP and FSDP sample in every rank's own forward.
+GRPO_NO_PIPELINE = (
+    "task=grpo samples its completions token by token, which a pipeline would pass through every stage for each "
+    "token; use tensor_parallel_degree (TP) or sharding=full (FSDP) instead, with pipeline_parallel_degree=1"
+)
+
+
+def _check_grpo(config: Config, bad: BadKey) -> None:
+    """The `grpo:` section: read by task=grpo only; its values in range and its combinations with the run."""
+    defaults, section = GRPOSection(), config.grpo
+    if config.task != "grpo":
+        for key in vars(defaults):
+            if getattr(section, key) != getattr(defaults, key):
+                raise bad(key, f"is task=grpo's (online RL, docs/grpo.md), and task={config.task} reads none; drop it")
+        return
+    if config.pipeline_parallel_degree > 1:
+        raise bad("pipeline_parallel_degree", GRPO_NO_PIPELINE)
+    if config.engine == "deepspeed":
+        raise bad("engine", "task=grpo runs on engine=torch (its rollouts and loss use the chunked head); use torch")
+    if config.packing:
+        raise bad("packing", "task=grpo pads its completions (it packs none); drop packing")
+    if section.num_generations < 2:
+        raise bad("num_generations", "must be at least 2 (advantages compare a prompt's completions), e.g. 8")
+    if config.batch_size % section.num_generations:
+        raise bad(
+            "batch_size",
+            f"counts completions, and num_generations={section.num_generations} does not divide it (each prompt's "
+            "group of completions is in one step); make batch_size a multiple of num_generations",
+        )
+    for key in ("max_completion_length", "num_iterations"):
+        if getattr(section, key) < 1:
+            raise bad(key, "must be at least 1")
+    if section.temperature < 0 or not 0 < section.top_p <= 1 or section.top_k < 0:
+        key = "temperature" if section.temperature < 0 else "top_p" if not 0 < section.top_p <= 1 else "top_k"
+        raise bad(key, "is out of range: temperature >= 0 (0: greedy), 0 < top_p <= 1, top_k >= 0 (0: all)")
+    if not section.epsilon > 0 or (section.epsilon_high is not None and section.epsilon_high < section.epsilon):
+        key = "epsilon" if not section.epsilon > 0 else "epsilon_high"
+        raise bad(key, "must be epsilon > 0 and epsilon_high >= epsilon (or null: epsilon), e.g. 0.2 and 0.28")
+    if section.beta < 0:
+        raise bad("beta", "must be >= 0 (0: no KL term, TRL's default)")
+    if section.beta > 0 and config.peft.method != "lora":
+        raise bad(
+            "beta",
+            "> 0 needs a reference model: with peft=lora it is the base with its adapters disabled (no second "
+            "copy); full fine-tuning keeps no frozen copy yet, so use peft=lora or beta=0",
+        )
+    _check_rewards(config, bad, section)
+
+
+def _check_rewards(config: Config, bad: BadKey, section: GRPOSection) -> None:
+    functions = section.reward_functions
+    if not functions or not all(isinstance(f, str) and f for f in functions):
+        raise bad("reward_functions", f"must list reward functions: {', '.join(GRPO_BUILTIN_REWARDS)} or path.py:name")
+    for name in functions:
+        if ":" not in name and name not in GRPO_BUILTIN_REWARDS:
+            raise bad(
+                "reward_functions",
+                f"names {name!r}, no built-in reward ({', '.join(GRPO_BUILTIN_REWARDS)}); your own function is "
+                "path/to/file.py:function",
+            )
+    weights = section.reward_weights
+    if weights is not None and (
+        len(weights) != len(functions) or not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights)
+    ):
+        raise bad("reward_weights", f"must be {len(functions)} finite number(s), one per reward function (or null)")
+    if "format" in functions:
+        if not section.format_pattern:
+            raise bad("format_pattern", "is what reward format matches each completion against; give a regex")
+        try:
+            re.compile(section.format_pattern)
+        except re.error as exc:
+            raise bad("format_pattern", f"is no regular expression ({exc})") from None
+    if "length" in functions and (section.length_limit is None or section.length_limit < 1):
+        raise bad("length_limit", "is where reward length's penalty starts: give a number of tokens >= 1")
+    if section.length_ramp is not None and section.length_ramp < 1:
+        raise bad("length_ramp", "must be at least 1 (or null: length_limit)")

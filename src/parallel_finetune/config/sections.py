@@ -37,7 +37,9 @@ class ModelSection:
     # reward = reward modelling on dpo's pairs (an optional `margin` column): a one-output sequence-classification
     # head trained to score the chosen answer above the rejected one (TRL's RewardTrainer, docs/reward.md); kto = KTO
     # on unpaired rows (prompt, completion, a boolean label; or dpo's pairs, unpaired) as TRL's KTOTrainer (docs/kto.md)
-    task: Literal["classification", "causal_lm", "sft", "dpo", "reward", "kto"] = "classification"
+    # grpo = online RL with verifiable rewards: prompts (text, or messages rendered with the generation prompt), the
+    # language-model head trained on its own sampled completions (the `grpo:` section, docs/grpo.md)
+    task: Literal["classification", "causal_lm", "sft", "dpo", "reward", "kto", "grpo"] = "classification"
     # task=classification's head width; None = the number of distinct training labels (1: regression)
     num_labels: int | None = None
     # task=classification's (like num_labels, refused with another task); transformers' name; auto = regression
@@ -268,6 +270,41 @@ class PreferenceSection:
     undesirable_weight: float = 1.0  # task=kto: the weight of an undesirable row's loss (TRL's name)
 
 
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class GRPOSection:
+    """`grpo:` task=grpo's rollouts, rewards and loss, with TRL's GRPOConfig names and meanings (docs/grpo.md):
+    each step samples num_generations completions of each prompt, scores them, and trains on their group-relative
+    advantages with the clipped importance ratio."""
+
+    num_generations: int = 8  # completions sampled per prompt (a group); batch_size counts completions
+    max_completion_length: int = 256  # the most tokens of one completion (its stop token included)
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability
+    top_k: int = 0  # only the k likeliest tokens (0: all)
+    # built-ins (accuracy, format, length) or your own `path/to/file.py:function` (TRL's signature)
+    reward_functions: list = field(default_factory=lambda: ["accuracy"])
+    reward_weights: list | None = None  # one weight per reward function; None = 1.0 each
+    format_pattern: str | None = None  # reward format: the regular expression a whole completion must match
+    length_limit: int | None = None  # reward length: completion tokens before the penalty starts
+    length_ramp: int | None = None  # reward length: tokens over which it falls to -1; None = length_limit
+    answer_column: str = "answer"  # reward accuracy: the column holding each prompt's answer
+    # how advantages are scaled: by the group's reward standard deviation, the whole global batch's, or not at all
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    # how the per-token losses are averaged: grpo = over each completion's tokens, then over completions; bnpo and
+    # dapo = over the global batch's completion tokens; dr_grpo = over completions x max_completion_length
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    epsilon: float = 0.2  # the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None  # None = epsilon (DAPO's clip-higher: e.g. 0.28)
+    # the importance ratio per token, or per completion (GSPO: the geometric mean of its tokens' ratios)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    num_iterations: int = 1  # updates on each rollout (> 1: the old policy's log-probabilities kept from it)
+    beta: float = 0.0  # the KL term's weight against the reference (LoRA: the base with its adapters disabled)
+    mask_truncated_completions: bool = False  # completions that reached max_completion_length train on nothing
+
+
 @dataclass
 class CheckpointSection:
     """`checkpoint:` Sharded checkpoints: cadence, rotation, resume."""
@@ -317,6 +354,7 @@ SECTION_CLASSES: dict[str, type] = {
     "memory": MemorySection,
     "peft": PeftSection,
     "preference": PreferenceSection,
+    "grpo": GRPOSection,
     "checkpoint": CheckpointSection,
     "output": OutputSection,
     "logging": LoggingSection,

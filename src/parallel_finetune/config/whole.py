@@ -12,6 +12,7 @@ from .sections import (
     SECTIONS,
     CheckpointSection,
     DataSection,
+    GRPOSection,
     LoggingSection,
     MemorySection,
     ModelSection,
@@ -42,6 +43,7 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     peft: PeftSection = field(default_factory=PeftSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     output: OutputSection = field(default_factory=OutputSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

@@ -56,6 +56,9 @@ class Batch:
     # its rejected one; -1 elsewhere) and that answer's reference log-probability (0 while it is being measured)
     answers: torch.Tensor | None = None
     reference: torch.Tensor | None = None
+    # task=grpo, at each labelled position: (completion, advantage, old log-probability, reference's), float64
+    # (data/grpo.py); the loss target's columns after the label
+    columns: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -82,6 +85,8 @@ class Batch:
         """What the loss is handed beside the model's outputs: the labels, or for preference pairs (labels,
         answers, reference) stacked on a last axis, in float64 (token ids and answer numbers are exact there), so
         that a pipeline splits them into micro-batches with the rows."""
+        if self.columns is not None:
+            return torch.cat([self.labels.double().unsqueeze(-1), self.columns], -1)
         if self.answers is None:
             return self.labels
         return torch.stack([self.labels.double(), self.answers.double(), self.reference], -1)
@@ -91,6 +96,8 @@ class Batch:
         preference batch's pairs."""
         if self.answers is not None:
             return int(self.answers.max()) // 2 + 1
+        if self.columns is not None:  # task=grpo: its completions
+            return int((self.labels != IGNORE).any(-1).sum())
         if self.labels.is_floating_point():
             return int((~self.labels.isnan()).sum())
         return int((self.labels != IGNORE).sum())

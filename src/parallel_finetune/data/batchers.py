@@ -9,6 +9,8 @@ kind whose batches differ adds its batcher here under a new name; a kind whose b
     kto           KTOBatcher: unpaired rows, padded (never packed), with their reference log-probabilities, and the
                   KL rows of a global batch (cut to `max_length`) for the reference pass and the KL estimate
                   (task=kto, data/kto.py)
+    grpo          GRPOBatcher: a step's sampled completions after their prompts, padded, labelled on the completion
+                  tokens with each one's advantage and kept log-probabilities (task=grpo; data/grpo.py)
 
 Every maker is called as make(split, padding, shape, reference, score_prompts, max_length): `shape` None is padded
 batches; `reference` is read by the batchers with a reference pass (pairs, kto), `score_prompts` by the pair
@@ -24,6 +26,7 @@ import torch
 
 from ..errors import UserError
 from .batch import PackedBatcher, PaddedBatcher, PairReference, PreferenceBatcher, TokenizedSplit
+from .grpo import GRPOBatcher
 from .kto import KTOBatcher, KTOReference
 from .packing import PackedShape
 from .reward import RewardBatcher
@@ -58,7 +61,17 @@ def _kto(split, padding: Padding, shape: PackedShape | None, reference, score_pr
     return KTOBatcher(split, **vars(padding), reference=reference, max_length=max_length)  # packing: refused
 
 
-BATCHERS: dict[str, Callable] = {"rows": _rows, "pairs": _pairs, "reward_pairs": _reward_pairs, "kto": _kto}
+def _grpo(split, padding: Padding, shape: PackedShape | None, reference, score_prompts: bool, max_length: int):
+    return GRPOBatcher(split, **vars(padding))  # `split`: a step's RolloutSplit, made by the rollout stage
+
+
+BATCHERS: dict[str, Callable] = {
+    "rows": _rows,
+    "pairs": _pairs,
+    "reward_pairs": _reward_pairs,
+    "kto": _kto,
+    "grpo": _grpo,
+}
 
 
 def make_batcher(

@@ -28,7 +28,7 @@ from ..outputs.runfolder import check_writable
 from ..tasks import HeadKind, Source, Task, load_task, read_label_file, write_label_file
 from ..tasks.conversations import ROLES
 from ..tasks.files import MAX_DATA_FILE_BYTES, MAX_ROW_CHARS, MAX_WORD_CHARS  # noqa: F401  (re-exported bounds)
-from . import chat, kto, preference, reward
+from . import chat, kto, preference, prompts, reward
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +349,8 @@ def prepare(
     for split in raw:
         if kind.reward_model:
             splits[split] = reward.tokenize_reward_pairs(raw[split], tokenizer, data.max_length, split)
+        elif kind.prompts:
+            splits[split] = prompts.tokenize_prompts(raw[split], tokenizer, data.max_length, split)
         elif kind.pairs:
             splits[split] = preference.tokenize_pairs(raw[split], tokenizer, data.max_length, split)
         elif kind.unpaired:
@@ -411,6 +413,13 @@ def _tokenizer_sentences(train: datasets.Dataset) -> list[str]:
         for name in [c for c in ("prompt", "chosen", "rejected", "completion") if c in train.column_names]:
             for cell in map(json.loads, column(train, name)):
                 texts += [cell] if isinstance(cell, str) else [m["content"] for m in cell]
+        return texts + list(ROLES)
+    if "columns" in train.column_names:  # prompts (grpo): every text, or every message's, and the answers' text
+        texts = []
+        for cell in map(json.loads, column(train, "prompt")):
+            texts += [cell] if isinstance(cell, str) else [m["content"] for m in cell]
+        for cell in map(json.loads, column(train, "columns")):
+            texts += [str(value) for value in cell.values()]
         return texts + list(ROLES)
     return column(train, "text") + (column(train, "text_pair") if "text_pair" in train.column_names else [])
 

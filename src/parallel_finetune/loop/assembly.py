@@ -6,10 +6,10 @@ the run's settings as written (`settings`: what checkpoints and trackers record)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import CheckpointSection, DataSection, LoggingSection, TrainingSection
+from ..config import CheckpointSection, DataSection, GRPOSection, LoggingSection, TrainingSection
 from ..data.batch import PairReference
 from ..data.batchers import Padding, make_batcher
 from ..data.packing import PackedShape
@@ -22,6 +22,7 @@ from ..outputs.reporting import PhaseTimer, Reporter
 from ..outputs.runfolder import written_settings
 from ..parallel.layout import Layout, rank0_decides
 from ..resolve import Resolved, Schedule
+from ..rl.steps import make_step_source
 from .checkpointer import CheckpointManager
 from .data_stage import DataStage
 from .divergence import NonFiniteGuard
@@ -45,6 +46,7 @@ class LoopAssembly:
     resolved: Resolved
     family: Family
     timer: PhaseTimer
+    grpo: GRPOSection = field(default_factory=GRPOSection)  # task=grpo's rollouts
 
     def padding(self, prepared: PreparedData, built: BuiltModel) -> Padding:
         tokenizer = prepared.tokenizer
@@ -133,6 +135,23 @@ class LoopAssembly:
             every=training.generate_every,
         )
 
+    def rollouts(self, stage: DataStage, built: BuiltModel):
+        """The step source the task's kind names (rl/steps.py: grpo's rollouts), or None: steps train on the
+        sampled split's rows."""
+        name = stage.prepared.task.kind.step_source
+        if not name:
+            return None
+        return make_step_source(
+            name,
+            built=built,
+            prepared=stage.prepared,
+            grpo=self.grpo,
+            seed=self.training.seed,
+            layout=self.layout,
+            padding=self.padding(stage.prepared, built),
+            lora=self.resolved.lora is not None,
+        )
+
     def reporter(self, output_dir: Path, total_steps: int, step: int) -> Reporter:
         """The progress bar, metrics files and the trackers `report_to` names, started by rank 0 (a failure is
         every rank's one line)."""
@@ -158,6 +177,7 @@ class LoopAssembly:
         SIGTERM handler the Trainer obeys)."""
         output_dir, step, peak, stop = run
         training, layout = self.training, self.layout
+        rollouts = self.rollouts(stage, built)
         return Trainer(
             steps=Steps(schedule.total_steps, len(stage.sampler), training.gradient_accumulation_steps),
             sampler=stage.sampler,
@@ -175,7 +195,7 @@ class LoopAssembly:
                 every=training.eval_every,
                 objective=built.objective,
                 references=references,
-            ),
+            ).scoring_by(rollouts),
             generator=self.generator(stage, built),
             checkpoints=checkpoints,
             reporter=self.reporter(output_dir, schedule.total_steps, step),
@@ -187,4 +207,5 @@ class LoopAssembly:
             step=step,
             stop=stop,
             objective=built.objective,
+            rollouts=rollouts,
         )

@@ -128,7 +128,11 @@ class RunBuilder:
             layout, resolved, peak, (output_dir, checkpoint_root) = self._setup()
         with self.timer("data"):
             stage = data_stage(
-                layout, lambda: prepare_data(config, self.model_path, resolved), config.data, config.training
+                layout,
+                lambda: prepare_data(config, self.model_path, resolved),
+                config.data,
+                config.training,
+                config.grpo,
             )
             schedule = resolve_schedule(config, len(stage.sampler), layout.device.type, layout.tp)
             if layout.is_main:  # rank 0 alone: the other ranks show WARNING lines too, and would repeat it
@@ -142,7 +146,7 @@ class RunBuilder:
         saved_initial = self._saved_initial(resolved, built)
         loop = LoopAssembly(
             *(config.data, config.training, config.checkpoint, config.logging, config.to_dict()),
-            *(layout, resolved, self.family, self.timer),
+            *(layout, resolved, self.family, self.timer, config.grpo),
         )
         references = loop.references(stage, built, schedule)
         checkpoints = loop.checkpoints(checkpoint_root, stage.prepared, built, self._base(resolved))
@@ -169,7 +173,7 @@ class RunBuilder:
         config = self.config
         return ModelStage(
             *(config.model, config.data, config.training, config.parallel, config.memory, config.preference),
-            *(layout, resolved, self.family, self.model_path, self.deepspeed_config),
+            *(layout, resolved, self.family, self.model_path, self.deepspeed_config, config.grpo),
         )
 
     def _say_training(self, stage: DataStage, layout: Layout, resolved: Resolved, total_steps: int) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import DataSection, TrainingSection
+from ..config import DataSection, GRPOSection, TrainingSection
 from ..data.batch import TokenizedSplit
 from ..data.prepare import PreparedData, load_prepared
 from ..data.sampling import GlobalBatches
@@ -32,7 +32,11 @@ class DataStage:
 
 
 def data_stage(
-    layout: Layout, prepare: Callable[[], PreparedData], data: DataSection, training: TrainingSection
+    layout: Layout,
+    prepare: Callable[[], PreparedData],
+    data: DataSection,
+    training: TrainingSection,
+    grpo: GRPOSection | None = None,
 ) -> DataStage:
     """The splits `prepare` makes on rank 0 (it builds the cache, and may fall back to the sample, loudly, once);
     the other ranks then read that cache. Said in one line: where the rows came from, each split's size."""
@@ -50,5 +54,6 @@ def data_stage(
         ", ".join(f"{k} {len(v):,} rows" for k, v in prepared.splits.items()),
     )
     train = TokenizedSplit.of(prepared.splits["train"], prepared.task)
-    sampler = GlobalBatches(train.lengths, training.batch_size, training.seed, data.group_by_length)
+    draws = prepared.task.kind.samples_per_step(training.batch_size, grpo or GRPOSection())  # grpo: its prompts
+    sampler = GlobalBatches(train.lengths, draws, training.seed, data.group_by_length)
     return DataStage(prepared, train, sampler)

@@ -33,6 +33,15 @@ class Evaluator:
     evaluates), `evaluate` a validation split, `evaluate_all` every one, `predict` a test split's rows. Every rank
     calls them and gets the same result; `model` (what the runner drives) is in eval mode meanwhile."""
 
+    # task=grpo's step source (rl/steps.py), which the assembly hands over with `scoring_by`: held-out prompts are
+    # scored by their sampled completions' rewards instead of a loss
+    rollouts = None
+
+    def scoring_by(self, rollouts) -> Evaluator:
+        """Held-out splits scored by `rollouts` (task=grpo's step source, or None: by the objective)."""
+        self.rollouts = rollouts
+        return self
+
     def __init__(
         self,
         *,
@@ -63,6 +72,9 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, name: str = "validation") -> dict:
         """eval_loss, and the task's metric(s) (metrics.compute_metrics) or perplexity."""
+        if self.rollouts is not None:  # the held-out prompts' completions, sampled and rewarded
+            with self._eval_mode():
+                return self.rollouts.held_out(self.data.splits[name])
         split = self._split(name)
         if self.objective is not None:
             return self._scored_units(split, self.references.get(name))

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import transformers
 from torch import nn
 
-from ..config import DataSection, MemorySection, ModelSection, ParallelSection, PreferenceSection, TrainingSection
+from ..config import (
+    DataSection,
+    GRPOSection,
+    MemorySection,
+    ModelSection,
+    ParallelSection,
+    PreferenceSection,
+    TrainingSection,
+)
 from ..data.batch import TokenizedSplit
 from ..data.prepare import PreparedData
 from ..errors import UserError
@@ -60,6 +68,7 @@ class ModelStage:
     family: Family
     model_path: str | None = None
     deepspeed_config: dict | None = None  # engine=deepspeed: the config made for it (deepspeed_engine.preflight)
+    grpo: GRPOSection = field(default_factory=GRPOSection)  # task=grpo's objective reads it
 
     def build(self, prepared: PreparedData, train: TokenizedSplit, schedule: Schedule) -> BuiltModel:
         """The model (each rank its own shards; the module forwards go through), the updates, the objective, the
@@ -75,6 +84,7 @@ class ModelStage:
             loss_chunk_tokens=resolved.loss_chunk_tokens,
             pipeline=layout.pp > 1,
             preference=self.preference,
+            grpo=self.grpo,
         )
         objective = make_objective(prepared.task.kind.objective, inputs)
         runner = self._runner(ready, model, updates, objective, token_types=train.token_types is not None)

@@ -12,20 +12,23 @@ picks it by `dpo_loss`).
     reward      task=reward's RewardLoss: Bradley-Terry over the pair's two scores (reward_loss.py)
     kto         task=kto's KTOObjective: each row's log-probability from the hidden states and the head (as
                 `pairs`), against the reference and the step's KL estimate (kto.py)
+    grpo        task=grpo's GRPOLoss: TRL's clipped surrogate (+ beta x KL) on the completion tokens'
+                log-probabilities from the hidden states and the head (grpo_loss.py)
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..config import PreferenceSection
+from ..config import GRPOSection, PreferenceSection
 from ..errors import UserError
 from ..parallel.layout import Engine
 from ..tasks.task import HeadKind, Task
+from .grpo_loss import GRPOLoss
 from .kto import KTOObjective
 from .loss import HiddenTokenLoss, PreferenceLoss, objective_for
 from .reward_loss import RewardLoss
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ObjectiveInputs:
     """What a maker may read: the task, the model as loaded (its head and config), how the run computes the loss
-    (engine, loss_chunk_tokens, a pipeline or not) and the `preference:` section."""
+    (engine, loss_chunk_tokens, a pipeline or not) and the `preference:` and `grpo:` sections."""
 
     task: Task
     model: nn.Module
@@ -45,6 +48,7 @@ class ObjectiveInputs:
     loss_chunk_tokens: int
     pipeline: bool
     preference: PreferenceSection
+    grpo: GRPOSection = field(default_factory=GRPOSection)  # task=grpo's section
 
 
 def _classifier(inputs: ObjectiveInputs):
@@ -94,12 +98,19 @@ def _reward(inputs: ObjectiveInputs) -> RewardLoss:
     return RewardLoss(inputs.preference.center_rewards_coefficient)  # the pairs' scores from the classifier's logits
 
 
+def _grpo(inputs: ObjectiveInputs) -> GRPOLoss:
+    model = inputs.model
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    return GRPOLoss(model.get_output_embeddings(), inputs.loss_chunk_tokens, softcap, grpo=inputs.grpo)
+
+
 OBJECTIVES: dict[str, Callable[[ObjectiveInputs], object]] = {
     "classifier": _classifier,
     "tokens": _tokens,
     "pairs": _pairs,
     "reward": _reward,
     "kto": _kto,
+    "grpo": _grpo,
 }
 
 

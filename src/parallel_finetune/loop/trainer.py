@@ -90,6 +90,9 @@ class Trainer:
     peak: Peak  # the device's peak FLOP/s (MFU)
     step: int = 0  # the step reached (a resumed checkpoint's)
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM: finish the step, checkpoint, exit 0
+    # task=grpo's step source (rl/steps.py): before a step's slices, it turns the step's prompts into the
+    # completions and batcher the step trains on; None: the step trains on the sampled rows
+    rollouts: object | None = None
     after_backward: Callable[[Trainer, int], None] | None = None  # test hook: after a step's backward
     history: list[dict] = field(default_factory=list, init=False)
     stop_agreed: bool = field(default=False, init=False)  # some rank was asked to stop (the step's all-reduce)
@@ -110,15 +113,20 @@ class Trainer:
         self.reporter.evaluation(self.step, results)
 
     def train_step(self, global_batch: list[int]) -> dict:
-        layout, split = self.layout, self.batcher.split
+        layout, batcher, rollout = self.layout, self.batcher, {}
         started = time.perf_counter()
+        if self.rollouts is not None:  # the step's completions, sampled (or given) and scored: its own rows
+            batcher, global_batch, rollout, records = self.rollouts.step(global_batch, self.step + 1)
+            self.reporter.generations(self.step + 1, records)
+        update_started = time.perf_counter()
+        split = batcher.split
         count = split.loss_count(global_batch)
         self.objective.share_of(split, global_batch)  # e.g. ORPO's NLL: a token mean over the global batch
         local_loss = torch.zeros((), device=layout.device)
         stats: list[Stats] = []
         slices = accumulation_slices(global_batch, layout.dp_rank, layout.dp, self.steps.accumulation)
         for number, indices in enumerate(slices, start=1):
-            loss, slice_stats = self.runner.train(self.batcher.batch(indices), count, last=number == len(slices))
+            loss, slice_stats = self.runner.train(batcher.batch(indices), count, last=number == len(slices))
             local_loss += loss
             stats.append(slice_stats)
         if self.after_backward is not None:
@@ -129,14 +137,17 @@ class Trainer:
         self.step += 1
         self.stop_agreed = outcome.stop
         elapsed = time.perf_counter() - started
+        if self.rollouts is not None:  # the time split: rollout_s and scoring_s are the stage's
+            rollout["update_s"] = time.perf_counter() - update_started
         lengths = [split.lengths[i] for i in global_batch]
         tokens = sum(lengths)
         epoch_padding = self.padding.setdefault(int((self.step - 1) // self.steps.per_epoch), [0, 0])
         epoch_padding[0] += tokens
-        epoch_padding[1] += self.batcher.token_slots(global_batch, layout.dp, self.steps.accumulation)
-        flops = self.flops.batch(self.batcher.sequence_lengths(global_batch))
+        epoch_padding[1] += batcher.token_slots(global_batch, layout.dp, self.steps.accumulation)
+        flops = self.flops.batch(batcher.sequence_lengths(global_batch))
         tflops, mfu = achieved(flops, elapsed, layout.world_size, self.peak)
         # A skipped step's norm is not a number worth logging (and differs between ranks when one overflowed).
+        beyond = self._objective_metrics(stats) | rollout  # the objective's metrics, a grpo step's rollout's
         return {
             "step": self.step,
             "epoch": self.step / self.steps.per_epoch,
@@ -150,7 +161,7 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": mfu,
             "step_time_s": elapsed,
-        } | self._objective_metrics(stats)
+        } | beyond
 
     def _objective_metrics(self, stats: list[Stats]) -> dict:
         """The objective's step metrics beyond the loss (a pair objective's, TRL's names: rewards/*, logps/*,

@@ -1,5 +1,6 @@
-"""Online reinforcement learning (GRPO, issue 56), a floor above loop/: it may import loop, data, tasks, model,
-parallel, families and errors; nothing beneath imports it.
+"""Online reinforcement learning (GRPO, issue 56): run pieces, in the layer of loop's run pieces (docs/architecture.md
+layer 7): they may import the layers beneath (data, tasks, model, parallel, families, loop's lower modules), and the
+assembly (layer 8) imports them.
 
 rollout.py   sampling: num_generations completions per prompt, batched with a KV cache, counter-based
              randomness (the same completions under every layout and after a resume)

@@ -27,6 +27,7 @@ from .kinds.base import HeadKind, TaskKind  # HeadKind: most modules import it f
 from .kinds.causal_lm import CAUSAL_LM
 from .kinds.classification import CLASSIFICATION, REGRESSION
 from .kinds.dpo import DPO  # preference tuning: a causal LM trained to prefer each pair's chosen answer
+from .kinds.grpo import GRPO  # online RL: a causal LM trained on its own completions' rewards
 from .kinds.kto import KTO  # KTO: a causal LM trained on unpaired desirable and undesirable completions
 from .kinds.reward import REWARD  # reward modelling: a one-output classifier scoring a pair's chosen answer higher
 from .kinds.sft import SFT  # instruction tuning: a causal LM trained on conversations, scored on the answers
@@ -106,6 +107,12 @@ class Task:
         the loss on the completions' log-probabilities against the reference model's and a KL estimate; scored on
         held-out rows by TRL's KTO metrics; no test split. `name`: the rows' format."""
         return cls(name, KTO, False, metric="kto", columns=columns, validation_splits=validation_splits)
+
+    def prompts(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
+        """Online RL (task=grpo): prompts whose sampled completions are rewarded; `columns`: the prompt column,
+        then the columns the reward functions read; scored on held-out prompts by their mean reward; no test
+        split. `name`: the prompts' format (text or messages)."""
+        return cls(name, GRPO, False, metric="reward", columns=columns, validation_splits=validation_splits)
 
     @property
     def kind(self) -> TaskKind:

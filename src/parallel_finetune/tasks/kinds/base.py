@@ -43,14 +43,19 @@ class TaskKind:
     pairs: bool = False  # each row is a preference pair: a chosen and a rejected answer to one prompt (dpo)
     unpaired: bool = False  # each row is a prompt, a completion and a boolean label (desirable or not): KTO's
     # unpaired preferences, the loss per row against the reference and a KL estimate (task=kto)
+    prompts: bool = False  # each row is a prompt whose completions the run samples and rewards (grpo)
     reward_model: bool = False  # its pairs are scored by a one-output head (reward modelling): padded pairs of
     # rows, the Bradley-Terry objective, exported as a one-output classifier; else pairs are the language model's
     reference: bool = False  # its objective reads a reference model's log-probabilities, measured before training,
     # unless the pair loss is reference-free (config.REFERENCE_FREE_LOSSES)
-    # the names of its batcher (data/batchers.py: rows, pairs, reward_pairs) and of its objective (loop/objectives.py:
-    # classifier, tokens, pairs, reward), which the run's assembly makes; the kind, a floor below, only names them
+    rows: str = ""  # the tasks/ module reading its rows when they have a format of their own (tasks/__init__.py's
+    # OWN_ROWS: conversations, preferences, rewards, unpaired, prompts); "": text columns (tasks/columns.py)
+    # the names of its batcher (data/batchers.py: rows, pairs, reward_pairs, kto, grpo) and of its objective
+    # (loop/objectives.py: classifier, tokens, pairs, reward, kto, grpo), which the run's assembly makes; the kind, a
+    # floor below, only names them
     batcher: str = "rows"
     objective: str = "classifier"
+    step_source: str = ""  # what makes each step's rows instead of the sampled split (rl/steps.py: rollouts), or none
     unread_keys: tuple[str, ...] = ()  # recipe keys a run of this kind never reads, left out of what it writes
     sample: Sample | None = None  # the shipped sample it trains on without train_file or dataset
 
@@ -58,6 +63,10 @@ class TaskKind:
     def rows_per_sample(self) -> int:
         """Rows of tokens one sample holds (a pair: its chosen and its rejected row; the planner and packing)."""
         return 2 if self.pairs else 1
+
+    def samples_per_step(self, batch_size: int, grpo) -> int:
+        """The training split's rows a step draws: batch_size (grpo: its prompts, batch_size / num_generations)."""
+        return batch_size
 
     @property
     def sample_unit(self) -> str:

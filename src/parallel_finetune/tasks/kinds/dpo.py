@@ -14,6 +14,7 @@ DPO = "dpo"
 
 class PreferenceTuning(TaskKind):
     key = DPO
+    rows = "preferences"
     problem_types = (DPO,)
     head = HeadKind.CAUSAL_LM
     has_labels = False

@@ -16,6 +16,7 @@ KTO = "kto"
 
 class UnpairedPreferenceTuning(TaskKind):
     key = KTO
+    rows = "unpaired"
     problem_types = (KTO,)
     head = HeadKind.CAUSAL_LM
     has_labels = False

@@ -14,6 +14,7 @@ REWARD = "reward"
 
 class RewardModelling(TaskKind):
     key = REWARD
+    rows = "rewards"
     problem_types = (REWARD,)
     head = HeadKind.CLASSIFICATION
     has_labels = True  # labels.json says what the one output is (predict.py reads it)

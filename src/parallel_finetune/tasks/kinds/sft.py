@@ -11,6 +11,7 @@ SFT = "sft"
 
 class InstructionTuning(TaskKind):
     key = SFT
+    rows = "conversations"
     problem_types = (SFT,)
     head = HeadKind.CAUSAL_LM
     has_labels = False

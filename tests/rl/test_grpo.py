@@ -1,0 +1,294 @@
+"""task=grpo: its keys (one line each for what is refused), its prompt rows and tokens, the "grpo" batcher's
+labels and columns, and GRPOLoss against TRL's _compute_loss written out densely on the same numbers (per loss
+type, token and sequence importance sampling, beta > 0, num_iterations > 1, masked truncated completions), summed
+over slices and divided by the global completion count as the Trainer does."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_task_of, prepare_data, recipe
+
+from parallel_finetune.config import GRPOSection
+from parallel_finetune.config.checks import GRPO_BUILTIN_REWARDS
+from parallel_finetune.data.batch import IGNORE
+from parallel_finetune.data.batchers import Padding, make_batcher
+from parallel_finetune.data.grpo import RolloutSplit
+from parallel_finetune.errors import UserError
+from parallel_finetune.loop.grpo_loss import GRPOLoss
+from parallel_finetune.resolve import load_config
+from parallel_finetune.rl.rewards import BUILTINS
+from parallel_finetune.tasks.sources import SAMPLE_DIR
+
+
+def grpo_config(*overrides: str):
+    return load_config(recipe("llama"), ["size=tiny", "task=grpo", "batch_size=8", "num_generations=4", *overrides])
+
+
+# ------------------------------------------------------------------------------------------- keys
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["pipeline_parallel_degree=2"], "pipeline_parallel_degree=2 task=grpo samples its completions token by token"),
+        (["batch_size=6"], "batch_size=6 counts completions, and num_generations=4 does not divide it"),
+        (["reward_functions=[accuracy, speed]"], "names 'speed', no built-in reward (accuracy, format, length)"),
+        (["reward_functions=[format]"], "format_pattern=None is what reward format matches"),
+        (["reward_weights=[1.0, 2.0]"], "must be 1 finite number(s), one per reward function"),
+        (["beta=0.04"], "full fine-tuning keeps no frozen copy yet, so use peft=lora or beta=0"),
+        (["num_generations=1", "batch_size=8"], "num_generations=1 must be at least 2"),
+        (["epsilon_high=0.1"], "epsilon_high=0.1 must be epsilon > 0 and epsilon_high >= epsilon"),
+        (["packing=true"], "task=grpo pads its completions"),
+    ],
+)
+def test_bad_keys_are_one_line(overrides, message):
+    with pytest.raises(UserError) as caught:
+        grpo_config(*overrides)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_grpo_keys_on_another_task_are_refused_and_the_builtins_agree():
+    with pytest.raises(UserError, match=r"num_generations=4 is task=grpo's .* task=sft reads none; drop it"):
+        load_config(recipe("llama"), ["size=tiny", "task=sft", "num_generations=4"])
+    assert GRPO_BUILTIN_REWARDS == BUILTINS  # config/ cannot import rl/: the two lists are kept equal here
+    config = grpo_config(
+        "beta=0.04",
+        "peft=lora",
+        "loss_type=grpo",
+        "reward_functions=[accuracy, format]",
+        "format_pattern=.*Answer: \\d+",
+    )
+    assert (config.grpo.beta, config.grpo.loss_type, config.grpo.reward_functions) == (
+        0.04,
+        "grpo",
+        ["accuracy", "format"],
+    )
+
+
+# ------------------------------------------------------------------------------------------- rows and tokens
+def test_the_shipped_sample_is_read_and_rendered_with_the_generation_prompt(tmp_path):
+    config = grpo_config(f"cache_dir={tmp_path}", "max_length=96")
+    prepared = prepare_data(config)
+    assert prepared.task.columns == ("prompt", "answer") and prepared.task.kind.prompts
+    train = prepared.splits["train"]
+    assert len(train) == 320 and len(prepared.splits["validation"]) == 48
+    text = prepared.tokenizer.decode(train[2]["input_ids"])
+    assert text.endswith("<|im_start|>assistant\n") and "What is" in text
+    assert json.loads(train[2]["columns"]) == {
+        "answer": json.loads((SAMPLE_DIR / "grpo" / "train.jsonl").read_text().splitlines()[2])["answer"]
+    }
+
+
+def write_rows(folder: Path, rows: list[dict], name: str = "train.jsonl") -> str:
+    path = folder / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return str(path)
+
+
+USER = {"role": "user", "content": "What is two plus 2?"}
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"question": "x", "answer": "1"}], "task=grpo needs a column 'prompt'"),
+        ([{"prompt": "", "answer": "1"}], "train.jsonl:1: column 'prompt' is empty"),
+        ([{"prompt": [USER, {"role": "assistant", "content": "4"}], "answer": "4"}], "ends with an assistant turn"),
+        ([{"prompt": [USER], "answer": "4"}, {"prompt": "text", "answer": "4"}], "train.jsonl:2: this prompt is text"),
+    ],
+)
+def test_bad_prompt_rows_are_one_line(tmp_path, rows, message):
+    validation = write_rows(tmp_path, [{"prompt": [USER], "answer": "4"}], "validation.jsonl")
+    config = grpo_config(f"train_file={write_rows(tmp_path, rows)}", f"validation_file={validation}")
+    with pytest.raises(UserError, match=message):
+        load_task_of(config)
+
+
+def test_a_prompt_over_the_budget_names_its_row(tmp_path):
+    rows = [{"prompt": [USER], "answer": "4"}, {"prompt": [{"role": "user", "content": "two " * 80}], "answer": "4"}]
+    validation = write_rows(tmp_path, rows[:1], "validation.jsonl")
+    config = grpo_config(
+        f"train_file={write_rows(tmp_path, rows)}",
+        f"validation_file={validation}",
+        f"cache_dir={tmp_path / 'cache'}",
+        "max_length=48",
+    )
+    with pytest.raises(UserError, match=r"train.jsonl:2: the prompt is \d+ tokens, more than the prompt budget"):
+        prepare_data(config)
+
+
+# ------------------------------------------------------------------------------------------- batches
+def test_the_batcher_labels_the_scored_completion_tokens_with_their_columns():
+    split = RolloutSplit(
+        ids=[[5, 6, 7, 8, 9], [5, 6, 3], [4, 7, 7, 7]],
+        prompt_lengths=[2, 2, 1],
+        scored=[3, 1, 0],  # the third: a truncated completion, masked
+        advantages=[0.5, -1.0, 2.0],
+        old_logps=[[-1.0, -2.0, -3.0], [-4.0], [-5.0, -6.0, -7.0]],
+    )
+    for side in ("right", "left"):
+        padding = Padding(pad_id=0, padding_side=side, pad_multiple=1, device=torch.device("cpu"))
+        batch = make_batcher("grpo", split, padding).batch([0, 1, 2])
+        target = batch.loss_target()
+        scored = target[..., 0] != IGNORE
+        assert target[scored][:, 0].tolist() == [7, 8, 9, 3]  # the completion tokens, predicted the position before
+        assert target[scored][:, 1:4].tolist() == [[0, 0.5, -1], [0, 0.5, -2], [0, 0.5, -3], [1, -1, -4]], side
+        assert batch.scored() == 2
+        assert split.loss_count([0, 1, 2]) == 3  # each completion counts one; the loss weighs its tokens
+
+
+# ------------------------------------------------------------------------------------------- the loss vs TRL's
+def trl_loss(logps, old, ref, advantages, mask, section: GRPOSection, trained_mask=None):
+    """TRL 1.16's GRPOTrainer._compute_loss on dense (B, T) tensors, one process, no accumulation."""
+    eps_low, eps_high = section.epsilon, section.epsilon_high or section.epsilon
+    old = logps.detach() if old is None else old
+    log_ratio = logps - old
+    if section.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    adv = advantages.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    metrics = {}
+    if section.beta:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token_loss = per_token_loss + section.beta * kl
+        metrics["kl"] = ((kl * mask).sum() / mask.sum()).item()
+    loss_type = section.loss_type
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * section.max_completion_length)
+
+    def masked(x):
+        if x.shape[1] == 1:
+            return (x.sum() / x.shape[0]).item()
+        return ((x * mask).sum() / mask.sum()).item()
+
+    low = ((coef_1 < 1 - eps_low) & (adv < 0)).float()
+    high = ((coef_1 > 1 + eps_high) & (adv > 0)).float()
+    metrics |= {
+        "clip_ratio/low_mean": masked(low),
+        "clip_ratio/high_mean": masked(high),
+        "clip_ratio/region_mean": masked(torch.maximum(low, high)),
+    }
+    return loss, metrics
+
+
+def case(section: GRPOSection, seed: int = 0):
+    """Four completions of up to 5 tokens: random log-probabilities, old ones near them, advantages of both
+    signs; the last completion truncated (masked under mask_truncated_completions)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 2, 4, 5])
+    mask = (torch.arange(5) < lengths.unsqueeze(1)).float()
+    if section.mask_truncated_completions:
+        mask[3] = 0
+    logps = (torch.rand(4, 5, generator=generator) * -3).requires_grad_()
+    old = logps.detach() + torch.randn(4, 5, generator=generator) * 0.3
+    ref = logps.detach() + torch.randn(4, 5, generator=generator) * 0.2
+    advantages = torch.tensor([1.2, -0.7, 0.4, -1.5])
+    return logps, old, ref, advantages, mask
+
+
+def ours(section: GRPOSection, logps, old, ref, advantages, mask, slices=((0, 1, 2, 3),)):
+    """GRPOLoss over `slices` of the completions (micro-batches or ranks), summed and divided by the global
+    completion count as the Trainer does; the metrics from the summed statistics."""
+    objective = GRPOLoss(torch.nn.Identity(), 0, grpo=section)
+    split = RolloutSplit([[0] * 6] * 4, [1] * 4, mask.sum(-1).long().tolist(), advantages.tolist())
+    objective.share_of(split, [0, 1, 2, 3])
+    total, stats = 0, []
+    for indices in slices:
+        rows = [(i, t) for i in indices for t in range(5) if mask[i, t]]
+        if not rows:
+            stats.append({})
+            continue
+        i, t = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+        target = torch.stack(
+            [torch.zeros(len(i)), i.double(), advantages[i].double(), old[i, t].double(), ref[i, t].double()], -1
+        )
+        summed, slice_stats = objective.completion_losses(logps[i, t], target)
+        total = total + summed
+        stats.append(slice_stats)
+    metrics = objective.metrics(objective.sums(stats, "cpu"))
+    return total / 4, metrics
+
+
+SECTIONS = [
+    GRPOSection(loss_type="grpo"),
+    GRPOSection(loss_type="bnpo"),
+    GRPOSection(loss_type="dr_grpo", max_completion_length=5),
+    GRPOSection(loss_type="dapo", epsilon_high=0.28),
+    GRPOSection(loss_type="dapo", num_iterations=2, epsilon=0.1),
+    GRPOSection(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence", epsilon=0.05),
+    GRPOSection(loss_type="dapo", num_iterations=2, beta=0.04),
+    GRPOSection(loss_type="grpo", beta=0.04, mask_truncated_completions=True),
+    GRPOSection(loss_type="bnpo", num_iterations=2, mask_truncated_completions=True, epsilon=0.1),
+]
+
+
+@pytest.mark.parametrize(
+    "section",
+    SECTIONS,
+    ids=lambda s: (
+        f"{s.loss_type}-it{s.num_iterations}-b{s.beta}"
+        f"-{s.importance_sampling_level}-mask{int(s.mask_truncated_completions)}"
+    ),
+)
+def test_the_loss_and_its_metrics_are_trls_in_any_slicing(section):
+    logps, old, ref, advantages, mask = case(section)
+    kept_old = old if section.num_iterations > 1 else None
+    expected, expected_metrics = trl_loss(logps, kept_old, ref, advantages, mask, section)
+    expected_grad = torch.autograd.grad(expected, logps)[0]
+    for slices in (((0, 1, 2, 3),), ((0, 2), (1, 3)), ((3,), (1,), (0, 2))):  # one process, ranks, accumulation
+        loss, metrics = ours(section, logps, old, ref, advantages, mask, slices)
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+        assert torch.allclose(torch.autograd.grad(loss, logps)[0], expected_grad, atol=1e-6)
+        mean_over_scored = metrics.pop("loss")  # the Trainer's step loss is `loss` / N; this one's units are scored
+        if not section.mask_truncated_completions:
+            assert mean_over_scored == pytest.approx(expected.item(), abs=1e-6)
+        assert metrics == pytest.approx(expected_metrics, abs=1e-6)
+    if section.num_iterations == 1 and not section.beta:  # ratio 1: the loss is minus the mean advantage
+        assert expected_metrics["clip_ratio/region_mean"] == 0
+
+
+# ------------------------------------------------------------------------------------------- a run
+def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp_path):
+    """One process on the shipped sample, completions sampled: each step's TRL metrics and time split, the
+    completions with their rewards and advantage in generations.jsonl, the held-out reward at the end."""
+    from conftest import launch, tiny_overrides
+
+    keys = {"data_dir": "", "max_length": 96, "max_steps": 2, "batch_size": 8, "export": "false"}
+    grpo = ["num_generations=4", "max_completion_length=8", "reward_functions=[accuracy, length]"]
+    overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["length_limit=3"]
+    run = launch(1, [*overrides, "tensor_parallel_degree=1"], tmp_path / "run", recipe=recipe("llama"))
+    records = run.records
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        for key in ("reward", "reward_std", "rewards/accuracy/mean", "rewards/length/mean", "completions/mean_length"):
+            assert math.isfinite(record[key]), (key, record)
+        assert 1 <= record["completions/mean_length"] <= 8 and 0 <= record["completions/clipped_ratio"] <= 1
+        assert record["rollout_s"] > 0 and record["scoring_s"] > 0 and record["update_s"] > 0
+    written = [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(written) == 2 * 8 and set(written[0]) == {"step", "prompt", "answer", "rewards", "advantage"}
+    assert set(written[0]["rewards"]) == {"accuracy", "length"}
+    assert (
+        run.summary["family"] == "llama"
+        and math.isfinite(run.summary["eval_reward"])
+        and "eval_rewards/length/mean" in run.summary
+    )
+
+
+def test_check_renders_the_prompts_and_refuses_a_pipeline(tmp_path):
+    """--check (preflight) renders a sample of the prompts as the run does, and says the pipeline line."""
+    from conftest import REPO, check
+
+    grpo_recipe = REPO / "recipes" / "llama" / "grpo.yaml"
+    ok = check("size=tiny", f"cache_dir={tmp_path}", recipe=grpo_recipe)
+    assert ok.returncode == 0 and "task grpo" in ok.stdout, ok.stdout + ok.stderr
+    refused = check("size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", recipe=grpo_recipe)
+    assert refused.returncode != 0 and "use tensor_parallel_degree (TP) or sharding=full (FSDP)" in refused.stderr

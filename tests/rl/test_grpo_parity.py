@@ -1,0 +1,96 @@
+"""task=grpo under every layout against one process, in the fixed-rollouts mode (tests/workers/grpo_fixed.py: the
+completions given, so the update is deterministic), fp32, dropout off: the loss and every reported metric at every
+step within 1e-5. The length reward (its penalty over 4 tokens) makes the advantages differ from 0. Llama: DP=2,
+TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2, QLoRA TP=2;
+Qwen 3: TP=2. Each row's one-process reference is made once and shared."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import REPO, launch, recipe, tiny_overrides
+
+TOLERANCE = 1e-5
+WORKER = str(REPO / "tests" / "workers" / "grpo_fixed.py")
+LORA = ["peft=lora", "lora_dropout=0", "lora_rank=8", "lora_alpha=16", "lora_target_modules=all-linear"]
+# TRL's names (rewards/length/mean and /std, reward, reward_std, completions/*, clip_ratio/*), and the loss
+STEP_METRICS = (
+    "loss",
+    "grad_norm",
+    "reward",
+    "reward_std",
+    "rewards/length/mean",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "clip_ratio/region_mean",
+)
+
+
+def grpo_overrides(sst2, cache_dir, family: str, *extra: str) -> list[str]:
+    keys = {"data_dir": "", "max_length": 96, "max_steps": 4, "batch_size": 16, "lr": 2e-2}
+    grpo = ["num_generations=4", "max_completion_length=12", "reward_functions=[length]", "length_limit=4"]
+    grpo += ["length_ramp=6", "epsilon=0.02", "loss_type=dapo"]
+    return tiny_overrides(sst2, cache_dir, "grpo", family, **keys) + grpo + list(extra)
+
+
+@pytest.fixture(scope="module")
+def references(sst2, cache_dir, tmp_path_factory):
+    """One-process runs by their settings (what each layout row adds besides the layout), made once."""
+    runs = {}
+
+    def get(family: str, settings: tuple[str, ...]):
+        if (family, settings) not in runs:
+            folder = tmp_path_factory.mktemp(f"grpo-reference-{family}")
+            overrides = grpo_overrides(sst2, cache_dir, family, "tensor_parallel_degree=1", *settings)
+            runs[family, settings] = launch(1, overrides, folder, script=WORKER, recipe=recipe(family))
+        return runs[family, settings]
+
+    return get
+
+
+ITERATIONS = ("num_iterations=2",)  # each rollout trained on twice: the old policy's log-probabilities kept
+BETA = (*LORA, "beta=0.04")
+# tiny NF4 blocks (recipes' qlora.yaml tiny section): each tensor-parallel shard holds whole scaler groups
+QLORA = (
+    *LORA,
+    "lora_base_quantization=nf4",
+    "nf4_block_size=16",
+    "nf4_scaler_block_size=8",
+)  # the KL to the reference, the base with its adapters disabled
+LAYOUTS = [
+    # (family, name, processes, layout, settings: what the one-process reference runs with too)
+    ("llama", "dp2", 2, ["tensor_parallel_degree=1"], ()),
+    ("llama", "tp2", 2, ["tensor_parallel_degree=2"], ()),
+    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], ()),
+    ("llama", "accumulation2", 1, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ()),
+    ("llama", "lora_tp2", 2, ["tensor_parallel_degree=2"], tuple(LORA)),
+    ("llama", "iterations2_dp2", 2, ["tensor_parallel_degree=1"], ITERATIONS),
+    ("llama", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
+    ("llama", "qlora_tp2", 2, ["tensor_parallel_degree=2"], QLORA),
+    ("qwen3", "tp2", 2, ["tensor_parallel_degree=2"], ()),
+]
+
+
+@pytest.mark.parametrize(
+    "family,name,nproc,layout,settings", LAYOUTS, ids=[f"{r[0]}-{r[1]}-grpo-matches_single_process" for r in LAYOUTS]
+)
+def test_grpo_matches_single_process(family, name, nproc, layout, settings, references, sst2, cache_dir, tmp_path):
+    reference = references(family, settings)
+    overrides = grpo_overrides(sst2, cache_dir, family, *layout, *settings)
+    run = launch(nproc, overrides, tmp_path / name, script=WORKER, recipe=recipe(family))
+    assert run.summary["family"] == family
+    assert run.summary["layout"]["world_size"] == nproc
+    records, expected = run.records, reference.records
+    assert len(records) == len(expected) == 4
+    assert len({round(r["loss"], 6) for r in expected}) > 1, "the loss must move"
+    keys = STEP_METRICS + (("kl",) if "beta=0.04" in settings else ())
+    if "num_iterations=2" in settings:  # the second iteration's ratio moves off 1
+        assert any(r["clip_ratio/region_mean"] > 0 for r in expected[1::2])
+    differences = []
+    for mine, theirs in zip(records, expected):
+        for key in keys:
+            assert math.isfinite(theirs[key]), (key, theirs)
+            differences.append(abs(mine[key] - theirs[key]))
+            assert mine[key] == pytest.approx(theirs[key], abs=TOLERANCE, rel=1e-6), (mine["step"], key)
+    print(f"{family} {name} grpo: largest difference {max(differences):.2e} over {len(records)} steps")
