@@ -108,6 +108,7 @@ class Task:
         held-out rows by TRL's KTO metrics; no test split. `name`: the rows' format."""
         return cls(name, KTO, False, metric="kto", columns=columns, validation_splits=validation_splits)
 
+    @classmethod
     def prompts(cls, name: str, columns: tuple[str, ...], validation_splits: tuple[str, ...] = ("validation",)):
         """Online RL (task=grpo): prompts whose sampled completions are rewarded; `columns`: the prompt column,
         then the columns the reward functions read; scored on held-out prompts by their mean reward; no test
