@@ -471,7 +471,10 @@ def stage_data(config, folder: Path) -> tuple[dict[str, str], str]:
         staged["data_dir"] = ""
     cache = folder / "cache"
     shutil.copytree(prepared.cache_path, cache / prepared.cache_path.name)
-    for tokenizer in (Path(config.data.cache_dir).expanduser() / "tokenizers").glob(f"*-{prepared.source.fingerprint}"):
+    # a tiny tokenizer's folder: <kind><vocab>-pairs-<source fingerprint>-<sentences' digest> (one learned with a chat
+    # template's specials ends in their digest too, and is not staged: the job learns it again, as before)
+    tokenizers = Path(config.data.cache_dir).expanduser() / "tokenizers"
+    for tokenizer in tokenizers.glob(f"*-{prepared.source.fingerprint}-" + "?" * 8):
         shutil.copytree(tokenizer, cache / "tokenizers" / tokenizer.name)
     log.info("data for the job: %s (%s)", prepared.cache_path.name, prepared.source.description)
     channel = CHANNELS / DATA_CHANNEL
