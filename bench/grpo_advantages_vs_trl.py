@@ -9,15 +9,14 @@ batch and none. Prints one JSON line: the cases run and the largest advantage di
 
 from __future__ import annotations
 
-import inspect
+import importlib.util
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 import torch
-from trl.trainer import grpo_trainer
-from trl.trainer.utils import nanstd as trl_nanstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's package, not an installed one
 from parallel_finetune.rl.rewards import group_advantages, reward_metrics, weighted_rewards  # noqa: E402
@@ -26,9 +25,29 @@ FIRST = "        unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)"
 AFTER = "        # Slice to keep only the local part of the data"
 
 
+# TRL's files are read, not imported: importing trl.trainer loads transformers, accelerate and the rest (~13 s of CPU)
+# for a few lines of tensor code that need only torch.
+TRL = Path(importlib.util.find_spec("trl").origin).parent
+
+
 def trl_block() -> str:
-    source = inspect.getsource(grpo_trainer.GRPOTrainer._generate_and_score_completions)
-    return textwrap.dedent(source[source.index(FIRST) : source.index(AFTER)])
+    source = (TRL / "trainer" / "grpo_trainer.py").read_text()
+    method = source.index("    def _generate_and_score_completions(")
+    start = source.index(FIRST, method)
+    return textwrap.dedent(source[start : source.index(AFTER, start)])
+
+
+def trl_function(path: str, name: str):
+    """A top-level function of TRL's source file `path`, defined from its text (it needs only torch)."""
+    source = (TRL / path).read_text()
+    start = source.index(f"\ndef {name}(") + 1
+    end = re.search(r"\n(?=[^\s)])", source[start:])  # the next top-level statement (a signature's `)` is not)
+    space = {"torch": torch}
+    exec(source[start : start + end.start() if end else len(source)], space)
+    return space[name]
+
+
+trl_nanstd = trl_function("trainer/utils.py", "nanstd")
 
 
 class TrainerFields:
