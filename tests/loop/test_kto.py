@@ -43,7 +43,7 @@ def test_the_loss_is_trls_formula_by_hand():
     answers = [0, 0, 3, 4]
     reference = [-2.0, -2.0, -1.0, -0.5]
     target = torch.tensor([[7, a, r] for a, r in zip(answers, reference)], dtype=torch.float64)
-    loss, stats = objective.row_loss(nll, target)
+    loss, stats = objective.answers_loss(nll, target)
     logps = [-1.5, -2.0, -0.25]
     ratios = [logps[0] + 2.0, logps[1] + 1.0, logps[2] + 0.5]
     by_hand = [

@@ -38,20 +38,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..data.batch import IGNORE
 from ..interfaces import Stats, joined
-from ..parallel.vocab import token_nll
-from .loss import HiddenTokenLoss
+from .loss import AnswerTokenLoss
 
 KTO_METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 # what `sums` adds up, in this order (each over the rows; the desirable and undesirable counts, then all rows)
 _SUMS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "chosen", "rejected")
 
 
-class KTOObjective(HiddenTokenLoss):
+class KTOObjective(AnswerTokenLoss):
     """KTO's loss from the final hidden states (the chunked, vocabulary-parallel head) or, with no head given,
     whole logits (engine=deepspeed). `target`: a KTO batch's loss_target, (label, answer, reference) at each
     position; an answer number's parity says the row's label (even: desirable). Each call's statistics, per row:
@@ -95,26 +92,7 @@ class KTOObjective(HiddenTokenLoss):
         reference = torch.tensor([self.kl_reference[key] for key in keys], dtype=torch.float64)
         self.kl = max((policy - reference).mean().item(), 0.0)
 
-    def mask(self, target: torch.Tensor) -> torch.Tensor:
-        return target[..., 0] != IGNORE
-
-    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        scored = self.mask(target)
-        if self.takes_hidden:
-            return self.scored(outputs[scored], target[scored])
-        nll = F.cross_entropy(outputs[scored].float(), target[scored][:, 0].long(), reduction="none")
-        return self.row_loss(nll, target[scored])
-
-    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        """The rows' loss and stats from the scored positions' hidden states and targets."""
-        labels = target[:, 0].long()
-        if self.chunk_tokens:
-            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
-        else:
-            nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
-        return self.row_loss(nll, target)
-
-    def row_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+    def answers_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         """The rows' summed loss and per-row stats from each scored token's NLL and its (label, answer, reference)."""
         numbers, slot = torch.unique(target[:, 1].long(), return_inverse=True)  # 2r or 2r + 1 for each row r here
         logps = torch.zeros(len(numbers), device=nll.device).index_add(0, slot, -nll)

@@ -161,7 +161,34 @@ PAIR_METRICS = ("loss", *DPOLoss.metric_names)
 PROMPT_MARK = -2
 
 
-class PreferenceLoss(HiddenTokenLoss):
+class AnswerTokenLoss(HiddenTokenLoss):
+    """An objective over answers' tokens (PreferenceLoss, loop/kto.py's KTOObjective): each scored token's NLL from
+    the final hidden states through the head (chunked, vocabulary-parallel), or, with no head, from the model's
+    whole logits (engine=deepspeed), handed with its target row (label, answer, reference) to `answers_loss`."""
+
+    def mask(self, target: torch.Tensor) -> torch.Tensor:
+        return target[..., 0] != IGNORE
+
+    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        scored = self.mask(target)
+        if self.takes_hidden:
+            return self.scored(outputs[scored], target[scored])
+        logits, target = outputs[scored], target[scored]
+        return self.answers_loss(F.cross_entropy(logits.float(), target[:, 0].long(), reduction="none"), target)
+
+    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        labels = target[:, 0].long()
+        if self.chunk_tokens:
+            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
+        else:
+            nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
+        return self.answers_loss(nll, target)
+
+    def answers_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+        raise NotImplementedError
+
+
+class PreferenceLoss(AnswerTokenLoss):
     """task=dpo's loss from the final hidden states (or, with no head given, engine=deepspeed's whole logits): the
     linear part, each answer's log-probability as the sum over its tokens of -token_nll (parallel/vocab.py:
     chunked, vocabulary-parallel, never the whole logits) and its token count, handed with the reference's sums to
@@ -197,25 +224,7 @@ class PreferenceLoss(HiddenTokenLoss):
         if self.scores_prompts:
             self.token_share = len(indices) / sum(len(split.ids[i]) - 1 for i in indices)
 
-    def mask(self, target: torch.Tensor) -> torch.Tensor:
-        return target[..., 0] != IGNORE
-
-    def __call__(self, outputs: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        scored = self.mask(target)
-        if self.takes_hidden:
-            return self.scored(outputs[scored], target[scored])
-        logits, target = outputs[scored], target[scored]
-        return self.pair_loss(F.cross_entropy(logits.float(), target[:, 0].long(), reduction="none"), target)
-
-    def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        labels = target[:, 0].long()
-        if self.chunk_tokens:
-            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
-        else:
-            nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
-        return self.pair_loss(nll, target)
-
-    def pair_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
+    def answers_loss(self, nll: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         """The pairs' summed loss and per-pair statistics from each scored token's NLL and its (label, answer,
         reference)."""
         answer = target[:, 1].long()
