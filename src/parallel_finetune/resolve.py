@@ -179,11 +179,12 @@ GLUE_TRAIN_ROWS = {
 }
 
 
-def planner_samples(config: Config) -> tuple[int | None, str]:
+def planner_samples(config: Config) -> tuple[int | None, str, int | None]:
     """The training samples a run of `config` has per epoch (rows; pairs for dpo) and where they come from, for
     the planner's time, without the network or a tokenizer: local files, folders and the shipped samples are
     read (less the held-out validation share when there is no validation split, as the run carves it); GLUE
-    from the Hub is its published train size; a Hub data set is not counted (None)."""
+    from the Hub is its published train size; a Hub data set is not counted (None). Third: the held-out rows (the
+    validation split's, or the share carved), None where not counted."""
     from .tasks.sources import SHIPPED_SAMPLES, read_sources
 
     data = config.data
@@ -191,8 +192,8 @@ def planner_samples(config: Config) -> tuple[int | None, str]:
     local_dataset = data.dataset is not None and Path(data.dataset).expanduser().is_dir()
     if not (shipped or data.train_file or local_dataset or (data.data_dir and not data.dataset)):
         if data.dataset:
-            return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run"
-        return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split"
+            return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run", None
+        return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split", None
     tables, source, _ = read_sources(data=data, task_key=config.model.task)
     rows = len(tables["train"])
     where = source.description
@@ -202,7 +203,9 @@ def planner_samples(config: Config) -> tuple[int | None, str]:
         held = round(rows * data.validation_split_percentage / 100)
         rows -= held
         where += f", {held:,} held out"
-    return rows, where
+    else:
+        held = len(tables["validation"])
+    return rows, where, held
 
 
 def planner_workload(config: Config, *, count_samples: bool = True):
@@ -212,10 +215,16 @@ def planner_workload(config: Config, *, count_samples: bool = True):
     compute dtype (fp32 or 16-bit) and its steps (max_steps, or epochs x the samples `planner_samples` counts).
     An instruction-tuning recipe's rows (and a preference recipe's, two a pair) are planned at SFT_TOKENS_PER_ROW
     tokens each."""
-    from .tools.planner import SFT_TOKENS_PER_ROW, Workload
+    from .tools.planner import SFT_TOKENS_PER_ROW, Rollouts, Workload
 
     chosen, peft, kind = choose_model(config), config.peft, kind_of(config.model.task)
-    samples, data = planner_samples(config) if count_samples else (None, "not counted")
+    samples, data, held = planner_samples(config) if count_samples else (None, "not counted", None)
+    grpo = config.grpo
+    rollouts = None
+    if kind.step_source == "rollouts":  # task=grpo: what each step samples (and each evaluation)
+        rollouts = Rollouts(
+            grpo.num_generations, grpo.max_completion_length, held, grpo.num_iterations > 1 or grpo.beta > 0
+        )
     return Workload(
         head=chosen.head,
         seq_len=config.data.max_length,
@@ -235,6 +244,7 @@ def planner_workload(config: Config, *, count_samples: bool = True):
         epochs=config.training.epochs,
         max_steps=config.training.max_steps,
         data=data,
+        rollouts=rollouts,
     )
 
 

@@ -3,6 +3,7 @@ models allocate (one process, and TP=2 DTensor shards on a fake process group), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import re
@@ -530,3 +531,104 @@ def test_a_reference_free_pair_loss_is_planned_without_the_reference_pass():
         assert not free.workload.reference_pass and dpo.workload.reference_pass
         assert free.current.run_min < dpo.current.run_min and free.current.step_s == dpo.current.step_s
         assert "no reference pass" in free.table() and "no reference pass" not in dpo.table()
+
+
+# --- issue 56: task=grpo's rollout (the KV cache, the prompts' forward, the decode step) and kept log-probabilities ---
+GRPO_RECIPES = [
+    REPO / "recipes" / family / name for family in ("llama", "qwen3") for name in ("grpo.yaml", "grpo_lora.yaml")
+]
+
+
+def test_kv_cache_bytes_by_hand():
+    """A key and a value per key/value head and layer in the compute dtype: Llama 3.1 8B 2 x 32 x 8 x 128 x 2 =
+    131,072 B per position in bf16, a TP rank its share of the 8 heads; Qwen 3 4B (36 layers) 147,456."""
+    from parallel_finetune.tools.planner import kv_cache_bytes
+
+    llama, qwen = model_shape("meta-llama/Llama-3.1-8B", "causal_lm"), model_shape("Qwen/Qwen3-4B", "causal_lm")
+    assert kv_cache_bytes(llama, 32, 1, 1, 2) == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert kv_cache_bytes(llama, 32, 1, 8, 2) == 16_384 and kv_cache_bytes(llama, 32, 1, 1, 4) == 262_144
+    assert kv_cache_bytes(qwen, 36, 1, 1, 2) == 147_456
+    # the recipe's run on 8 GPUs (TP=8): a step's 64 completions, but an evaluation samples the 48 held-out prompts
+    # of the shipped sample x 8 at once; each (prompt budget 384) + 256 - 1 positions
+    run = plan_recipe(LLAMA / "grpo.yaml", "ml.p4d.24xlarge")
+    assert run.workload.rollouts.held_out_prompts == 48 and run.steps == 320 // (64 // 8)
+    assert run.current.memory["kv_cache"] == 384 * (384 + 256 - 1) * 16_384
+    assert "rollout KV cache 4.02 GB (3.74 GiB) per GPU in the recipe's layout: 384 completions at once" in run.table()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
+def test_kv_cache_estimate_is_the_samplers_cache(monkeypatch, family_name, tp):
+    """The sampler's own DynamicCache after a rollout (rl/rollout.py, one process; TP=2 on a fake process group:
+    each rank's heads), byte for byte what the planner counts for that rank: 6 completions (3 prompts x 2) of
+    prompts at the budget (10 tokens) and 5 sampled tokens (no stop token: all of them), fp32 on a CPU."""
+    from parallel_finetune.rl import rollout
+    from parallel_finetune.tools.planner import Rollouts
+
+    caches = []
+
+    class Recorded(rollout.DynamicCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(rollout, "DynamicCache", Recorded)
+    family, built = real_model(f"tiny:{family_name}", "causal_lm")
+    settings = rollout.SamplingSettings(2, 5, frozenset(), pad_id=0, seed=3)
+    prompts = [list(range(5, 15)), list(range(20, 30)), list(range(40, 50))]
+    context = fake_tp_mesh(2, rank=0) if tp > 1 else None
+    with context or contextlib.nullcontext() as mesh:
+        if mesh is not None:
+            apply_tp(built, family, mesh["tp"])
+        done = rollout.sample(built, prompts, [0, 1, 2], settings, step=1, group=None)
+    assert done.completion_ids.shape == (6, 5)
+    (cache,) = caches
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    measured = sum(getattr(t, "_local_tensor", t).nbytes for t in tensors)
+    work = Workload(head=HeadKind.CAUSAL_LM, seq_len=10, batch_size=6, compute_bytes=4, rollouts=Rollouts(2, 5))
+    layout = Candidate(tp, 1, 1, "none", False, 1)
+    shape = model_shape(f"tiny:{family_name}", "causal_lm")
+    assert memory_per_gpu(shape, layout, 10, 6, compute_bytes=4, workload=work)["kv_cache"] == measured > 0
+
+
+def test_grpo_plans_the_larger_of_the_rollout_the_scoring_and_the_update():
+    """Each phase beside the same state: the rollout (cache + the larger of the prompts' forward and a decode
+    step's logits), the kept log-probabilities' forward of the whole global batch (beta > 0), the update on rows
+    of prompt + completion tokens; an evaluation of many held-out prompts is the largest rollout."""
+    from parallel_finetune.tools.planner import SAMPLING_BYTES_PER_LOGIT, Rollouts, layer_bytes
+
+    shape = model_shape("meta-llama/Llama-3.1-8B", "causal_lm")
+    layout = Candidate(8, 1, 1, "none", True, 1)
+    base = Workload(head=HeadKind.CAUSAL_LM, seq_len=512, batch_size=64, accumulation=4)
+    work = dataclasses.replace(base, rollouts=Rollouts(8, 256, held_out_prompts=None, kept_logps=True))
+    memory = memory_per_gpu(shape, layout, 512, 64, workload=work)
+    kv = 64 * 767 * 16_384
+    decode = 64 * 128_256 * (2 + 2 / 8 + SAMPLING_BYTES_PER_LOGIT)
+    assert memory["kv_cache"] == kv
+    assert memory["rollout"] == pytest.approx(kv + kv / 32 + max(layer_bytes(shape, 512, 64, 8, 2), decode))
+    tokens = 64 * 768
+    head = tokens * 4096 * 2 + 1024 * 128_256 / 8 * (2 + 4 + 4)  # the chunk in bf16, its fp32 copy, exponentials
+    assert memory["scoring"] == pytest.approx(layer_bytes(shape, 768, 64, 8, 2) + head + 32 * tokens)
+    update = memory_per_gpu(shape, layout, 768, 64, workload=base)  # the same rows of 768 tokens, no rollout
+    assert memory["activations"] == pytest.approx(update["activations"] + 32 * 768 * 16)
+    state = sum(memory[k] for k in ("params", "gathered", "dequantized", "grads", "optimizer"))
+    working = max(memory["activations"] + memory["logits"], memory["rollout"], memory["scoring"])
+    assert memory["total"] == pytest.approx(1.1 * (state + working) + 1.5 * GB)
+    evaluated = dataclasses.replace(work, rollouts=Rollouts(8, 256, held_out_prompts=200))
+    assert memory_per_gpu(shape, layout, 512, 64, workload=evaluated)["kv_cache"] == 200 * 8 * 767 * 16_384
+    dp4 = memory_per_gpu(shape, Candidate(2, 1, 4, "full", True, 1, 4), 512, 64, workload=evaluated)
+    assert dp4["kv_cache"] == 50 * 8 * 767 * 131_072 / 2  # a rank's 50 held-out prompts, its 4 of 8 heads
+    with pytest.raises(UserError, match="^num_generations=0 is not valid; expected a positive integer"):
+        plan("tiny:llama", 1, 24, workload=dataclasses.replace(work, rollouts=Rollouts(0, 256)))
+
+
+@pytest.mark.parametrize("path", GRPO_RECIPES, ids=[f"{p.parent.name}/{p.stem}" for p in GRPO_RECIPES])
+def test_grpo_recipes_name_the_instance_the_planner_fits_them_on(path):
+    """The grpo headers promise an instance (so the tests above hold them to the planner, rollout included), and
+    the plan they name leaves the recommendation's 10% headroom in the recipe's own layout."""
+    assert path in NAMED, f"{path.name}: its header names no instance"
+    instance, memory, layout = recipe_memory(path)
+    from parallel_finetune.parallel.hardware import hardware_for
+
+    capacity = hardware_for(None, None, instance, None, 1).memory_gb * GB
+    assert memory["peak"] <= 0.9 * capacity and memory["kv_cache"] > 0, layout

@@ -30,6 +30,19 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid end to end in sequences of s
   (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the activations are those of
   ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
+- task=grpo (`Rollouts`, `rollout_bytes`): the larger of three phases, each beside the same state (params, grads
+  and optimizer as training keeps them: the gradients, freed between steps by plain AdamW, stand for the 16-bit
+  weight copies autocast makes in a sampling forward, as in training's forward). The rollout: a data-parallel rank
+  samples its share of the step's prompts x num_generations at once, batch_size / dp rows (an evaluation its share
+  of the held-out prompts x num_generations, when larger), each holding a KV cache of max_length +
+  max_completion_length - 1 positions: 2 x layers x kv_heads / tp x head_dim x compute bytes per position
+  (Llama 3.1 8B in bf16: 131,072 B), plus one layer's K and V made again per appended token, plus the larger of the
+  prompts' forward (one layer's activations at max_length: nothing kept for a backward) and a decode step's
+  whole-vocabulary logits (2c + SAMPLING_BYTES_PER_LOGIT per logit). The kept log-probabilities (num_iterations > 1
+  or beta > 0): one no-gradient forward of the step's whole global batch on every rank (one layer's activations,
+  the last hidden states, the head's forward, KEPT_BYTES_PER_TOKEN). The update: training on rows of max_length +
+  max_completion_length tokens, with the batch's per-token columns. A step consumes batch_size / num_generations
+  prompts; the decode is not timed.
 - Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
   grouped-query attention and gated MLPs), plus attention 12*L*s*d (+4*L*s*d), d = heads x head dimension
   (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
@@ -89,6 +102,12 @@ LINK_EFFICIENCY = 0.7
 # a chat row's mean tokens, as planned for an sft recipe: conversations of 1-3 turns measured 466 on average (p90 901)
 SFT_TOKENS_PER_ROW = 512
 PACKING_EFFICIENCY = 0.9  # real tokens per packed token slot: first-fit decreasing on chat rows (the sample: 0.91)
+# task=grpo's sampling of one token per row (rl/rollout.py's next_tokens) at its fullest, per logit of the whole
+# vocabulary, besides the head's output: the fp32 logits after the temperature (4 B), top-k/top-p's sorted order
+# (int64, 8 B), the fp32 probabilities and top-p's cumulative mass (4 + 4 B), the float64 copy and its CDF (8 + 8 B)
+SAMPLING_BYTES_PER_LOGIT = 4 + 8 + 4 + 4 + 8 + 8
+# task=grpo's batches carry, at each position, (completion, advantage, old, reference) in float64 (data/grpo.py)
+KEPT_BYTES_PER_TOKEN = 4 * 8
 
 
 @dataclass
@@ -382,11 +401,13 @@ def memory_per_gpu(
     workload = workload or Workload(
         head=HeadKind(shape.task), seq_len=seq_len, batch_size=batch_size, loss_chunk_tokens=0
     )
-    h, a, t = shape.hidden, shape.heads, layout.tp
+    h, t, rollouts = shape.hidden, layout.tp, workload.rollouts
     slice_rows = batch_size // (layout.dp * workload.accumulation * layout.microbatches)
+    # grpo: the update trains on the prompts followed by their completions
+    seq_len += rollouts.completion_tokens if rollouts else 0
     micro = dataclasses.replace(workload, seq_len=seq_len).micro_batch(slice_rows)
     s, b = micro.length, micro.rows
-    layer = s * b * h * (10 + shape.split_activations / t + 5 * a * s / (h * t)) * compute_bytes / 2
+    layer = layer_bytes(shape, s, b, t, compute_bytes)
     fsdp = layout.dims.fsdp
     state_divisor = layout.shard_degree if fsdp else 1
     optimizer_divisor = layout.shard_degree if layout.dims.sharded else 1
@@ -404,7 +425,9 @@ def memory_per_gpu(
         in_flight = min(layout.microbatches, layout.pp - i)
         kept = in_flight * blocks * (2 * s * b * h * compute_bytes / 2 if layout.ac else layer)
         kept += layer if layout.ac else 0
-        logits = logit_bytes(shape, workload, s * b, t, compute_bytes) if i == layout.pp - 1 else 0
+        last = i == layout.pp - 1
+        logits = logit_bytes(shape, workload, s * b, t, compute_bytes) if last else 0
+        kept += KEPT_BYTES_PER_TOKEN * s * b if rollouts else 0  # the batch's per-token columns
         frozen = NF4_BYTES * sum(nf4) + compute_bytes * (elements - sum(nf4))
         memory = {
             "params": (frozen + 4 * trainable if shape.lora_rank else 4 * elements) / state_divisor,
@@ -415,7 +438,12 @@ def memory_per_gpu(
             "activations": kept,
             "logits": logits,
         }
-        memory["total"] = (1 + OVERHEAD_FRACTION) * sum(memory.values()) + OVERHEAD_BYTES
+        working = memory["activations"] + logits  # the update's, beside the state
+        if rollouts:  # grpo: the phases before the update, each beside the same state
+            memory |= rollout_bytes(shape, workload, layout, blocks, last, compute_bytes)
+            working = max(working, memory["rollout"], memory["scoring"])
+        state = sum(memory[k] for k in ("params", "gathered", "dequantized", "grads", "optimizer"))
+        memory["total"] = (1 + OVERHEAD_FRACTION) * (state + working) + OVERHEAD_BYTES
         # Loading: this rank's fp32 shards plus one block being read (the largest tensor's local piece).
         largest_block = max(shape.largest[0] / t, shape.largest[1]) / state_divisor
         working = 4 * largest_block
@@ -427,6 +455,53 @@ def memory_per_gpu(
         if memory["peak"] > worst.get("peak", -1):
             worst = memory
     return worst
+
+
+def layer_bytes(shape: ModelShape, s: float, b: float, tp: int, compute_bytes: int) -> float:
+    """One block's activations for b sequences of s tokens (Korthikanti et al. 2022, no sequence parallelism)."""
+    h, a = shape.hidden, shape.heads
+    return s * b * h * (10 + shape.split_activations / tp + 5 * a * s / (h * tp)) * compute_bytes / 2
+
+
+def kv_cache_bytes(shape: ModelShape, layers: int, tokens: float, tp: int, compute_bytes: int) -> float:
+    """The KV cache of `tokens` positions (rows x positions) over `layers` blocks on one of `tp` ranks: a key and a
+    value per key/value head (tensor parallelism keeps each rank's heads) of the head dimension, in the compute
+    dtype. Llama 3.1 8B in bf16: 2 x 32 x 8 x 128 x 2 = 131,072 B per position, / tp."""
+    config = shape.hf_config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = shape.attention_width // config.num_attention_heads
+    return 2 * layers * kv_heads / tp * head_dim * compute_bytes * tokens
+
+
+def rollout_bytes(
+    shape: ModelShape, workload: Workload, layout: Candidate, blocks: int, last: bool, compute_bytes: int
+) -> dict[str, float]:
+    """task=grpo's phases before the update, on a stage of `blocks` blocks (`last`: it holds the head), each beside
+    the state (see `Rollouts`):
+    - kv_cache: the rank's rows x (max_length + max_completion_length - 1) positions (the last token is sampled,
+      never fed back), `kv_cache_bytes`;
+    - rollout: the cache, one block's keys and values made again as a token is appended (torch.cat), and the larger
+      of the prompts' forward (one block's activations for the rows at max_length: nothing is kept for a backward)
+      and a decode step's logits (the head's output over the whole vocabulary, its shard under tensor parallelism,
+      and SAMPLING_BYTES_PER_LOGIT);
+    - scoring (num_iterations > 1 or beta > 0; else 0): the no-gradient forward of the step's whole global batch of
+      max_length + max_completion_length tokens per row: one block's activations, the last hidden states, the
+      head's forward (one chunk of this rank's vocabulary shard, or the whole logits) and the per-token columns."""
+    rollouts, c, t = workload.rollouts, compute_bytes, layout.tp
+    rows = rollouts.rows_per_rank(workload.batch_size, layout.dp)
+    prompt, row_tokens = workload.seq_len, workload.seq_len + rollouts.completion_tokens
+    kv = kv_cache_bytes(shape, blocks, rows * (row_tokens - 1), t, c)
+    vocab = shape.hf_config.vocab_size
+    decode = rows * vocab * (c + c / t + SAMPLING_BYTES_PER_LOGIT) if last else 0
+    rollout = kv + kv / blocks + max(layer_bytes(shape, prompt, rows, t, c), decode)
+    scoring = 0.0
+    if rollouts.kept_logps:
+        tokens = workload.batch_size * row_tokens
+        made = c + (4 if c < 4 else 0)
+        chunk = min(workload.loss_chunk_tokens, tokens) * vocab / t if workload.loss_chunk_tokens else tokens * vocab
+        head = tokens * shape.hidden * c + chunk * (made + 4) if last else 0
+        scoring = layer_bytes(shape, row_tokens, workload.batch_size, t, c) + head + KEPT_BYTES_PER_TOKEN * tokens
+    return {"kv_cache": kv, "rollout": rollout, "scoring": scoring}
 
 
 def logit_bytes(shape: ModelShape, workload: Workload, tokens: float, tp: int, compute_bytes: int) -> float:
@@ -598,6 +673,9 @@ class Plan:
             if extra is not None and extra not in shown and extra.layout not in [r.layout for r in shown]:
                 shown = shown + [extra]
         columns = (*COLUMNS[:-1], "run min") if self.timed_as_run else COLUMNS
+        if self.workload.rollouts:  # grpo: the rollout's KV cache and phase beside the update's activations
+            at = columns.index("total GB")
+            columns = (*columns[:at], "kv", "rollout", *columns[at:])
         cells = [columns] + [self._cells(row) for row in shown]
         widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
         align = [str.ljust if name == "sharding" else str.rjust for name in columns]
@@ -617,6 +695,8 @@ class Plan:
         sizes = [f"{(mem['params'] + mem['gathered'] + mem['dequantized']) / GB:.2f}"]
         sizes += [f"{mem[k] / GB:.2f}" for k in ("grads", "optimizer")]
         sizes.append(f"{(mem['activations'] + mem['logits']) / GB:.2f}")  # a language model's logits with them
+        if self.workload.rollouts:
+            sizes += [f"{mem['kv_cache'] / GB:.2f}", f"{max(mem['rollout'], mem['scoring']) / GB:.2f}"]
         return (
             str(lay.tp),
             str(lay.pp),
@@ -690,8 +770,8 @@ class Plan:
 
     def _timed(self) -> str:
         """The header's line of what is timed: an SST-2 epoch (a model planned), or the run's own steps."""
-        work = self.workload
-        unit = "pairs" if self.pairs else "samples"
+        work, rollouts = self.workload, self.workload.rollouts
+        unit = "pairs" if self.pairs else "completions" if rollouts else "samples"
         if not self.timed_as_run:
             return (
                 f"SST-2 epoch: {SST2_TRAIN_SENTENCES:,} sentences = {self.steps:,} steps of {self.batch_size}; "
@@ -701,14 +781,20 @@ class Plan:
         if work.max_steps:
             counted = f"max_steps={work.max_steps}"
         elif work.samples is not None:
-            counted = f"{work.epochs:g} epoch(s) of {work.samples:,} {unit} ({work.data})"
+            counted = f"{work.epochs:g} epoch(s) of {work.samples:,} {'prompts' if rollouts else unit} ({work.data})"
         else:
             counted = f"{work.epochs:g} epoch(s) of {SST2_TRAIN_SENTENCES:,} {unit} assumed ({work.data})"
         slices = f" ({work.accumulation} accumulation slices of {self.slice_size})" if work.accumulation > 1 else ""
-        layout_of = "packed into" if work.packing else "padded to"
+        row = f"{self.seq_len} tokens per row ({'packed into' if work.packing else 'padded to'} max_length)"
+        if rollouts:  # grpo: a step's prompts, and rows of a prompt and its completion; the decode is not timed
+            unit += f" = {self.batch_size // rollouts.generations} prompts x {rollouts.generations}"
+            row = (
+                f"{self.seq_len} + {rollouts.completion_tokens} tokens per row (max_length, the prompt budget, + "
+                "max_completion_length), the rollout's decode not timed"
+            )
         return (
             f"the run: {self.steps:,} steps of {self.batch_size} {unit}{slices}: {counted}; memory at "
-            f"{self.seq_len} tokens per row ({layout_of} max_length), time at {self.tokens_per_sample:g} "
+            f"{row}, time at {self.tokens_per_sample:g} "
             f"tokens per sample, MFU {self.mfu:g}; {'fp32' if work.compute_bytes == 4 else '16-bit'} compute, "
             + (
                 f"the loss in chunks of {work.loss_chunk_tokens:,} tokens"
@@ -755,7 +841,29 @@ class Plan:
         if self.recipe is not None:
             keys = " ".join(best.layout.overrides(self.hardware.gpus_per_node))
             lines.append(f"  as overrides (after {' '.join([self.recipe, *self.overrides])}): {keys}")
-        return lines
+        return lines + self._rollout_lines()
+
+    def _rollout_lines(self) -> list[str]:
+        """grpo: what the rollout holds in the recipe's layout (or the recommended one), KV cache first."""
+        rollouts, row = self.workload.rollouts, self.current or self.recommended
+        if not rollouts or row is None:
+            return []
+        mem, dp = row.memory, row.layout.dp
+        rows = rollouts.rows_per_rank(self.batch_size, dp)
+        held = rollouts.held_out_prompts
+        evaluation = (
+            f"an evaluation's {held:,} held-out prompts: {-(-held // dp) * rollouts.generations:,} at once"
+            if held
+            else "held-out prompts not counted"
+        )
+        scoring = f", kept log-probabilities {mem['scoring'] / GB:.1f} GB" if rollouts.kept_logps else ""
+        return [
+            f"rollout KV cache {mem['kv_cache'] / GB:.2f} GB ({mem['kv_cache'] / 2**30:.2f} GiB) per GPU in "
+            f"{'the recipe' if self.current else 'the recommended'}'s layout: {rows:,} completions at once "
+            f"(a step's {self.batch_size // dp:,} = {self.batch_size // rollouts.generations // dp:,} prompts x "
+            f"{rollouts.generations}; {evaluation}) x {self.seq_len} + {rollouts.completion_tokens} - 1 positions; "
+            f"the rollout phase {mem['rollout'] / GB:.1f} GB beside the state{scoring}"
+        ]
 
     def _footer(self) -> list[str]:
         return [
@@ -781,6 +889,20 @@ class Plan:
             "  head's gradient while made, or with loss_chunk_tokens=0 every labelled position's whole logits,",
             "  fp32 log-softmax and gradients; sft/dpo with packing: rows of --tokens-per-row packed into",
             f"  max_length sequences (dpo: 2 x max_length) at {PACKING_EFFICIENCY:.0%} of their slots.",
+            *(
+                [
+                    "- grpo: total = 1.1 x (state + the largest of the update's activ, the",
+                    "  rollout and the kept log-probabilities' forward) + 1.5 GB. rollout = KV",
+                    "  cache (a rank's batch_size/dp rows, or an evaluation's held-out prompts x",
+                    "  num_generations if more, x (max_length + max_completion_length - 1)",
+                    "  positions x 2 x layers x kv heads/tp x head dim x 2 B) + one layer's K, V",
+                    "  appended + the larger of the prompts' forward (one layer at max_length)",
+                    "  and a decode step's whole-vocabulary logits; kept log-probabilities",
+                    "  (num_iterations > 1, beta > 0): one no-grad forward of the global batch.",
+                ]
+                if self.workload.rollouts
+                else []
+            ),
             "- Time: (6N + 12*L*s*d) FLOPs per token (+ 2N + 4*L*s*d with ac), d = heads x head dimension, at the",
             "  MFU of peak, / pipeline efficiency m/(m+pp-1), + tp/dp/FSDP ring collectives at 70% of the link",
             "  rate, not overlapped.",
@@ -820,6 +942,7 @@ class Workload:
     epochs: float = 1.0  # passes over them (time: epochs x samples / batch_size steps)
     max_steps: int | None = None  # when set, the run's steps (wins over epochs)
     data: str = ""  # where the samples come from, for the header
+    rollouts: Rollouts | None = None  # task=grpo: what each step samples before it trains (None: no rollouts)
 
     def micro_batch(self, rows: float) -> MicroBatch:
         """What `rows` training rows (samples: pairs for dpo, two rows each) of one micro-batch become: packed
@@ -834,7 +957,28 @@ class Workload:
     def steps(self) -> int:
         """The run's optimizer steps: max_steps, or epochs x the global batches of an epoch (as the trainer)."""
         samples = SST2_TRAIN_SENTENCES if self.samples is None else self.samples
-        return self.max_steps or max(1, math.ceil(self.epochs * (samples // self.batch_size or 1)))
+        per_step = self.batch_size // self.rollouts.generations if self.rollouts else self.batch_size  # grpo: prompts
+        return self.max_steps or max(1, math.ceil(self.epochs * (samples // per_step or 1)))
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """task=grpo's sampling (rl/steps.py, rl/rollout.py), as the planner counts it. A step's batch_size completions
+    are num_generations of each of batch_size / num_generations prompts; a data-parallel rank samples its share of
+    them all at once (batch_size / dp rows: accumulation slices cut only the update), each row's prompt padded to
+    the longest (at most max_length, the prompt budget) and up to max_completion_length tokens. An evaluation samples
+    a rank's share of the held-out prompts all at once too. With num_iterations > 1 or beta > 0 every rank measures
+    the kept per-token log-probabilities of the step's whole global batch in one no-gradient forward."""
+
+    generations: int  # grpo.num_generations
+    completion_tokens: int  # grpo.max_completion_length
+    held_out_prompts: int | None = None  # the validation prompts an evaluation samples (None: not counted)
+    kept_logps: bool = False  # num_iterations > 1 or beta > 0
+
+    def rows_per_rank(self, batch_size: int, dp: int) -> int:
+        """Completions one rank samples at once: its share of a step's, or of an evaluation's if that is larger."""
+        held = -(-self.held_out_prompts // dp) * self.generations if self.held_out_prompts else 0
+        return max(batch_size // dp, held)
 
 
 @dataclass(frozen=True)
@@ -863,6 +1007,9 @@ def _checked(workload: Workload) -> None:
     positive_number("tokens_per_sample", workload.tokens_per_sample, "13.4")
     if workload.tokens_per_row is not None:
         positive_number("tokens_per_row", workload.tokens_per_row, "512")
+    if workload.rollouts is not None:
+        positive_int("num_generations", workload.rollouts.generations)
+        positive_int("max_completion_length", workload.rollouts.completion_tokens)
     if workload.loss_chunk_tokens < 0 or isinstance(workload.loss_chunk_tokens, bool):
         raise UserError(f"loss_chunk_tokens={workload.loss_chunk_tokens!r} must be >= 0 (0: the whole logits at once)")
     if workload.compute_bytes not in (2, 4):
