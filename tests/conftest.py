@@ -506,3 +506,42 @@ def tmpfs(folder: Path, options: str):
         yield folder
     finally:
         subprocess.run(["umount", str(folder)])
+
+
+REWARD_CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def tiny_reward_model(folder: Path, seed: int = 0) -> Path:
+    """A reward model as task=reward exports one, made directly (a run would take a minute): a one-output
+    LlamaForSequenceClassification of one tiny layer, random weights (its head scaled up so that scores spread),
+    and a byte-level tokenizer of its own (every text tokenizes, none shared with the policy) with a chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = REWARD_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        problem_type="regression",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.mul_(50)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -225,6 +225,19 @@ def check_chat_rows(config: Config, family, raw, task: Task, source) -> None:
             )
 
 
+def check_rewards(config: Config, task: Task | None, where: str) -> None:
+    """task=grpo: its reward functions made as the run makes them (a user's file loaded and its function found, a
+    reward model's folder checked: its config.json, not its weights), and the columns they read in the local rows
+    (`task`: None for rows from the Hub; `where`: the rows' description)."""
+    if not kind_of(config.model.task).step_source:
+        return
+    from .rl.rewards import Rewards, RewardSettings
+
+    rewards = Rewards(RewardSettings.of(config.grpo), placement=None)
+    if task is not None:
+        rewards.check_columns(task.columns[1:], f"the training rows ({where})")
+
+
 def describe_sharding(config: Config, dims, precision: str) -> str:
     """The sharding part of --check's line; engine=deepspeed's config is generated (and its problems, fp16 on a
     CPU, MiCS, a JSON contradicting the recipe, said in one line) here."""
@@ -272,6 +285,7 @@ def preflight(config: Config, nproc: int, nnodes: int = 1) -> str:
             )
     else:  # rows from the Hub: whether the run can have them (nothing is downloaded here)
         data = check_hub_data(data=config.data)
+    check_rewards(config, task, data)
     check_writable(Path(config.data.cache_dir).expanduser(), "cache_dir")
     continuing = continuing_run(checkpoint=config.checkpoint, output=config.output)
     output_dir = choose_output_dir(config.output.output_dir, config.recipe, config.output.overwrite, continuing)

@@ -79,6 +79,30 @@ def test_the_export_is_a_one_output_classifier_that_scores_as_the_run(llama_run,
     assert scored == pytest.approx(raw, abs=1e-5)
 
 
+def test_the_export_scores_grpo_completions_as_a_reward_model(llama_run):
+    """task=grpo's `model:<run>/hf` (rl/reward_model.py) reads the export as TRL's GRPOTrainer reads a reward
+    model: the prompt's messages and the completion as the assistant's turn through the exported chat template, no
+    special tokens added, the logit; its metric is named by the folder, as TRL's."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from parallel_finetune.rl.rewards import Rewards, RewardSettings
+
+    hf = llama_run.output_dir / "hf"
+    rewards = Rewards(RewardSettings((f"model:{hf}",)))
+    prompts = [[{"role": "user", "content": "What is the last word of this sentence? a fine film"}]] * 3
+    completions = ["film", "a fine film it is", "fine"]
+    got = rewards.score(prompts, completions, [[1]] * 3, {})[:, 0].tolist()
+    model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    expected = []
+    for prompt, completion in zip(prompts, completions):
+        text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+        with torch.no_grad():
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            expected.append(model(**ids).logits[0, 0].item())
+    assert rewards.names == ["hf"] and got == pytest.approx(expected, abs=1e-5) and len(set(expected)) == 3
+
+
 def test_the_loss_is_trls_formula_with_margin_and_centring():
     """-log sigmoid(r_c - r_r - m) + c (r_c + r_r)^2 summed over pairs; metrics TRL's: the pairs' means, extremes."""
     from parallel_finetune.loop.reward_loss import RewardLoss

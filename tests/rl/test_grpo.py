@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_task_of, prepare_data, recipe
+from conftest import load_task_of, prepare_data, recipe, tiny_overrides
 
 from parallel_finetune.config import GRPOSection
 from parallel_finetune.config.checks import GRPO_BUILTIN_REWARDS
@@ -259,11 +260,14 @@ def test_the_loss_and_its_metrics_are_trls_in_any_slicing(section):
 # ------------------------------------------------------------------------------------------- a run
 def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp_path):
     """One process on the shipped sample, completions sampled: each step's TRL metrics and time split, the
-    completions with their rewards and advantage in generations.jsonl, the held-out reward at the end."""
-    from conftest import launch, tiny_overrides
+    completions with their rewards and advantage in generations.jsonl, the held-out reward at the end. Its rewards:
+    accuracy, length and a reward model (model:folder, TRL's rewards/<folder name>/mean)."""
+    from conftest import launch, tiny_reward_model
 
+    reward_model = tiny_reward_model(tmp_path / "tiny-rm")
     keys = {"data_dir": "", "max_length": 96, "max_steps": 2, "batch_size": 8, "export": "false"}
-    grpo = ["num_generations=4", "max_completion_length=8", "reward_functions=[accuracy, length]"]
+    grpo = ["num_generations=4", "max_completion_length=8"]
+    grpo += [f"reward_functions=[accuracy, length, model:{reward_model}]"]
     overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["length_limit=3"]
     run = launch(1, [*overrides, "tensor_parallel_degree=1"], tmp_path / "run", recipe=recipe("llama"))
     records = run.records
@@ -273,14 +277,20 @@ def test_a_tiny_run_samples_scores_and_reports_trls_metrics(sst2, cache_dir, tmp
             assert math.isfinite(record[key]), (key, record)
         assert 1 <= record["completions/mean_length"] <= 8 and 0 <= record["completions/clipped_ratio"] <= 1
         assert record["rollout_s"] > 0 and record["scoring_s"] > 0 and record["update_s"] > 0
+        assert record["rewards/tiny-rm/std"] > 0  # the reward model scores each completion its own
     written = [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
     assert len(written) == 2 * 8 and set(written[0]) == {"step", "prompt", "answer", "rewards", "advantage"}
-    assert set(written[0]["rewards"]) == {"accuracy", "length"}
+    assert set(written[0]["rewards"]) == {"accuracy", "length", "tiny-rm"}
+    step = [row for row in written if row["step"] == 1]
+    model_scores = [row["rewards"]["tiny-rm"] for row in step]
+    assert sum(model_scores) / len(model_scores) == pytest.approx(records[0]["rewards/tiny-rm/mean"], abs=1e-5)
     assert (
         run.summary["family"] == "llama"
         and math.isfinite(run.summary["eval_reward"])
         and "eval_rewards/length/mean" in run.summary
+        and math.isfinite(run.summary["eval_rewards/tiny-rm/mean"])
     )
+    assert "Loading weights" not in run.output  # transformers' progress bar, per rank, stays out of the log
 
 
 def test_check_renders_the_prompts_and_refuses_a_pipeline(tmp_path):
@@ -292,3 +302,87 @@ def test_check_renders_the_prompts_and_refuses_a_pipeline(tmp_path):
     assert ok.returncode == 0 and "task grpo" in ok.stdout, ok.stdout + ok.stderr
     refused = check("size=tiny", "pipeline_parallel_degree=2", "tensor_parallel_degree=1", recipe=grpo_recipe)
     assert refused.returncode != 0 and "use tensor_parallel_degree (TP) or sharding=full (FSDP)" in refused.stderr
+
+
+# ------------------------------------------------------------------------------------------- bad rewards, as said
+BAD_REWARDS = """
+NOT_A_FUNCTION = 3
+
+
+def raising(completions, **kwargs):
+    return [1 / 0 for _ in completions]
+
+
+def too_few(completions, **kwargs):
+    return [1.0]
+
+
+def nan(completions, **kwargs):
+    return [float("nan")] * len(completions)
+"""
+
+
+def one_error_line(stderr: str) -> str:
+    """The one `error:` line a refused command prints, and nothing else of the failure (no traceback)."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ("[missing.py:f]", r"reward_functions: 'missing.py:f': no such file missing.py \(relative to the current"),
+        ("[{file}:NOT_A_FUNCTION]", r"rewards.py:NOT_A_FUNCTION is not a function \(int\)"),
+        ("[{file}:absent]", r"rewards.py has no function 'absent'; its functions: \['nan', 'raising', 'too_few'\]"),
+        ("[acuracy]", r"names 'acuracy', no built-in reward \(accuracy, format, length\)"),
+        ("[model:{tmp}/absent]", r"'model:.*absent': no such folder '.*absent'"),
+        ("[model:{tmp}/causal]", r"causal/config.json is a LlamaForCausalLM, not a sequence classifier"),
+        ("[accuracy]", r"the training rows \(.*train.jsonl.*\): reward accuracy compares completions with the column"),
+    ],
+    ids=[
+        "missing-file",
+        "not-a-function",
+        "no-such-function",
+        "unknown-builtin",
+        "no-model",
+        "not-a-classifier",
+        "no-answer-column",
+    ],
+)
+def test_check_says_a_reward_that_cannot_be_had_in_one_line(tmp_path, rewards, message):
+    """--check (what make runs before torchrun) makes the run's rewards: a file or function that is not there, a
+    reward model that is not one, and the answer column accuracy reads but the rows lack, each one line, exit 2."""
+    from conftest import check
+    from transformers import LlamaConfig
+
+    (tmp_path / "rewards.py").write_text(BAD_REWARDS)
+    LlamaConfig(architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "causal")
+    rows = [{"prompt": [USER], "solution": "4"}] * 8  # no `answer` column
+    files = [f"train_file={write_rows(tmp_path, rows)}", f"validation_file={write_rows(tmp_path, rows, 'v.jsonl')}"]
+    keys = ["size=tiny", "task=grpo", "batch_size=8", "num_generations=4", f"cache_dir={tmp_path / 'cache'}"]
+    chosen = rewards.format(file=tmp_path / "rewards.py", tmp=tmp_path)
+    refused = check(*keys, *files, f"reward_functions={chosen}", nproc=1, recipe=recipe("llama"))
+    assert refused.returncode == 2 and re.search(message, one_error_line(refused.stderr)), refused.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("raising", r"reward function .*rewards.py:raising raised ZeroDivisionError: division by zero"),
+        ("too_few", r"reward function .*rewards.py:too_few returned 1 rewards for 8 completions"),
+        ("nan", r"reward function .*rewards.py:nan returned NaN for completion 0; return None where it does not"),
+    ],
+    ids=["raising", "wrong-count", "nan"],
+)
+def test_a_reward_function_that_misbehaves_in_a_run_stops_it_in_one_line(sst2, cache_dir, tmp_path, function, message):
+    """What the function returns is seen only once it scores a step's completions: the run (2 processes) stops at
+    its first step with one `error:` line naming the function and what is wrong, exit 2."""
+    from conftest import launch
+
+    (tmp_path / "rewards.py").write_text(BAD_REWARDS)
+    keys = {"data_dir": "", "max_length": 96, "max_steps": 1, "batch_size": 8, "export": "false"}
+    grpo = ["num_generations=4", "max_completion_length=4", f"reward_functions=[{tmp_path / 'rewards.py'}:{function}]"]
+    overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["tensor_parallel_degree=2"]
+    run = launch(2, overrides, tmp_path / "run", recipe=recipe("llama"), check=False)
+    assert run.returncode == 2 and re.search(message, one_error_line(run.output)), run.output[-3000:]

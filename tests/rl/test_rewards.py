@@ -1,16 +1,21 @@
-"""rl/rewards.py: the built-in rewards, a user's file:function, every bad input's one line, and TRL's weighting and
+"""rl/rewards.py: the built-in rewards, a user's file:function, a reward model (model:folder, rl/reward_model.py:
+TRL's rendering and logit, its rows split over ranks), every bad input's one line, and TRL's weighting and
 group-relative advantages computed by hand on the same numbers (TRL's GRPOTrainer: None -> NaN, weighted nansum,
 nanmean and Bessel-corrected nanstd per group or batch, / (std + 1e-4), NaN advantages -> 0)."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import threading
 
 import pytest
 import torch
+from conftest import tiny_reward_model
 
 from parallel_finetune.errors import UserError
+from parallel_finetune.rl.reward_model import BATCH_ROWS, Placement, RewardModel
 from parallel_finetune.rl.rewards import (
     Rewards,
     RewardSettings,
@@ -138,6 +143,122 @@ def test_a_users_function_gets_trls_arguments_and_its_none_is_nan(user_file):
 def test_conversational_prompts_get_completions_as_trl_hands_them(user_file):
     prompts = [[{"role": "user", "content": "hello"}]]
     assert scores([f"{user_file}:conversational"], ["hi"], prompts=prompts) == [[1.0]]
+
+
+# ----------------------------------------------------------------------------------------------- a reward model
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    return tiny_reward_model(tmp_path_factory.mktemp("reward-model") / "tiny-rm")
+
+
+def trl_scores(folder, prompts: list, completions: list[str]) -> list[float]:
+    """TRL's GRPOTrainer on a reward model, one row at a time (no padding): prompt + completion, or the prompt's
+    messages and the completion as the assistant's through the chat template, tokenized with no special tokens,
+    the model's logit 0."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = []
+    for prompt, completion in zip(prompts, completions):
+        if isinstance(prompt, str):
+            text = prompt + completion
+        else:
+            turns = prompt + [{"role": "assistant", "content": completion}]
+            text = tokenizer.apply_chat_template(turns, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out.append(model(**ids).logits[0, 0].item())
+    return out
+
+
+# completions of many lengths, more than one batch of the reward model's (BATCH_ROWS)
+COMPLETIONS = [("Answer: " + "seven " * (i % 9)).strip() + ("!" * (i % 4)) for i in range(BATCH_ROWS + 8)]
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_a_reward_model_scores_as_trl_renders_and_reads_it(reward_model, conversational):
+    prompts = [f"Question {i}: what is three plus {i % 5}? " for i in range(len(COMPLETIONS))]
+    if conversational:
+        prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}] for p in prompts]
+    rewards = Rewards(RewardSettings(("length", f"model:{reward_model}"), weights=(1.0, 0.5), length_limit=100))
+    assert rewards.names == ["length", "tiny-rm"]  # TRL's name: the model path's last part -> rewards/tiny-rm/mean
+    ids = [[1] * 3 for _ in COMPLETIONS]
+    table = rewards.score(prompts, COMPLETIONS, ids, {"answer": ["3"] * len(COMPLETIONS)})
+    expected = trl_scores(reward_model, prompts, COMPLETIONS)
+    assert table[:, 1].tolist() == pytest.approx(expected, abs=1e-5)
+    assert statistics.stdev(expected) > 0.01  # the scores differ: the test would see rows swapped or misread
+    assert weighted_rewards(table, rewards.weights).tolist() == pytest.approx([0.5 * e for e in expected], abs=1e-5)
+
+
+def test_a_reward_models_rows_are_split_over_the_ranks_and_gathered(reward_model):
+    """Two ranks (threads, a barrier for the all-gather): each scores its contiguous share, both return every
+    completion's score, one process's."""
+    prompts = ["Say it: "] * 7
+    completions = COMPLETIONS[:7]
+    alone = RewardModel(f"model:{reward_model}", Placement())(prompts, completions)
+    barrier, shares, results = threading.Barrier(2, timeout=60), [None, None], [None, None]
+
+    def rank(r: int):
+        def gather(mine):
+            shares[r] = mine
+            barrier.wait()
+            return list(shares)
+
+        model = RewardModel(f"model:{reward_model}", Placement(rank=r, ranks=2, gather=gather))
+        results[r] = model(prompts, completions)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [len(share) for share in shares] == [3, 4]  # contiguous shares: 7 * r // 2
+    assert results[0] == results[1] and results[0] == pytest.approx(alone, abs=1e-6)
+
+
+def test_a_reward_model_that_cannot_be_had_is_one_line(reward_model, tmp_path):
+    from transformers import LlamaConfig
+
+    def refused(folder, message, placement=Placement()):
+        with pytest.raises(UserError, match=message) as caught:
+            Rewards(RewardSettings((f"model:{folder}",)), placement)
+        assert "\n" not in str(caught.value)
+
+    refused(tmp_path / "absent", r"'model:.*absent': no such folder '.*absent' \(relative to the current folder\)")
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    refused(run, r"run holds no config.json; it holds a run's hf/: give model:.*run/hf")
+    causal = tmp_path / "causal"
+    LlamaConfig(architectures=["LlamaForCausalLM"]).save_pretrained(causal)
+    refused(causal, r"config.json is a LlamaForCausalLM, not a sequence classifier; a reward model is a")
+    labels = tmp_path / "labels"
+    LlamaConfig(architectures=["LlamaForSequenceClassification"], num_labels=2).save_pretrained(labels)
+    refused(labels, r"config.json is a classifier of 2 labels; a reward model has one output")
+    weightless = tmp_path / "weightless"
+    config = json.loads((reward_model / "config.json").read_text())
+    weightless.mkdir()
+    (weightless / "config.json").write_text(json.dumps(config))
+    Rewards(RewardSettings((f"model:{weightless}",)), placement=None)  # --check reads config.json only
+    refused(weightless, r"'model:.*weightless': the model cannot be loaded \(")
+    with pytest.raises(UserError, match=r"two functions share a name \(\['tiny-rm', 'tiny-rm'\]\)"):
+        Rewards(RewardSettings((f"model:{reward_model}", f"model:{reward_model}/")))
+
+
+def test_conversations_need_the_reward_models_chat_template(reward_model, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(reward_model, plain)
+    settings = json.loads((plain / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    rewards = Rewards(RewardSettings((f"model:{plain}",)))
+    assert rewards.score(["text "], ["x"], [[1]], {}).shape == (1, 1)  # text prompts need no template
+    with pytest.raises(UserError, match=r"the prompts are conversations and .*plain's tokenizer has no chat template"):
+        rewards.score([[{"role": "user", "content": "hi"}]], ["x"], [[1]], {})
 
 
 # ----------------------------------------------------------------------------------------------- bad input

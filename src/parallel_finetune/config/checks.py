@@ -316,14 +316,19 @@ def _check_grpo(config: Config, bad: BadKey) -> None:
 def _check_rewards(config: Config, bad: BadKey, section: GRPOSection) -> None:
     functions = section.reward_functions
     if not functions or not all(isinstance(f, str) and f for f in functions):
-        raise bad("reward_functions", f"must list reward functions: {', '.join(GRPO_BUILTIN_REWARDS)} or path.py:name")
+        raise bad(
+            "reward_functions",
+            f"must list reward functions: {', '.join(GRPO_BUILTIN_REWARDS)}, path.py:name or model:path/to/folder",
+        )
     for name in functions:
         if ":" not in name and name not in GRPO_BUILTIN_REWARDS:
             raise bad(
                 "reward_functions",
                 f"names {name!r}, no built-in reward ({', '.join(GRPO_BUILTIN_REWARDS)}); your own function is "
-                "path/to/file.py:function",
+                "path/to/file.py:function, a reward model model:path/to/folder",
             )
+        if name == "model:":
+            raise bad("reward_functions", "names a reward model with no folder; write model:path/to/folder")
     weights = section.reward_weights
     if weights is not None and (
         len(weights) != len(functions) or not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights)

@@ -284,7 +284,9 @@ class GRPOSection:
     temperature: float = 1.0  # sampling temperature (0: greedy)
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability
     top_k: int = 0  # only the k likeliest tokens (0: all)
-    # built-ins (accuracy, format, length) or your own `path/to/file.py:function` (TRL's signature)
+    # built-ins (accuracy, format, length), your own `path/to/file.py:function` (TRL's signature), or a reward model
+    # `model:path/to/folder` (a one-output sequence classifier, e.g. a task=reward run's hf/: its score of each
+    # prompt and completion; metric rewards/<folder name>/mean)
     reward_functions: list = field(default_factory=lambda: ["accuracy"])
     reward_weights: list | None = None  # one weight per reward function; None = 1.0 each
     format_pattern: str | None = None  # reward format: the regular expression a whole completion must match

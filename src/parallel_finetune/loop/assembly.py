@@ -150,6 +150,7 @@ class LoopAssembly:
             layout=self.layout,
             padding=self.padding(stage.prepared, built),
             lora=self.resolved.lora is not None,
+            compute_dtype=self.resolved.compute_dtype,
         )
 
     def reporter(self, output_dir: Path, total_steps: int, step: int) -> Reporter:

@@ -1,5 +1,6 @@
-"""GRPO's rewards: the recipe's `reward_functions`, each a built-in by name or a user's own function named as
-`path/to/file.py:function`, scored on every completion, combined with `reward_weights`, and turned into
+"""GRPO's rewards: the recipe's `reward_functions`, each a built-in by name, a user's own function named as
+`path/to/file.py:function` or a reward model named as `model:path/to/folder` (rl/reward_model.py), scored on every
+completion, combined with `reward_weights`, and turned into
 group-relative advantages, all as TRL's GRPOTrainer does (`_calculate_rewards` and the advantages that follow it,
 multi_objective_aggregation="sum_then_normalize", its default).
 
@@ -20,6 +21,10 @@ what it does not name), returning one float or None (does not apply) per complet
 user's recipe names: no code is read from data, a checkpoint or a model folder. Conversational prompts (lists of
 messages) come with completions as TRL hands them, `[{"role": "assistant", "content": text}]`.
 
+A reward model (`model:path/to/folder`, a one-output sequence classifier such as task=reward's hf/): its logit of
+the prompt and completion rendered with its own tokenizer, as TRL scores one; rl/reward_model.py says how it is
+loaded and where it runs.
+
 Combining (TRL): None becomes NaN; rewards = nansum over functions of weight x reward; a completion no function
 scored is NaN, left out of its group's mean and standard deviation, and its advantage is 0.
 """
@@ -36,7 +41,9 @@ from pathlib import Path
 
 import torch
 
+from ..config import GRPOSection
 from ..errors import UserError
+from .reward_model import MODEL_PREFIX, Placement, RewardModel, check_reward_model, is_reward_model
 
 BUILTINS = ("accuracy", "format", "length")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -55,6 +62,18 @@ class RewardSettings:
     length_limit: int | None = None
     length_ramp: int | None = None  # None: length_limit
     answer_column: str = "answer"
+
+    @classmethod
+    def of(cls, grpo: GRPOSection) -> RewardSettings:
+        """The `grpo:` section's reward keys."""
+        return cls(
+            tuple(grpo.reward_functions),
+            tuple(grpo.reward_weights) if grpo.reward_weights is not None else None,
+            grpo.format_pattern,
+            grpo.length_limit,
+            grpo.length_ramp,
+            grpo.answer_column,
+        )
 
 
 # ------------------------------------------------------------------------------ built-ins
@@ -177,18 +196,20 @@ def _frames(traceback):
 # ------------------------------------------------------------------------------ scoring
 @dataclass(frozen=True)
 class Reward:
-    name: str  # the metric's rewards/<name>/mean: a built-in's name, a user function's __name__
+    name: str  # the metric's rewards/<name>/mean: a built-in's name, a user function's __name__, a model's folder's
     source: str  # as the recipe names it
-    function: Callable
+    function: Callable | None  # None: a reward model checked, not loaded (Rewards' placement=None)
 
 
 class Rewards:
-    """The recipe's reward functions and weights, ready to score completions."""
+    """The recipe's reward functions and weights, ready to score completions. `placement`: where reward models are
+    loaded and score (rl/reward_model.py); None checks them only (--check: each folder's config.json, no weights
+    loaded), and such Rewards do not score."""
 
-    def __init__(self, settings: RewardSettings):
+    def __init__(self, settings: RewardSettings, placement: Placement | None = Placement()):
         if not settings.functions:
             raise UserError(f"reward_functions is empty; name at least one of {', '.join(BUILTINS)} or a file")
-        self.rewards = [self.resolve(spec, settings) for spec in settings.functions]
+        self.rewards = [self.resolve(spec, settings, placement) for spec in settings.functions]
         names = [reward.name for reward in self.rewards]
         if len(set(names)) < len(names):
             raise UserError(f"reward_functions: two functions share a name ({names}); each names its own metric")
@@ -201,15 +222,21 @@ class Rewards:
         self.answer_column = settings.answer_column
 
     @staticmethod
-    def resolve(spec: str, settings: RewardSettings) -> Reward:
+    def resolve(spec: str, settings: RewardSettings, placement: Placement | None) -> Reward:
         if spec in BUILTINS:
             return Reward(spec, spec, builtin(spec, settings))
+        if is_reward_model(spec):
+            if placement is None:
+                folder, _ = check_reward_model(spec)
+                return Reward(folder.resolve().name, spec, None)
+            model = RewardModel(spec, placement)
+            return Reward(model.__name__, spec, model)
         if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
             function = load_function(spec)
             return Reward(getattr(function, "__name__", spec.rpartition(":")[2]), spec, function)
         raise UserError(
             f"reward_functions: unknown reward {spec!r}; the built-ins are {', '.join(BUILTINS)}, or name your own "
-            "function as path/to/file.py:function"
+            f"function as path/to/file.py:function, a reward model as {MODEL_PREFIX}path/to/folder"
         )
 
     @property
@@ -228,6 +255,8 @@ class Rewards:
         """(completions, functions) rewards (a tensor), NaN where a function returned None. `columns`: the rows'
         other columns, one entry per completion (TRL's own keys prompt, completion, completion_ids left out)."""
         self.check_columns(list(columns), "the rollout's rows")
+        if any(reward.function is None for reward in self.rewards):
+            raise RuntimeError("these Rewards were made to check the recipe (placement=None); they do not score")
         if prompts and not isinstance(prompts[0], str):  # conversational: completions as TRL hands them
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         table = torch.full((len(completions), len(self.rewards)), float("nan"))

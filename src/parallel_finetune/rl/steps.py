@@ -10,7 +10,8 @@ A step, on every rank alike:
                then the completions all-gathered over the data-parallel ranks, so every rank holds the step's
                whole global batch in prompt-major order
   2. scoring   every reward function on every completion (rl/rewards.py; each rank alike, so the reward metrics
-               and scale_rewards=batch's standard deviation are the global batch's with no further collective),
+               and scale_rewards=batch's standard deviation are the global batch's with no further collective;
+               a reward model's forwards split over every rank and its scores all-gathered: rl/reward_model.py),
                the weighted reward and the group-relative advantages
   3. the step's RolloutSplit (data/grpo.py) and its "grpo" batcher; the Trainer's slices cut it as any split.
 The completions of the step (prompt, completion, each reward, advantage) go to the reporter's generations.jsonl and
@@ -50,6 +51,7 @@ from ..loop.runner import model_inputs
 from ..model.lora import adapters_disabled
 from ..parallel.layout import Layout
 from ..parallel.vocab import token_nll
+from .reward_model import Placement
 from .rewards import Rewards, RewardSettings, group_advantages, reward_metrics, weighted_rewards
 from .rollout import SamplingSettings, sample
 
@@ -157,7 +159,8 @@ class RolloutStage:
     def held_out(self, split) -> dict:
         """The held-out prompts' rewards (`split`: a prepared grpo split): num_generations completions of each,
         sampled as a step's are but always with the same draws (step 0, which no training step has), so that
-        evaluations compare; each data-parallel rank samples its share and the rewards are gathered."""
+        evaluations compare; each data-parallel rank samples its share, the completions are gathered, and every
+        rank scores them all, as a step's."""
         rows = PromptRows.of(split)
         dp, rank = self.layout.dp, self.layout.dp_rank
         if len(rows.ids) < dp:
@@ -170,15 +173,16 @@ class RolloutStage:
             self.model, [rows.ids[p] for p in positions], positions, self.settings, 0, autocast=self.autocast
         )
         completions = rollout.completions()
+        if dp > 1:  # in rank order: every prompt's completions, prompt-major
+            parts = [None] * dp
+            dist.all_gather_object(parts, completions, group=self.layout.dp_group)
+            completions = [c for part in parts for c in part]
         count = self.grpo.num_generations
-        prompts = [rows.prompts[p] for p in positions for _ in range(count)]
-        columns = {name: [rows.columns[p][name] for p in positions for _ in range(count)] for name in rows.columns[0]}
+        every = [p for p in range(len(rows.ids)) for _ in range(count)]
+        prompts = [rows.prompts[p] for p in every]
+        columns = {name: [rows.columns[p][name] for p in every] for name in rows.columns[0]}
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         per_function = self.rewards.score(prompts, texts, completions, columns)
-        if dp > 1:
-            parts = [None] * dp
-            dist.all_gather_object(parts, per_function, group=self.layout.dp_group)
-            per_function = torch.cat(parts)
         rewards = weighted_rewards(per_function, self.rewards.weights)
         results = {"eval_reward": torch.nanmean(rewards).item()}
         for j, name in enumerate(self.rewards.names):
@@ -255,10 +259,27 @@ class _TokenLogps(HiddenTokenLoss):
         return nll.sum(), {"logps": -nll}
 
 
-def make_rollouts(*, built, prepared, grpo: GRPOSection, seed: int, layout: Layout, padding: Padding, lora: bool):
+def _gather_over_every_rank(mine: list) -> list[list]:
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
+
+
+def make_rollouts(
+    *,
+    built,
+    prepared,
+    grpo: GRPOSection,
+    seed: int,
+    layout: Layout,
+    padding: Padding,
+    lora: bool,
+    compute_dtype: torch.dtype = torch.float32,
+):
     """A grpo run's RolloutStage: the built model (loop/model_stage.BuiltModel: the model, its objective's head,
     its runner's mixed precision), its prompts (the prepared train split), its tokenizer's stop tokens (EOS and the
-    chat template's end of turn) and the recipe's sampling and reward keys."""
+    chat template's end of turn), the recipe's sampling and reward keys, and the run's compute dtype (its reward
+    models' weights)."""
     tokenizer = prepared.tokenizer
     settings = SamplingSettings(
         num_generations=grpo.num_generations,
@@ -270,16 +291,14 @@ def make_rollouts(*, built, prepared, grpo: GRPOSection, seed: int, layout: Layo
         top_k=grpo.top_k,
         seed=seed,
     )
-    rewards = Rewards(
-        RewardSettings(
-            tuple(grpo.reward_functions),
-            tuple(grpo.reward_weights) if grpo.reward_weights is not None else None,
-            grpo.format_pattern,
-            grpo.length_limit,
-            grpo.length_ramp,
-            grpo.answer_column,
-        )
+    placement = Placement(  # reward models: whole on every rank, each scoring its share (rl/reward_model.py)
+        device=padding.device,
+        dtype=compute_dtype,
+        rank=layout.rank,
+        ranks=layout.world_size,
+        gather=_gather_over_every_rank if layout.world_size > 1 else None,
     )
+    rewards = Rewards(RewardSettings.of(grpo), placement)
     train = prepared.splits["train"]
     rewards.check_columns(prepared.task.columns[1:], f"the training rows ({prepared.source.description})")
     return RolloutStage(
