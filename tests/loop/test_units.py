@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 
 import harness
 import pytest
@@ -258,6 +259,45 @@ def test_a_checkpoint_written_and_read_back_restores_every_part(world_of_one, tm
     assert all(torch.equal(moments[n][k], expected[n][k]) for n in expected for k in expected[n])
     assert fresh.updates.adam_step == 2 and fresh.scheduler.last_epoch == 2
     assert fresh.scheduler.get_last_lr() == pytest.approx(written.scheduler.get_last_lr())
+
+
+def test_a_checkpoint_between_a_rollouts_iterations_keeps_it(world_of_one, tmp_path, caplog):
+    """task=grpo, num_iterations 2: a checkpoint of step 1 holds the rollout step 2 trains on again (rollout.json,
+    rank 0's, in the manifest) and loading gives it back to the step source; a damaged one is refused in one line
+    before anything is restored; one missing (a checkpoint from before they were kept) is said, and the next step
+    samples."""
+    from test_grpo import kept_stage
+
+    settings = config(output_dir=str(tmp_path))
+    written = training_state(world_of_one, settings, step=1)
+    written.step_source = kept_stage()
+    folder = checkpoint.save(written, tmp_path / "checkpoints")
+    assert "rollout.json" in json.loads((folder / "manifest.json").read_text())["files"]
+    fresh = training_state(world_of_one, settings, step=0)
+    fresh.step_source = kept_stage()
+    fresh.step_source.kept = None
+    assert checkpoint.load(fresh, folder) == 1
+    expected = written.step_source.kept[1]
+    assert fresh.step_source.kept[0] == 1 and fresh.step_source.kept[1][0].split == expected[0].split
+
+    kept = json.loads((folder / "rollout.json").read_text())
+    for damage, refusal in (
+        (lambda: (folder / "rollout.json").write_text(json.dumps(kept | {"sampled_step": 2})), "sampled_step is 2"),
+        (lambda: (folder / "rollout.json").write_text("{"), "rollout.json unreadable (JSONDecodeError)"),
+    ):
+        damage()
+        integrity.write_manifest(folder, integrity.describe(folder, integrity.files_in(folder)))
+        fresh.step_source.kept = None
+        with pytest.raises(integrity.Refused, match=re.escape(refusal)):
+            checkpoint.load(fresh, folder)
+        assert fresh.step_source.kept is None
+    (folder / "rollout.json").unlink()
+    integrity.write_manifest(folder, integrity.describe(folder, integrity.files_in(folder)))
+    fresh.step_source.kept = (1, None)
+    with caplog.at_level("WARNING"):
+        assert checkpoint.load(fresh, folder) == 1
+    assert "holds no rollout.json (written before checkpoints kept the rollout): step 2 samples" in caplog.text
+    assert fresh.step_source.kept is None
 
 
 def test_a_checkpoint_that_cannot_be_written_is_a_warning_and_the_previous_one_stays(world_of_one, tmp_path, caplog):

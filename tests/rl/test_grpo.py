@@ -23,6 +23,7 @@ from parallel_finetune.errors import UserError
 from parallel_finetune.loop.grpo_loss import GRPOLoss
 from parallel_finetune.resolve import load_config
 from parallel_finetune.rl.rewards import BUILTINS
+from parallel_finetune.rl.steps import RolloutStage
 from parallel_finetune.tasks.sources import SAMPLE_DIR
 
 
@@ -139,6 +140,66 @@ def test_the_batcher_labels_the_scored_completion_tokens_with_their_columns():
         assert target[scored][:, 1:4].tolist() == [[0, 0.5, -1], [0, 0.5, -2], [0, 0.5, -3], [1, -1, -4]], side
         assert batch.scored() == 2
         assert split.loss_count([0, 1, 2]) == 3  # each completion counts one; the loss weighs its tokens
+
+
+def kept_stage() -> RolloutStage:
+    """A rollout stage holding the rollout step 1 sampled (2 prompts x 2 completions, vocabulary 50) to train on
+    again at step 2; only what keeping it reads is real."""
+    padding = Padding(pad_id=0, padding_side="right", pad_multiple=1, device=torch.device("cpu"))
+    grpo = GRPOSection(num_generations=2, num_iterations=2)
+    stage = RolloutStage(None, [None] * 50, None, None, None, grpo, None, padding)
+    split = RolloutSplit(
+        ids=[[5, 6, 7], [5, 6, 8, 9], [4, 7], [4, 1, 1]],
+        prompt_lengths=[2, 2, 1, 1],
+        scored=[1, 2, 1, 0],
+        advantages=[0.5, -0.5, 1.0, -1.0],
+        old_logps=[[-1.25], [-2.0, math.log(0.3)], [-3.0], []],
+    )
+    stage.kept = (1, (make_batcher("grpo", split, padding), [0, 1, 2, 3], {"reward": 0.5, "rollout_s": 1.5}, []))
+    return stage
+
+
+KEPT_DAMAGE = [
+    ({"sampled_step": 3}, "sampled_step is 3, expected the step that sampled step 1's rollout"),
+    ({"sampled_step": True}, "sampled_step is True"),
+    ({"metrics": {"reward": "high"}}, "metrics must map names to numbers"),
+    (
+        {"split.ids": [[5, 6, 7], [5, 6, 50], [4, 7], [4, 1, 1]]},
+        "split: ids must be lists of token ids from 0 to 49",
+    ),
+    ({"split.scored": [2, 2, 1, 0]}, "split: a row of 3 tokens cannot hold 2 prompt and 2 scored tokens"),
+    ({"split.advantages": [0.5, float("nan"), 1.0, -1.0]}, "split: advantages must be 4 finite numbers"),
+    ({"split.old_logps": [[-1.25], [-2.0], [-3.0], []]}, "split: old_logps must be null or 4 lists"),
+    ({"split.old_logps": None}, "split: expected the old policy's log-probabilities"),
+    ({"split.ids": [[5, 6, 7]] * 3}, "split: prompt_lengths must be 3 counts, one per row"),
+]
+
+
+@pytest.mark.parametrize("change, problem", KEPT_DAMAGE, ids=[next(iter(change)) for change, _ in KEPT_DAMAGE])
+def test_a_kept_rollout_is_written_read_back_exactly_and_checked(change, problem):
+    """What a checkpoint between a rollout's iterations keeps (rollout.json) reads back as the same split, numbers
+    bit for bit through JSON, timings left out; nothing at a rollout boundary; each damage named in one line."""
+    stage = kept_stage()
+    assert stage.kept_state(2) is None  # step 3 samples the next rollout from its step number
+    written = json.loads(json.dumps(stage.kept_state(1)))
+    assert written["metrics"] == {"reward": 0.5, "rollout_s": 0.0, "scoring_s": 0.0}
+    assert stage.kept_problem(written, 1) is None
+    assert "ends its rollout's 2 iterations" in stage.kept_problem(written, 2)
+    kept = stage.kept
+    stage.restore_kept(written)
+    assert (
+        stage.kept[0] == 1
+        and stage.kept[1][0].split == kept[1][0].split
+        and stage.kept[1][1:] == ([0, 1, 2, 3], written["metrics"], [])
+    )
+    for key, value in change.items():
+        *parents, name = key.split(".")
+        target = written
+        for parent in parents:
+            target = target[parent]
+        target[name] = value
+    found = stage.kept_problem(json.loads(json.dumps(written)), 1)
+    assert found is not None and found.startswith(problem) and "\n" not in found, found
 
 
 # ------------------------------------------------------------------------------------------- the loss vs TRL's
@@ -386,3 +447,79 @@ def test_a_reward_function_that_misbehaves_in_a_run_stops_it_in_one_line(sst2, c
     overrides = tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + ["tensor_parallel_degree=2"]
     run = launch(2, overrides, tmp_path / "run", recipe=recipe("llama"), check=False)
     assert run.returncode == 2 and re.search(message, one_error_line(run.output)), run.output[-3000:]
+
+
+# ------------------------------------------------------------------------------------------- resume
+TIMINGS = (
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "step_time_s",
+    "rollout_s",
+    "scoring_s",
+    "update_s",
+)
+
+
+def without_timings(record: dict) -> dict:
+    return {key: value for key, value in record.items() if key not in TIMINGS}
+
+
+def resume_overrides(sst2, cache_dir, prompts: Path, *extra: str) -> list[str]:
+    """4 sampled steps of 8 completions, each rollout trained on twice, attention dropout on; the format reward
+    (an "e" somewhere in 3 tokens) differs within groups, so the advantages and the loss move. `prompts`: a folder
+    of the shipped sample's first rows (`few_prompts`)."""
+    from conftest import tiny_overrides
+
+    keys = {"data_dir": "", "max_length": 96, "max_steps": 4, "batch_size": 8, "lr": 2e-2}
+    keys |= {"train_file": prompts / "train.jsonl", "validation_file": prompts / "validation.jsonl"}
+    grpo = ["num_generations=4", "max_completion_length=3", "reward_functions=[format]", "format_pattern=.*e.*"]
+    dropout = ["model_config.attention_dropout=0.1", "num_iterations=2", "tensor_parallel_degree=1"]
+    return tiny_overrides(sst2, cache_dir, "grpo", "llama", **keys) + grpo + dropout + list(extra)
+
+
+def few_prompts(folder: Path) -> Path:
+    """The shipped sample's first 32 training and 4 held-out prompts: the end's held-out sampling costs little."""
+    folder.mkdir()
+    for name, rows in (("train.jsonl", 32), ("validation.jsonl", 4)):
+        lines = (SAMPLE_DIR / "grpo" / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        (folder / name).write_text("".join(lines[:rows]), encoding="utf-8")
+    return folder
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(sst2, cache_dir, tmp_path):
+    """One process, sampled completions, dropout on, num_iterations 2, checkpoints after every step: resumed
+    from step 1 (between a rollout's two iterations: the checkpoint keeps the rollout, rollout.json) and from step
+    2 (a rollout boundary: nothing kept, step 3 samples from the step number), every later step's loss and every
+    metric but the timings equal the uninterrupted run's bit for bit, and so do the completions and rewards that
+    step 3 sampled."""
+    from conftest import launch
+
+    prompts = few_prompts(tmp_path / "prompts")
+    whole = launch(
+        1,
+        resume_overrides(sst2, cache_dir, prompts, "checkpoint_every=1", "keep_checkpoints=4"),
+        tmp_path / "whole",
+        recipe=recipe("llama"),
+    )
+    expected = whole.records
+    assert [r["step"] for r in expected] == [1, 2, 3, 4]
+    assert len({r["loss"] for r in expected}) > 1 and any(r["clip_ratio/region_mean"] > 0 for r in expected[1::2])
+    checkpoints = whole.output_dir / "checkpoints"
+    assert (checkpoints / "step-00000001" / "rollout.json").is_file()
+    assert not (checkpoints / "step-00000002" / "rollout.json").exists()
+    sampled = [json.loads(line) for line in (whole.output_dir / "generations.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        run = launch(
+            1,
+            resume_overrides(sst2, cache_dir, prompts, f"resume={checkpoints / f'step-{step:08d}'}"),
+            tmp_path / f"from{step}",
+            recipe=recipe("llama"),
+        )
+        assert run.summary["resumed_from"] == str(checkpoints / f"step-{step:08d}")
+        for mine, theirs in zip(run.records, expected[step:], strict=True):
+            assert without_timings(mine) == without_timings(theirs)
+        again = [json.loads(line) for line in (run.output_dir / "generations.jsonl").read_text().splitlines()]
+        assert again == [r for r in sampled if r["step"] > step] and {r["step"] for r in again} == {3}
+        assert run.summary["eval_reward"] == whole.summary["eval_reward"]

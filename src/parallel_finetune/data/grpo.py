@@ -7,7 +7,8 @@ num_generations completions together): `ids` (the prompt's tokens then the compl
 reference's log-probabilities when the run keeps them (num_iterations > 1, beta > 0). `scored`: the completion's
 tokens the loss reads (0 for a truncated completion under mask_truncated_completions, which then trains on
 nothing, as TRL's completion mask says). Each completion counts one (`loss_count`): the objective folds its loss
-type's divisor into a per-token weight (loop/grpo_loss.py).
+type's divisor into a per-token weight (loop/grpo_loss.py). `written` and `read`: the split as JSON values and back,
+checked, for a checkpoint taken between a rollout's iterations (rl/steps.py).
 
 A batch (`GRPOBatcher.batch`) pads the rows, labels the scored completion tokens (next-token labels: the position
 before each completion token predicts it) and carries, at each labelled position, (completion, advantage, old,
@@ -17,7 +18,8 @@ written into a split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -52,6 +54,54 @@ class RolloutSplit:
 
     def loss_count(self, indices: list[int]) -> int:
         return len(indices)
+
+    def written(self) -> dict:
+        """The split as JSON values (a checkpoint keeps a rollout trained on again: rl/steps.py); JSON writes each
+        float's shortest round-trip form, so `read` gives back the same numbers bit for bit."""
+        written = asdict(self)
+        del written["head"]  # always a causal LM's
+        return written
+
+    @classmethod
+    def read(cls, written, vocab: int) -> RolloutSplit:
+        """`written` back as a split, every field checked (its types, lengths, token ids under `vocab`, finite
+        numbers): a ValueError saying what is wrong, never a split that fails later in a batch."""
+        fields = ("ids", "prompt_lengths", "scored", "advantages", "old_logps", "reference_logps")
+        if not isinstance(written, dict) or sorted(written) != sorted(fields):
+            keys = sorted(written) if isinstance(written, dict) else type(written).__name__
+            raise ValueError(f"expected the keys {', '.join(fields)}, found {keys}")
+        ids, count = written["ids"], len(written["ids"]) if isinstance(written["ids"], list) else 0
+        if not count or not all(isinstance(row, list) and all(_whole(t, vocab - 1) for t in row) for row in ids):
+            raise ValueError(f"ids must be lists of token ids from 0 to {vocab - 1}")
+        for name, valid, what in (
+            ("prompt_lengths", _whole, "counts"),
+            ("scored", _whole, "counts"),
+            ("advantages", _number, "finite numbers"),
+        ):
+            values = written[name]
+            if not (isinstance(values, list) and len(values) == count and all(map(valid, values))):
+                raise ValueError(f"{name} must be {count} {what}, one per row")
+        for row, start, scored in zip(ids, written["prompt_lengths"], written["scored"]):
+            if start + scored > len(row):
+                raise ValueError(f"a row of {len(row)} tokens cannot hold {start} prompt and {scored} scored tokens")
+        for name in fields[4:]:
+            logps = written[name]
+            per_row = zip(logps or [], written["scored"])
+            if logps is not None and not (
+                isinstance(logps, list)
+                and len(logps) == count
+                and all(isinstance(row, list) and len(row) == n and all(map(_number, row)) for row, n in per_row)
+            ):
+                raise ValueError(f"{name} must be null or {count} lists of finite numbers, one per scored token")
+        return cls(**written)
+
+
+def _whole(value, high: float = math.inf) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class GRPOBatcher:

@@ -77,9 +77,12 @@ class LoopAssembly:
         built.objective.measured(references, scorer)
         return references
 
-    def checkpoints(self, root: Path, prepared: PreparedData, built: BuiltModel, base: str) -> CheckpointManager:
+    def checkpoints(
+        self, root: Path, prepared: PreparedData, built: BuiltModel, base: str, rollouts=None
+    ) -> CheckpointManager:
         """The checkpoint manager, with what a checkpoint of a step holds (checkpoint.TrainingState); `base`: what
-        the trained model started from (a Hub name and revision, or a tiny model's seed)."""
+        the trained model started from (a Hub name and revision, or a tiny model's seed); `rollouts`: the step
+        source (`rollouts`), whose kept rollout a checkpoint holds too."""
         state = functools.partial(
             TrainingState,
             model=built.model,
@@ -95,6 +98,7 @@ class LoopAssembly:
             data=prepared.source.fingerprint,
             task=prepared.task,
             tokens=tokenizer_identity(prepared.tokenizer),
+            step_source=rollouts,
         )
         return CheckpointManager(
             root, checkpoint=self.checkpoint, enabled=built.updates.checkpointable, timer=self.timer, state=state
@@ -173,12 +177,12 @@ class LoopAssembly:
         references: dict[str, PairReference],
         checkpoints: CheckpointManager,
         run: tuple[Path, int, Peak, StopRequest],
+        rollouts=None,
     ) -> Trainer:
         """The Trainer of these parts; `run`: (the run folder, the step it resumes at, the device's peak, the
-        SIGTERM handler the Trainer obeys)."""
+        SIGTERM handler the Trainer obeys); `rollouts`: the step source (`rollouts`), the checkpoints' too."""
         output_dir, step, peak, stop = run
         training, layout = self.training, self.layout
-        rollouts = self.rollouts(stage, built)
         return Trainer(
             steps=Steps(schedule.total_steps, len(stage.sampler), training.gradient_accumulation_steps),
             sampler=stage.sampler,

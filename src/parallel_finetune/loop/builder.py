@@ -149,13 +149,14 @@ class RunBuilder:
             *(layout, resolved, self.family, self.timer, config.grpo),
         )
         references = loop.references(stage, built, schedule)
-        checkpoints = loop.checkpoints(checkpoint_root, stage.prepared, built, self._base(resolved))
+        rollouts = loop.rollouts(stage, built)  # before resuming: a checkpoint may hold its kept rollout
+        checkpoints = loop.checkpoints(checkpoint_root, stage.prepared, built, self._base(resolved), rollouts)
         step = self.resumed_step = checkpoints.resume(output=config.output)
         if layout.is_main:  # only now, with every input accepted, is the run folder written
             self._open_run_folder(output_dir, checkpoint_root, built, stage.prepared)
         log.info("run folder %s | %s", output_dir, layout.describe())
         trainer = loop.trainer(
-            stage, built, schedule, references, checkpoints, (output_dir, step, peak, stop or StopRequest())
+            stage, built, schedule, references, checkpoints, (output_dir, step, peak, stop or StopRequest()), rollouts
         )
         self._say_training(stage, layout, resolved, schedule.total_steps)
         return BuiltRun(

@@ -11,6 +11,12 @@ A checkpoint is a folder `step-00000010/` in the checkpoint folder:
 - `rng/rank<N>.pt` (every rank): the torch RNG states that dropout draws from. The data order needs none: batches
   are a function of the seed and the step.
 
+- `rollout.json` (rank 0, task=grpo with num_iterations > 1, a checkpoint taken between a rollout's iterations):
+  the rollout the next steps train on again (its completions, advantages, old and reference log-probabilities,
+  metrics: rl/steps.py `kept_state`), so the resumed run trains on it as the uninterrupted one does. At a
+  rollout boundary there is none: the sampling needs no generator state (its draws are a function of the seed and
+  the step).
+
 - with peft=lora only the trainable parameters (adapters, head) and their moments; `trainer_state.json` names the
   frozen base (`lora.base`) that a resumed run loads again from its source.
 
@@ -49,7 +55,7 @@ from ..errors import UserError, one_line
 from ..tasks import data_fingerprint, write_label_file
 from . import integrity
 from .run_files import CHECKPOINT_NAME as NAME
-from .run_files import CONFIG_FILE, STATE_FILE
+from .run_files import CONFIG_FILE, ROLLOUT_FILE, STATE_FILE
 from .runfolder import checkpoint_folders, effective_resume, record_written, written_settings
 
 log = logging.getLogger(__name__)
@@ -285,6 +291,9 @@ class TrainingState:
     data: str | None = None  # the training data's fingerprint (data.Source): a continuation must train on the same
     task: object = None  # the data's tasks.Task: labels.json, so an export knows the head's labels
     tokens: str | None = None  # data.tokenizer_identity (tokenizer, chat template): a continuation must match it
+    # task=grpo's step source (rl/steps.RolloutStage): its kept rollout goes into ROLLOUT_FILE and back
+    # (kept_state(step), inside_rollout(step), kept_problem(written, step), restore_kept(written))
+    step_source: object = None
 
     def model_state(self) -> dict:
         state = self.model.state_dict()
@@ -412,6 +421,9 @@ def finish(state: TrainingState, tensors: dict, everyone: list[dict], partial: P
     if state.task is not None and state.task.has_labels:
         write_label_file(partial, state.task)
     (partial / STATE_FILE).write_text(json.dumps(trainer_state(state, tensors), indent=1))
+    kept = state.step_source.kept_state(state.step) if state.step_source is not None else None
+    if kept is not None:  # in the manifest below, like every file: verified before it is read
+        (partial / ROLLOUT_FILE).write_text(json.dumps(kept, separators=(",", ":")))
     entries = {name: entry for part in everyone for name, entry in part.items()}
     entries.update(integrity.describe(partial, [n for n in integrity.files_in(partial) if n not in entries]))
     integrity.write_manifest(partial, entries)
@@ -485,6 +497,32 @@ def check_same_model(folder: Path, state: dict, family: str, task_key: str, shap
         )
 
 
+def read_kept(source, folder: Path, step: int) -> tuple[dict | None, str | None]:
+    """The rollout a checkpoint of `step` kept for `source` (a grpo run's step source; None: no step source), and
+    why it cannot be trained on again (or None). A checkpoint taken between a rollout's iterations without one
+    (written before checkpoints kept it) resumes with a new rollout, as it did then, and says so."""
+    path = folder / ROLLOUT_FILE
+    if source is None:
+        return None, None
+    if not path.is_file():
+        if source.inside_rollout(step):
+            log.warning(
+                "checkpoint %s holds no %s (written before checkpoints kept the rollout): step %d samples a new "
+                "rollout instead of training on step %d's again, so the run departs from the uninterrupted one",
+                folder,
+                ROLLOUT_FILE,
+                step + 1,
+                step,
+            )
+        return None, None
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"{ROLLOUT_FILE} unreadable ({type(exc).__name__})"
+    problem = source.kept_problem(kept, step)
+    return (None, f"{ROLLOUT_FILE}: {problem}") if problem else (kept, None)
+
+
 def load(state: TrainingState, folder: Path) -> int:
     """Restore `state`'s parts in place from `folder` (verified: `resume`), whatever layout wrote it; returns the
     step it was at. Another model, other settings or data: a UserError. A file that is no tensor or RNG state (a
@@ -502,14 +540,17 @@ def load(state: TrainingState, folder: Path) -> int:
                 problem = f"{rng_name} holds no RNG state"
         except integrity.Refused as exc:
             problem = str(exc)
+    kept, kept_problem = read_kept(state.step_source, folder, written["step"])
     moments = state.updates.moment_tensors()  # placeholders with this layout's shapes and placements
     target = {"model": state.model_state(), "optimizer": moments}
     read_tensors(target, folder)  # its failures are every rank's
     # NaN behind a matching manifest (written in, and the manifest made again): said here, not blamed on the lr
     bad = integrity.nonfinite(target)
-    problem = _agreed(problem or (bad and f"{bad} holds NaN or inf"), state.layout)
+    problem = _agreed(problem or kept_problem or (bad and f"{bad} holds NaN or inf"), state.layout)
     if problem:
         raise integrity.Refused(problem)
+    if state.step_source is not None:
+        state.step_source.restore_kept(kept)
     state.updates.restore(target["optimizer"], written)
     # Layouts group parameters differently (DTensor and plain tensors apart, ZeRO buckets), but every group
     # follows the same schedule: restore its position, not the writer's per-group lists.

@@ -33,5 +33,6 @@ RUN_OUTPUTS = (
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})$")
 STATE_FILE = "trainer_state.json"  # in each checkpoint: step, layout, settings, data fingerprint
 CONFIG_FILE = "config.yaml"  # in each checkpoint and the run folder: the run's settings
+ROLLOUT_FILE = "rollout.json"  # in a task=grpo checkpoint taken between a rollout's iterations: that rollout
 EXPORT_STAGING = ".export-in-progress-"  # + pid: a staging folder of ours, holding EXPORT_STAGING_MARKER
 EXPORT_STAGING_MARKER = ".parallel-finetune-export"

@@ -24,8 +24,14 @@ log-probabilities measured right after it (no gradients, eval mode), the steps i
 the sampler drew for them are not read). beta > 0 (LoRA only: config/checks.py refuses it with full fine-tuning):
 the reference's per-token log-probabilities, the same model with its adapters disabled. Both measured on every rank
 for the step's whole global batch (the same forwards everywhere, as FSDP needs), through the objective's head
-(chunked, vocabulary-parallel: parallel/vocab.token_nll), and handed to the batcher as the split's columns. A run
-resumed between a rollout's iterations samples a new rollout at once (the kept one is not checkpointed).
+(chunked, vocabulary-parallel: parallel/vocab.token_nll), and handed to the batcher as the split's columns.
+
+A checkpoint taken between a rollout's iterations keeps that rollout (`kept_state`: the step that sampled it, its
+RolloutSplit with the old and reference log-probabilities, its metrics; outputs/checkpoint.py writes it as
+rollout.json, rank 0's, since every rank holds the same whole global batch), and a resumed run trains its next
+iterations on it (`kept_problem` checks what is read, `restore_kept` makes its batcher again), so it continues as
+the uninterrupted run would; at a rollout boundary nothing is kept: the next rollout is sampled from the step
+number alone.
 """
 
 from __future__ import annotations
@@ -192,13 +198,63 @@ class RolloutStage:
     def step(self, global_batch: list[int], step: int) -> tuple[object, list[int], dict, list[dict]]:
         """The step's batcher, its completion indices (the Trainer's global batch), its metrics and its records:
         a new rollout, or (num_iterations > 1, between a rollout's iterations) the kept one again."""
-        iterations = self.grpo.num_iterations
-        if self.kept is not None and (step - 1) // iterations == (self.kept[0] - 1) // iterations:
+        if self.kept is not None and self.rollout_of(step) == self.rollout_of(self.kept[0]):
             batcher, indices, metrics, _ = self.kept[1]
             return batcher, indices, metrics | {"rollout_s": 0.0, "scoring_s": 0.0}, []
         made = self.rollout(global_batch, step)
-        self.kept = (step, made) if iterations > 1 else None
+        self.kept = (step, made) if self.grpo.num_iterations > 1 else None
         return made
+
+    def rollout_of(self, step: int) -> int:
+        """Which rollout `step` trains on (0 for steps 1 to num_iterations, ...)."""
+        return (step - 1) // self.grpo.num_iterations
+
+    def inside_rollout(self, step: int) -> bool:
+        """Whether the step after `step` trains on `step`'s rollout again: a checkpoint of `step` keeps it."""
+        return self.rollout_of(step + 1) == self.rollout_of(step)
+
+    def kept_state(self, step: int) -> dict | None:
+        """What a checkpoint of `step` keeps of the rollout (JSON values), or None: none to train on again."""
+        if self.kept is None or not self.inside_rollout(step) or self.rollout_of(self.kept[0]) != self.rollout_of(step):
+            return None
+        sampled, (batcher, _, metrics, _) = self.kept
+        kept = metrics | {"rollout_s": 0.0, "scoring_s": 0.0}  # as the steps trained on it again report them
+        return {"sampled_step": sampled, "split": batcher.split.written(), "metrics": kept}
+
+    def vocab_size(self) -> int:
+        """The token ids the model embeds (and samples): its config's vocab_size, which may pad the tokenizer's."""
+        return max(len(self.tokenizer), getattr(getattr(self.model, "config", None), "vocab_size", 0))
+
+    def kept_problem(self, written, step: int) -> str | None:
+        """Why `written` (what a checkpoint of `step` kept) cannot be trained on again, or None."""
+        if not isinstance(written, dict) or sorted(written) != ["metrics", "sampled_step", "split"]:
+            return "expected the keys metrics, sampled_step, split"
+        sampled, metrics = written["sampled_step"], written["metrics"]
+        if not (type(sampled) is int and 1 <= sampled <= step and self.rollout_of(sampled) == self.rollout_of(step)):
+            return f"sampled_step is {sampled!r}, expected the step that sampled step {step}'s rollout"
+        if not self.inside_rollout(step):
+            return f"step {step} ends its rollout's {self.grpo.num_iterations} iterations: nothing is trained on again"
+        if not (isinstance(metrics, dict) and all(map(_number, metrics.values()))):
+            return "metrics must map names to numbers"
+        try:
+            split = RolloutSplit.read(written["split"], self.vocab_size())
+        except ValueError as exc:
+            return f"split: {exc}"
+        if len(split) % self.grpo.num_generations:
+            return f"split: {len(split)} completions, not groups of num_generations={self.grpo.num_generations}"
+        if split.old_logps is None or (split.reference_logps is None) != (not self.grpo.beta):
+            return "split: expected the old policy's log-probabilities, and the reference's exactly when beta > 0"
+        return None
+
+    def restore_kept(self, written: dict | None) -> None:
+        """The rollout a checkpoint kept (`written`, checked by kept_problem) trained on again by the next steps;
+        None: the next step samples."""
+        if written is None:
+            self.kept = None
+            return
+        split = RolloutSplit.read(written["split"], self.vocab_size())
+        batcher = make_batcher("grpo", split, self.padding)
+        self.kept = (written["sampled_step"], (batcher, list(range(len(split))), written["metrics"], []))
 
     def rollout(self, global_batch: list[int], step: int) -> tuple[object, list[int], dict, list[dict]]:
         started = time.perf_counter()
@@ -246,6 +302,11 @@ class RolloutStage:
         ]
         batcher = make_batcher("grpo", split, self.padding)
         return batcher, list(range(len(split))), metrics, records
+
+
+def _number(value) -> bool:
+    """A metric's value: a number (NaN too: a reward function that scored nothing)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _TokenLogps(HiddenTokenLoss):
