@@ -15,10 +15,10 @@ from parallel_finetune.tasks.task import HeadKind, Task
 KIND_NAMES = {"classification", "causal_lm", "sft", "dpo", "regression", "single_label_classification"}
 KIND_CONSTANTS = {"REGRESSION", "CLASSIFICATION", "CAUSAL_LM", "SFT", "DPO"}
 HEAD_NAMES = {"classification", "causal_lm"}  # also HeadKind's values: families' model_classes are keyed by them
-# Who may still compare: the kinds themselves, the Task that holds problem_type, config.py (its per-task key checks
-# move to the kinds when it is split, issue 55), and metrics/ (whose "classification" and "regression" name metric
-# modules, Task.metric, not the task).
-ALLOWED = ("tasks.kinds", "tasks.task", "config", "metrics")
+# Who may still compare: the kinds themselves, the Task that holds problem_type, and metrics/ (whose
+# "classification" and "regression" name metric modules, Task.metric, not the task). config/ may not: each kind
+# checks its own keys (TaskKind.reads, TaskKind.check; issue 55).
+ALLOWED = ("tasks.kinds", "tasks.task", "metrics")
 
 
 def names_kind(node: ast.AST, names: set[str] = KIND_NAMES) -> bool:
@@ -222,3 +222,100 @@ def test_the_registries_make_what_the_kinds_batches_and_losses_are():
     assert not batch.packed and batch.answers.max(dim=1).values.tolist() == [1, 2]
     assert rows.reference_units([[1, 0]]) == [0, 1, (1, 0), (0, 1)]
     assert [rows.kl_ids(*pair)[0] for pair in rows.kl_units([1, 0])] == [[5, 6, 7], [5, 8]]
+
+
+# ------------------------------------------------- a kind owns its keys and their checks (issue 55)
+def sections() -> dict:
+    from parallel_finetune.config import SECTION_CLASSES
+
+    return {name: section() for name, section in SECTION_CLASSES.items()}
+
+
+def refusal(task_key: str, sections: dict) -> str | None:
+    from parallel_finetune.tasks.kinds import check_task_keys
+
+    try:
+        check_task_keys(task_key, sections, lambda key, why: UserError(f"{key} {why}"))
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def test_each_kind_reads_keys_its_sections_have():
+    """A kind's `reads` names sections and keys of them (a misspelt key would never be refused)."""
+    from parallel_finetune.config import SECTIONS
+    from parallel_finetune.tasks.kinds import all_kinds
+    from parallel_finetune.tasks.kinds.base import WHOLE_SECTION
+
+    for kind in all_kinds():
+        for name, keys in kind.reads.items():
+            assert name in SECTIONS, f"task={kind.key} reads section {name!r}, which the recipe has not"
+            assert keys == WHOLE_SECTION or set(keys) <= set(SECTIONS[name]), (kind.key, name, keys)
+    assert kind_of("grpo").reads["grpo"] == WHOLE_SECTION and not kind_of("classification").reads
+
+
+def test_a_key_some_kind_reads_is_refused_under_every_kind_that_does_not():
+    """Every (kind, key) pair: set away from its default, a key is refused exactly where its kind does not read it,
+    in one line naming the kinds that do."""
+    import dataclasses
+
+    from parallel_finetune.tasks.kinds import readers_of
+
+    checked = 0
+    for name, section in sections().items():
+        for key, readers in readers_of(name, section).items():
+            changed = {**sections(), name: dataclasses.replace(section, **{key: object()})}
+            names = [reader.key for reader in readers]
+            for task_key in set(kind_names()) - set(names):  # (a reader's own checks read the value)
+                said = refusal(task_key, changed)
+                checked += 1
+                assert said.startswith(f"{key} is") and f"and task={task_key} does not read it; drop it" in said
+                assert all(n in said.split("; drop it")[0] for n in names) and "\n" not in said, said
+    assert checked > 150  # the data columns, the preference and grpo sections, generate_every, under 7 kinds
+
+
+@pytest.mark.parametrize(
+    "task_key, key, value, says",
+    [
+        # one reader: named with what it trains on (before: "is task=dpo's pair loss", wrong for this key)
+        (
+            "kto",
+            "center_rewards_coefficient",
+            0.01,
+            "is task=reward's (reward modelling, docs/reward.md), and task=kto does not read it; drop it or set "
+            "task=reward",
+        ),
+        # several readers: all of them (before: "is task=dpo's pair loss, and task=reward reads none")
+        (
+            "reward",
+            "dpo_beta",
+            0.2,
+            "is read by task=dpo and kto, and task=reward does not read it; drop it or set task=dpo or kto",
+        ),
+        (
+            "dpo",
+            "generate_every",
+            5,
+            "is task=sft's (it answers the validation conversations' prompts), and task=dpo does not read it; drop "
+            "it or set task=sft",
+        ),
+    ],
+)
+def test_the_refusal_names_the_kinds_that_read_the_key(task_key, key, value, says):
+    import dataclasses
+
+    from parallel_finetune.config.sections import SECTION_OF
+
+    changed = sections()
+    changed[SECTION_OF[key]] = dataclasses.replace(changed[SECTION_OF[key]], **{key: value})
+    assert refusal(task_key, changed) == f"{key} {says}"
+
+
+def test_a_kind_checks_its_own_keys_only_when_it_runs():
+    """kto's batch-size floor is kto's check: the same sections pass under dpo."""
+    import dataclasses
+
+    small = sections()
+    small["training"] = dataclasses.replace(small["training"], batch_size=1)
+    assert refusal("dpo", small) is None
+    assert refusal("kto", small).startswith("batch_size must be >= 2 under task=kto")

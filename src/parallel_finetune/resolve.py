@@ -17,6 +17,7 @@ from .config import (
     COMPILE_AUTO_MIN_STEPS,
     COMPILE_WITH_TP,
     REFERENCE_FREE_LOSSES,
+    SECTION_CLASSES,
     Config,
     MemorySection,
     ModelSection,
@@ -36,7 +37,7 @@ from .model.quantize import NF4Settings
 from .outputs.loggers import TIMED_TRACKERS, TRACKER_GRACE_S, destinations
 from .parallel import deepspeed_engine  # imports no deepspeed: checks of the engine=deepspeed keys
 from .parallel.layout import Engine, ParallelDims, Sharding, pipeline_microbatches
-from .tasks.kinds import all_kinds, kind_of
+from .tasks.kinds import all_kinds, check_task_keys, kind_of
 from .tasks.task import HeadKind, head_of
 
 
@@ -283,7 +284,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def _check_unread_keys(config: Config, bad) -> None:
     """Keys another head or engine reads, set (to other than their default) where they would change nothing:
-    refused, as another task's data keys are (config.checks._check_sft_keys)."""
+    refused, as another task kind's keys are (tasks.kinds.check_task_keys)."""
     head = head_of(config.model.task)
     if config.memory.loss_chunk_tokens != MemorySection.loss_chunk_tokens:
         if head is not HeadKind.CAUSAL_LM:
@@ -301,8 +302,10 @@ def _check_unread_keys(config: Config, bad) -> None:
 
 
 def validate(config: Config, where: str = "config") -> None:
-    """Checks that need no model, data or processes: ranges and combinations of keys (config.check_keys), and
-    those that need the family, the trackers or the engine."""
+    """Checks that need no model, data or processes: ranges and combinations of keys (config.check_keys), the
+    keys task kinds own (tasks.kinds.check_task_keys: each kind's checks of its keys, and another kind's keys
+    refused), and those that need the family, the trackers or the engine. load_config, --check (preflight) and a
+    SageMaker job's check all come through here."""
 
     def bad(key: str, why: str) -> UserError:
         return UserError(f"{where}: {key}={config.value(key)!r} {why}")
@@ -312,6 +315,7 @@ def validate(config: Config, where: str = "config") -> None:
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     check_keys(config, where)
+    check_task_keys(config.model.task, {name: getattr(config, name) for name in SECTION_CLASSES}, bad)
     _check_unread_keys(config, bad)
     _check_parallel(config, bad)
     if config.data.packing and Engine(config.parallel.engine) is Engine.DEEPSPEED:

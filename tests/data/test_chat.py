@@ -639,9 +639,13 @@ def test_sft_keys_with_another_task_are_refused(key):
     with pytest.raises(UserError) as caught:
         load_config(recipe("llama"), ["size=tiny", key])
     name, value = key.split("=")
+    readers, alternatives = {  # the kinds that read each key: sft alone, or sft and the others that render a template
+        "chat_template": ("is read by task=sft, dpo, reward, kto and grpo", "sft, dpo, reward, kto or grpo"),
+        "prompt_column": ("is read by task=sft, dpo, reward, kto and grpo", "sft, dpo, reward, kto or grpo"),
+    }.get(name, ("is task=sft's (conversations rendered by a chat template)", "sft"))
     assert str(caught.value) == (
-        f"recipe {recipe('llama')}: {name}={value!r} is task=sft's (conversations rendered by a chat template), and "
-        "task=classification reads none; drop it or set task=sft"
+        f"recipe {recipe('llama')}: {name}={value!r} {readers}, and task=classification does not read it; drop it or "
+        f"set task={alternatives}"
     )
 
 

@@ -88,7 +88,8 @@ def test_generate_every_is_refused_outside_sft(sst2, cache_dir):
     from parallel_finetune.errors import UserError
     from parallel_finetune.resolve import load_config
 
-    with pytest.raises(UserError, match=r"generate_every=5 answers the validation conversations' prompts, which "):
+    refused = r"generate_every=5 is task=sft's \(it answers the validation conversations' prompts\), and task="
+    with pytest.raises(UserError, match=refused + r"classification does not read it; drop it or set task=sft$"):
         load_config(REPO / "recipes" / "llama" / "tp.yaml", ["size=tiny", "generate_every=5"])
     with pytest.raises(UserError, match=r"generate_max_new_tokens=0 must be at least 1"):
         load_config(SFT, ["size=tiny", "generate_max_new_tokens=0"])

@@ -131,8 +131,8 @@ def test_a_split_of_one_side_is_refused(tmp_path):
     [
         (["task=dpo", "desirable_weight=2"], "desirable_weight.*is task=kto's"),
         (["task=reward", "undesirable_weight=2"], "undesirable_weight.*is task=kto's"),
-        (["task=kto", "rpo_alpha=0.5"], "rpo_alpha.*task=kto reads none"),
-        (["task=kto", "dpo_loss=ipo"], "dpo_loss.*task=kto reads none"),
+        (["task=kto", "rpo_alpha=0.5"], "rpo_alpha.*is task=dpo's .*task=kto does not read it"),
+        (["task=kto", "dpo_loss=ipo"], "dpo_loss.*task=kto does not read it; drop it or set task=dpo"),
         (["task=kto", "desirable_weight=0"], "desirable_weight.*must be > 0"),
         (["task=kto", "packing=true"], "packing"),
         (["task=kto", "batch_size=1"], "batch_size.*>= 2"),

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from parallel_finetune.config import check_keys, parse_config
 from parallel_finetune.errors import UserError
 from parallel_finetune.loop.pair_losses import DPOLoss, ORPOLoss, SimPOLoss, pair_loss_for
+from parallel_finetune.resolve import load_config
 
 LOGPS = torch.tensor([[-6.0, -9.0], [-4.0, -2.5]])  # summed over each answer's tokens: (chosen, rejected)
 TOKENS = torch.tensor([[3.0, 4.0], [2.0, 5.0]])
@@ -122,8 +122,7 @@ def test_preference_loss_orpo_nll_is_the_batch_token_mean_of_the_chosen_rows():
 )
 def test_one_pair_losss_keys_on_another_are_refused_in_one_line(overrides, says):
     with pytest.raises(UserError) as caught:
-        config, where = parse_config(REPO / "recipes" / "llama" / "tp.yaml", ["task=dpo", *overrides])
-        check_keys(config, where)
+        load_config(REPO / "recipes" / "llama" / "tp.yaml", ["task=dpo", *overrides])
     message = str(caught.value)
     assert says in message and "\n" not in message, message
 

@@ -15,7 +15,6 @@ import torch
 from conftest import load_task_of, prepare_data, recipe, tiny_overrides
 
 from parallel_finetune.config import GRPOSection
-from parallel_finetune.config.checks import GRPO_BUILTIN_REWARDS
 from parallel_finetune.data.batch import IGNORE
 from parallel_finetune.data.batchers import Padding, make_batcher
 from parallel_finetune.data.grpo import RolloutSplit
@@ -24,6 +23,7 @@ from parallel_finetune.loop.grpo_loss import GRPOLoss
 from parallel_finetune.resolve import load_config
 from parallel_finetune.rl.rewards import BUILTINS
 from parallel_finetune.rl.steps import RolloutStage
+from parallel_finetune.tasks.kinds.grpo import BUILTIN_REWARDS
 from parallel_finetune.tasks.sources import SAMPLE_DIR
 
 
@@ -53,9 +53,11 @@ def test_bad_keys_are_one_line(overrides, message):
 
 
 def test_grpo_keys_on_another_task_are_refused_and_the_builtins_agree():
-    with pytest.raises(UserError, match=r"num_generations=4 is task=grpo's .* task=sft reads none; drop it"):
+    with pytest.raises(
+        UserError, match=r"num_generations=4 is task=grpo's .* task=sft does not read it; drop it or set task=grpo"
+    ):
         load_config(recipe("llama"), ["size=tiny", "task=sft", "num_generations=4"])
-    assert GRPO_BUILTIN_REWARDS == BUILTINS  # config/ cannot import rl/: the two lists are kept equal here
+    assert BUILTIN_REWARDS == BUILTINS  # tasks/ cannot import rl/: the two lists are kept equal here
     config = grpo_config(
         "beta=0.04",
         "peft=lora",

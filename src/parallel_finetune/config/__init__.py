@@ -16,15 +16,14 @@ are refused, as are keys given twice.
 
 The package by concern: sections.py (the sections and the tables read off them), whole.py (Config), values.py (a
 value against its key's type; the recipe YAML reader), loading.py (recipes, `extends:`, `tiny:`, overrides,
-parse_config, lr_scaling), checks.py (check_keys: ranges and combinations). Import from here.
+parse_config, lr_scaling), checks.py (check_keys: ranges and combinations; a task kind's own keys are checked by
+its kind, tasks/kinds/). Import from here.
 """
 
 from .checks import (
     COLLECTIVE_TIMEOUT_RANGE_S,
     COMPILE_AUTO_MIN_STEPS,
     COMPILE_WITH_TP,
-    DPO_DATA_KEYS,
-    SFT_KEYS,
     TRACKER_TIMEOUT_RANGE_S,
     BadKey,
     check_keys,
@@ -63,13 +62,11 @@ __all__ = [
     "COMPILE_WITH_TP",
     "CONTINUATION_MAY_CHANGE",
     "CONTINUES",
-    "DPO_DATA_KEYS",
     "FIELDS",
     "GRPO_LOSS_TYPES",
     "REFERENCE_FREE_LOSSES",
     "SECTIONS",
     "SECTION_CLASSES",
-    "SFT_KEYS",
     "TEXT_KEYS",
     "TRACKER_TIMEOUT_RANGE_S",
     "USER_KEYS",

@@ -1,14 +1,14 @@
 """Checks of the keys themselves, no model family, tracker or engine needed: ranges and combinations (check_keys),
-and the limits resolve and preflight share (compile, timeouts)."""
+and the limits resolve and preflight share (compile, timeouts). The keys a task kind owns (data columns, the
+`preference:` and `grpo:` sections) are its own to check: tasks/kinds/, which resolve.validate asks after these."""
 
 from __future__ import annotations
 
 import math
-import re
 import typing
 
 from ..errors import UserError
-from .sections import USER_KEYS, DataSection, GRPOSection, PreferenceSection
+from .sections import USER_KEYS
 from .whole import Config
 
 COMPILE_AUTO_MIN_STEPS = 1000
@@ -41,10 +41,7 @@ def check_keys(config: Config, where: str = "config") -> None:
 
     _check_training(config, bad)
     _check_generation(config, bad)
-    _check_sft_keys(config, bad)
-    _check_preference(config, bad)
     _check_peft(config, bad)
-    _check_grpo(config, bad)
     if not TRACKER_TIMEOUT_RANGE_S[0] <= config.tracker_timeout_s <= TRACKER_TIMEOUT_RANGE_S[1]:
         raise bad("tracker_timeout_s", "must be in [1, 600] seconds (a second to ten minutes)")
     if not isinstance(config.activation_checkpointing, bool) and config.activation_checkpointing < 0:
@@ -120,107 +117,12 @@ def _check_training(config: Config, bad: BadKey) -> None:
         raise bad("adam_betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
-# keys that only instruction tuning (and preference tuning, which renders conversations too) reads: set with
-# another task they would change nothing, so they are refused
-SFT_KEYS = ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column", "tools_column")
-DPO_DATA_KEYS = ("chat_template", "prompt_column", "chosen_column", "rejected_column")
-KTO_DATA_KEYS = (*DPO_DATA_KEYS, "completion_column")  # unpaired rows, or dpo's pairs unpaired
-KTO_KEYS = ("desirable_weight", "undesirable_weight")  # the preference section's keys only task=kto reads
-GRPO_DATA_KEYS = ("chat_template", "prompt_column")
-
-
-def _check_sft_keys(config: Config, bad: BadKey) -> None:
-    defaults = DataSection()
-    keys = {"sft": SFT_KEYS, "dpo": DPO_DATA_KEYS, "reward": DPO_DATA_KEYS, "kto": KTO_DATA_KEYS}
-    keys = (keys | {"grpo": GRPO_DATA_KEYS}).get(config.task, ())
-    for key in dict.fromkeys(SFT_KEYS + DPO_DATA_KEYS):
-        if key in keys or getattr(config.data, key) == getattr(defaults, key):
-            continue
-        if key in SFT_KEYS:
-            why = "is task=sft's (conversations rendered by a chat template)"
-            raise bad(key, f"{why}, and task={config.task} reads none; drop it or set task=sft")
-        raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it or set task=dpo")
-
-
-def _check_preference(config: Config, bad: BadKey) -> None:
-    """The preference section: read by task=dpo only; its values in range."""
-    defaults = PreferenceSection()
-    if config.task == "kto":  # reads dpo_beta and the weights (loop/kto.py)
-        _check_kto(config, bad, defaults)
-        return
-    for key in KTO_KEYS:
-        if getattr(config.preference, key) != getattr(defaults, key):
-            raise bad(key, f"is task=kto's, and task={config.task} reads none; drop it or set task=kto")
-    if config.task == "reward":  # reads center_rewards_coefficient alone (loop/reward_loss.py)
-        _check_reward(config, bad, defaults)
-        return
-    if config.preference.center_rewards_coefficient is not None:
-        raise bad("center_rewards_coefficient", f"is task=reward's, and task={config.task} reads none; drop it")
-    if config.task != "dpo":
-        for key in vars(defaults):
-            if getattr(config.preference, key) != getattr(defaults, key):
-                raise bad(key, f"is task=dpo's (preference pairs), and task={config.task} reads none; drop it")
-        return
-    loss, section = config.dpo_loss, config.preference
-    if not config.dpo_beta > 0:
-        raise bad("dpo_beta", "must be > 0 (DPO's beta, e.g. 0.1)")
-    if not 0 <= config.dpo_label_smoothing < 0.5:
-        raise bad("dpo_label_smoothing", "must be in [0, 0.5) (the share of pairs assumed flipped)")
-    if config.dpo_label_smoothing and loss in ("ipo", "hinge", "orpo"):
-        raise bad("dpo_label_smoothing", f"is read by dpo_loss=sigmoid (cDPO), robust and simpo, not {loss}")
-    if config.rpo_alpha < 0:
-        raise bad("rpo_alpha", "must be >= 0 (0: no SFT term)")
-    # keys of one pair loss set with another: refused, as another task's keys are
-    if section.simpo_gamma != defaults.simpo_gamma and loss != "simpo":
-        raise bad("simpo_gamma", f"is dpo_loss=simpo's target margin, and dpo_loss={loss} reads none; drop it")
-    if loss in ("simpo", "orpo"):
-        for key, why in (("rpo_alpha", "SFT term"), ("dpo_length_normalized", "averaging")):
-            if getattr(section, key) != getattr(defaults, key):
-                raise bad(key, f"is the DPO family's {why}, and dpo_loss={loss} reads none (it averages); drop it")
-
-
-def _check_kto(config: Config, bad: BadKey, defaults: PreferenceSection) -> None:
-    """task=kto: beta > 0, weights > 0, the pair losses' keys refused, a global batch of 2 rows or more (its KL rows
-    pair each prompt with another row's completion), no packing (its rows are padded)."""
-    for key in vars(defaults):
-        if key not in ("dpo_beta", *KTO_KEYS) and getattr(config.preference, key) != getattr(defaults, key):
-            raise bad(key, "is task=dpo's pair loss, and task=kto reads none (its loss: docs/kto.md); drop it")
-    if not config.dpo_beta > 0:
-        raise bad("dpo_beta", "must be > 0 (KTO's beta, e.g. 0.1)")
-    for key in KTO_KEYS:
-        if not getattr(config.preference, key) > 0:
-            raise bad(key, "must be > 0 (1.0: TRL's default)")
-    if config.batch_size < 2:
-        raise bad(
-            "batch_size", "must be >= 2 under task=kto: its KL estimate pairs each prompt with another row's answer"
-        )
-    if config.packing:
-        raise bad("packing", "task=kto pads its rows (it packs none); drop packing")
-
-
-def _check_reward(config: Config, bad: BadKey, defaults: PreferenceSection) -> None:
-    """task=reward: the dpo keys refused, reward centring >= 0, no packing (a pair's rows are padded)."""
-    for key in vars(defaults):
-        if key != "center_rewards_coefficient" and getattr(config.preference, key) != getattr(defaults, key):
-            raise bad(key, "is task=dpo's pair loss, and task=reward reads none (its loss: docs/reward.md); drop it")
-    if (config.preference.center_rewards_coefficient or 0) < 0:
-        raise bad("center_rewards_coefficient", "must be >= 0 (e.g. 0.01; null: off)")
-    if config.packing:
-        raise bad("packing", "task=reward pads each pair's two rows (it packs none); drop packing")
-
-
 def _check_generation(config: Config, bad: BadKey) -> None:
     if config.generate_every < 0:
         raise bad("generate_every", "must be >= 0 (0: no generations)")
     for key in ("generate_prompts", "generate_max_new_tokens"):
         if getattr(config, key) < 1:
             raise bad(key, "must be at least 1")
-    if config.generate_every and config.task != "sft":
-        raise bad(
-            "generate_every",
-            f"answers the validation conversations' prompts, which task=sft has and task={config.task} has not; "
-            "set generate_every=0 or task=sft",
-        )
 
 
 def _check_peft(config: Config, bad: BadKey) -> None:
@@ -259,89 +161,3 @@ def _check_qlora(config: Config, bad: BadKey) -> None:
         raise bad("nf4_block_size", "must be even and at least 2 (two 4-bit codes per byte), e.g. 64")
     if config.nf4_scaler_block_size < 1:
         raise bad("nf4_scaler_block_size", "must be at least 1, e.g. 256")
-
-
-# rl/rewards.py's BUILTINS (tests/rl/test_grpo.py keeps the two equal): config/ is a floor below rl/
-GRPO_BUILTIN_REWARDS = ("accuracy", "format", "length")
-# Why task=grpo refuses pipeline stages: a rollout decodes one token at a time, and through stages each token would
-# cross every stage boundary twice with the other stages idle; TP and FSDP sample in every rank's own forward.
-GRPO_NO_PIPELINE = (
-    "task=grpo samples its completions token by token, which a pipeline would pass through every stage for each "
-    "token; use tensor_parallel_degree (TP) or sharding=full (FSDP) instead, with pipeline_parallel_degree=1"
-)
-
-
-def _check_grpo(config: Config, bad: BadKey) -> None:
-    """The `grpo:` section: read by task=grpo only; its values in range and its combinations with the run."""
-    defaults, section = GRPOSection(), config.grpo
-    if config.task != "grpo":
-        for key in vars(defaults):
-            if getattr(section, key) != getattr(defaults, key):
-                raise bad(key, f"is task=grpo's (online RL, docs/grpo.md), and task={config.task} reads none; drop it")
-        return
-    if config.pipeline_parallel_degree > 1:
-        raise bad("pipeline_parallel_degree", GRPO_NO_PIPELINE)
-    if config.engine == "deepspeed":
-        raise bad("engine", "task=grpo runs on engine=torch (its rollouts and loss use the chunked head); use torch")
-    if config.packing:
-        raise bad("packing", "task=grpo pads its completions (it packs none); drop packing")
-    if section.num_generations < 2:
-        raise bad("num_generations", "must be at least 2 (advantages compare a prompt's completions), e.g. 8")
-    if config.batch_size % section.num_generations:
-        raise bad(
-            "batch_size",
-            f"counts completions, and num_generations={section.num_generations} does not divide it (each prompt's "
-            "group of completions is in one step); make batch_size a multiple of num_generations",
-        )
-    for key in ("max_completion_length", "num_iterations"):
-        if getattr(section, key) < 1:
-            raise bad(key, "must be at least 1")
-    if section.temperature < 0 or not 0 < section.top_p <= 1 or section.top_k < 0:
-        key = "temperature" if section.temperature < 0 else "top_p" if not 0 < section.top_p <= 1 else "top_k"
-        raise bad(key, "is out of range: temperature >= 0 (0: greedy), 0 < top_p <= 1, top_k >= 0 (0: all)")
-    if not section.epsilon > 0 or (section.epsilon_high is not None and section.epsilon_high < section.epsilon):
-        key = "epsilon" if not section.epsilon > 0 else "epsilon_high"
-        raise bad(key, "must be epsilon > 0 and epsilon_high >= epsilon (or null: epsilon), e.g. 0.2 and 0.28")
-    if section.beta < 0:
-        raise bad("beta", "must be >= 0 (0: no KL term, TRL's default)")
-    if section.beta > 0 and config.peft.method != "lora":
-        raise bad(
-            "beta",
-            "> 0 needs a reference model: with peft=lora it is the base with its adapters disabled (no second "
-            "copy); full fine-tuning keeps no frozen copy yet, so use peft=lora or beta=0",
-        )
-    _check_rewards(config, bad, section)
-
-
-def _check_rewards(config: Config, bad: BadKey, section: GRPOSection) -> None:
-    functions = section.reward_functions
-    if not functions or not all(isinstance(f, str) and f for f in functions):
-        raise bad(
-            "reward_functions",
-            f"must list reward functions: {', '.join(GRPO_BUILTIN_REWARDS)}, path.py:name or model:path/to/folder",
-        )
-    for name in functions:
-        if ":" not in name and name not in GRPO_BUILTIN_REWARDS:
-            raise bad(
-                "reward_functions",
-                f"names {name!r}, no built-in reward ({', '.join(GRPO_BUILTIN_REWARDS)}); your own function is "
-                "path/to/file.py:function, a reward model model:path/to/folder",
-            )
-        if name == "model:":
-            raise bad("reward_functions", "names a reward model with no folder; write model:path/to/folder")
-    weights = section.reward_weights
-    if weights is not None and (
-        len(weights) != len(functions) or not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights)
-    ):
-        raise bad("reward_weights", f"must be {len(functions)} finite number(s), one per reward function (or null)")
-    if "format" in functions:
-        if not section.format_pattern:
-            raise bad("format_pattern", "is what reward format matches each completion against; give a regex")
-        try:
-            re.compile(section.format_pattern)
-        except re.error as exc:
-            raise bad("format_pattern", f"is no regular expression ({exc})") from None
-    if "length" in functions and (section.length_limit is None or section.length_limit < 1):
-        raise bad("length_limit", "is where reward length's penalty starts: give a number of tokens >= 1")
-    if section.length_ramp is not None and section.length_ramp < 1:
-        raise bad("length_ramp", "must be at least 1 (or null: length_limit)")

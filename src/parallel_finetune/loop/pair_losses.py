@@ -148,7 +148,7 @@ PAIR_LOSSES = (*DPO_KINDS, "simpo", "orpo")
 
 
 def pair_loss_for(preference) -> DPOLoss | SimPOLoss | ORPOLoss:
-    """The pair loss the `preference:` section names (config/checks.py has checked its keys)."""
+    """The pair loss the `preference:` section names (tasks/kinds/dpo.py has checked its keys)."""
     kind, beta = preference.dpo_loss, preference.dpo_beta
     if kind == "simpo":
         return SimPOLoss(beta, preference.simpo_gamma, preference.dpo_label_smoothing)

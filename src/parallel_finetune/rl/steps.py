@@ -21,7 +21,7 @@ step's record.
 
 num_iterations > 1: a rollout is trained on for num_iterations steps (TRL's), its old policy's per-token
 log-probabilities measured right after it (no gradients, eval mode), the steps in between reusing it (the prompts
-the sampler drew for them are not read). beta > 0 (LoRA only: config/checks.py refuses it with full fine-tuning):
+the sampler drew for them are not read). beta > 0 (LoRA only: tasks/kinds/grpo.py refuses it with full fine-tuning):
 the reference's per-token log-probabilities, the same model with its adapters disabled. Both measured on every rank
 for the step's whole global batch (the same forwards everywhere, as FSDP needs), through the objective's head
 (chunked, vocabulary-parallel: parallel/vocab.token_nll), and handed to the batcher as the split's columns.

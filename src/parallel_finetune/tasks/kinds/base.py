@@ -1,11 +1,19 @@
 """What a task kind is: the questions callers ask a task's kind instead of comparing its `task:` key or its
-problem type with a name. Each kind module (classification, causal_lm, sft, dpo) defines one TaskKind and
-registers it (tasks/kinds/__init__.py); HeadKind, the model's last layer, is every kind's answer to `head`."""
+problem type with a name. Each kind module (classification, causal_lm, sft, dpo, reward, kto, grpo) defines one
+TaskKind and registers it (tasks/kinds/__init__.py); HeadKind, the model's last layer, is every kind's answer to
+`head`. A kind also owns its recipe keys: which keys of the sections kinds share it reads (`reads`), and the checks of
+their values (`check`)."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from enum import Enum
+
+# `reads`' value for a section only this kind reads (grpo's `grpo:`): every key of it, today's and those added later
+WHOLE_SECTION = ("*",)
+
+BadKey = typing.Callable[[str, str], Exception]  # (key, why) -> the one-line error naming the key and its value
 
 
 class HeadKind(str, Enum):
@@ -58,6 +66,17 @@ class TaskKind:
     step_source: str = ""  # what makes each step's rows instead of the sampled split (rl/steps.py: rollouts), or none
     unread_keys: tuple[str, ...] = ()  # recipe keys a run of this kind never reads, left out of what it writes
     sample: Sample | None = None  # the shipped sample it trains on without train_file or dataset
+    # Its recipe keys: by section, the keys it reads that other kinds do not all read (a section's name: the keys,
+    # or WHOLE_SECTION). One of them set away from its default under a kind that reads it not is refused in one
+    # line naming the kinds that read it (kinds.check_task_keys); `about` is what the kind trains on, in a few words,
+    # for that line, and `notes` a key's own words where they say more than `about`.
+    reads: typing.ClassVar[dict[str, tuple[str, ...]]] = {}
+    about: str = ""
+    notes: typing.ClassVar[dict[str, str]] = {}
+
+    def check(self, sections: typing.Mapping[str, typing.Any], bad: BadKey) -> None:
+        """A run of this kind: its keys' values and their combinations with the other sections (`sections`: the
+        recipe's section dataclasses by name, as config.SECTIONS names them); raise bad(key, why) on the first."""
 
     @property
     def rows_per_sample(self) -> int:

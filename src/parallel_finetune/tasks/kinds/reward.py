@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import register
 from .base import HeadKind, TaskKind
-from .dpo import PreferenceTuning
+from .dpo import PAIR_DATA_KEYS, PreferenceTuning
 
 REWARD = "reward"
 
@@ -25,6 +25,8 @@ class RewardModelling(TaskKind):
     objective = "reward"
     unread_keys = ("glue_task",)  # whatever glue_task's default, a reward run reads no GLUE task
     sample = PreferenceTuning.sample  # the same preference pairs
+    reads = {"data": PAIR_DATA_KEYS, "preference": ("center_rewards_coefficient",)}  # its loss: loop/reward_loss.py
+    about = "reward modelling, docs/reward.md"
 
     def chat_template(self, train) -> bool:
         return PreferenceTuning.chat_template(self, train)
@@ -34,6 +36,13 @@ class RewardModelling(TaskKind):
 
     def template_note(self, template: str, train_on: str) -> str:
         return f"task=reward: chat template {template}, each row scored at its last token"
+
+    def check(self, sections, bad) -> None:
+        """Reward centring >= 0, no packing (a pair's rows are padded)."""
+        if (sections["preference"].center_rewards_coefficient or 0) < 0:
+            raise bad("center_rewards_coefficient", "must be >= 0 (e.g. 0.01; null: off)")
+        if sections["data"].packing:
+            raise bad("packing", "task=reward pads each pair's two rows (it packs none); drop packing")
 
 
 register(RewardModelling())

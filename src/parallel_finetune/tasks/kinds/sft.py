@@ -19,6 +19,12 @@ class InstructionTuning(TaskKind):
     conversations = True
     objective = "tokens"
     unread_keys = ("glue_task",)  # whatever glue_task's default, an sft run reads no GLUE task
+    reads = {
+        "data": ("chat_template", "train_on", "messages_column", "prompt_column", "completion_column", "tools_column"),
+        "training": ("generate_every",),  # greedy answers to held-out prompts (loop/generation.py)
+    }
+    about = "conversations rendered by a chat template"
+    notes = {"generate_every": "it answers the validation conversations' prompts"}
     sample = Sample("chat", "chat sample", "instructions over SST-2 sentences", "conversations", "chat-sample-")
 
     def cache_key(self, train_on: str) -> str:
