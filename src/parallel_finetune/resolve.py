@@ -180,12 +180,11 @@ GLUE_TRAIN_ROWS = {
 }
 
 
-def planner_samples(config: Config) -> tuple[int | None, str, int | None]:
+def planner_samples(config: Config) -> tuple[int | None, str]:
     """The training samples a run of `config` has per epoch (rows; pairs for dpo) and where they come from, for
     the planner's time, without the network or a tokenizer: local files, folders and the shipped samples are
     read (less the held-out validation share when there is no validation split, as the run carves it); GLUE
-    from the Hub is its published train size; a Hub data set is not counted (None). Third: the held-out rows (the
-    validation split's, or the share carved), None where not counted."""
+    from the Hub is its published train size; a Hub data set is not counted (None)."""
     from .tasks.sources import SHIPPED_SAMPLES, read_sources
 
     data = config.data
@@ -193,8 +192,8 @@ def planner_samples(config: Config) -> tuple[int | None, str, int | None]:
     local_dataset = data.dataset is not None and Path(data.dataset).expanduser().is_dir()
     if not (shipped or data.train_file or local_dataset or (data.data_dir and not data.dataset)):
         if data.dataset:
-            return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run", None
-        return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split", None
+            return None, f"dataset={data.dataset} from the Hub, not counted offline: max_steps=N times the run"
+        return GLUE_TRAIN_ROWS[data.glue_task], f"GLUE {data.glue_task}'s train split"
     tables, source, _ = read_sources(data=data, task_key=config.model.task)
     rows = len(tables["train"])
     where = source.description
@@ -204,9 +203,7 @@ def planner_samples(config: Config) -> tuple[int | None, str, int | None]:
         held = round(rows * data.validation_split_percentage / 100)
         rows -= held
         where += f", {held:,} held out"
-    else:
-        held = len(tables["validation"])
-    return rows, where, held
+    return rows, where
 
 
 def planner_workload(config: Config, *, count_samples: bool = True):
@@ -219,13 +216,11 @@ def planner_workload(config: Config, *, count_samples: bool = True):
     from .tools.planner import SFT_TOKENS_PER_ROW, Rollouts, Workload
 
     chosen, peft, kind = choose_model(config), config.peft, kind_of(config.model.task)
-    samples, data, held = planner_samples(config) if count_samples else (None, "not counted", None)
+    samples, data = planner_samples(config) if count_samples else (None, "not counted")
     grpo = config.grpo
     rollouts = None
-    if kind.step_source == "rollouts":  # task=grpo: what each step samples (and each evaluation)
-        rollouts = Rollouts(
-            grpo.num_generations, grpo.max_completion_length, held, grpo.num_iterations > 1 or grpo.beta > 0
-        )
+    if kind.step_source == "rollouts":  # task=grpo: what each step samples (an evaluation: as much at once)
+        rollouts = Rollouts(grpo.num_generations, grpo.max_completion_length, grpo.num_iterations > 1 or grpo.beta > 0)
     return Workload(
         head=chosen.head,
         seq_len=config.data.max_length,

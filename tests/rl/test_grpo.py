@@ -144,6 +144,20 @@ def test_the_batcher_labels_the_scored_completion_tokens_with_their_columns():
         assert split.loss_count([0, 1, 2]) == 3  # each completion counts one; the loss weighs its tokens
 
 
+def test_an_evaluation_samples_in_pieces_no_larger_than_a_steps_and_as_many_on_every_rank():
+    """Held-out prompts are sampled in pieces of a step's prompts per rank (the planner counts a step's rows, and a
+    large validation split would not fit at once), and every rank samples as many pieces, an empty one where its
+    share ran out, so that FSDP's ranks decode in lockstep. tests/rl/test_rollout.py: a completion does not depend
+    on the rows sampled beside it, so the pieces change no completion."""
+    stage = RolloutStage(None, None, None, None, None, GRPOSection(), None, None, prompts_per_rank=2)
+    bounds = [11 * r // 3 for r in range(4)]  # 11 held-out prompts over 3 data-parallel ranks: 3, 4 and 4
+    pieces = [stage.held_out_pieces(list(range(a, b)), largest_share=4) for a, b in zip(bounds, bounds[1:])]
+    assert pieces == [[[0, 1], [2]], [[3, 4], [5, 6]], [[7, 8], [9, 10]]]
+    assert stage.held_out_pieces([0, 1, 2], largest_share=5) == [[0, 1], [2], []]  # lockstep: 3 pieces each
+    whole = RolloutStage(None, None, None, None, None, GRPOSection(), None, None)  # 0: the whole share at once
+    assert whole.held_out_pieces([0, 1, 2], largest_share=3) == [[0, 1, 2]]
+
+
 def kept_stage() -> RolloutStage:
     """A rollout stage holding the rollout step 1 sampled (2 prompts x 2 completions, vocabulary 50) to train on
     again at step 2; only what keeping it reads is real."""

@@ -548,12 +548,12 @@ def test_kv_cache_bytes_by_hand():
     assert kv_cache_bytes(llama, 32, 1, 1, 2) == 2 * 32 * 8 * 128 * 2 == 131_072
     assert kv_cache_bytes(llama, 32, 1, 8, 2) == 16_384 and kv_cache_bytes(llama, 32, 1, 1, 4) == 262_144
     assert kv_cache_bytes(qwen, 36, 1, 1, 2) == 147_456
-    # the recipe's run on 8 GPUs (TP=8): a step's 64 completions, but an evaluation samples the 48 held-out prompts
-    # of the shipped sample x 8 at once; each (prompt budget 384) + 256 - 1 positions
+    # the recipe's run on 8 GPUs (TP=8): a step's 64 completions at once (an evaluation samples pieces as large),
+    # each (prompt budget 512) + 256 - 1 positions
     run = plan_recipe(LLAMA / "grpo.yaml", "ml.p4d.24xlarge")
-    assert run.workload.rollouts.held_out_prompts == 48 and run.steps == 320 // (64 // 8)
-    assert run.current.memory["kv_cache"] == 384 * (384 + 256 - 1) * 16_384
-    assert "rollout KV cache 4.02 GB (3.74 GiB) per GPU in the recipe's layout: 384 completions at once" in run.table()
+    assert run.steps == 320 // (64 // 8)
+    assert run.current.memory["kv_cache"] == 64 * (512 + 256 - 1) * 16_384
+    assert "rollout KV cache 0.80 GB (0.75 GiB) per GPU in the recipe's layout: 64 completions at once" in run.table()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -594,13 +594,13 @@ def test_kv_cache_estimate_is_the_samplers_cache(monkeypatch, family_name, tp):
 def test_grpo_plans_the_larger_of_the_rollout_the_scoring_and_the_update():
     """Each phase beside the same state: the rollout (cache + the larger of the prompts' forward and a decode
     step's logits), the kept log-probabilities' forward of the whole global batch (beta > 0), the update on rows
-    of prompt + completion tokens; an evaluation of many held-out prompts is the largest rollout."""
+    of prompt + completion tokens; a data-parallel rank samples its share."""
     from parallel_finetune.tools.planner import SAMPLING_BYTES_PER_LOGIT, Rollouts, layer_bytes
 
     shape = model_shape("meta-llama/Llama-3.1-8B", "causal_lm")
     layout = Candidate(8, 1, 1, "none", True, 1)
     base = Workload(head=HeadKind.CAUSAL_LM, seq_len=512, batch_size=64, accumulation=4)
-    work = dataclasses.replace(base, rollouts=Rollouts(8, 256, held_out_prompts=None, kept_logps=True))
+    work = dataclasses.replace(base, rollouts=Rollouts(8, 256, kept_logps=True))
     memory = memory_per_gpu(shape, layout, 512, 64, workload=work)
     kv = 64 * 767 * 16_384
     decode = 64 * 128_256 * (2 + 2 / 8 + SAMPLING_BYTES_PER_LOGIT)
@@ -614,10 +614,8 @@ def test_grpo_plans_the_larger_of_the_rollout_the_scoring_and_the_update():
     state = sum(memory[k] for k in ("params", "gathered", "dequantized", "grads", "optimizer"))
     working = max(memory["activations"] + memory["logits"], memory["rollout"], memory["scoring"])
     assert memory["total"] == pytest.approx(1.1 * (state + working) + 1.5 * GB)
-    evaluated = dataclasses.replace(work, rollouts=Rollouts(8, 256, held_out_prompts=200))
-    assert memory_per_gpu(shape, layout, 512, 64, workload=evaluated)["kv_cache"] == 200 * 8 * 767 * 16_384
-    dp4 = memory_per_gpu(shape, Candidate(2, 1, 4, "full", True, 1, 4), 512, 64, workload=evaluated)
-    assert dp4["kv_cache"] == 50 * 8 * 767 * 131_072 / 2  # a rank's 50 held-out prompts, its 4 of 8 heads
+    dp4 = memory_per_gpu(shape, Candidate(2, 1, 4, "full", True, 1, 4), 512, 64, workload=work)
+    assert dp4["kv_cache"] == 16 * 767 * 131_072 / 2  # a rank's 16 of the step's 64 completions, its 4 of 8 heads
     with pytest.raises(UserError, match="^num_generations=0 is not valid; expected a positive integer"):
         plan("tiny:llama", 1, 24, workload=dataclasses.replace(work, rollouts=Rollouts(0, 256)))
 

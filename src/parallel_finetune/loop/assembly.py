@@ -150,7 +150,7 @@ class LoopAssembly:
             built=built,
             prepared=stage.prepared,
             grpo=self.grpo,
-            seed=self.training.seed,
+            training=self.training,
             layout=self.layout,
             padding=self.padding(stage.prepared, built),
             lora=self.resolved.lora is not None,

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import GRPOSection
+from ..config import GRPOSection, TrainingSection
 from ..data.batchers import Padding, make_batcher
 from ..data.chat import stop_ids
 from ..data.grpo import RolloutSplit
@@ -96,6 +96,7 @@ class RolloutStage:
     padding: Padding
     autocast: Callable = contextlib.nullcontext  # the run's mixed precision for the sampling forwards
     fixed: FixedRollouts | None = None  # completions given instead of sampled
+    prompts_per_rank: int = 0  # a step's prompts on one data-parallel rank: an evaluation samples as many at once
 
     objective: object = None  # the run's GRPOLoss: its head, chunking and softcap score the kept log-probabilities
     lora: bool = False  # the reference is the model with its adapters disabled
@@ -175,10 +176,13 @@ class RolloutStage:
             )
         bounds = [len(rows.ids) * r // dp for r in range(dp + 1)]
         positions = list(range(bounds[rank], bounds[rank + 1]))
-        rollout = sample(
-            self.model, [rows.ids[p] for p in positions], positions, self.settings, 0, autocast=self.autocast
-        )
-        completions = rollout.completions()
+        completions = []
+        for piece in self.held_out_pieces(positions, -(-len(rows.ids) // dp)):
+            sampled = piece or positions[-1:]  # this rank's share ran out: it decodes beside the others, unused
+            rollout = sample(
+                self.model, [rows.ids[p] for p in sampled], sampled, self.settings, 0, autocast=self.autocast
+            )
+            completions += rollout.completions() if piece else []
         if dp > 1:  # in rank order: every prompt's completions, prompt-major
             parts = [None] * dp
             dist.all_gather_object(parts, completions, group=self.layout.dp_group)
@@ -194,6 +198,15 @@ class RolloutStage:
         for j, name in enumerate(self.rewards.names):
             results[f"eval_rewards/{name}/mean"] = torch.nanmean(per_function[:, j]).item()
         return results
+
+    def held_out_pieces(self, positions: list[int], largest_share: int) -> list[list[int]]:
+        """This rank's held-out prompts in pieces of at most a step's prompts per rank (`prompts_per_rank`), so that
+        an evaluation holds no more rows at once than a training step does (tools/planner.py counts a step's), and
+        in as many pieces as the rank with the largest share, so that every rank samples in lockstep (FSDP): a rank
+        whose share ran out gets an empty piece. A completion does not depend on the rows sampled beside it (its
+        draws are keyed by its prompt and generation), so the pieces change no completion. 0: the whole share."""
+        size = self.prompts_per_rank or largest_share
+        return [positions[i * size : (i + 1) * size] for i in range(-(-largest_share // size))]
 
     def step(self, global_batch: list[int], step: int) -> tuple[object, list[int], dict, list[dict]]:
         """The step's batcher, its completion indices (the Trainer's global batch), its metrics and its records:
@@ -331,7 +344,7 @@ def make_rollouts(
     built,
     prepared,
     grpo: GRPOSection,
-    seed: int,
+    training: TrainingSection,
     layout: Layout,
     padding: Padding,
     lora: bool,
@@ -339,8 +352,9 @@ def make_rollouts(
 ):
     """A grpo run's RolloutStage: the built model (loop/model_stage.BuiltModel: the model, its objective's head,
     its runner's mixed precision), its prompts (the prepared train split), its tokenizer's stop tokens (EOS and the
-    chat template's end of turn), the recipe's sampling and reward keys, and the run's compute dtype (its reward
-    models' weights)."""
+    chat template's end of turn), the recipe's sampling and reward keys, its seed and batch (a step's prompts per
+    data-parallel rank: what an evaluation samples at once), and the run's compute dtype (its reward models'
+    weights)."""
     tokenizer = prepared.tokenizer
     settings = SamplingSettings(
         num_generations=grpo.num_generations,
@@ -350,7 +364,7 @@ def make_rollouts(
         temperature=grpo.temperature,
         top_p=grpo.top_p,
         top_k=grpo.top_k,
-        seed=seed,
+        seed=training.seed,
     )
     placement = Placement(  # reward models: whole on every rank, each scoring its share (rl/reward_model.py)
         device=padding.device,
@@ -374,6 +388,7 @@ def make_rollouts(
         getattr(built.runner, "autocast", contextlib.nullcontext),
         objective=built.objective,
         lora=lora,
+        prompts_per_rank=training.batch_size // grpo.num_generations // layout.dp,
     )
 
 

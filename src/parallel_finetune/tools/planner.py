@@ -30,19 +30,18 @@ the meta device, so parameter counts are exact. Assumptions, also printed under 
   tuning (sft) with `packing`: a micro-batch's b rows of `tokens_per_row` tokens laid end to end in sequences of s
   (first-fit decreasing fills PACKING_EFFICIENCY of their slots), so the activations are those of
   ceil(b x tokens_per_row / (efficiency x s)) sequences of s; padded, b rows of s.
-- task=grpo (`Rollouts`, `rollout_bytes`): the larger of three phases, each beside the same state (params, grads
-  and optimizer as training keeps them: the gradients, freed between steps by plain AdamW, stand for the 16-bit
-  weight copies autocast makes in a sampling forward, as in training's forward). The rollout: a data-parallel rank
-  samples its share of the step's prompts x num_generations at once, batch_size / dp rows (an evaluation its share
-  of the held-out prompts x num_generations, when larger), each holding a KV cache of max_length +
-  max_completion_length - 1 positions: 2 x layers x kv_heads / tp x head_dim x compute bytes per position
-  (Llama 3.1 8B in bf16: 131,072 B), plus one layer's K and V made again per appended token, plus the larger of the
-  prompts' forward (one layer's activations at max_length: nothing kept for a backward) and a decode step's
-  whole-vocabulary logits (2c + SAMPLING_BYTES_PER_LOGIT per logit). The kept log-probabilities (num_iterations > 1
-  or beta > 0): one no-gradient forward of the step's whole global batch on every rank (one layer's activations,
-  the last hidden states, the head's forward, KEPT_BYTES_PER_TOKEN). The update: training on rows of max_length +
-  max_completion_length tokens, with the batch's per-token columns. A step consumes batch_size / num_generations
-  prompts; the decode is not timed.
+- task=grpo (`Rollouts`, `rollout_bytes`): the larger of three phases, each beside the same state (params, grads and
+  optimizer as training keeps them: the gradients, freed between steps by plain AdamW, stand for the 16-bit weight
+  copies autocast makes in a sampling forward, as in training's forward). The rollout: a data-parallel rank samples its
+  share of the step's prompts x num_generations at once, batch_size / dp rows (an evaluation samples its share of the
+  held-out prompts in pieces of a step's prompts per rank: never more), each holding a KV cache of max_length +
+  max_completion_length - 1 positions: 2 x layers x kv_heads / tp x head_dim x compute bytes per position (Llama 3.1 8B
+  in bf16: 131,072 B), plus one layer's K and V made again per appended token, plus the larger of the prompts' forward
+  (one layer's activations at max_length: nothing kept for a backward) and a decode step's whole-vocabulary logits (2c +
+  SAMPLING_BYTES_PER_LOGIT per logit). The kept log-probabilities (num_iterations > 1 or beta > 0): one no-gradient
+  forward of the step's whole global batch on every rank (one layer's activations, the last hidden states, the head's
+  forward, KEPT_BYTES_PER_TOKEN). The update: training on rows of max_length + max_completion_length tokens, with the
+  batch's per-token columns. A step consumes batch_size / num_generations prompts; the decode is not timed.
 - Time: 6*N FLOPs per token (+2*N recomputed with checkpointing), N = weights of Linear layers (exact for
   grouped-query attention and gated MLPs), plus attention 12*L*s*d (+4*L*s*d), d = heads x head dimension
   (Qwen 3 4B: 4096 at width 2560), at MFU 0.35 of the dense 16-bit peak, / pipeline efficiency m/(m + pp - 1).
@@ -850,18 +849,12 @@ class Plan:
             return []
         mem, dp = row.memory, row.layout.dp
         rows = rollouts.rows_per_rank(self.batch_size, dp)
-        held = rollouts.held_out_prompts
-        evaluation = (
-            f"an evaluation's {held:,} held-out prompts: {-(-held // dp) * rollouts.generations:,} at once"
-            if held
-            else "held-out prompts not counted"
-        )
         scoring = f", kept log-probabilities {mem['scoring'] / GB:.1f} GB" if rollouts.kept_logps else ""
         return [
             f"rollout KV cache {mem['kv_cache'] / GB:.2f} GB ({mem['kv_cache'] / 2**30:.2f} GiB) per GPU in "
             f"{'the recipe' if self.current else 'the recommended'}'s layout: {rows:,} completions at once "
-            f"(a step's {self.batch_size // dp:,} = {self.batch_size // rollouts.generations // dp:,} prompts x "
-            f"{rollouts.generations}; {evaluation}) x {self.seq_len} + {rollouts.completion_tokens} - 1 positions; "
+            f"({self.batch_size // rollouts.generations // dp:,} prompts x {rollouts.generations}, a step's or an "
+            f"evaluation's piece) x {self.seq_len} + {rollouts.completion_tokens} - 1 positions; "
             f"the rollout phase {mem['rollout'] / GB:.1f} GB beside the state{scoring}"
         ]
 
@@ -893,8 +886,8 @@ class Plan:
                 [
                     "- grpo: total = 1.1 x (state + the largest of the update's activ, the",
                     "  rollout and the kept log-probabilities' forward) + 1.5 GB. rollout = KV",
-                    "  cache (a rank's batch_size/dp rows, or an evaluation's held-out prompts x",
-                    "  num_generations if more, x (max_length + max_completion_length - 1)",
+                    "  cache (a rank's batch_size/dp rows; an evaluation samples as many at once)",
+                    "  x (max_length + max_completion_length - 1)",
                     "  positions x 2 x layers x kv heads/tp x head dim x 2 B) + one layer's K, V",
                     "  appended + the larger of the prompts' forward (one layer at max_length)",
                     "  and a decode step's whole-vocabulary logits; kept log-probabilities",
@@ -967,18 +960,17 @@ class Rollouts:
     are num_generations of each of batch_size / num_generations prompts; a data-parallel rank samples its share of
     them all at once (batch_size / dp rows: accumulation slices cut only the update), each row's prompt padded to
     the longest (at most max_length, the prompt budget) and up to max_completion_length tokens. An evaluation samples
-    a rank's share of the held-out prompts all at once too. With num_iterations > 1 or beta > 0 every rank measures
-    the kept per-token log-probabilities of the step's whole global batch in one no-gradient forward."""
+    a rank's share of the held-out prompts in pieces of as many prompts (rl/steps.py). With num_iterations > 1 or
+    beta > 0 every rank measures the kept per-token log-probabilities of the step's whole global batch in one
+    no-gradient forward."""
 
     generations: int  # grpo.num_generations
     completion_tokens: int  # grpo.max_completion_length
-    held_out_prompts: int | None = None  # the validation prompts an evaluation samples (None: not counted)
     kept_logps: bool = False  # num_iterations > 1 or beta > 0
 
     def rows_per_rank(self, batch_size: int, dp: int) -> int:
-        """Completions one rank samples at once: its share of a step's, or of an evaluation's if that is larger."""
-        held = -(-self.held_out_prompts // dp) * self.generations if self.held_out_prompts else 0
-        return max(batch_size // dp, held)
+        """Completions one rank samples at once: its share of a step's (an evaluation's pieces are no larger)."""
+        return batch_size // dp
 
 
 @dataclass(frozen=True)
