@@ -21,9 +21,9 @@ from parallel_finetune.errors import OneLineArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 # One walkthrough per family that has one, then the topic walkthroughs (sft: instruction tuning on the shipped chat
-# sample, dpo: preference tuning on the shipped preference sample; each reads DATA only when it holds
-# conversations, or pairs).
-TOPICS = ("sft", "dpo")
+# sample, dpo: preference tuning on the shipped preference sample, grpo: online RL on the shipped arithmetic
+# sample; each reads DATA only when it holds conversations, pairs or prompts).
+TOPICS = ("sft", "dpo", "grpo")
 NOTEBOOKS = tuple(sorted(path.stem for path in (REPO / "notebooks").glob("*.ipynb")))
 
 

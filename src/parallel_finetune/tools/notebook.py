@@ -3,7 +3,8 @@
 A notebook stays prose plus a few calls, so the walkthroughs cannot drift apart in how they launch or plot. The
 instruction-tuning one (notebooks/sft.ipynb) also shows which tokens train, what packing saves, the answers
 generate_every wrote, and a chat with the exported model; the preference-tuning one (notebooks/dpo.ipynb) plots
-TRL's rewards/* per step beside the loss.
+TRL's rewards/* per step beside the loss; the online RL one (notebooks/grpo.ipynb) warm-starts a tiny policy
+(`warm_start`) and plots the reward per step.
 """
 
 from __future__ import annotations
@@ -172,6 +173,10 @@ class Walkthrough:
             print(f"{split:>10}: {len(rows):,} rows")
         return prepared
 
+    @property
+    def tiny(self) -> bool:
+        return "size=tiny" in self.overrides
+
     def check(self) -> None:
         """Locally, `--check` in one process; for SageMaker, the processes per node the job will start."""
         if self.where == "local":
@@ -217,6 +222,9 @@ TASK_PANELS = (
     ("rewards/chosen (blue), rewards/rejected (orange)", ("rewards/chosen", "rewards/rejected")),  # task=dpo
     ("rewards/margins", ("rewards/margins",)),
     ("rewards/accuracies", ("rewards/accuracies",)),
+    ("reward: the step's completions' mean", ("reward",)),  # task=grpo
+    ("reward_std: within the prompts' groups", ("reward_std",)),
+    ("completions/mean_length (tokens)", ("completions/mean_length",)),
 )
 
 
@@ -261,6 +269,7 @@ DEV_METRICS = (
     "perplexity",
     "rewards/accuracies",  # task=dpo: the held-out pairs whose chosen answer's reward beats the rejected one's
     "rewards/margins",
+    "eval_reward",  # task=grpo: the held-out prompts' completions' mean reward
 )
 
 
@@ -380,3 +389,48 @@ def chat(model_folder: str | Path, conversations: list[list[dict]], max_new_toke
         out = generator(messages, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(out[0]["generated_text"][-1]["content"])
     return answers
+
+
+def warm_start(walk: Walkthrough, steps: int, lr: float = 2e-3, grpo_lr: float = 5e-4) -> list[str]:
+    """A tiny grpo walkthrough's starting policy. GRPO climbs only rewards its samples sometimes earn: a tiny model
+    from scratch never writes `Answer: <number>`, every completion of a group scores alike, every advantage is 0
+    and nothing is learned. GRPO runs start from an instruct model; the tiny one starts from `steps` steps of
+    task=sft (the family's tp.yaml, size=tiny, at `lr`) on the grpo sample's own training prompts with the
+    completion `Answer: <answer>`, exported. Returns the walkthrough's overrides that train its recipe from that
+    model (size=full: a model folder) at the recipe's tiny settings, lr `grpo_lr` (the tiny section's 2e-3 makes
+    the warm-started policy collapse within 40 steps: docs/benchmarks.md), the walkthrough's own overrides last."""
+    from ..resolve import load_config
+    from ..tasks.sources import SAMPLE_DIR
+
+    folder = Path("runs") / "grpo-warm-start"
+    data = folder / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "validation"):
+        lines = (SAMPLE_DIR / "grpo" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        answers = [[{"role": "assistant", "content": f"Answer: {row['answer']}"}] for row in rows]
+        text = "".join(json.dumps({"prompt": r["prompt"], "completion": a}) + "\n" for r, a in zip(rows, answers))
+        (data / f"{split}.jsonl").write_text(text, encoding="utf-8")
+    tiny = load_config(walk.recipe, [o for o in walk.overrides if not o.startswith("max_steps=")])
+    sft = ["size=tiny", "task=sft", f"train_file={(data / 'train.jsonl').resolve()}"]
+    sft += [f"validation_file={(data / 'validation.jsonl').resolve()}", f"max_steps={steps}", f"lr={lr}"]
+    sft += ["warmup_ratio=0", "lr_scheduler=constant", "export=true", f"output_dir={folder / 'sft'}"]
+    sft += [f"tensor_parallel_degree={tiny.parallel.tensor_parallel_degree}", "overwrite=true", "resume=none"]
+    launch_local(Path(walk.recipe).parent / "tp.yaml", sft, walk.nproc, check=False)
+    grpo, training = tiny.grpo, tiny.training
+    return [
+        "size=full",
+        f"model={(folder / 'sft' / 'hf').resolve()}",
+        f"family={tiny.model.family}",
+        f"precision={training.precision}",
+        f"tensor_parallel_degree={tiny.parallel.tensor_parallel_degree}",
+        f"activation_checkpointing={str(tiny.memory.activation_checkpointing).lower()}",
+        f"max_length={tiny.data.max_length}",
+        f"batch_size={training.batch_size}",
+        f"gradient_accumulation_steps={training.gradient_accumulation_steps}",
+        f"num_generations={grpo.num_generations}",
+        f"max_completion_length={grpo.max_completion_length}",
+        f"lr={grpo_lr}",
+        "eval_every=null",
+        *[o for o in walk.overrides if not o.startswith("size=")],
+    ]
