@@ -67,7 +67,7 @@ MINILM_TARGETS := bert-minilm bert-minilm-lora bert-minilm-glue
 	$(addsuffix -sft-sagemaker,$(SFT_FAMILIES)) $(addsuffix -sft-lora-sagemaker,$(SFT_LORA_FAMILIES)) \
 	$(addsuffix -dpo-sagemaker,$(DPO_FAMILIES)) $(addsuffix -dpo-lora-sagemaker,$(DPO_LORA_FAMILIES)) \
 	$(addsuffix -reward-sagemaker,$(REWARD_FAMILIES)) $(addsuffix -reward-lora-sagemaker,$(REWARD_LORA_FAMILIES)) \
-	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl bench-kto-trl \
+	$(MINILM_TARGETS) bench-minilm-lora test test-data selftest bench bench-speed bench-pipeline bench-dp bench-minilm bench-sft bench-dpo-trl bench-reward-trl bench-kto-trl bench-grpo-trl \
 	bench-memory bench-load bench-qlora-memory bench-lm-memory bench-gpu bench-gpu-dry-run gpu-bundle gpu-check plan notebooks lint docs clean-runs help
 help:
 	@echo "make gptj-tp   fine-tune GPT-J on SST-2 with tensor parallelism (NPROC=$(NPROC) SIZE=$(SIZE))"
@@ -124,6 +124,8 @@ help:
 	@echo "make bench-dpo-trl  task=dpo vs TRL's DPOTrainer: step-1 loss, rewards, logps, grad_norm on a tiny Llama (sigmoid, ipo)"
 	@echo "make bench-reward-trl  task=reward vs TRL's RewardTrainer: step-1 loss, accuracy, margin, rewards, grad_norm"
 	@echo "make bench-kto-trl  task=kto vs TRL's KTOTrainer: steps 1-2 loss, kl, rewards, logps, grad_norm"
+	@echo "make bench-grpo-trl task=grpo vs TRL's GRPOTrainer on given completions: steps 1-2 loss, rewards, kl, clip"
+	@echo "               ratios, grad_norm for grpo, dr_grpo, dapo x beta 0 / 0.04 (LoRA)"
 	@echo "make bench-memory   measured per-rank state bytes and activation peaks of each memory layout"
 	@echo "make bench-load     a ~1B GPT-J checkpoint loaded by 1 process, TP=2, PP=2: time and peak memory"
 	@echo "               (ARGS=\"--family llama\": a ~1B Llama-shaped one; qwen3, mistral, any family)"
@@ -375,6 +377,9 @@ bench-reward-trl: setup $(TRL_VENV)/.installed
 # task=kto vs TRL's KTOTrainer (.venv-trl): steps 1 and 2 on the same tiny Llama, rows, beta and batches.
 bench-kto-trl: setup $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) bench/kto_vs_trl.py $(ARGS)
+# task=grpo vs TRL's GRPOTrainer (.venv-trl): steps 1 and 2 on the same tiny Llama, prompts, given completions, rewards.
+bench-grpo-trl: setup $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) bench/grpo_vs_trl.py $(ARGS)
 
 bench-memory: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/memory.py $(if $(DATA),--data-dir $(DATA)) $(ARGS)

@@ -19,29 +19,33 @@ from parallel_finetune.parallel.vocab import token_nll
 from parallel_finetune.tasks.task import HeadKind
 
 
-def reference(hidden, weight, bias, labels, softcap=None):
+def reference(hidden, weight, bias, labels, softcap=None, temperature=1.0):
     logits = F.linear(hidden, weight, bias).float()
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits, labels, reduction="none")
+    return F.cross_entropy(logits / temperature, labels, reduction="none")  # TRL's order: capped, then tempered
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-@pytest.mark.parametrize("bias,softcap", [(False, None), (True, None), (False, 5.0)])
-def test_chunked_nll_equals_whole_logits_and_its_gradients(chunk, bias, softcap):
+@pytest.mark.parametrize(
+    "bias,softcap,temperature",
+    [(False, None, 1.0), (True, None, 1.0), (False, 5.0, 1.0), (True, None, 0.7), (False, 5.0, 1.3)],
+)
+def test_chunked_nll_equals_whole_logits_and_its_gradients(chunk, bias, softcap, temperature):
+    """Also under a sampling temperature (task=grpo scores the tempered distribution: the capped logits x scale)."""
     torch.manual_seed(0)
     rows, hidden_size, vocab = 53, 16, 97
     hidden = torch.randn(rows, hidden_size, requires_grad=True)
     head = nn.Linear(hidden_size, vocab, bias=bias)
     labels = torch.randint(0, vocab, (rows,))
     weights = torch.rand(rows)  # a per-token weight, as a preference loss gives
-    got = token_nll(hidden, head, labels, chunk, softcap)
+    got = token_nll(hidden, head, labels, chunk, softcap, 1 / temperature)
     (got * weights).sum().backward()
     grads = hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone() if bias else None
     hidden.grad, head.weight.grad = None, None
     if bias:
         head.bias.grad = None
-    expected = reference(hidden, head.weight, head.bias, labels, softcap)
+    expected = reference(hidden, head.weight, head.bias, labels, softcap, temperature)
     (expected * weights).sum().backward()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)

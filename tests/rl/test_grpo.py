@@ -1,7 +1,7 @@
 """task=grpo: its keys (one line each for what is refused), its prompt rows and tokens, the "grpo" batcher's
 labels and columns, and GRPOLoss against TRL's _compute_loss written out densely on the same numbers (per loss
-type, token and sequence importance sampling, beta > 0, num_iterations > 1, masked truncated completions), summed
-over slices and divided by the global completion count as the Trainer does."""
+type, token and sequence importance sampling, beta > 0 with and without the KL's bias correction, num_iterations > 1,
+masked truncated completions), summed over slices and divided by the global completion count as the Trainer does."""
 
 from __future__ import annotations
 
@@ -233,6 +233,8 @@ def trl_loss(logps, old, ref, advantages, mask, section: GRPOSection, trained_ma
     metrics = {}
     if section.beta:
         kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if section.use_bias_correction_kl:  # TRL's default: times the ratio, whose gradient is not 0 even at 1
+            kl = kl * coef_1
         per_token_loss = per_token_loss + section.beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum()).item()
     loss_type = section.loss_type
@@ -305,6 +307,8 @@ SECTIONS = [
     GRPOSection(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence", epsilon=0.05),
     GRPOSection(loss_type="dapo", num_iterations=2, beta=0.04),
     GRPOSection(loss_type="grpo", beta=0.04, mask_truncated_completions=True),
+    GRPOSection(loss_type="grpo", num_iterations=2, importance_sampling_level="sequence", beta=0.04),
+    GRPOSection(loss_type="dr_grpo", num_iterations=2, beta=0.04, use_bias_correction_kl=False),
     GRPOSection(loss_type="bnpo", num_iterations=2, mask_truncated_completions=True, epsilon=0.1),
 ]
 
@@ -315,6 +319,7 @@ SECTIONS = [
     ids=lambda s: (
         f"{s.loss_type}-it{s.num_iterations}-b{s.beta}"
         f"-{s.importance_sampling_level}-mask{int(s.mask_truncated_completions)}"
+        f"{'' if s.use_bias_correction_kl else '-nocorrection'}"
     ),
 )
 def test_the_loss_and_its_metrics_are_trls_in_any_slicing(section):
@@ -332,6 +337,31 @@ def test_the_loss_and_its_metrics_are_trls_in_any_slicing(section):
         assert metrics == pytest.approx(expected_metrics, abs=1e-6)
     if section.num_iterations == 1 and not section.beta:  # ratio 1: the loss is minus the mean advantage
         assert expected_metrics["clip_ratio/region_mean"] == 0
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 4])
+def test_the_policy_is_scored_at_the_sampling_temperature(chunk_tokens):
+    """TRL's fused head divides the logits by the sampling temperature before the log-softmax (the policy, the old
+    policy and the reference alike): the loss's log-probabilities are the tempered distribution's, with its
+    gradient, through the chunked head and the whole logits."""
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(7, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 11, (7,), generator=generator)
+    section = GRPOSection(loss_type="dapo", num_iterations=2, temperature=0.7, epsilon=0.1, beta=0.04)
+    objective = GRPOLoss(head, chunk_tokens, grpo=section)
+    completion = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    advantages = torch.tensor([1.0, -0.5, 0.3])[completion]
+    old, ref = -torch.rand(7, generator=generator) * 3, -torch.rand(7, generator=generator) * 3
+    target = torch.stack([labels.double(), completion.double(), advantages.double(), old.double(), ref.double()], -1)
+    loss, _ = objective.scored(hidden, target)
+    tempered = torch.log_softmax(head(hidden) / 0.7, -1).gather(1, labels[:, None]).squeeze(1)
+    expected, _ = objective.completion_losses(tempered, target)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    got_grad = torch.autograd.grad(loss, hidden)[0]
+    assert torch.allclose(got_grad, torch.autograd.grad(expected, hidden)[0], atol=1e-6)
+    plain = torch.log_softmax(head(hidden), -1).gather(1, labels[:, None]).squeeze(1)
+    assert abs(objective.completion_losses(plain, target)[0].item() - loss.item()) > 1e-3  # the test can tell
 
 
 # ------------------------------------------------------------------------------------------- a run

@@ -304,6 +304,9 @@ class GRPOSection:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     num_iterations: int = 1  # updates on each rollout (> 1: the old policy's log-probabilities kept from it)
     beta: float = 0.0  # the KL term's weight against the reference (LoRA: the base with its adapters disabled)
+    # the KL term times the importance ratio (TRL's default; its gradient is then the unbiased reverse-KL one, even
+    # on-policy where the ratio's value is 1); false: the k3 estimate alone
+    use_bias_correction_kl: bool = True
     mask_truncated_completions: bool = False  # completions that reached max_completion_length train on nothing
 
 

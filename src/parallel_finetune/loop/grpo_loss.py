@@ -1,7 +1,9 @@
 """task=grpo's objective, TRL's GRPOTrainer._compute_loss (loss types grpo, bnpo, dr_grpo, dapo; token or
-sequence importance sampling; the k3 KL to the reference when beta > 0) from the final hidden states and the head:
+sequence importance sampling; the k3 KL to the reference when beta > 0, times the importance ratio under
+use_bias_correction_kl, TRL's default) from the final hidden states and the head:
 each completion token's log-probability is -token_nll (parallel/vocab.py: chunked, vocabulary-parallel under tensor
-parallelism, never the whole logits), and only completion tokens carry a label.
+parallelism, never the whole logits) of the logits divided by the sampling temperature (TRL's: the tempered policy
+that sampled), and only completion tokens carry a label.
 
 The target (a GRPO Batch's loss_target, data/grpo.py) holds at each position (label, completion, advantage, old
 log-probability, reference log-probability), the last two read only when num_iterations > 1 (else the old policy is
@@ -50,6 +52,13 @@ def global_divisor(loss_type: str, completions: int, tokens: int, max_completion
     return None
 
 
+def logit_scale(temperature: float) -> float:
+    """What the logits are multiplied by before the log-softmax: 1 / the sampling temperature, as TRL scores the
+    policy, the old policy and the reference (its fused head's temperature); greedy sampling (0) the logits as
+    they are."""
+    return 1.0 / temperature if temperature > 0 else 1.0
+
+
 class GRPOLoss(HiddenTokenLoss):
     """GRPO's clipped surrogate (+ beta x KL) summed over the completions of a call, each weighted as its loss type
     says (module docstring); the Trainer divides by the step's completion count."""
@@ -58,12 +67,13 @@ class GRPOLoss(HiddenTokenLoss):
 
     def __init__(self, head: nn.Module, chunk_tokens: int, softcap: float | None = None, *, grpo: GRPOSection):
         super().__init__(head, chunk_tokens, softcap)
-        self.loss_type, self.beta = grpo.loss_type, grpo.beta
+        self.loss_type, self.beta, self.bias_correction = grpo.loss_type, grpo.beta, grpo.use_bias_correction_kl
         self.epsilon_low = grpo.epsilon
         self.epsilon_high = grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
         self.sequence_level = grpo.importance_sampling_level == "sequence"
         self.keeps_old = grpo.num_iterations > 1  # else the old policy is the current one (TRL's detach)
         self.max_completion_length = grpo.max_completion_length
+        self.logit_scale = logit_scale(grpo.temperature)
         self.metric_names = ("loss", *CLIP_METRICS, *(("kl",) if self.beta else ()))
         self.token_weight = global_divisor(self.loss_type, 1, 1, self.max_completion_length)
 
@@ -79,9 +89,9 @@ class GRPOLoss(HiddenTokenLoss):
     def scored(self, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         labels = target[:, LABEL].long()
         if self.chunk_tokens:
-            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
+            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap, self.logit_scale)
         else:
-            nll = F.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
+            nll = F.cross_entropy(self.logits(hidden).float() * self.logit_scale, labels, reduction="none")
         return self.completion_losses(-nll, target)
 
     def completion_losses(self, logps: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Stats]:
@@ -106,6 +116,8 @@ class GRPOLoss(HiddenTokenLoss):
         if self.beta:
             delta = target[:, REFERENCE].float() - logps
             kl = torch.exp(delta) - delta - 1
+            if self.bias_correction:  # TRL's use_bias_correction_kl: times the unclipped ratio (and so is kl's metric)
+                kl = kl * ratio
             per_token = per_token + self.beta * kl
             stats["kl"], stats["kl_tokens"] = per_completion(kl.detach()), tokens
         weight = 1 / tokens[slot] if self.token_weight is None else self.token_weight

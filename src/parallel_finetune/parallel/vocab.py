@@ -46,19 +46,21 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
 @dataclass(frozen=True)
 class _Shard:
     """How token_nll runs over one rank's vocabulary shard: the shard's first id, the group holding the others
-    (None: this rank holds every row), the chunk, the compute dtype and the logit soft-capping."""
+    (None: this rank holds every row), the chunk, the compute dtype, the logit soft-capping and the factor the
+    capped logits are multiplied by (1 / a sampling temperature: task=grpo's, TRL's)."""
 
     vocab_start: int
     group: object
     chunk_tokens: int
     dtype: torch.dtype
     softcap: float | None
+    scale: float = 1.0
 
 
 class _ChunkedVocabNLL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, shard: _Shard):
-        vocab_start, group, chunk_tokens, dtype, softcap = vars(shard).values()  # (astuple would copy the group)
+        vocab_start, group, chunk_tokens, dtype, softcap, scale = vars(shard).values()  # (astuple copies the group)
         rows, vocab = hidden.shape[0], weight.shape[0]
         lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         nll = torch.empty_like(lse)
@@ -67,6 +69,8 @@ class _ChunkedVocabNLL(torch.autograd.Function):
             for start in range(0, rows, chunk_tokens):
                 part = slice(start, start + chunk_tokens)
                 logits = _capped(F.linear(hidden[part].to(dtype), w, b).float(), softcap)
+                if scale != 1.0:
+                    logits *= scale
                 peak = logits.max(-1).values
                 if group is not None:
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -82,7 +86,7 @@ class _ChunkedVocabNLL(torch.autograd.Function):
                 nll[part] = lse[part] - sums[1]
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.vocab_start, ctx.group, ctx.chunk_tokens, ctx.dtype = vocab_start, group, chunk_tokens, dtype
-        ctx.softcap = softcap
+        ctx.softcap, ctx.scale = softcap, scale
         return nll
 
     @staticmethod
@@ -101,12 +105,15 @@ class _ChunkedVocabNLL(torch.autograd.Function):
                 # d nll / d logits = softmax - one-hot(label), for this shard's columns
                 raw = F.linear(h, w, b).float()
                 # the softmax made in place (in the raw logits themselves when nothing caps them)
-                grad = _capped(raw, ctx.softcap).sub_(lse[part, None]).exp_()
+                grad = _capped(raw, ctx.softcap)
+                if ctx.scale != 1.0:  # (in raw itself only when nothing caps, and raw is then not read again)
+                    grad.mul_(ctx.scale)
+                grad.sub_(lse[part, None]).exp_()
                 target = labels[part] - ctx.vocab_start
                 mine = (target >= 0) & (target < vocab)
                 # minus one at each row's label where this shard holds it: a scatter, no host sync for the rows
                 grad.scatter_add_(1, target.clamp(0, vocab - 1)[:, None], -mine.to(grad.dtype)[:, None])
-                grad *= grad_nll[part, None]
+                grad *= grad_nll[part, None] if ctx.scale == 1.0 else grad_nll[part, None] * ctx.scale
                 if ctx.softcap is not None:  # through cap * tanh(raw / cap)
                     grad *= 1 - torch.tanh(raw / ctx.softcap).square()
                 del raw
@@ -143,18 +150,23 @@ def _local(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, int, objec
 
 
 def token_nll(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk_tokens: int, softcap: float | None = None
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    softcap: float | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Each row's -log p(label) (fp32) under `head` (an nn.Linear over the vocabulary, whole, or sharded over its
     rows by tensor parallelism), from `hidden` (rows, hidden size) and `labels` (rows,), `chunk_tokens` rows at a
-    time; `softcap`: the model's final logit soft-capping. Every rank of a tensor-parallel group calls it with the
-    same rows."""
+    time; `softcap`: the model's final logit soft-capping; `scale`: what the capped logits are multiplied by (1 /
+    temperature: the tempered distribution). Every rank of a tensor-parallel group calls it with the same rows."""
     if isinstance(hidden, DTensor):  # a replicated activation: every rank holds it whole
         hidden = hidden.to_local()
     weight, vocab_start, group = _local(head.weight)
     bias = _local(head.bias)[0] if head.bias is not None else None
     dtype = _compute_dtype(weight)
-    shard = _Shard(vocab_start, group, max(1, chunk_tokens), dtype, softcap)
+    shard = _Shard(vocab_start, group, max(1, chunk_tokens), dtype, softcap, scale)
     return _ChunkedVocabNLL.apply(hidden, weight, bias, labels, shard)
 
 

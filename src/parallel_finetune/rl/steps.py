@@ -113,6 +113,7 @@ class RolloutStage:
         batcher = make_batcher("grpo", split, self.padding)
         batch = batcher.batch(list(range(len(split))))
         scorer = _TokenLogps(self.objective.head, self.objective.chunk_tokens, self.objective.softcap)
+        scorer.scale = self.objective.logit_scale  # the tempered distribution, as the loss scores the policy
         disabled = adapters_disabled(self.model) if reference else contextlib.nullcontext()
         training = self.model.training
         self.model.eval()
@@ -323,13 +324,17 @@ def _number(value) -> bool:
 
 
 class _TokenLogps(HiddenTokenLoss):
-    """Stands in for the head in one no-gradient forward: each labelled position's log-probability, in order."""
+    """Stands in for the head in one no-gradient forward: each labelled position's log-probability (of the logits
+    times `scale`), in order."""
+
+    scale = 1.0
 
     def scored(self, hidden: torch.Tensor, labels: torch.Tensor):
         if self.chunk_tokens:
-            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap)
+            nll = token_nll(hidden, self.head, labels, self.chunk_tokens, self.softcap, self.scale)
         else:
-            nll = torch.nn.functional.cross_entropy(self.logits(hidden).float(), labels, reduction="none")
+            logits = self.logits(hidden).float() * self.scale
+            nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         return nll.sum(), {"logps": -nll}
 
 
