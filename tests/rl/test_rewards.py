@@ -414,7 +414,7 @@ def test_reward_metrics_have_trls_names_and_values():
 
 def test_advantages_and_metrics_equal_trls_own_code_on_the_same_numbers():
     """bench/grpo_advantages_vs_trl.py runs TRL's own lines (read from GRPOTrainer's source in .venv-trl, made as
-    test_dpo_trl makes it) beside ours on 600 random cases: the same advantages and zero-std flags, the same
+    test_trl_peers makes it) beside ours on 600 random cases: the same advantages and zero-std flags, the same
     reward metrics within 1e-6."""
     import json
     import subprocess
