@@ -3,7 +3,7 @@ completions given, so the update is deterministic), fp32, dropout off: the loss 
 step within 1e-5. The length reward (its penalty over 4 tokens) makes the advantages differ from 0; a tiny reward
 model (model:folder, its forwards split over every rank and its scores gathered) is the second reward. Llama: DP=2,
 TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2, QLoRA TP=2;
-Qwen 3: TP=2. Each row's one-process reference is made once and shared."""
+Qwen 3: TP=2, beta 0.04 with LoRA TP=2. Each row's one-process reference is made once and shared."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ LAYOUTS = [
     ("llama", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
     ("llama", "qlora_tp2", 2, ["tensor_parallel_degree=2"], QLORA),
     ("qwen3", "tp2", 2, ["tensor_parallel_degree=2"], ()),
+    ("qwen3", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
 ]
 
 
