@@ -1,9 +1,9 @@
 """task=grpo under every layout against one process, in the fixed-rollouts mode (tests/workers/grpo_fixed.py: the
 completions given, so the update is deterministic), fp32, dropout off: the loss and every reported metric at every
 step within 1e-5. The length reward (its penalty over 4 tokens) makes the advantages differ from 0; a tiny reward
-model (model:folder, its forwards split over every rank and its scores gathered) is the second reward. Llama: DP=2,
-TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with LoRA TP=2, QLoRA TP=2;
-Qwen 3: TP=2, beta 0.04 with LoRA TP=2. Each row's one-process reference is made once and shared."""
+model (model:folder, its forwards split over every rank and its scores gathered) is the second reward. Llama and
+Qwen 3 each: DP=2, TP=2, FSDP DP=2, gradient accumulation 2, LoRA TP=2, num_iterations 2 (DP=2), beta 0.04 with
+LoRA TP=2, QLoRA TP=2. Each row's one-process reference is made once and shared."""
 
 from __future__ import annotations
 
@@ -65,19 +65,18 @@ QLORA = (
     "nf4_block_size=16",
     "nf4_scaler_block_size=8",
 )  # the KL to the reference, the base with its adapters disabled
-LAYOUTS = [
-    # (family, name, processes, layout, settings: what the one-process reference runs with too)
-    ("llama", "dp2", 2, ["tensor_parallel_degree=1"], ()),
-    ("llama", "tp2", 2, ["tensor_parallel_degree=2"], ()),
-    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], ()),
-    ("llama", "accumulation2", 1, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ()),
-    ("llama", "lora_tp2", 2, ["tensor_parallel_degree=2"], tuple(LORA)),
-    ("llama", "iterations2_dp2", 2, ["tensor_parallel_degree=1"], ITERATIONS),
-    ("llama", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
-    ("llama", "qlora_tp2", 2, ["tensor_parallel_degree=2"], QLORA),
-    ("qwen3", "tp2", 2, ["tensor_parallel_degree=2"], ()),
-    ("qwen3", "lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
+ROWS = [
+    # (name, processes, layout, settings: what the one-process reference runs with too)
+    ("dp2", 2, ["tensor_parallel_degree=1"], ()),
+    ("tp2", 2, ["tensor_parallel_degree=2"], ()),
+    ("fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], ()),
+    ("accumulation2", 1, ["tensor_parallel_degree=1", "gradient_accumulation_steps=2"], ()),
+    ("lora_tp2", 2, ["tensor_parallel_degree=2"], tuple(LORA)),
+    ("iterations2_dp2", 2, ["tensor_parallel_degree=1"], ITERATIONS),
+    ("lora_beta_tp2", 2, ["tensor_parallel_degree=2"], BETA),
+    ("qlora_tp2", 2, ["tensor_parallel_degree=2"], QLORA),
 ]
+LAYOUTS = [(family, *row) for family in ("llama", "qwen3") for row in ROWS]
 
 
 @pytest.mark.parametrize(
