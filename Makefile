@@ -317,7 +317,7 @@ test-data: setup
 	@$(PY) scripts/fetch_sst2.py
 
 test: setup-all test-data
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 docs: setup
 	$(PY) scripts/config_reference.py

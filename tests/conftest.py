@@ -545,39 +545,3 @@ def tiny_reward_model(folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-# The files whose tests take longest (CI's --durations), heaviest first. `make test` runs --dist loadfile (one file on
-# one worker: its module fixtures, e.g. the shared one-process references, are made once) with
-# --no-loadscope-reorder, so xdist hands files out in collection order; left to xdist's own order (most tests
-# first) these few-test, many-launch files came last and kept one worker busy while the others idled (the suite's
-# tail). tests/test_harness.py checks that each is still there.
-HEAVY_FILES = (
-    "tests/outputs/test_checkpoint.py",
-    "tests/loop/test_preference.py",
-    "tests/rl/test_grpo_parity.py",
-    "tests/test_parity.py",
-    "tests/test_cli.py",
-    "tests/loop/test_speed.py",
-    "tests/parallel/test_scaleout.py",
-    "tests/tools/test_sagemaker.py",
-    "tests/loop/test_reward.py",
-    "tests/loop/test_kto_parity.py",
-    "tests/test_full_size.py",
-    "tests/parallel/test_deepspeed.py",
-    "tests/tools/test_gpu_check.py",
-    "tests/test_harness.py",
-    "tests/loop/test_trl_peers.py",
-    "tests/model/test_memory.py",
-    "tests/model/test_attention.py",
-    "tests/model/test_families.py",
-    "tests/outputs/test_loggers.py",
-    "tests/model/test_qlora.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The heavy files first, in HEAVY_FILES' order; every other file after them as collected (a stable sort: the
-    tests of a file keep their order)."""
-    rank = {name: place for place, name in enumerate(HEAVY_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

@@ -110,10 +110,3 @@ def test_the_zygote_refuses_to_fork_beside_a_thread():
     finally:
         stop.set()
         thread.join()
-
-
-def test_the_files_scheduled_first_are_still_there():
-    """conftest.HEAVY_FILES names test files by path: a renamed or removed one would silently go back to the end."""
-    from conftest import HEAVY_FILES, REPO
-
-    assert [name for name in HEAVY_FILES if not (REPO / name).is_file()] == []
