@@ -5,7 +5,7 @@ completion of a group scores alike, every advantage is 0 and GRPO has nothing to
 at reward ~0). So the policy starts from a short supervised warm start, as GRPO runs start from an instruct model:
 
 1. sft   `scripts/train.py recipes/llama/tp.yaml size=tiny task=sft` on the sample's own prompts with the completion
-         `Answer: <answer>` (a file derived here from sample_data/grpo's train and validation rows), --sft-steps steps:
+         `Answer: <answer>` (tools/notebook.py's warm_start_rows, as the walkthrough), --sft-steps steps:
          enough that the tiny model writes the format about half of the time and the right number rarely (60 steps
          give the format 0.97 of the time, and then only the accuracy is left to climb);
 2. grpo  `scripts/train.py recipes/llama/grpo.yaml size=full model=<sft>/hf` on the shipped sample, the recipe's
@@ -36,18 +36,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "src" / "parallel_finetune" / "sample_data" / "grpo"
-
-
-def derive_sft(folder: Path) -> Path:
-    """The sample's prompts with the completion `Answer: <answer>` (task=sft's prompt + completion format)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("train", "validation"):
-        rows = [json.loads(line) for line in (SAMPLE / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-        answer = [{"role": "assistant", "content": f"Answer: {row['answer']}"} for row in rows]
-        lines = [json.dumps({"prompt": row["prompt"], "completion": [a]}) + "\n" for row, a in zip(rows, answer)]
-        (folder / f"{name}.jsonl").write_text("".join(lines))
-    return folder
+sys.path.insert(0, str(REPO / "src"))
+from parallel_finetune.tools.notebook import warm_start_rows  # noqa: E402
 
 
 def sft_command(data: Path, out: Path, steps: int, lr: float) -> list[str]:
@@ -116,7 +106,7 @@ def run(argv: list[str], log: Path) -> float:
     return round(time.monotonic() - start, 1)
 
 
-def _jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -135,14 +125,14 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="the grpo runs' recipe overrides, e.g. temperature=0.7")
     args = parser.parse_args()
     work = args.work.resolve()
-    data = derive_sft(work / "sft-data")
+    data = warm_start_rows(work / "sft-data")  # the notebook's warm start reads the same rows
     seconds = {"sft": run(sft_command(data, work / "sft", args.sft_steps, args.sft_lr), work / "sft.log")}
     model = work / "sft" / "hf"
     # lr 1e-30 (lr must be positive): one step that moves no weight, so its final evaluation is the warm start's
     seconds["before"] = run(grpo_command(model, work / "before", 1, 1e-30, args.overrides), work / "before.log")
     after = grpo_command(model, work / "after", args.grpo_steps, args.lr, args.overrides)
     seconds["after"] = run(after, work / "after.log")
-    steps = _jsonl(work / "after" / "metrics.jsonl")
+    steps = read_jsonl(work / "after" / "metrics.jsonl")
     first, last = steps[:5], steps[-5:]
     results = {
         "sft_steps": args.sft_steps,

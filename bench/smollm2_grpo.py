@@ -38,12 +38,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _sft_bench():
-    """bench/smollm2_sft.py as a module (bench/ is no package): its gguf_file and convert."""
-    spec = importlib.util.spec_from_file_location("smollm2_sft", Path(__file__).with_name("smollm2_sft.py"))
+def _bench(name: str):
+    """bench/<name>.py as a module (bench/ is no package): smollm2_sft's gguf_file and convert, grpo_learning's
+    read_jsonl and held_out."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+learning = _bench("grpo_learning")
+read_jsonl, held_out = learning.read_jsonl, learning.held_out
 
 
 def command(model_dir: Path, out: Path, steps: int, lr: float, overrides: list[str]) -> list[str]:
@@ -76,15 +81,6 @@ def command(model_dir: Path, out: Path, steps: int, lr: float, overrides: list[s
     ]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def held_out(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {k: round(v, 4) for k, v in summary.items() if k.startswith("eval_reward")}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16)
@@ -95,7 +91,7 @@ def main() -> int:
     )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. peft=lora")
     args = parser.parse_args()
-    sft = _sft_bench()
+    sft = _bench("smollm2_sft")
     model_dir = sft.convert(sft.gguf_file(), args.work / "SmolLM2-135M-Instruct-from-Q4_1")
     runs = REPO / "runs" / "bench" / "smollm2-grpo"
     runs.mkdir(parents=True, exist_ok=True)
@@ -114,7 +110,7 @@ def main() -> int:
             if proc.wait():
                 sys.exit(f"error: the {name} run failed ({proc.returncode}); its output: {runs / f'{name}.log'}")
         print(f"both runs done in {time.monotonic() - start:.0f} s", flush=True)
-    steps = _jsonl(runs / "after" / "metrics.jsonl")
+    steps = read_jsonl(runs / "after" / "metrics.jsonl")
     results = {
         "steps": args.steps,
         "lr": args.lr,

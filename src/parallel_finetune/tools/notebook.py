@@ -391,6 +391,22 @@ def chat(model_folder: str | Path, conversations: list[list[dict]], max_new_toke
     return answers
 
 
+def warm_start_rows(folder: Path) -> Path:
+    """The grpo sample's prompts with the completion `Answer: <answer>` (task=sft's prompt + completion format),
+    train.jsonl and validation.jsonl in `folder`: what a tiny policy's warm start learns (bench/grpo_learning.py's
+    too)."""
+    from ..tasks.sources import SAMPLE_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "validation"):
+        lines = (SAMPLE_DIR / "grpo" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        answers = [[{"role": "assistant", "content": f"Answer: {row['answer']}"}] for row in rows]
+        text = "".join(json.dumps({"prompt": r["prompt"], "completion": a}) + "\n" for r, a in zip(rows, answers))
+        (folder / f"{split}.jsonl").write_text(text, encoding="utf-8")
+    return folder
+
+
 def warm_start(walk: Walkthrough, steps: int, lr: float = 2e-3, grpo_lr: float = 5e-4) -> list[str]:
     """A tiny grpo walkthrough's starting policy. GRPO climbs only rewards its samples sometimes earn: a tiny model
     from scratch never writes `Answer: <number>`, every completion of a group scores alike, every advantage is 0
@@ -400,17 +416,9 @@ def warm_start(walk: Walkthrough, steps: int, lr: float = 2e-3, grpo_lr: float =
     model (size=full: a model folder) at the recipe's tiny settings, lr `grpo_lr` (the tiny section's 2e-3 makes
     the warm-started policy collapse within 40 steps: docs/benchmarks.md), the walkthrough's own overrides last."""
     from ..resolve import load_config
-    from ..tasks.sources import SAMPLE_DIR
 
     folder = Path("runs") / "grpo-warm-start"
-    data = folder / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "validation"):
-        lines = (SAMPLE_DIR / "grpo" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()]
-        answers = [[{"role": "assistant", "content": f"Answer: {row['answer']}"}] for row in rows]
-        text = "".join(json.dumps({"prompt": r["prompt"], "completion": a}) + "\n" for r, a in zip(rows, answers))
-        (data / f"{split}.jsonl").write_text(text, encoding="utf-8")
+    data = warm_start_rows(folder / "data")
     tiny = load_config(walk.recipe, [o for o in walk.overrides if not o.startswith("max_steps=")])
     sft = ["size=tiny", "task=sft", f"train_file={(data / 'train.jsonl').resolve()}"]
     sft += [f"validation_file={(data / 'validation.jsonl').resolve()}", f"max_steps={steps}", f"lr={lr}"]
