@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import json
 import os
+import random
 import runpy
 import signal
 import socket
@@ -67,10 +68,32 @@ def fork_hazards() -> list[str]:
     return hazards
 
 
+PORT_BLOCK = 1000  # ports per pytest-xdist worker, from PORT_BASE up
+PORT_BASE = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a store that will listen on it a moment later.
+
+    A port picked by binding to 0 is an ephemeral one: between closing it here and rank 0's store listening on it,
+    any gloo connection of a concurrent test can take it (EADDRINUSE, seen once in CI). So pick below the kernel's
+    ephemeral range, where it never hands ports out, from a block of this pytest-xdist worker's own."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:  # not Linux: trust nothing
+        ephemeral_low = 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = PORT_BASE + (int(worker) if worker.isdigit() else 0) * PORT_BLOCK
+    candidates = random.SystemRandom().sample(range(low, low + PORT_BLOCK), 64) if low + PORT_BLOCK <= ephemeral_low else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
 def child_environment(request: dict, rank: int, port: int) -> dict[str, str]:

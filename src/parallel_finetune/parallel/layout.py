@@ -270,7 +270,8 @@ def init_distributed(
     timeout_s: float = 600.0,
 ) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone:
         os.environ.update(
             RANK="0",
             LOCAL_RANK="0",
@@ -293,14 +294,19 @@ def init_distributed(
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        _init_process_group(backend, device if device_type == "cuda" else None, timeout_s)
+        _init_process_group(backend, device if device_type == "cuda" else None, timeout_s, alone)
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return Layout(world_size, rank, local_rank, dims, device, mesh, dp_mesh)
 
 
-def _init_process_group(backend: str, device_id: torch.device | None, timeout_s: float) -> None:
+def _init_process_group(backend: str, device_id: torch.device | None, timeout_s: float, alone: bool) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
+    if alone:  # a world of one needs no TCP store, and a port picked for one could be taken before it listens
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
+        return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
