@@ -1,17 +1,17 @@
-"""task=kto under every layout against one process (fp32, dropout off, the shipped preference sample unpaired):
-the loss and every reported metric (TRL's names: kl, rewards/chosen, rewards/rejected, rewards/margins,
-logps/chosen, logps/rejected) at every step and held out within 1e-5 (the logps/* sums, near -60, relative 1e-6).
-The KL estimate is measured over the global batch before the step's micro-batches and summed over every rank, so
-each layout has one process's. Llama: TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2, LoRA TP=2; Qwen3: TP=2.
-kto packs no rows (its rows are padded; packing is refused). Each row's one-process reference is made once and
-shared by the module."""
+"""task=kto under every layout against one process (fp32, dropout off, the shipped preference sample unpaired): the
+loss and every reported metric (TRL's names: kl, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
+logps/rejected) at every step and held out within 1e-5 (the logps/* sums, near -60, relative 1e-6). The KL estimate
+is measured over the global batch before the step's micro-batches and summed over every rank, so each layout has one
+process's. Llama: TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2, LoRA TP=2; Qwen3: TP=2, PP=2 1F1B, FSDP DP=2
+with gradient accumulation 2 (one run), LoRA TP=2. kto packs no rows (its rows are padded; packing is refused). Each
+row's one-process reference is made once and shared by the module."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import assert_one_line_per_event, launch
 from test_kto import HELD_OUT, STEP_METRICS, kto_overrides
-from test_preference import PP2, TP2, kind_overrides, kind_recipe
+from test_preference import FSDP_ACCUMULATION2, PP2, TP2, kind_overrides, kind_recipe
 
 TOLERANCE = 1e-5
 STEPS = 4  # step 2 on has a KL estimate above the clamp, and the loss moves
@@ -62,7 +62,11 @@ LAYOUTS = [
     ("llama", "pp2_1f1b", 2, PP2, "full"),
     ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
     ("llama", "lora_tp2", 2, TP2, "lora"),
+    # one more family: its plans under every layout, FSDP and accumulation in one run
     ("qwen3", "tp2", 2, TP2, "full"),
+    ("qwen3", "pp2_1f1b", 2, PP2, "full"),
+    ("qwen3", "fsdp_dp2_accumulation2", 2, FSDP_ACCUMULATION2, "full"),
+    ("qwen3", "lora_tp2", 2, TP2, "lora"),
 ]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_one_line_per_event, launch
-from test_preference import PP2, TOLERANCE, TP2, dpo_overrides, kind_overrides, kind_recipe
+from test_preference import FSDP_ACCUMULATION2, PP2, TOLERANCE, TP2, dpo_overrides, kind_overrides, kind_recipe
 
 from parallel_finetune.loop.pair_losses import ORPOLoss, SimPOLoss
 
@@ -22,8 +22,10 @@ FREE_LAYOUTS = [
     ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
     ("llama", "packed", 1, ["packing=true"], "full"),
     ("llama", "lora_tp2", 2, TP2, "lora"),
-    # one more family: its TP plan (q/k norms) under the pair losses, full and LoRA
+    # one more family: its plans (q/k norms) under every layout, FSDP, accumulation and packing in one run
     ("qwen3", "tp2", 2, TP2, "full"),
+    ("qwen3", "pp2_1f1b", 2, PP2, "full"),
+    ("qwen3", "fsdp_dp2_accumulation2_packed", 2, [*FSDP_ACCUMULATION2, "packing=true"], "full"),
     ("qwen3", "lora_tp2", 2, TP2, "lora"),
 ]
 FREE_LOSSES = {

@@ -17,6 +17,7 @@ TOLERANCE = 1e-5
 EVALS = "eval.jsonl"  # each evaluation of a run: its step and metrics
 TP2 = ["tensor_parallel_degree=2"]
 PP2 = ["tensor_parallel_degree=1", "pipeline_parallel_degree=2", "pipeline_schedule=1f1b"]
+FSDP_ACCUMULATION2 = ["tensor_parallel_degree=1", "sharding=full", "gradient_accumulation_steps=2"]
 LORA = ["lora_dropout=0", "lora_rank=8", "lora_alpha=16", "lora_target_modules=all-linear"]
 PAIR_KEYS = PAIR_METRICS[1:]  # TRL's names: rewards/chosen, ..., logps/rejected (every metric but the loss)
 # every step's, within TOLERANCE; rewards/accuracies, a count of strict wins, is not among them: while rewards are

@@ -1,13 +1,14 @@
-"""task=reward under every layout against one process (fp32, dropout off, the shipped preference sample): the loss
-and every reported metric (TRL's names: accuracy, margin, mean_reward, min_reward, max_reward) at every step and
-held out within 1e-5. Llama: TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2, LoRA TP=2; Qwen3: TP=2. Each
-row's one-process reference is made once and shared by the module."""
+"""task=reward under every layout against one process (fp32, dropout off, the shipped preference sample): the loss and
+every reported metric (TRL's names: accuracy, margin, mean_reward, min_reward, max_reward) at every step and held
+out within 1e-5. Llama: TP=2, FSDP DP=2, PP=2 1F1B, gradient accumulation 2, LoRA TP=2; Qwen3: TP=2, PP=2 1F1B, FSDP
+DP=2 with gradient accumulation 2 (one run), LoRA TP=2. Each row's one-process reference is made once and shared by
+the module."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import assert_one_line_per_event, launch
-from test_preference import PP2, TP2, kind_overrides, kind_recipe
+from test_preference import FSDP_ACCUMULATION2, PP2, TP2, kind_overrides, kind_recipe
 from test_reward import HELD_OUT, STEP_METRICS, reward_overrides
 
 TOLERANCE = 1e-5
@@ -51,7 +52,11 @@ LAYOUTS = [
     ("llama", "pp2_1f1b", 2, PP2, "full"),
     ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
     ("llama", "lora_tp2", 2, TP2, "lora"),
+    # one more family: its plans under every layout, FSDP and accumulation in one run
     ("qwen3", "tp2", 2, TP2, "full"),
+    ("qwen3", "pp2_1f1b", 2, PP2, "full"),
+    ("qwen3", "fsdp_dp2_accumulation2", 2, FSDP_ACCUMULATION2, "full"),
+    ("qwen3", "lora_tp2", 2, TP2, "lora"),
 ]
 
 
