@@ -85,7 +85,9 @@ def free_port() -> int:
         ephemeral_low = 0
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
     low = PORT_BASE + (int(worker) if worker.isdigit() else 0) * PORT_BLOCK
-    candidates = random.SystemRandom().sample(range(low, low + PORT_BLOCK), 64) if low + PORT_BLOCK <= ephemeral_low else []
+    candidates = []
+    if low + PORT_BLOCK <= ephemeral_low:
+        candidates = random.SystemRandom().sample(range(low, low + PORT_BLOCK), 64)
     for port in [*candidates, 0]:
         with socket.socket() as s:
             try:
