@@ -26,6 +26,20 @@ STEP_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/cho
 # held-out: what a run's end evaluates (summary.json), each within TOLERANCE of one process's
 HELD_OUT = ("eval_loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
+# The layouts of the kinds that pack no rows (reward, kto), each against one process: (family, name, processes,
+# overrides, kind: full | lora). A second family's plans under every layout, FSDP and accumulation in one run.
+PADDED_LAYOUTS = [
+    ("llama", "tp2", 2, TP2, "full"),
+    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], "full"),
+    ("llama", "pp2_1f1b", 2, PP2, "full"),
+    ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
+    ("llama", "lora_tp2", 2, TP2, "lora"),
+    ("qwen3", "tp2", 2, TP2, "full"),
+    ("qwen3", "pp2_1f1b", 2, PP2, "full"),
+    ("qwen3", "fsdp_dp2_accumulation2", 2, FSDP_ACCUMULATION2, "full"),
+    ("qwen3", "lora_tp2", 2, TP2, "lora"),
+]
+
 
 def dpo_overrides(sst2, cache_dir, family: str, *extra: str, **keys) -> list[str]:
     """A short fp32 DPO run of a family's tiny model on the shipped preference sample, dropout off."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_one_line_per_event, launch
-from test_preference import FSDP_ACCUMULATION2, PP2, TP2, kind_overrides, kind_recipe
+from test_preference import PADDED_LAYOUTS, kind_overrides, kind_recipe
 from test_reward import HELD_OUT, STEP_METRICS, reward_overrides
 
 TOLERANCE = 1e-5
@@ -45,19 +45,7 @@ def assert_scores_like(run, reference) -> float:
     return max(differences)
 
 
-LAYOUTS = [
-    # (family, name, processes, overrides, kind)
-    ("llama", "tp2", 2, TP2, "full"),
-    ("llama", "fsdp_dp2", 2, ["tensor_parallel_degree=1", "sharding=full"], "full"),
-    ("llama", "pp2_1f1b", 2, PP2, "full"),
-    ("llama", "accumulation2", 1, ["gradient_accumulation_steps=2"], "full"),
-    ("llama", "lora_tp2", 2, TP2, "lora"),
-    # one more family: its plans under every layout, FSDP and accumulation in one run
-    ("qwen3", "tp2", 2, TP2, "full"),
-    ("qwen3", "pp2_1f1b", 2, PP2, "full"),
-    ("qwen3", "fsdp_dp2_accumulation2", 2, FSDP_ACCUMULATION2, "full"),
-    ("qwen3", "lora_tp2", 2, TP2, "lora"),
-]
+LAYOUTS = PADDED_LAYOUTS
 
 
 @pytest.mark.parametrize(
