@@ -45,6 +45,22 @@ RECIPE = REPO / "recipes" / "gptj" / "tp.yaml"
 FAMILIES = tuple(family_names())
 
 
+@pytest.fixture(autouse=True)
+def transformers_left_whole():
+    """A test must not leave transformers patched for the tests after it in its pytest worker: from_pretrained swaps
+    PreTrainedModel.tie_weights (and init_weights) for no-ops while it builds, and two threads loading at once can
+    leave the no-ops in place, so that every later model of the process stays untied (seen once, as a GPT-2 lm_head
+    check that did not raise three files later)."""
+    from transformers import PreTrainedModel
+
+    before = PreTrainedModel.tie_weights, PreTrainedModel.init_weights
+    yield
+    after = PreTrainedModel.tie_weights, PreTrainedModel.init_weights
+    if after != before:
+        PreTrainedModel.tie_weights, PreTrainedModel.init_weights = before
+        pytest.fail("this test left PreTrainedModel.tie_weights or init_weights patched (from_pretrained in threads?)")
+
+
 def load_bench(name: str):
     """bench/NAME.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util

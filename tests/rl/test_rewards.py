@@ -199,14 +199,21 @@ def test_a_reward_models_rows_are_split_over_the_ranks_and_gathered(reward_model
     alone = RewardModel(f"model:{reward_model}", Placement())(prompts, completions)
     barrier, shares, results = threading.Barrier(2, timeout=60), [None, None], [None, None]
 
-    def rank(r: int):
+    def gather_of(r: int):
         def gather(mine):
             shares[r] = mine
             barrier.wait()
             return list(shares)
 
-        model = RewardModel(f"model:{reward_model}", Placement(rank=r, ranks=2, gather=gather))
-        results[r] = model(prompts, completions)
+        return gather
+
+    # Loaded here, one after the other: from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it builds
+    # (transformers' init.no_tie_weights, a class attribute), so two threads loading at once can leave the no-op in
+    # place for the rest of the process, and every later model of this pytest worker untied. Ranks are processes.
+    models = [RewardModel(f"model:{reward_model}", Placement(rank=r, ranks=2, gather=gather_of(r))) for r in (0, 1)]
+
+    def rank(r: int):
+        results[r] = models[r](prompts, completions)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for thread in threads:
