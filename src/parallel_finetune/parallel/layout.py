@@ -271,7 +271,8 @@ def init_distributed(
 ) -> Layout:
     """Start (or join) the process group; a plain `python train.py` becomes a world of one."""
     alone = "RANK" not in os.environ
-    if alone:
+    if alone:  # what torchrun would set: DeepSpeed's init_distributed looks for all five, though this group's store
+        # (an in-process HashStore, see _init_process_group) listens on no port
         os.environ.update(
             RANK="0",
             LOCAL_RANK="0",
