@@ -84,7 +84,10 @@ def test_predict_prints_the_label_names_the_run_predicted(reviews, tmp_path):
     # the run folder works too (hf/ inside); --output writes the same rows and never replaces a file unasked
     out = tmp_path / "labels.tsv"
     assert python(SCRIPT, str(run), str(new), "--output", str(out)).returncode == 0
-    assert rows_of(out.read_text()) == [header, *rows]
+    written_header, *written = rows_of(out.read_text())
+    assert written_header == header and [r[:2] for r in written] == [r[:2] for r in rows]
+    # the default batch size pads differently from 5, so a score may round the other way in its 4th decimal
+    assert all(abs(float(w[2]) - float(r[2])) <= 1.5e-4 for w, r in zip(written, rows, strict=True))
     again = python(SCRIPT, str(run), str(new), "--output", str(out))
     assert again.returncode == 2 and again.stderr.strip() == (
         f"error: --output {out}: already exists; choose a new file (or pass --overwrite for a file)"
