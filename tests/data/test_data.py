@@ -305,6 +305,16 @@ def test_a_tokenizer_without_eos_is_refused_up_front_or_takes_the_model_configs(
     assert err.count("\n") == 1 and err.startswith(f"error: {message}"), err
 
 
+def test_of_two_runs_learning_a_tokenizer_at_once_both_use_the_one_the_cache_kept(tmp_path):
+    """WordPiece's trainer orders equally frequent pieces differently in each process: a run whose save lost the
+    race to another's (the folder already there when it renames) takes the saved tokenizer, not its own."""
+    sentences = [f"row {n}: the quick brown fox {'jumps' * (n % 3)} over {n * 7} lazy dogs" for n in range(60)]
+    folder = tmp_path / "tokenizers" / "learned"
+    kept = data.train_tokenizer("wordpiece", list(reversed(sentences)), 300, folder).get_vocab()
+    assert data.train_tokenizer("wordpiece", sentences, 300, tmp_path / "alone").get_vocab() != kept  # its own
+    assert data.train_tokenizer("wordpiece", sentences, 300, folder).get_vocab() == kept  # lost the race: the kept one
+
+
 def test_a_tiny_tokenizer_is_cached_by_what_it_learned_from_not_only_by_its_source(tmp_path):
     """Two tasks reading one source (a reward model's pairs, kto's unpaired rows) learn from other texts or orders:
     each gets the tokenizer of its own sentences, whichever ran first (the cache once handed the first one's over)."""

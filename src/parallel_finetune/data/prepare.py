@@ -139,7 +139,10 @@ def train_tokenizer(
             padding_side="right",
         )
     _save_atomically(folder, tokenizer.save_pretrained)
-    return tokenizer
+    # What the folder holds, not what this process learned: the trainers order equally frequent pieces differently
+    # from process to process, so of two runs learning at once (one cache_dir) the one whose save lost the race
+    # would otherwise train on another vocabulary than every later run loads.
+    return load_hf_tokenizer(folder)
 
 
 def load_tokenizer(
