@@ -291,13 +291,11 @@ def launch(
     torchrun: bool = False,
     torchrun_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    warm: bool | None = None,
 ) -> Run:
     """torchrun --nproc_per_node N <script or scripts/train.py> RECIPE overrides... output_dir=...
 
     The ranks are forked from the harness's pre-warmed zygote (tests/harness.py), the same script under the same
-    environment contract, 2+ ranks of the trainer in its warm pool (`warm`: see harness.run_ranks); `torchrun=True`
-    (or any `torchrun_args`) launches real torchrun instead."""
+    environment contract; `torchrun=True` (or any `torchrun_args`) launches real torchrun instead."""
     argv = [script or str(REPO / "scripts" / "train.py"), str(recipe), *overrides, f"output_dir={output_dir}"]
     env = {**subprocess_env(), **(env or {})}
     if torchrun or torchrun_args:
@@ -306,7 +304,7 @@ def launch(
         run = Run(proc.returncode, proc.stdout + proc.stderr, output_dir)
         report = run.output[-6000:]
     else:
-        ranks = harness.run_ranks(nproc, argv, env, REPO, timeout, warm=warm)
+        ranks = harness.run_ranks(nproc, argv, env, REPO, timeout)
         run = Run(ranks.returncode, ranks.output, output_dir)
         report = ranks.report()
         if ranks.timed_out:

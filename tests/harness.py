@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import select
 import shutil
 import signal
@@ -49,8 +48,6 @@ class Ranks:
     ranks: list[Rank]
     exit_order: list[int]
     timed_out: bool
-    pids: list[int]  # the rank processes' (a warm pool's ranks keep theirs from launch to launch)
-    retired: list[str]  # why the warm pool was retired after this launch (empty: it serves on, or none was used)
 
     @property
     def failed(self) -> list[Rank]:
@@ -132,24 +129,10 @@ def zygote(env: dict[str, str], cwd: Path) -> Zygote:
     return _zygote
 
 
-# The trainer's own entry points: a run of them changes no module of the process (the warm ranks put back what it
-# does change). A test's worker script may patch the package (tests/workers/*.py wrap export_model, say), which a
-# later run in the same process would inherit, so it gets fresh ranks unless its test asks for warm ones.
-# WARM_RANKS=0 in pytest's environment: every launch forks fresh ranks (is a failure a warm rank's doing?).
-WARM_VARIABLE = "WARM_RANKS"
-TRAINER = (str(Path(__file__).resolve().parents[1] / "scripts" / "train.py"), "parallel_finetune.train")
-
-
-def run_ranks(
-    nproc: int, argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float, warm: bool | None = None
-) -> Ranks:
+def run_ranks(nproc: int, argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> Ranks:
     """`torchrun --standalone --nproc_per_node nproc *argv` (argv: a script and its arguments, or -m module ...),
-    forked from the zygote. 2+ ranks of the trainer run in its warm pool for that world size (`warm=None`); `warm`
-    True or False decides for any script (False: a test measuring the process itself, its peak memory say)."""
-    if warm is None:
-        warm = argv[0] in TRAINER or argv[:2] == ["-m", TRAINER[1]]
-        warm = warm and os.environ.get(WARM_VARIABLE, "1") != "0"
-    return _fork(argv, nproc, env, cwd, timeout_s, fresh=not warm)
+    forked from the zygote."""
+    return _fork(argv, nproc, env, cwd, timeout_s)
 
 
 def python(
@@ -165,13 +148,7 @@ def python(
 
 
 def _fork(
-    argv: list[str],
-    ranks: int | None,
-    env: dict[str, str],
-    cwd: Path,
-    timeout_s: float,
-    input: str | None = None,
-    fresh: bool = False,
+    argv: list[str], ranks: int | None, env: dict[str, str], cwd: Path, timeout_s: float, input: str | None = None
 ) -> Ranks:
     log_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
@@ -187,7 +164,6 @@ def _fork(
             "log_dir": str(log_dir),
             "timeout_s": timeout_s,
             "stdin": stdin and str(stdin),
-            "fresh": fresh,
         }
         reply = zygote(env, cwd).launch(request)
         if "refused" in reply:
@@ -202,7 +178,7 @@ def _fork(
             )
             for r, code in enumerate(reply["returncodes"])
         ]
-        return Ranks(processes, reply["exit_order"], reply["timed_out"], reply["pids"], reply.get("retired", []))
+        return Ranks(processes, reply["exit_order"], reply["timed_out"])
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 

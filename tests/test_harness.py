@@ -1,7 +1,6 @@
 """The harness that forks ranks from a pre-warmed zygote (harness.py, zygote.py) stands in for torchrun: the
 same environment, the same losses to the bit, and a failed, killed or hung rank's output in the test report;
-a forked plain `python` prints and exits as a fresh interpreter does; a warm rank (one that served launches
-before) trains to the bit like a fresh one, and a launch that fails or leaves state behind retires its pool."""
+a forked plain `python` prints and exits as a fresh interpreter does."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ import subprocess
 import sys
 import threading
 
-import harness
 import pytest
-from conftest import RECIPE, REPO, Run, launch, python, subprocess_env, tiny_overrides
+from conftest import REPO, launch, python, subprocess_env, tiny_overrides
 from zygote import fork_hazards
 
 PROBE = str(REPO / "tests" / "workers" / "rank_probe.py")
@@ -112,49 +110,3 @@ def test_the_zygote_refuses_to_fork_beside_a_thread():
     finally:
         stop.set()
         thread.join()
-
-
-def probe_ranks(out, warm: bool = True, **env) -> harness.Ranks:
-    """Two ranks of workers/rank_probe.py, with their pids and whether the warm pool was retired after them."""
-    return harness.run_ranks(2, [PROBE, f"output_dir={out}"], {**subprocess_env(), **env}, REPO, 120, warm=warm)
-
-
-def test_warm_ranks_serve_launch_after_launch_and_retire_after_a_failure_or_a_leftover(tmp_path):
-    first = probe_ranks(tmp_path / "first")
-    assert first.returncode == 0 and not first.retired
-    at_exit = tmp_path / "at_exit"
-    second = probe_ranks(tmp_path / "second", PROBE_AT_EXIT=str(at_exit))
-    assert second.pids == first.pids and not second.retired  # the same processes served both
-    assert sorted(at_exit.read_text()) == ["0", "1"]  # the run's exit handlers ran when it ended, not the process
-    assert probe_ranks(tmp_path / "fresh", warm=False).pids != first.pids
-    failed = probe_ranks(tmp_path / "failed", PROBE_RANK="1", PROBE_DOES="fail")
-    assert failed.pids == first.pids and failed.retired == ["rank 1: exit code 1"]
-    after = probe_ranks(tmp_path / "after")
-    assert after.returncode == 0 and not set(after.pids) & set(first.pids)
-    left = probe_ranks(tmp_path / "left", PROBE_RANK="0", PROBE_DOES="thread")
-    assert left.returncode == 0 and left.retired == ["rank 0: threads still running: left-behind"]
-    assert not set(probe_ranks(tmp_path / "next").pids) & set(left.pids)
-
-
-def test_a_warm_rank_trains_to_the_bit_like_a_fresh_one(sst2, cache_dir, tmp_path):
-    """Dropout on under TP=2, after a launch with another seed in the same warm ranks: losses, gradient norms and
-    held-out figures equal a fresh launch's to the bit."""
-    dropout = [o for o in tiny_overrides(sst2, cache_dir) if not o.startswith("model_config.")]
-    argv = [str(REPO / "scripts" / "train.py"), str(RECIPE), *dropout, "tensor_parallel_degree=2"]
-
-    def train(name: str, *extra: str, warm: bool | None = None) -> tuple[Run, list[int]]:
-        out = tmp_path / name
-        ranks = harness.run_ranks(2, [*argv, *extra, f"output_dir={out}"], subprocess_env(), REPO, 600, warm=warm)
-        assert ranks.returncode == 0, ranks.report()
-        return Run(0, ranks.output, out), ranks.pids
-
-    _, before = train("before", "seed=7")
-    warm, pids = train("warm")
-    fresh, fresh_pids = train("fresh", warm=False)
-    assert pids == before and not set(fresh_pids) & set(pids)
-    assert warm.losses == fresh.losses and warm.losses[0] != warm.losses[-1]
-    assert [r["grad_norm"] for r in warm.records] == [r["grad_norm"] for r in fresh.records]
-    assert (warm.summary["eval_loss"], warm.summary["accuracy"]) == (
-        fresh.summary["eval_loss"],
-        fresh.summary["accuracy"],
-    )

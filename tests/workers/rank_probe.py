@@ -1,16 +1,13 @@
 """What a rank sees: writes rank{RANK}.json (environment, threads, signal handlers, argv, the sum of all ranks
 over a gloo group) into output_dir, then misbehaves if asked to. For tests/test_harness.py.
 
-... rank_probe.py RECIPE key=value ... output_dir=DIR (env PROBE_RANK and PROBE_DOES=fail|hang|sigkill|thread: what
-that rank does then, thread: leave a thread running; PROBE_PEERS=hang: the other ranks hang; PROBE_AT_EXIT=FILE:
-each rank registers an atexit handler that appends its rank to FILE)"""
+... rank_probe.py RECIPE key=value ... output_dir=DIR (env PROBE_RANK and PROBE_DOES=fail|hang|sigkill: what
+that rank does then; PROBE_PEERS=hang: the other ranks hang)"""
 
-import atexit
 import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,17 +32,10 @@ def main() -> None:
     }
     (output_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
-    if os.environ.get("PROBE_AT_EXIT"):
-        atexit.register(append_rank, os.environ["PROBE_AT_EXIT"])
     if os.environ.get("PROBE_RANK") == os.environ["RANK"]:
         misbehave(os.environ["PROBE_DOES"])
     elif os.environ.get("PROBE_PEERS") == "hang":
         time.sleep(3600)
-
-
-def append_rank(path: str) -> None:
-    with open(path, "a") as file:
-        file.write(os.environ["RANK"])
 
 
 def misbehave(does: str) -> None:
@@ -56,8 +46,6 @@ def misbehave(does: str) -> None:
         time.sleep(3600)
     if does == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if does == "thread":
-        threading.Thread(target=time.sleep, args=(3600,), name="left-behind").start()
 
 
 if __name__ == "__main__":
