@@ -150,13 +150,13 @@ def label_ids(table: Table, label: str, task: Task, split: str) -> list:
     known: dict = {}
     for row, value in enumerate(table.columns[label]):
         key = (type(value), value) if isinstance(value, (str, int, float)) else None
-        if key is None or key not in known:
-            target = label_target(table, row, label, value, task, index, split)
-            if key is None:
-                out.append(target)
-                continue
+        if key is not None and key in known:
+            out.append(known[key])
+            continue
+        target = label_target(table, row, label, value, task, index, split)
+        if key is not None:
             known[key] = target
-        out.append(known[key])
+        out.append(target)
     return out
 
 
