@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,7 +167,19 @@ def _fork(
             "timeout_s": timeout_s,
             "stdin": stdin and str(stdin),
         }
+        started = time.monotonic()
         reply = zygote(env, cwd).launch(request)
+        if os.environ.get("PF_LAUNCH_LOG"):
+            with open(os.environ["PF_LAUNCH_LOG"], "a") as log:
+                record = {
+                    "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                    "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                    "ranks": ranks,
+                    "argv": argv,
+                    "wall_s": time.monotonic() - started,
+                    "cpu_s": reply.get("cpu_s"),
+                }
+                log.write(json.dumps(record) + "\n")
         if "refused" in reply:
             raise RuntimeError(f"the harness's zygote refused to fork: {reply['refused']}")
         processes = [

@@ -87,6 +87,7 @@ def test_every_issue_spelling_is_a_key():
         ("precision=fp8", "precision='fp8' is not valid; expected one of auto|fp16|bf16|fp32"),
         ("batch_size=big", "batch_size='big' is not valid; expected an integer"),
         ("batch_size=0", "batch_size=0 must be at least 1"),
+        ("pad_to_multiple_of=0", "pad_to_multiple_of=0 must be at least 1"),
         ("task=translation", "task='translation' is not valid"),
         ("family=nonesuch", f"family='nonesuch' is not known; valid: {', '.join(sorted(FAMILIES))}"),
         ("tensor_parallel_degree=0", "tensor_parallel_degree=0 must be a positive integer"),

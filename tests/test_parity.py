@@ -17,6 +17,8 @@ TOLERANCE = 1e-5
 GPTJ_LAYOUTS = [
     # (name, processes, overrides, tasks)
     ("tp2", 2, ["tensor_parallel_degree=2"], ("classification", "causal_lm")),
+    # each batch as long as its longest row (pad_to_multiple_of's default; the tiny runs pad to 8): the same training
+    ("tp2_longest", 2, ["tensor_parallel_degree=2", "pad_to_multiple_of=1"], ("classification",)),
     ("dp2", 2, ["tensor_parallel_degree=1"], ("classification", "causal_lm")),
     # quarter-MiB buckets: gradients summed in several buckets during the backward (overlap_gradients)
     ("dp2_tp2", 4, ["tensor_parallel_degree=2", "gradient_bucket_mib=0.25"], ("classification",)),

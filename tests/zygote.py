@@ -222,10 +222,12 @@ def wait_for(pids: list[int], timeout_s: float) -> dict:
     exit_order: list[int] = []
     first_failure = None  # (rank, when)
     timed_out = False
+    cpu_s: dict[int, float] = {}
     while len(returncodes) < len(pids):
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid:
             rank = pids.index(pid)
+            cpu_s[rank] = usage.ru_utime + usage.ru_stime
             returncodes[rank] = os.waitstatus_to_exitcode(status)
             exit_order.append(rank)
             if returncodes[rank] != 0 and first_failure is None:
@@ -246,6 +248,7 @@ def wait_for(pids: list[int], timeout_s: float) -> dict:
         "exit_order": exit_order,
         "killed": {str(r): why for r, why in killed.items()},
         "timed_out": timed_out,
+        "cpu_s": [cpu_s.get(r, 0.0) for r in range(len(pids))],
     }
 
 

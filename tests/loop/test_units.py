@@ -705,7 +705,6 @@ def test_each_implementation_has_its_interfaces_signatures():
     for implementation in (TorchUpdates, DeepSpeedUpdates):
         assert implementation.checkpointable == all(hasattr(implementation, name) for name in extra)
     assert TorchUpdates.checkpointable and not DeepSpeedUpdates.checkpointable
-    assert WholeModel.pad_multiple >= 1 and Pipeline.pad_multiple >= 1
 
 
 def test_torch_updates_are_checkpointable_updates(world_of_one):
@@ -718,6 +717,20 @@ def test_torch_updates_are_checkpointable_updates(world_of_one):
         model, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, contextlib.nullcontext, updates.backward, False, device
     )
     assert isinstance(updates, CheckpointableUpdates) and isinstance(runner, Runner)
+    assert runner.pad_multiple == 1  # data.pad_to_multiple_of's default: each batch as long as its longest row
+
+
+@pytest.mark.parametrize("requested,padded", [(1, 8), (8, 8), (3, 24), (16, 16)])
+def test_a_pipeline_pads_to_a_multiple_of_8_and_of_pad_to_multiple_of(requested, padded):
+    """Its receive buffers have fixed shapes (one schedule per shape), so at least 8; a requested step is kept."""
+    from types import SimpleNamespace
+
+    from parallel_finetune.parallel.pipeline import Pipeline, PipelineSettings
+
+    settings = PipelineSettings("1f1b", 2, HeadKind.CLASSIFICATION, CLASS_OBJECTIVE, pad_multiple=requested)
+    layout = SimpleNamespace(pp=2, pp_rank=0)
+    pipeline = Pipeline(None, None, [], layout, settings, contextlib.nullcontext, lambda: 1.0)
+    assert pipeline.pad_multiple == padded
 
 
 def test_a_recipe_is_resolved_once_into_the_values_components_receive():

@@ -79,6 +79,7 @@ def _check_training(config: Config, bad: BadKey) -> None:
         "gradient_accumulation_steps",
         "max_length",
         "eval_batch_size",
+        "pad_to_multiple_of",
         "log_every",
         "tokenizer_vocab_size",
         "loss_scale_growth_interval",

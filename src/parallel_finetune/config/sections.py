@@ -99,6 +99,10 @@ class DataSection:
     # same rows and loss as unpacked, fewer padding slots
     packing: bool = False
     eval_batch_size: Continues[int] = 64  # rows per evaluation forward, per data-parallel rank
+    # each batch's sequence length (padded or packed) rounded up to a multiple of it (1: its longest row). 8 suits
+    # tensor cores and gives tensor parallelism fewer distinct shapes, each of which costs every rank DTensor's
+    # sharding propagation once; pipeline parallelism pads to a multiple of 8 anyway (its buffers have fixed shapes)
+    pad_to_multiple_of: int = 1
 
 
 @dataclass

@@ -132,6 +132,7 @@ class ModelStage:
                 objective,
                 token_types=token_types,
                 packing=packing,
+                pad_multiple=self.data.pad_to_multiple_of,
             )
             return Pipeline(
                 ready.model,
@@ -142,7 +143,7 @@ class ModelStage:
                 autocast_context,
                 lambda: updates.loss_scale,
             )
-        return WholeModel(
+        runner = WholeModel(
             model,
             resolved.head,
             objective,
@@ -152,6 +153,8 @@ class ModelStage:
             layout.device,
             packing=family if packing else None,
         )
+        runner.pad_multiple = self.data.pad_to_multiple_of  # a pipeline's comes with its settings
+        return runner
 
     def _packed_attention(self, hf_config) -> None:
         """Packed batches' attention: varlen flash attention where its kernel's preconditions hold

@@ -40,7 +40,7 @@ def model_inputs(batch: Batch, family: Family | None = None, model: nn.Module | 
 
 
 class WholeModel:
-    pad_multiple = 1
+    pad_multiple = 1  # batches' lengths are padded to a multiple of it (the model stage sets data.pad_to_multiple_of)
 
     def __init__(
         self,

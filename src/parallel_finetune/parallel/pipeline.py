@@ -18,6 +18,7 @@ changes no result: padded positions are masked out of attention, pooling and the
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,13 +202,12 @@ class PipelineSettings:
     objective: Objective  # the head's (loss.objective_for) or a pair objective; a language model's takes hidden states
     token_types: bool = False
     packing: bool = False
+    pad_multiple: int = 1  # data.pad_to_multiple_of: the pipeline pads to a multiple of it and of PAD_MULTIPLE
 
 
 class Pipeline:
     """This rank's stages and the schedules that run them, one per (rows, sequence length, training): the pipeline
     `interfaces.Runner` (`runner.WholeModel` is the other)."""
-
-    pad_multiple = PAD_MULTIPLE  # a schedule per shape: fewer distinct lengths, fewer schedules
 
     def __init__(
         self,
@@ -220,6 +220,8 @@ class Pipeline:
         loss_scale: Callable[[], float],
     ):
         self.layout, self.schedule_name, self.microbatches = layout, settings.schedule, settings.microbatches
+        # a schedule per shape: fewer distinct lengths, fewer schedules
+        self.pad_multiple = math.lcm(PAD_MULTIPLE, settings.pad_multiple)
         self.autocast = autocast  # () -> the precision's autocast context
         self.objective = settings.objective
         self.loss_scale = loss_scale  # () -> the fp16 scale of this step
