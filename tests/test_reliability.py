@@ -92,6 +92,23 @@ def test_hashing_is_shared_between_ranks(checkpoint):
     assert sum(problem is not None for problem in found) == 1, found  # exactly one rank hashed the shard
 
 
+def test_the_first_nonfinite_tensor_is_named_in_the_state_dicts_order():
+    """What a save refuses: the first floating tensor, depth first, holding a NaN or an inf, whatever its dtype (the
+    largest magnitudes are taken per dtype in one pass); empty and integer tensors are skipped, large finite bf16
+    values are not mistaken for an overflow."""
+    state = {
+        "model": {"w": torch.randn(3, 4), "empty": torch.zeros(0), "steps": torch.arange(3)},
+        "optimizer": {"exp_avg": torch.full((2,), 3.0e38, dtype=torch.bfloat16), "exp_avg_sq": torch.ones(5)},
+    }
+    assert integrity.nonfinite(state) is None and integrity.nonfinite({}) is None
+    state["optimizer"]["exp_avg_sq"][4] = float("nan")
+    assert integrity.nonfinite(state) == "optimizer.exp_avg_sq"
+    state["optimizer"]["exp_avg"][0] = -float("inf")
+    assert integrity.nonfinite(state) == "optimizer.exp_avg"
+    state["model"]["w"][2, 3] = float("inf")
+    assert integrity.nonfinite(state) == "model.w"
+
+
 def test_a_checkpoint_of_the_same_step_is_replaced_not_refused(tmp_path):
     """Resuming from an older checkpoint of the same folder writes its later steps again: the rename used to fail
     with "Directory not empty" and leave the old trajectory's checkpoint in place."""

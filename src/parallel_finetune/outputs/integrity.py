@@ -228,14 +228,27 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1), contents: bool = True)
 
 def nonfinite(state: dict, prefix: str = "") -> str | None:
     """The name of the first floating tensor in a (nested) state dict that holds a NaN or inf (this rank's
-    shards only), or None."""
+    shards only), or None. Each tensor's largest magnitude, in one fused pass per device and dtype (a NaN or an
+    inf survives a maximum, and a maximum of finite values cannot overflow), then one read of the flags: not a
+    test and a device sync per tensor (a save checks every weight and moment, hundreds of them)."""
+    named = list(_floating_shards(state, prefix))
+    groups: dict[tuple, list[int]] = {}
+    for index, (_, tensor) in enumerate(named):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    finite = [True] * len(named)
+    for indices in groups.values():
+        largest = torch._foreach_norm([named[i][1] for i in indices], float("inf"))
+        for i, ok in zip(indices, torch.stack(largest).isfinite().tolist(), strict=True):
+            finite[i] = ok
+    return next((name for (name, _), ok in zip(named, finite, strict=True) if not ok), None)
+
+
+def _floating_shards(state: dict, prefix: str):
+    """(name, this rank's local tensor) of every non-empty floating tensor in a nested state dict, in its order."""
     for name, value in state.items():
         if isinstance(value, dict):
-            found = nonfinite(value, f"{prefix}{name}.")
-            if found:
-                return found
+            yield from _floating_shards(value, f"{prefix}{name}.")
             continue
         local = value.to_local() if hasattr(value, "to_local") else value
-        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            return prefix + name
-    return None
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
+            yield prefix + name, local
