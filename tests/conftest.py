@@ -400,8 +400,9 @@ def tiny_overrides(
         "export": "false",
         "peak_tflops": 0.1,
         # Lengths in steps of 8 (data.pad_to_multiple_of): SST-2's short rows give a tiny run 5-6 distinct lengths,
-        # and each costs every tensor-parallel rank DTensor's sharding propagation of every operator again (a third
-        # of a TP=2 rank's CPU; 3.3 -> 2.6 CPU-s a launch). test_parity's `tp2_longest` row keeps the default (1).
+        # and each costs every tensor-parallel rank DTensor's sharding propagation of every operator again (still a
+        # fifth of a TP=2 GPT-J rank's CPU at 8, measured without a profiler; 3.3 -> 2.6 CPU-s a launch).
+        # test_parity's `tp2_longest` row keeps the default (1).
         "pad_to_multiple_of": 8,
     }
     if task != "classification":  # a language model's loss in chunks of 48 tokens: several per slice, a ragged last
