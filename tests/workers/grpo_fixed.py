@@ -1,7 +1,8 @@
 """Trains like scripts/train.py, task=grpo in the fixed-rollouts mode: every completion given, not sampled, so the
-update is deterministic and any layout's step equals one process's. Completion (step, prompt row, generation) is
-drawn from a generator seeded by those three numbers alone (so every rank and layout gives it the same tokens):
-1 to max_completion_length tokens, ending with a stop token unless it is cut at max_completion_length."""
+update is deterministic and any layout's step equals one process's; the held-out prompts' completions given too, so
+its evaluation does as well. Completion (step, prompt row, generation) is drawn from a generator seeded by those
+three numbers alone (so every rank and layout gives it the same tokens): 1 to max_completion_length tokens, ending
+with a stop token unless it is cut at max_completion_length."""
 
 import functools
 import random
@@ -29,9 +30,16 @@ def fixed_completions(stage, step: int, global_batch: list[int], positions: list
 _post_init = steps.RolloutStage.__post_init__
 
 
+def held_out_completions(stage, positions: list[int]) -> list[list[int]]:
+    """The held-out prompts' completions, drawn as a step's are but keyed by step 0 (no training step has it) and
+    the prompt's position in the validation split."""
+    return fixed_completions(stage, 0, positions, list(range(len(positions))))
+
+
 def _fixed_post_init(self):
     _post_init(self)
     self.fixed = functools.partial(fixed_completions, self)
+    self.fixed_held_out = functools.partial(held_out_completions, self)
 
 
 if __name__ == "__main__":

@@ -356,12 +356,15 @@ class Family:
         are computed as usual, they are small. `context`: another way to create the parameters (DeepSpeed's
         zero.Init partitions each one as its module is built)."""
         from accelerate import init_empty_weights
+        from transformers.initialization import no_init_weights
 
         # A checkpoint's config.json names the dtype its files are stored in, and transformers' generic task
         # classes (Llama's and every plan family's sequence classification) build their decoder in it: parameters
         # here are fp32 whatever the files hold (the precision decides what is computed in 16-bit).
         hf_config.dtype = torch.float32
-        with context if context is not None else init_empty_weights(include_buffers=False):
+        # no_init_weights: transformers would otherwise initialise every `meta` parameter through torch's Python
+        # reference kernels (~20 ms of a tiny model's build, more for a large one), for values never read
+        with context if context is not None else init_empty_weights(include_buffers=False), no_init_weights():
             model = self.model_classes[head](hf_config)
             self.surgery(model)
         model.tie_weights()  # each parameter was replaced by a `meta` one: ties (GPT-2, GPT-Neo) are made again

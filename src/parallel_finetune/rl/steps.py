@@ -96,6 +96,9 @@ class RolloutStage:
     padding: Padding
     autocast: Callable = contextlib.nullcontext  # the run's mixed precision for the sampling forwards
     fixed: FixedRollouts | None = None  # completions given instead of sampled
+    # the held-out prompts' completions given too (their positions in the validation split -> num_generations
+    # completions each, prompt-major), so that a fixed-rollouts run's evaluation compares across layouts
+    fixed_held_out: Callable[[list[int]], list[list[int]]] | None = None
     prompts_per_rank: int = 0  # a step's prompts on one data-parallel rank: an evaluation samples as many at once
 
     objective: object = None  # the run's GRPOLoss: its head, chunking and softcap score the kept log-probabilities
@@ -167,8 +170,8 @@ class RolloutStage:
     def held_out(self, split) -> dict:
         """The held-out prompts' rewards (`split`: a prepared grpo split): num_generations completions of each,
         sampled as a step's are but always with the same draws (step 0, which no training step has), so that
-        evaluations compare; each data-parallel rank samples its share, the completions are gathered, and every
-        rank scores them all, as a step's."""
+        evaluations compare (or, with `fixed_held_out`, given); each data-parallel rank samples its share, the
+        completions are gathered, and every rank scores them all, as a step's."""
         rows = PromptRows.of(split)
         dp, rank = self.layout.dp, self.layout.dp_rank
         if len(rows.ids) < dp:
@@ -180,10 +183,13 @@ class RolloutStage:
         completions = []
         for piece in self.held_out_pieces(positions, -(-len(rows.ids) // dp)):
             sampled = piece or positions[-1:]  # this rank's share ran out: it decodes beside the others, unused
-            rollout = sample(
-                self.model, [rows.ids[p] for p in sampled], sampled, self.settings, 0, autocast=self.autocast
-            )
-            completions += rollout.completions() if piece else []
+            if self.fixed_held_out is not None:
+                drawn = self.fixed_held_out(sampled)
+            else:
+                drawn = sample(
+                    self.model, [rows.ids[p] for p in sampled], sampled, self.settings, 0, autocast=self.autocast
+                ).completions()
+            completions += drawn if piece else []
         if dp > 1:  # in rank order: every prompt's completions, prompt-major
             parts = [None] * dp
             dist.all_gather_object(parts, completions, group=self.layout.dp_group)
