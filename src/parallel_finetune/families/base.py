@@ -363,7 +363,7 @@ class Family:
         # here are fp32 whatever the files hold (the precision decides what is computed in 16-bit).
         hf_config.dtype = torch.float32
         # no_init_weights: transformers would otherwise initialise every `meta` parameter through torch's Python
-        # reference kernels (~20 ms of a tiny model's build, more for a large one), for values never read
+        # reference kernels (~20 ms of a tiny model's build, growing with its count of tensors), for values never read
         with context if context is not None else init_empty_weights(include_buffers=False), no_init_weights():
             model = self.model_classes[head](hf_config)
             self.surgery(model)
